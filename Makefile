@@ -1,0 +1,53 @@
+# Quick start: `make demo` and `make test`. Both set everything up from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-installed
+CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=ON
+
+.PHONY: demo test build system-deps test-cpp test-asan test-py lint check-core-free-of-torch bench
+
+demo: build
+	$(PY) -m opmesh demo
+
+test: build test-cpp test-asan check-core-free-of-torch lint test-py
+
+system-deps:
+	@bash scripts/install-system-deps.sh
+
+$(DEPS_STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+# Builds the extension into the virtual environment (editable: Python files are used in place).
+build: system-deps $(DEPS_STAMP)
+	$(VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+test-cpp: system-deps
+	$(CMAKE_CORE) -S . -B build/core-tests >/dev/null
+	cmake --build build/core-tests
+	cd build/core-tests && ctest --output-on-failure
+
+test-asan: system-deps
+	$(CMAKE_CORE) -DOPMESH_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -S . -B build/core-asan >/dev/null
+	cmake --build build/core-asan
+	cd build/core-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure
+
+# The core must stay framework-neutral (docs/architecture.md).
+check-core-free-of-torch:
+	@if grep -rEn '#\s*include\s*[<"](torch|ATen|c10|pybind11|Python)' csrc/core; then \
+	  echo "csrc/core must not include torch, ATen, c10 or Python headers"; exit 1; \
+	else echo "csrc/core is free of framework includes"; fi
+
+lint: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check opmesh tests benchmarks
+	$(VENV)/bin/ruff format --check opmesh tests benchmarks
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'tests/cpp/*.cpp')
+
+test-py: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) benchmarks/bench_indexer.py

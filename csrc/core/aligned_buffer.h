@@ -1,0 +1,29 @@
+// A fixed-size, 64-byte aligned scratch array (one cache line, one zmm register).
+#pragma once
+
+#include <cstddef>
+#include <cstdlib>
+#include <memory>
+#include <new>
+
+namespace opmesh::core {
+
+template <class T>
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t count) {
+    const size_t bytes = ((count * sizeof(T) + 63) / 64) * 64;
+    void* p = bytes == 0 ? nullptr : std::aligned_alloc(64, bytes);
+    if (bytes != 0 && p == nullptr) throw std::bad_alloc();
+    data_.reset(static_cast<T*>(p));
+  }
+  T* data() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+};
+
+}  // namespace opmesh::core

@@ -1,0 +1,59 @@
+// dense_lightning_indexer_softmax_lse: softmax statistics of the lightning-indexer score
+//   I[g,i,j] = sum_{h in group g} w[i,h] * relu(dot(q[i,h,:], k[j,g,:]))
+// over the keys j visible to query i, without materialising I.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_features.h"
+#include "dtype.h"
+#include "executor.h"
+
+namespace opmesh::core {
+
+enum class Layout : int { kBSND = 0, kTND = 1 };
+// 0: every key visible; 3: causal aligned to the bottom-right corner of each sequence,
+// key j visible to query i iff j <= i + s2 - s1.
+enum class SparseMode : int { kNone = 0, kCausal = 3 };
+
+struct IndexerParams {
+  Layout layout = Layout::kBSND;
+  SparseMode sparse_mode = SparseMode::kCausal;
+
+  int64_t batch = 0;      // B; for TND the number of sequences (length of the seqlen arrays)
+  int64_t seq_q = 0;      // BSND: S1; TND: T1 (total query tokens)
+  int64_t seq_k = 0;      // BSND: S2; TND: T2
+  int64_t heads_q = 0;    // N1
+  int64_t heads_k = 0;    // N2, N1 % N2 == 0; query head h belongs to key head h / (N1 / N2)
+  int64_t head_dim = 0;   // D
+
+  DType qk_dtype = DType::kFloat32;       // dtype of query and key
+  DType weights_dtype = DType::kFloat32;  // qk_dtype or float32
+  const void* query = nullptr;    // BSND [B,S1,N1,D]  TND [T1,N1,D]
+  const void* key = nullptr;      // BSND [B,S2,N2,D]  TND [T2,N2,D]
+  const void* weights = nullptr;  // BSND [B,S1,N1]    TND [T1,N1]
+  // Strides in elements. BSND: {b, s, n, d}; TND: {unused, t, n, d}. Any value is allowed
+  // (sliced, transposed views), including 0 for broadcast dims.
+  int64_t query_stride[4] = {0, 0, 0, 0};
+  int64_t key_stride[4] = {0, 0, 0, 0};
+  int64_t weights_stride[3] = {0, 0, 0};  // BSND {b, s, n}; TND {unused, t, n}
+
+  // BSND: per-sequence lengths [B] (each in [0, S]), nullptr meaning every length is S.
+  // TND: cumulative ends [B] (no leading 0, non-decreasing, last == T), required.
+  const int64_t* seq_q_lens = nullptr;
+  const int64_t* seq_k_lens = nullptr;
+
+  // Outputs, contiguous float32: BSND [B,N2,S1], TND [N2,T1].
+  float* softmax_max = nullptr;
+  float* softmax_sum = nullptr;
+};
+
+// Throws ArgumentError naming the first argument that is wrong.
+void validate(const IndexerParams& params);
+
+// Validates, then computes both outputs. Rows with no visible key (and BSND rows past their
+// sequence's length) get max = -inf, sum = 0.
+void dense_lightning_indexer_softmax_lse(const IndexerParams& params, const Executor& executor,
+                                         Isa isa);
+
+}  // namespace opmesh::core
