@@ -23,6 +23,13 @@ inline core::SparseMode indexer_sparse_mode(int64_t mode) {
   return static_cast<core::SparseMode>(mode);
 }
 
+inline void check_indexer_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w) {
+  TORCH_CHECK_VALUE(k.device() == q.device(), "key_index: expected a tensor on ", q.device(),
+                    " like query_index, got ", k.device());
+  TORCH_CHECK_VALUE(w.device() == q.device(), "weights: expected a tensor on ", q.device(),
+                    " like query_index, got ", w.device());
+}
+
 inline void check_indexer_ranks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
                                 core::Layout layout) {
   const bool tnd = layout == core::Layout::kTND;

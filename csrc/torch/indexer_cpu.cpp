@@ -56,10 +56,7 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
   const at::Tensor& w = weights;
   // Device.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "query_index: expected a CPU tensor, got ", q.device());
-  TORCH_CHECK_VALUE(k.device() == q.device(), "key_index: expected a tensor on ", q.device(),
-                    " like query_index, got ", k.device());
-  TORCH_CHECK_VALUE(w.device() == q.device(), "weights: expected a tensor on ", q.device(),
-                    " like query_index, got ", w.device());
+  check_indexer_devices(q, k, w);
   // Dtype.
   const core::DType qk_dtype = to_core_dtype(q.scalar_type(), "query_index");
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "key_index: expected dtype ",

@@ -14,6 +14,7 @@ std::tuple<at::Tensor, at::Tensor> indexer_meta(const at::Tensor& query_index,
                                                 const std::optional<at::Tensor>& actual_seq_qlen,
                                                 const std::optional<at::Tensor>& actual_seq_klen,
                                                 c10::string_view layout, int64_t sparse_mode) {
+  check_indexer_devices(query_index, key_index, weights);
   const core::Layout parsed = indexer_layout(layout);
   indexer_sparse_mode(sparse_mode);
   check_indexer_ranks(query_index, key_index, weights, parsed);
