@@ -35,7 +35,8 @@ def dense_lightning_indexer_softmax_lse(
 
     For key head ``g``, query row ``i`` and key ``j``::
 
-        I[g, i, j] = sum_{h in group g} weights[i, h] * relu(query_index[i, h, :] . key_index[j, g, :])
+        I[g, i, j] = sum_{h in group g} weights[i, h]
+                     * relu(query_index[i, h, :] . key_index[j, g, :])
         softmax_max[g, i] = max_{j visible} I[g, i, j]
         softmax_sum[g, i] = sum_{j visible} exp(I[g, i, j] - softmax_max[g, i])
 

@@ -24,8 +24,8 @@ Isa parse_isa(const std::string& name, const char* what) {
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
     if (name == isa_name(isa)) return isa;
   }
-  throw ArgumentError(what, "expected one of scalar, avx2, avx512, avx512_bf16, got '" + name +
-                                "'");
+  throw ArgumentError(what,
+                      "expected one of scalar, avx2, avx512, avx512_bf16, got '" + name + "'");
 }
 
 Isa detected_isa() {

@@ -152,10 +152,14 @@ class IndexerRun {
           pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), scratch);
           std::fill(scratch.scores.data() + row_begin * kKeyTile,
                     scratch.scores.data() + rows * kKeyTile, 0.0f);
-          const indexer::ScoreTileArgs args{scratch.query.data(), kQueryTile,
-                                            scratch.key.data(),   scratch.weights.data(),
-                                            scratch.scores.data(), row_begin,
-                                            rows,                 static_cast<int>(groups_),
+          const indexer::ScoreTileArgs args{scratch.query.data(),
+                                            kQueryTile,
+                                            scratch.key.data(),
+                                            scratch.weights.data(),
+                                            scratch.scores.data(),
+                                            row_begin,
+                                            rows,
+                                            static_cast<int>(groups_),
                                             depth_};
           kernel_(args);
           for (int r = row_begin; r < rows; ++r) {

@@ -20,18 +20,18 @@ struct IndexerParams {
   Layout layout = Layout::kBSND;
   SparseMode sparse_mode = SparseMode::kCausal;
 
-  int64_t batch = 0;      // B; for TND the number of sequences (length of the seqlen arrays)
-  int64_t seq_q = 0;      // BSND: S1; TND: T1 (total query tokens)
-  int64_t seq_k = 0;      // BSND: S2; TND: T2
-  int64_t heads_q = 0;    // N1
-  int64_t heads_k = 0;    // N2, N1 % N2 == 0; query head h belongs to key head h / (N1 / N2)
-  int64_t head_dim = 0;   // D
+  int64_t batch = 0;     // B; for TND the number of sequences (length of the seqlen arrays)
+  int64_t seq_q = 0;     // BSND: S1; TND: T1 (total query tokens)
+  int64_t seq_k = 0;     // BSND: S2; TND: T2
+  int64_t heads_q = 0;   // N1
+  int64_t heads_k = 0;   // N2, N1 % N2 == 0; query head h belongs to key head h / (N1 / N2)
+  int64_t head_dim = 0;  // D
 
   DType qk_dtype = DType::kFloat32;       // dtype of query and key
   DType weights_dtype = DType::kFloat32;  // qk_dtype or float32
-  const void* query = nullptr;    // BSND [B,S1,N1,D]  TND [T1,N1,D]
-  const void* key = nullptr;      // BSND [B,S2,N2,D]  TND [T2,N2,D]
-  const void* weights = nullptr;  // BSND [B,S1,N1]    TND [T1,N1]
+  const void* query = nullptr;            // BSND [B,S1,N1,D]  TND [T1,N1,D]
+  const void* key = nullptr;              // BSND [B,S2,N2,D]  TND [T2,N2,D]
+  const void* weights = nullptr;          // BSND [B,S1,N1]    TND [T1,N1]
   // Strides in elements. BSND: {b, s, n, d}; TND: {unused, t, n, d}. Any value is allowed
   // (sliced, transposed views), including 0 for broadcast dims.
   int64_t query_stride[4] = {0, 0, 0, 0};

@@ -12,17 +12,17 @@ namespace opmesh::core::indexer {
 // Packed operands hold 4-byte words: a float per element (float path) or a pair of bf16
 // elements of consecutive d (bf16 path, the layout the AVX-512 BF16 dot product consumes).
 struct ScoreTileArgs {
-  const void* query;       // [groups][row_capacity][depth] words; row r of head h at
-                           //   query + (h * row_capacity + r) * depth
-  int64_t row_capacity;    // rows allocated per head in `query`
-  const void* key;         // [depth][kKeyTile] words, keys past the sequence end zero-filled
-  const float* weights;    // [rows][groups]
-  float* scores;           // [rows][kKeyTile], accumulated into:
-                           //   scores[r][j] += sum_h weights[r][h] * relu(dot(q[h][r], k[:, j]))
-  int row_begin;           // rows [row_begin, row_end) are computed; others are left alone
+  const void* query;     // [groups][row_capacity][depth] words; row r of head h at
+                         //   query + (h * row_capacity + r) * depth
+  int64_t row_capacity;  // rows allocated per head in `query`
+  const void* key;       // [depth][kKeyTile] words, keys past the sequence end zero-filled
+  const float* weights;  // [rows][groups]
+  float* scores;         // [rows][kKeyTile], accumulated into:
+                         //   scores[r][j] += sum_h weights[r][h] * relu(dot(q[h][r], k[:, j]))
+  int row_begin;         // rows [row_begin, row_end) are computed; others are left alone
   int row_end;
-  int groups;              // query heads per key head
-  int64_t depth;           // words per row: D (float) or ceil(D / 2) (bf16 pairs)
+  int groups;     // query heads per key head
+  int64_t depth;  // words per row: D (float) or ceil(D / 2) (bf16 pairs)
 };
 
 using ScoreTileFn = void (*)(const ScoreTileArgs&);

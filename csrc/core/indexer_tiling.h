@@ -17,8 +17,8 @@ struct Sequence {
   int64_t batch = 0;    // index into the B dim (BSND) or the seqlen arrays (TND)
   int64_t q_begin = 0;  // first query token: S index (BSND, always 0) or T index (TND)
   int64_t k_begin = 0;
-  int64_t q_len = 0;    // s1
-  int64_t k_len = 0;    // s2
+  int64_t q_len = 0;  // s1
+  int64_t k_len = 0;  // s2
 };
 
 // Exclusive end of the keys visible to query row i (0-based within its sequence); 0 = none.

@@ -142,8 +142,6 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opmesh, CPU, m) {
-  m.impl("dense_lightning_indexer_softmax_lse", &indexer_cpu);
-}
+TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("dense_lightning_indexer_softmax_lse", &indexer_cpu); }
 
 }  // namespace opmesh::binding

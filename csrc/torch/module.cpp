@@ -26,12 +26,11 @@ PyObject* active_simd_level(PyObject*, PyObject*) {
   }
 }
 
-PyMethodDef methods[] = {
-    {"supported_simd_levels", supported_simd_levels, METH_NOARGS,
-     "SIMD levels this CPU and build support, lowest first."},
-    {"active_simd_level", active_simd_level, METH_NOARGS,
-     "The level the CPU kernels use now (capped by OPMESH_SIMD_MAX)."},
-    {nullptr, nullptr, 0, nullptr}};
+PyMethodDef methods[] = {{"supported_simd_levels", supported_simd_levels, METH_NOARGS,
+                          "SIMD levels this CPU and build support, lowest first."},
+                         {"active_simd_level", active_simd_level, METH_NOARGS,
+                          "The level the CPU kernels use now (capped by OPMESH_SIMD_MAX)."},
+                         {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "opmesh operators (loaded for registration).",
                       -1, methods};

@@ -154,7 +154,8 @@ void reference(const Case& c, const Inputs& in, std::vector<double>& rmax,
         const double m = *std::max_element(scores.begin(), scores.end());
         double s = 0;
         for (double v : scores) s += std::exp(v - m);
-        const int64_t out = c.layout == Layout::kTND ? g * c.s1 + q0 + i : (b * c.n2 + g) * c.s1 + i;
+        const int64_t out =
+            c.layout == Layout::kTND ? g * c.s1 + q0 + i : (b * c.n2 + g) * c.s1 + i;
         rmax[out] = m;
         rsum[out] = s;
       }
@@ -173,7 +174,8 @@ void check_case(const Case& c) {
       const ThreadExecutor executor(workers);
       dense_lightning_indexer_softmax_lse(p, executor, isa);
       for (size_t r = 0; r < rmax.size(); ++r) {
-        SCOPED_TRACE(::testing::Message() << isa_name(isa) << " workers " << workers << " row " << r);
+        SCOPED_TRACE(::testing::Message()
+                     << isa_name(isa) << " workers " << workers << " row " << r);
         if (std::isinf(rmax[r])) {
           EXPECT_EQ(out.max[r], -std::numeric_limits<float>::infinity());
           EXPECT_EQ(out.sum[r], 0.0f);
@@ -201,8 +203,17 @@ TEST(IndexerCore, BsndNoMaskBf16OddDim) {
 
 TEST(IndexerCore, TndVarlenWithEmptySequence) {
   for (bool bf16 : {false, true}) {
-    check_case({Layout::kTND, SparseMode::kCausal, 4, 60, 100, 8, 2, 16, {20, 20, 59, 60},
-                {30, 30, 99, 100}, bf16});
+    check_case({Layout::kTND,
+                SparseMode::kCausal,
+                4,
+                60,
+                100,
+                8,
+                2,
+                16,
+                {20, 20, 59, 60},
+                {30, 30, 99, 100},
+                bf16});
   }
 }
 

@@ -26,8 +26,8 @@ TEST(Tiling, VisibleKeyEndCausalBottomRight) {
 }
 
 TEST(Tiling, TasksCoverEveryRowOnceAndComeMostExpensiveFirst) {
-  const std::vector<Sequence> seqs = {{0, 0, 0, 100, 100}, {1, 100, 100, 0, 5},
-                                      {2, 100, 105, 33, 1000}, {3, 133, 1105, 1, 0}};
+  const std::vector<Sequence> seqs = {
+      {0, 0, 0, 100, 100}, {1, 100, 100, 0, 5}, {2, 100, 105, 33, 1000}, {3, 133, 1105, 1, 0}};
   for (SparseMode mode : {SparseMode::kNone, SparseMode::kCausal}) {
     const std::vector<Task> tasks = make_tasks(seqs, mode, kQueryTile);
     std::vector<std::vector<int>> covered(seqs.size());

@@ -22,8 +22,9 @@ def sequence_bounds(batch, total_q, total_k, qlen, klen, layout):
     return out
 
 
-def indexer_softmax_lse(q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, layout="BSND",
-                        sparse_mode=3):
+def indexer_softmax_lse(
+    q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, layout="BSND", sparse_mode=3
+):
     """Reference for ``dense_lightning_indexer_softmax_lse``.
 
     ``I[g, i, j] = sum_{h in group g} w[i, h] * relu(q[i, h] . k[j, g])`` over visible ``j``;
@@ -42,13 +43,14 @@ def indexer_softmax_lse(q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, 
         batch = q.shape[0]
         out_max = torch.full((batch, n2, q.shape[1]), float("-inf"), dtype=torch.float64)
     out_sum = torch.zeros_like(out_max)
-    bounds = sequence_bounds(batch, q.shape[1], k.shape[1], actual_seq_qlen, actual_seq_klen,
-                             layout)
+    bounds = sequence_bounds(
+        batch, q.shape[1], k.shape[1], actual_seq_qlen, actual_seq_klen, layout
+    )
     for b, (q0, s1, k0, s2) in enumerate(bounds):
         bi = 0 if layout == "TND" else b
-        qs = q[bi, q0:q0 + s1]  # [s1, N1, D]
-        ks = k[bi, k0:k0 + s2]  # [s2, N2, D]
-        ws = w[bi, q0:q0 + s1]  # [s1, N1]
+        qs = q[bi, q0 : q0 + s1]  # [s1, N1, D]
+        ks = k[bi, k0 : k0 + s2]  # [s2, N2, D]
+        ws = w[bi, q0 : q0 + s1]  # [s1, N1]
         for g in range(n2):
             heads = slice(g * group, (g + 1) * group)
             dots = torch.einsum("ihd,jd->ihj", qs[:, heads], ks[:, g])
@@ -61,8 +63,8 @@ def indexer_softmax_lse(q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, 
             safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             s = torch.exp(scores - safe[:, None]).sum(dim=1) if s2 > 0 else torch.zeros(s1)
             if layout == "TND":
-                out_max[g, q0:q0 + s1] = m
-                out_sum[g, q0:q0 + s1] = s
+                out_max[g, q0 : q0 + s1] = m
+                out_sum[g, q0 : q0 + s1] = s
             else:
                 out_max[b, g, :s1] = m
                 out_sum[b, g, :s1] = s

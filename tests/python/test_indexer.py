@@ -61,8 +61,11 @@ def test_padded_rows_past_actual_length():
 def test_lengths_as_python_lists_match_tensors():
     case = CASES[7]
     q, k, w, kwargs = make_inputs(case, torch.float32)
-    as_lists = dict(kwargs, actual_seq_qlen=kwargs["actual_seq_qlen"].tolist(),
-                    actual_seq_klen=kwargs["actual_seq_klen"].tolist())
+    as_lists = dict(
+        kwargs,
+        actual_seq_qlen=kwargs["actual_seq_qlen"].tolist(),
+        actual_seq_klen=kwargs["actual_seq_klen"].tolist(),
+    )
     a = opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **kwargs)
     b = opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **as_lists)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -50,8 +50,9 @@ CASES = {
     "tnd_decreasing": (
         ValueError,
         "actual_seq_qlen",
-        lambda: call(tq, tk, tw, **dict(TND_LENS, actual_seq_qlen=[4, 3, 6],
-                                        actual_seq_klen=[1, 2, 9])),
+        lambda: call(
+            tq, tk, tw, **dict(TND_LENS, actual_seq_qlen=[4, 3, 6], actual_seq_klen=[1, 2, 9])
+        ),
     ),
     "tnd_last_not_total": (
         ValueError,

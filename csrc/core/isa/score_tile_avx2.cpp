@@ -31,8 +31,8 @@ inline void block(const float* q, int64_t depth, const float* k, const float* w,
     const __m256 wb = _mm256_broadcast_ss(w + r * w_stride);
     for (int c = 0; c < kCols; ++c) {
       float* out = scores + r * kTile + c * 8;
-      _mm256_storeu_ps(out, _mm256_fmadd_ps(wb, _mm256_max_ps(acc[r][c], zero),
-                                            _mm256_loadu_ps(out)));
+      _mm256_storeu_ps(out,
+                       _mm256_fmadd_ps(wb, _mm256_max_ps(acc[r][c], zero), _mm256_loadu_ps(out)));
     }
   }
 }
@@ -48,8 +48,9 @@ void score_tile_avx2_f32(const ScoreTileArgs& args) {
     for (int pass = 0; pass < kTile / (8 * kCols); ++pass) {
       const int col = pass * 8 * kCols;
       for_each_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
-        block<decltype(rows)::value>(qh + r * depth, depth, key + col, args.weights + r * args.groups + h,
-                                     args.groups, args.scores + r * kTile + col);
+        block<decltype(rows)::value>(qh + r * depth, depth, key + col,
+                                     args.weights + r * args.groups + h, args.groups,
+                                     args.scores + r * kTile + col);
       });
     }
   }

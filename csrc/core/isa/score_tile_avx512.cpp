@@ -36,8 +36,8 @@ inline void block(const float* q, int64_t depth, const float* k, const float* w,
     const __m512 wb = _mm512_set1_ps(w[r * w_stride]);
     for (int c = 0; c < kCols; ++c) {
       float* out = scores + r * kTile + c * 16;
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(wb, _mm512_max_ps(acc[r][c], zero),
-                                            _mm512_loadu_ps(out)));
+      _mm512_storeu_ps(out,
+                       _mm512_fmadd_ps(wb, _mm512_max_ps(acc[r][c], zero), _mm512_loadu_ps(out)));
     }
   }
 }

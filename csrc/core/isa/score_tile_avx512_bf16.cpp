@@ -17,8 +17,8 @@ constexpr int kCols = 4;
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
 template <int kRows>
-inline void block(const uint32_t* q, int64_t depth, const uint32_t* k, const float* w,
-                  int w_stride, float* scores) {
+inline void block(const uint32_t* q, int64_t depth, const uint32_t* k, const float* w, int w_stride,
+                  float* scores) {
   __m512 acc[kRows][kCols];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -41,8 +41,8 @@ inline void block(const uint32_t* q, int64_t depth, const uint32_t* k, const flo
     const __m512 wb = _mm512_set1_ps(w[r * w_stride]);
     for (int c = 0; c < kCols; ++c) {
       float* out = scores + r * kTile + c * 16;
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(wb, _mm512_max_ps(acc[r][c], zero),
-                                            _mm512_loadu_ps(out)));
+      _mm512_storeu_ps(out,
+                       _mm512_fmadd_ps(wb, _mm512_max_ps(acc[r][c], zero), _mm512_loadu_ps(out)));
     }
   }
 }

@@ -1,0 +1,100 @@
+"""Shared helpers for the benchmarks: timing, peak-memory measurement, result tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_call(fn, *, min_repeats=3, budget_s=3.0):
+    """Median wall time of fn() in seconds, after one untimed warm-up call."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_repeats or time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 50:
+            break
+    return statistics.median(times)
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_extra_bytes(fn):
+    """Resident memory the call adds at its peak, in bytes: resets the process's high-water mark
+    (Linux clear_refs), runs fn once, and subtracts the resident size before the call. Covers
+    every allocator (ATen's and the C++ kernels' own scratch)."""
+    result = fn()  # warm caches and pools first so they do not count
+    del result
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    result = fn()
+    peak = _status_kib("VmHWM")
+    del result
+    return max(0, peak - before) * 1024
+
+
+def machine_info():
+    import opmesh
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "opmesh_simd": opmesh.active_simd_level(),
+    }
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def write_results(name, rows, columns, notes=()):
+    """Writes rows (list of dicts) as markdown and JSON under benchmarks/results/."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    lines = [
+        f"# {name}",
+        "",
+        f"Machine: {info['cpu_model']}, {info['threads']} threads, "
+        f"torch {info['torch']}, opmesh SIMD {info['opmesh_simd']}",
+        "",
+    ]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    lines += ["", *notes]
+    text = "\n".join(lines) + "\n"
+    (RESULTS / f"{name}.md").write_text(text)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    return text
+
+
+def env_flag(name):
+    return os.environ.get(name, "") not in ("", "0")
