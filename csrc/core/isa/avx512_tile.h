@@ -1,0 +1,74 @@
+// The AVX-512 micro-kernel, shared by the float32 and the bf16-pair variants. A Policy supplies
+// the word type and the multiply-accumulate:
+//   using Word;                                    // 4-byte packed element(s)
+//   using Vec;                                     // 16 words in a register
+//   static Vec load(const Word* p);                // 16 consecutive words
+//   static Vec broadcast(Word w);                  // one word in every lane
+//   static __m512 madd(__m512 acc, Vec q, Vec k);  // acc += q * k, per lane, in float32
+// Blocks of 6 rows x 64 keys: 24 zmm accumulators, 4 key vectors and one broadcast fit the 32
+// registers. Included only by translation units compiled with AVX-512 flags.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "../indexer_kernels.h"
+#include "row_blocks.h"
+
+namespace opmesh::core::indexer {
+
+template <class Policy>
+struct Avx512Tile {
+  using Word = typename Policy::Word;
+  using Vec = typename Policy::Vec;
+  static constexpr int kTile = 64;
+  static constexpr int kCols = 4;
+
+  template <int kRows>
+  static void block(const Word* q, int64_t depth, const Word* k, const float* w, int w_stride,
+                    float* scores) {
+    __m512 acc[kRows][kCols];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < depth; ++d) {
+      const Word* kd = k + d * kTile;
+      const Vec k0 = Policy::load(kd);
+      const Vec k1 = Policy::load(kd + 16);
+      const Vec k2 = Policy::load(kd + 32);
+      const Vec k3 = Policy::load(kd + 48);
+      for (int r = 0; r < kRows; ++r) {
+        const Vec qb = Policy::broadcast(q[r * depth + d]);
+        acc[r][0] = Policy::madd(acc[r][0], qb, k0);
+        acc[r][1] = Policy::madd(acc[r][1], qb, k1);
+        acc[r][2] = Policy::madd(acc[r][2], qb, k2);
+        acc[r][3] = Policy::madd(acc[r][3], qb, k3);
+      }
+    }
+    // relu and the weighted head sum while the dot products are still in registers.
+    const __m512 zero = _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 wb = _mm512_set1_ps(w[r * w_stride]);
+      for (int c = 0; c < kCols; ++c) {
+        float* out = scores + r * kTile + c * 16;
+        _mm512_storeu_ps(out,
+                         _mm512_fmadd_ps(wb, _mm512_max_ps(acc[r][c], zero), _mm512_loadu_ps(out)));
+      }
+    }
+  }
+
+  static void run(const ScoreTileArgs& args) {
+    const Word* query = static_cast<const Word*>(args.query);
+    const Word* key = static_cast<const Word*>(args.key);
+    const int64_t depth = args.depth;
+    for (int h = 0; h < args.groups; ++h) {
+      const Word* qh = query + h * args.row_capacity * depth;
+      for_each_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
+        block<decltype(rows)::value>(qh + r * depth, depth, key, args.weights + r * args.groups + h,
+                                     args.groups, args.scores + r * kTile);
+      });
+    }
+  }
+};
+
+}  // namespace opmesh::core::indexer
