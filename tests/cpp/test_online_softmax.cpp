@@ -73,5 +73,24 @@ TEST(OnlineSoftmax, MergeWithEmptyIsIdentity) {
   EXPECT_EQ(e.sum, 0.0f);
 }
 
+TEST(OnlineSoftmax, NanReachesBothStatistics) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (size_t where = 0; where < 3; ++where) {
+    std::vector<float> x = {1.0f, 5.0f, -2.0f};
+    x[where] = nan;
+    SoftmaxStats s;
+    absorb(s, x.data(), 3);
+    EXPECT_TRUE(std::isnan(s.max)) << where;
+    EXPECT_TRUE(std::isnan(s.sum)) << where;
+    // A later finite block must not hide it, nor an earlier one.
+    const float later[] = {100.0f};
+    absorb(s, later, 1);
+    EXPECT_TRUE(std::isnan(s.max)) << where;
+    SoftmaxStats clean;
+    absorb(clean, later, 1);
+    EXPECT_TRUE(std::isnan(merge(clean, s).max)) << where;
+  }
+}
+
 }  // namespace
 }  // namespace opmesh::core

@@ -50,6 +50,16 @@ def test_rows_that_see_nothing_are_minus_inf_zero():
     assert torch.isfinite(got_max[..., 94:]).all() and (got_sum[..., 94:] >= 1).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nan_input_reaches_both_outputs(dtype, simd_level):
+    """A NaN key poisons exactly the rows that can see it, on every path (no silent answer)."""
+    q, k, w, kwargs = make_inputs(CASES[1], dtype)  # S1 = S2 = 111, causal
+    k[0, 70, 0, 3] = float("nan")
+    got_max, got_sum = opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **kwargs)
+    assert torch.isnan(got_max[..., 70:]).all() and torch.isnan(got_sum[..., 70:]).all()
+    assert torch.isfinite(got_max[..., :70]).all() and torch.isfinite(got_sum[..., :70]).all()
+
+
 def test_padded_rows_past_actual_length():
     case = CASES[5]  # BSND q lengths (40, 0, 17)
     q, k, w, kwargs = make_inputs(case, torch.float32)

@@ -45,14 +45,15 @@ struct Avx512Tile {
         acc[r][3] = Policy::madd(acc[r][3], qb, k3);
       }
     }
-    // relu and the weighted head sum while the dot products are still in registers.
+    // relu and the weighted head sum while the dot products are still in registers. MAXPS
+    // returns its second operand when either is NaN: (zero, acc) lets a NaN through.
     const __m512 zero = _mm512_setzero_ps();
     for (int r = 0; r < kRows; ++r) {
       const __m512 wb = _mm512_set1_ps(w[r * w_stride]);
       for (int c = 0; c < kCols; ++c) {
         float* out = scores + r * kTile + c * 16;
         _mm512_storeu_ps(out,
-                         _mm512_fmadd_ps(wb, _mm512_max_ps(acc[r][c], zero), _mm512_loadu_ps(out)));
+                         _mm512_fmadd_ps(wb, _mm512_max_ps(zero, acc[r][c]), _mm512_loadu_ps(out)));
       }
     }
   }

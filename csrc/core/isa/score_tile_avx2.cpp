@@ -26,13 +26,13 @@ inline void block(const float* q, int64_t depth, const float* k, const float* w,
       acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
     }
   }
-  const __m256 zero = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();  // max(zero, acc): a NaN dot product stays NaN
   for (int r = 0; r < kRows; ++r) {
     const __m256 wb = _mm256_broadcast_ss(w + r * w_stride);
     for (int c = 0; c < kCols; ++c) {
       float* out = scores + r * kTile + c * 8;
       _mm256_storeu_ps(out,
-                       _mm256_fmadd_ps(wb, _mm256_max_ps(acc[r][c], zero), _mm256_loadu_ps(out)));
+                       _mm256_fmadd_ps(wb, _mm256_max_ps(zero, acc[r][c]), _mm256_loadu_ps(out)));
     }
   }
 }
