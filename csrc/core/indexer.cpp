@@ -23,7 +23,8 @@ std::string str(int64_t v) { return std::to_string(v); }
 void check_lengths(const int64_t* lens, int64_t batch, int64_t total, Layout layout,
                    const char* name) {
   if (layout == Layout::kTND) {
-    if (lens == nullptr) throw ArgumentError(name, "is required for layout TND");
+    // An empty batch has no lengths to give; then no tokens may be present either.
+    if (lens == nullptr && batch > 0) throw ArgumentError(name, "is required for layout TND");
     int64_t prev = 0;
     for (int64_t b = 0; b < batch; ++b) {
       if (lens[b] < prev) {

@@ -119,12 +119,6 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
   for (int64_t i = 0; i < 3; ++i) p.weights_stride[i] = (i + off) >= 0 ? w.stride(i + off) : 0;
   p.seq_q_lens = qlens.empty() ? nullptr : qlens.data();
   p.seq_k_lens = klens.empty() ? nullptr : klens.data();
-  if (tnd && qlens.empty()) {
-    // An empty batch: no sequences, so no tokens may be present either (checked by the core).
-    static const int64_t kNone = 0;
-    p.seq_q_lens = &kNone;
-    p.seq_k_lens = &kNone;
-  }
 
   const std::vector<int64_t> shape =
       tnd ? std::vector<int64_t>{n2, q.size(0)} : std::vector<int64_t>{q.size(0), n2, q.size(1)};
