@@ -7,9 +7,21 @@ Importing the package loads the compiled extension, which registers the operator
 import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
 
 from . import _C  # noqa: F401  (registers torch.ops.opmesh.*)
-from .ops import dense_lightning_indexer_softmax_lse
+from .ops import (
+    dense_lightning_indexer_softmax_lse,
+    describe_metadata,
+    flash_attn,
+    flash_attn_metadata,
+)
 
-__all__ = ["dense_lightning_indexer_softmax_lse", "simd_levels", "active_simd_level"]
+__all__ = [
+    "dense_lightning_indexer_softmax_lse",
+    "flash_attn",
+    "flash_attn_metadata",
+    "describe_metadata",
+    "simd_levels",
+    "active_simd_level",
+]
 
 
 def simd_levels() -> list[str]:

@@ -72,3 +72,170 @@ def dense_lightning_indexer_softmax_lse(
         layout=layout,
         sparse_mode=sparse_mode,
     )
+
+
+def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        return torch.tensor(value, dtype=torch.int32)
+    raise TypeError(
+        f"{name}: expected a 1-D int32 tensor, a list of ints or None, got {type(value).__name__}"
+    )
+
+
+def flash_attn_metadata(
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    *,
+    head_dim_v: int | None = None,
+    cu_seqlens_q: LengthsLike = None,
+    cu_seqlens_kv: LengthsLike = None,
+    seqused_q: LengthsLike = None,
+    seqused_kv: LengthsLike = None,
+    batch_size: int,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    mask_mode: int = 0,
+    win_left: int = -1,
+    win_right: int = -1,
+    layout_q: str = "BSND",
+    layout_kv: str = "BSND",
+    layout_out: str = "BSND",
+    num_workers: int | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Plans a :func:`flash_attn` call: returns the int32 CPU metadata tensor that describes how
+    its work is cut into tasks and spread over ``num_workers`` logical workers.
+
+    Takes the non-tensor arguments of the call it plans (see :func:`flash_attn` for their
+    meaning) and the sequence-length arrays, whose values it reads. ``num_workers`` defaults to
+    ``torch.get_num_threads()``. The tensor holds ``48 + 16 * num_workers`` words and records every
+    argument and a hash of every length array; ``flash_attn`` refuses it for a call that differs.
+    One metadata serves every layer that shares these arguments.
+
+    ``deterministic=True`` splits key ranges only at fixed multiples of 1024 keys and merges the
+    parts in a fixed order, so each sequence's result is bitwise identical whatever the rest of
+    the batch and whatever ``num_workers``. See docs/ops/flash_attn.md.
+    """
+    return torch.ops.opmesh.flash_attn_metadata(
+        num_heads_q,
+        num_heads_kv,
+        head_dim,
+        head_dim_v=head_dim_v,
+        cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
+        cu_seqlens_kv=_as_int32(cu_seqlens_kv, "cu_seqlens_kv"),
+        seqused_q=_as_int32(seqused_q, "seqused_q"),
+        seqused_kv=_as_int32(seqused_kv, "seqused_kv"),
+        batch_size=batch_size,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        mask_mode=mask_mode,
+        win_left=win_left,
+        win_right=win_right,
+        layout_q=layout_q,
+        layout_kv=layout_kv,
+        layout_out=layout_out,
+        num_workers=num_workers,
+        deterministic=deterministic,
+    )
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    cu_seqlens_q: LengthsLike = None,
+    cu_seqlens_kv: LengthsLike = None,
+    seqused_q: LengthsLike = None,
+    seqused_kv: LengthsLike = None,
+    sinks: torch.Tensor | None = None,
+    metadata: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    mask_mode: int = 0,
+    win_left: int = -1,
+    win_right: int = -1,
+    max_seqlen_q: int | None = None,
+    max_seqlen_kv: int | None = None,
+    layout_q: str = "BSND",
+    layout_kv: str = "BSND",
+    layout_out: str = "BSND",
+    return_softmax_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Attention forward with GQA, variable lengths, paged keys/values, windows and sinks.
+
+    For query head ``h`` (key head ``h // (Nq // Nkv)``), query position ``i`` and visible key
+    ``j`` of a sequence with ``s1`` queries and ``s2`` keys::
+
+        s_ij = softmax_scale * q_i . k_j
+        m_i  = max(sink_h, max_j s_ij)          (no sink: max_j s_ij)
+        out_i = sum_j exp(s_ij - m_i) v_j / (sum_j exp(s_ij - m_i) + exp(sink_h - m_i))
+        lse_i = m_i + log(sum_j exp(s_ij - m_i) + exp(sink_h - m_i))
+
+    Visibility (``mask_mode``): 0 every key; 3 causal aligned bottom-right (``j <= i + s2 - s1``);
+    4 window ``i + s2 - s1 - win_left <= j <= i + s2 - s1 + win_right`` (-1: unbounded side).
+    A row that sees no key gets output 0 and lse ``+inf`` (with a sink: the sink logit); query
+    rows past ``seqused_q`` are padding with output 0 and lse ``+inf``.
+
+    Args:
+        q: ``[B, S1, Nq, D]`` (BSND), ``[B, Nq, S1, D]`` (BNSD) or ``[T1, Nq, D]`` (TND);
+            float32, bfloat16, float16 (or float64, computed in float32).
+        k, v: the same layout as q with ``Nkv`` heads (``Nq % Nkv == 0``), ``v`` with head dim
+            ``Dv``; or paged ``[num_blocks, block_size, Nkv, D]`` (``layout_kv="PA_BBND"``).
+        block_table: int32 ``[B, max_blocks_per_seq]``; key ``j`` of sequence ``b`` lives in
+            block ``block_table[b, j // block_size]`` at slot ``j % block_size``. Paged only.
+        cu_seqlens_q, cu_seqlens_kv: int32 ``[B + 1]`` cumulative lengths from 0, last entry the
+            token count; required for TND and rejected otherwise.
+        seqused_q, seqused_kv: int32 ``[B]`` lengths in use; with cu_seqlens the shorter wins.
+            ``seqused_kv`` is required for paged keys/values.
+        sinks: float32 ``[Nq]``, one logit per query head added to the softmax denominator.
+        metadata: a :func:`flash_attn_metadata` plan for exactly these arguments; None plans here.
+        softmax_scale: default ``1 / sqrt(D)``.
+        max_seqlen_q, max_seqlen_kv: fixed by the shape for BSND/BNSD (a given value must agree);
+            for TND and paged, the planned maximum (default: the longest sequence, or the
+            metadata's).
+        layout_out: ``"TND"`` for TND queries, else ``"BSND"`` or ``"BNSD"``.
+        return_softmax_lse: also return the float32 lse, ``[B, Nq, S1]`` or ``[Nq, T1]``;
+            otherwise the second output is empty.
+
+    Returns:
+        ``(attn_out, softmax_lse)``; ``attn_out`` has q's dtype and head dim ``Dv``.
+    """
+    return torch.ops.opmesh.flash_attn(
+        q,
+        k,
+        v,
+        block_table=block_table,
+        cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
+        cu_seqlens_kv=_as_int32(cu_seqlens_kv, "cu_seqlens_kv"),
+        seqused_q=_as_int32(seqused_q, "seqused_q"),
+        seqused_kv=_as_int32(seqused_kv, "seqused_kv"),
+        sinks=sinks,
+        metadata=metadata,
+        softmax_scale=softmax_scale,
+        mask_mode=mask_mode,
+        win_left=win_left,
+        win_right=win_right,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        layout_q=layout_q,
+        layout_kv=layout_kv,
+        layout_out=layout_out,
+        return_softmax_lse=return_softmax_lse,
+    )
+
+
+def describe_metadata(metadata: torch.Tensor) -> dict:
+    """A plan's summary: ``num_workers``, ``worker_cost`` (modelled ns per worker), ``makespan``,
+    ``lower_bound`` (``max(total / num_workers, largest indivisible task)``), ``num_tasks``,
+    ``num_splits``, the planned arguments, each worker's stretch and the combine tasks."""
+    if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32:
+        raise TypeError("metadata: expected the int32 tensor flash_attn_metadata returns")
+    if metadata.dim() != 1:
+        raise ValueError(f"metadata: expected a 1-D tensor, got shape {tuple(metadata.shape)}")
+    from . import _C
+
+    return _C._describe_metadata(metadata.detach().cpu().contiguous().numpy().tobytes())

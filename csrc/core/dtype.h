@@ -43,6 +43,43 @@ inline float fp16_bits_to_float(uint16_t bits) {
   return out;
 }
 
+// binary32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// binary32 -> binary16 bits, round to nearest even, with subnormals, overflow to inf, and NaN.
+inline uint16_t float_to_fp16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;
+  if (abs >= 0x47800000u)
+    return sign | 0x7c00u;   // >= 65536: beyond the largest half after rounding
+  if (abs >= 0x38800000u) {  // normal half
+    const uint32_t mant = abs & 0x7fffffu;
+    const uint32_t exp = (abs >> 23) - 112u;
+    uint32_t h = (exp << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // may carry into inf: correct
+    return sign | static_cast<uint16_t>(h);
+  }
+  if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
+  // Subnormal half: value = m * 2^-24 with m < 1024.
+  const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+  const int shift = 126 - static_cast<int>(abs >> 23);  // 14..24
+  uint32_t h = mant >> shift;
+  const uint32_t rest = mant & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1u))) ++h;
+  return sign | static_cast<uint16_t>(h);
+}
+
 // Reads element `index` of a buffer of `dtype` as float.
 inline float load_as_float(const void* base, DType dtype, int64_t index) {
   switch (dtype) {

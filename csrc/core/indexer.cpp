@@ -10,6 +10,7 @@
 #include "indexer_kernels.h"
 #include "indexer_tiling.h"
 #include "online_softmax.h"
+#include "row_loads.h"
 
 namespace opmesh::core {
 namespace {
@@ -64,44 +65,6 @@ std::vector<Sequence> make_sequences(const IndexerParams& p) {
     }
   }
   return out;
-}
-
-// Converts n elements spaced `stride` apart, starting at element `offset`, to float.
-void load_row(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
-              float* out) {
-  switch (dtype) {
-    case DType::kFloat32: {
-      const float* src = static_cast<const float*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) out[i] = src[i * stride];
-      return;
-    }
-    case DType::kBFloat16: {
-      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits_to_float(src[i * stride]);
-      return;
-    }
-    case DType::kFloat16: {
-      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) out[i] = fp16_bits_to_float(src[i * stride]);
-      return;
-    }
-    case DType::kFloat64: {
-      const double* src = static_cast<const double*>(base) + offset;
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i * stride]);
-      return;
-    }
-  }
-}
-
-// Packs n bf16 elements into ceil(n / 2) words of (x[2l], x[2l+1]) pairs, zero-padding the last.
-void load_row_bf16_pairs(const void* base, int64_t offset, int64_t stride, int64_t n,
-                         uint32_t* out) {
-  const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-  for (int64_t l = 0; 2 * l < n; ++l) {
-    const uint32_t lo = src[2 * l * stride];
-    const uint32_t hi = 2 * l + 1 < n ? src[(2 * l + 1) * stride] : 0u;
-    out[l] = lo | (hi << 16);
-  }
 }
 
 // One worker's scratch, reused across its tasks: O(tile), independent of sequence length.

@@ -2,8 +2,14 @@
 // levels the CPU kernels can use here, for tests and diagnostics.
 #include <Python.h>
 
+#include <string>
+#include <vector>
+
+#include "attention/cost_model.h"
+#include "attention/metadata.h"
 #include "cpu_features.h"
 #include "errors.h"
+#include "worker_times.h"
 
 namespace {
 
@@ -26,7 +32,171 @@ PyObject* active_simd_level(PyObject*, PyObject*) {
   }
 }
 
-PyMethodDef methods[] = {{"supported_simd_levels", supported_simd_levels, METH_NOARGS,
+PyObject* set_worker_timing(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  opmesh::binding::WorkerTimes::enable(on != 0);
+  Py_RETURN_NONE;
+}
+
+PyObject* last_worker_times(PyObject*, PyObject*) {
+  const auto times = opmesh::binding::WorkerTimes::last();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(times.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < times.size(); ++i) {
+    PyList_SET_ITEM(list, i, PyLong_FromLongLong(times[i]));
+  }
+  return list;
+}
+
+namespace attn = opmesh::core::attention;
+
+// Decodes the int32 words of a metadata tensor passed as a bytes-like object.
+bool decode(PyObject* args, attn::metadata::Decoded& out, PyObject** extra = nullptr) {
+  Py_buffer buffer;
+  PyObject* ignored = nullptr;
+  if (!PyArg_ParseTuple(args, "y*|O", &buffer, extra ? extra : &ignored)) return false;
+  try {
+    out = attn::metadata::read(static_cast<const int32_t*>(buffer.buf),
+                               static_cast<int64_t>(buffer.len / sizeof(int32_t)));
+  } catch (const opmesh::core::ArgumentError& e) {
+    PyBuffer_Release(&buffer);
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return false;
+  }
+  PyBuffer_Release(&buffer);
+  return true;
+}
+
+bool set_item(PyObject* dict, const char* key, PyObject* value) {
+  if (value == nullptr) return false;
+  const int rc = PyDict_SetItemString(dict, key, value);
+  Py_DECREF(value);
+  return rc == 0;
+}
+
+PyObject* position(const attn::Position& p) { return Py_BuildValue("(iiii)", p.b, p.h, p.t, p.k); }
+
+PyObject* describe_metadata(PyObject*, PyObject* args) {
+  attn::metadata::Decoded d;
+  if (!decode(args, d)) return nullptr;
+  const attn::PlanConfig& c = d.config;
+  const attn::Plan& p = d.plan;
+  PyObject* dict = PyDict_New();
+  if (dict == nullptr) return nullptr;
+  PyObject* costs = PyList_New(static_cast<Py_ssize_t>(p.workers.size()));
+  PyObject* ranges = PyList_New(static_cast<Py_ssize_t>(p.workers.size()));
+  for (size_t i = 0; costs && ranges && i < p.workers.size(); ++i) {
+    PyList_SET_ITEM(costs, i, PyFloat_FromDouble(p.workers[i].cost));
+    PyList_SET_ITEM(ranges, i,
+                    Py_BuildValue("{s:N,s:N,s:i,s:i}", "begin", position(p.workers[i].begin), "end",
+                                  position(p.workers[i].end), "begin_slot", p.workers[i].begin_slot,
+                                  "end_slot", p.workers[i].end_slot));
+  }
+  PyObject* combines = PyList_New(static_cast<Py_ssize_t>(p.combines.size()));
+  for (size_t i = 0; combines && i < p.combines.size(); ++i) {
+    const attn::CombineTask& t = p.combines[i];
+    PyList_SET_ITEM(combines, i,
+                    Py_BuildValue("(iiiii)", t.b, t.h, t.t, t.first_slot, t.num_slots));
+  }
+  const bool ok =
+      set_item(dict, "version", PyLong_FromLong(attn::metadata::kVersion)) &&
+      set_item(dict, "num_workers", PyLong_FromLongLong(c.num_workers)) &&
+      set_item(dict, "worker_cost", costs) && set_item(dict, "workers", ranges) &&
+      set_item(dict, "combines", combines) &&
+      set_item(dict, "makespan", PyFloat_FromDouble(p.makespan)) &&
+      set_item(dict, "lower_bound", PyFloat_FromDouble(p.lower_bound)) &&
+      set_item(dict, "total_cost", PyFloat_FromDouble(p.total_cost)) &&
+      set_item(dict, "num_tasks", PyLong_FromLongLong(p.num_tasks)) &&
+      set_item(dict, "num_splits",
+               PyLong_FromLongLong(static_cast<long long>(p.combines.size()))) &&
+      set_item(dict, "num_slots", PyLong_FromLongLong(p.num_slots)) &&
+      set_item(dict, "deterministic", PyBool_FromLong(c.deterministic)) &&
+      set_item(dict, "split_keys", PyLong_FromLongLong(p.chunk_tiles * attn::kKeyTile)) &&
+      set_item(dict, "query_positions_per_tile", PyLong_FromLongLong(p.geometry.positions)) &&
+      set_item(dict, "rows_per_tile", PyLong_FromLongLong(p.geometry.rows)) &&
+      set_item(dict, "key_tile", PyLong_FromLongLong(attn::kKeyTile)) &&
+      set_item(dict, "num_heads_q", PyLong_FromLongLong(c.num_heads_q)) &&
+      set_item(dict, "num_heads_kv", PyLong_FromLongLong(c.num_heads_kv)) &&
+      set_item(dict, "head_dim", PyLong_FromLongLong(c.head_dim)) &&
+      set_item(dict, "head_dim_v", PyLong_FromLongLong(c.head_dim_v)) &&
+      set_item(dict, "batch_size", PyLong_FromLongLong(c.batch_size)) &&
+      set_item(dict, "max_seqlen_q", PyLong_FromLongLong(c.max_seqlen_q)) &&
+      set_item(dict, "max_seqlen_kv", PyLong_FromLongLong(c.max_seqlen_kv)) &&
+      set_item(dict, "mask_mode", PyLong_FromLong(static_cast<long>(c.mask_mode))) &&
+      set_item(dict, "win_left", PyLong_FromLongLong(c.win_left)) &&
+      set_item(dict, "win_right", PyLong_FromLongLong(c.win_right)) &&
+      set_item(dict, "layout_q", PyUnicode_FromString(attn::layout_name(c.layout_q))) &&
+      set_item(dict, "layout_kv", PyUnicode_FromString(attn::layout_name(c.layout_kv))) &&
+      set_item(dict, "layout_out", PyUnicode_FromString(attn::layout_name(c.layout_out)));
+  if (!ok) {
+    Py_DECREF(dict);
+    return nullptr;
+  }
+  return dict;
+}
+
+// The pieces of every worker's stretch with their modelled cost, given the per-sequence
+// (q_len, k_len) pairs the plan was made for: [[(b, h, t, k_from, k_to, cost), ...], ...].
+PyObject* plan_pieces(PyObject*, PyObject* args) {
+  attn::metadata::Decoded d;
+  PyObject* lens = nullptr;
+  if (!decode(args, d, &lens)) return nullptr;
+  std::vector<attn::Sequence> seqs;
+  PyObject* seq =
+      lens ? PySequence_Fast(lens, "lengths: expected a list of (q_len, k_len)") : nullptr;
+  if (seq == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    attn::Sequence s;
+    long long ql = 0, kl = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LL", &ql, &kl)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    s.q_len = ql;
+    s.k_len = kl;
+    seqs.push_back(s);
+  }
+  Py_DECREF(seq);
+  if (static_cast<int64_t>(seqs.size()) != d.config.batch_size) {
+    PyErr_SetString(PyExc_ValueError, "lengths: expected one (q_len, k_len) per sequence");
+    return nullptr;
+  }
+  const attn::UnitWalker walker(d.config, seqs);
+  const attn::CostModel& m = attn::default_cost_model();
+  const int64_t dims = d.config.head_dim + d.config.head_dim_v;
+  PyObject* out = PyList_New(0);
+  for (const attn::WorkerRange& r : d.plan.workers) {
+    PyObject* pieces = PyList_New(0);
+    walker.for_each_piece(
+        r.begin, r.end,
+        [&](int32_t b, int32_t h, int32_t t, int32_t k_from, int32_t k_to,
+            const attn::TileSpan& sp) {
+          const int64_t rows =
+              (walker.tile_end(b, t) - walker.tile_begin(t)) * d.plan.geometry.group;
+          double cost = attn::task_cost(m, rows, dims);
+          for (int64_t j = k_from; j < k_to; ++j) {
+            cost += attn::block_cost(m, rows, dims, j < sp.full_begin || j >= sp.full_end);
+          }
+          PyObject* item = Py_BuildValue("(iiiiid)", b, h, t, k_from, k_to, cost);
+          PyList_Append(pieces, item);
+          Py_DECREF(item);
+        });
+    PyList_Append(out, pieces);
+    Py_DECREF(pieces);
+  }
+  return out;
+}
+
+PyMethodDef methods[] = {{"_describe_metadata", describe_metadata, METH_VARARGS,
+                          "Decodes the words of a flash_attn_metadata tensor into a dict."},
+                         {"_plan_pieces", plan_pieces, METH_VARARGS,
+                          "Per-worker pieces of a plan with their modelled cost (ns)."},
+                         {"_set_worker_timing", set_worker_timing, METH_O,
+                          "Record per-logical-worker busy times of flash_attn calls (ns)."},
+                         {"_last_worker_times", last_worker_times, METH_NOARGS,
+                          "Busy times (ns) of each logical worker of the last recorded call."},
+                         {"supported_simd_levels", supported_simd_levels, METH_NOARGS,
                           "SIMD levels this CPU and build support, lowest first."},
                          {"active_simd_level", active_simd_level, METH_NOARGS,
                           "The level the CPU kernels use now (capped by OPMESH_SIMD_MAX)."},

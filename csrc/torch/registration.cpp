@@ -7,4 +7,19 @@ TORCH_LIBRARY(opmesh, m) {
       "*, "
       "Tensor? actual_seq_qlen=None, Tensor? actual_seq_klen=None, str layout=\"BSND\", "
       "int sparse_mode=3) -> (Tensor softmax_max, Tensor softmax_sum)");
+  m.def(
+      "flash_attn_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
+      "int? head_dim_v=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
+      "Tensor? seqused_q=None, Tensor? seqused_kv=None, int batch_size, int max_seqlen_q, "
+      "int max_seqlen_kv, int mask_mode=0, int win_left=-1, int win_right=-1, "
+      "str layout_q=\"BSND\", str layout_kv=\"BSND\", str layout_out=\"BSND\", "
+      "int? num_workers=None, bool deterministic=False) -> Tensor");
+  m.def(
+      "flash_attn(Tensor q, Tensor k, Tensor v, *, Tensor? block_table=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, Tensor? seqused_q=None, "
+      "Tensor? seqused_kv=None, Tensor? sinks=None, Tensor? metadata=None, "
+      "float? softmax_scale=None, int mask_mode=0, int win_left=-1, int win_right=-1, "
+      "int? max_seqlen_q=None, int? max_seqlen_kv=None, str layout_q=\"BSND\", "
+      "str layout_kv=\"BSND\", str layout_out=\"BSND\", bool return_softmax_lse=False) "
+      "-> (Tensor attn_out, Tensor softmax_lse)");
 }

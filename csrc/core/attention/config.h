@@ -1,0 +1,90 @@
+// What a flash-attention call is planned for: the non-tensor arguments, the sequence-length
+// arrays, and the per-sequence lengths resolved from them. Shared by the planner, the metadata
+// format and the kernel, so all three agree on which query sees which key.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace opmesh::core::attention {
+
+enum class Layout : int32_t { kBSND = 0, kBNSD = 1, kTND = 2, kPagedBBND = 3 };
+enum class MaskMode : int32_t { kNone = 0, kCausal = 3, kWindow = 4 };
+
+const char* layout_name(Layout layout);
+
+// Every argument of flash_attn_metadata except the length arrays.
+struct PlanConfig {
+  int64_t num_heads_q = 0;
+  int64_t num_heads_kv = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+  int64_t batch_size = 0;
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_kv = 0;
+  MaskMode mask_mode = MaskMode::kNone;
+  int64_t win_left = -1;  // -1: unbounded
+  int64_t win_right = -1;
+  Layout layout_q = Layout::kBSND;
+  Layout layout_kv = Layout::kBSND;
+  Layout layout_out = Layout::kBSND;
+  int64_t num_workers = 1;
+  bool deterministic = false;
+};
+
+// Optional int32 arrays (nullptr when absent): cu_seqlens_* hold batch_size + 1 entries,
+// seqused_* hold batch_size.
+struct LengthArrays {
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_kv = nullptr;
+  const int32_t* seqused_q = nullptr;
+  const int32_t* seqused_kv = nullptr;
+};
+
+// One sequence of the batch after applying cu_seqlens and seqused (the shorter wins).
+struct Sequence {
+  int64_t q_begin = 0;  // first token in a TND query tensor, 0 otherwise
+  int64_t q_len = 0;
+  int64_t k_begin = 0;  // first token in a TND key tensor, 0 otherwise
+  int64_t k_len = 0;
+};
+
+// Checks the configuration (head counts, dims, mask/window combination, layouts) and throws
+// ArgumentError naming the first offending argument.
+void validate_config(const PlanConfig& config);
+
+// Resolves and validates the lengths: cu_seqlens must start at 0 and be non-decreasing, no length
+// may exceed max_seqlen_*, seqused_* must be in [0, max]. Throws ArgumentError naming the array.
+std::vector<Sequence> resolve_sequences(const PlanConfig& config, const LengthArrays& lengths);
+
+// Key columns visible to query row `i` of a sequence: [begin, end), possibly empty.
+struct KeyRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+KeyRange visible_keys(const PlanConfig& config, const Sequence& seq, int64_t i);
+
+// Tile geometry. A query tile holds `positions` consecutive query positions of one sequence times
+// all `group` query heads that share a key head, so one packed key/value tile serves every row.
+inline constexpr int64_t kKeyTile = 64;
+inline constexpr int64_t kTargetRows = 64;
+
+struct Geometry {
+  int64_t group = 1;      // query heads per key head
+  int64_t positions = 1;  // query positions per tile
+  int64_t rows = 1;       // positions * group
+};
+Geometry geometry(const PlanConfig& config);
+
+// The key tiles a query tile [p0, p1) touches, and the sub-range every row sees entirely (tiles
+// outside it need per-row masking). All in absolute key-tile indices; empty when begin == end.
+struct TileSpan {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t full_begin = 0;
+  int64_t full_end = 0;
+  int64_t masked_tiles() const { return (end - begin) - (full_end - full_begin); }
+};
+TileSpan tile_span(const PlanConfig& config, const Sequence& seq, int64_t p0, int64_t p1);
+
+}  // namespace opmesh::core::attention

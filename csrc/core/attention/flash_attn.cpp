@@ -1,0 +1,386 @@
+#include "flash_attn.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+
+#include "../aligned_buffer.h"
+#include "../online_softmax.h"
+#include "../row_loads.h"
+#include "kernels.h"
+
+namespace opmesh::core::attention {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kCacheLimitBytes = int64_t{64} << 20;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Running state of a tile of rows: unnormalised output, row max, row sum.
+struct State {
+  float* o;
+  float* m;
+  float* l;
+};
+
+// Folds `src` into `dst`; the one merge used both inside a worker and by combine tasks, so a
+// deterministic plan gives the same bits whichever worker computed which part.
+void merge_into(const State& dst, const State& src, int64_t rows, int64_t ld, int64_t dv) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = nan_max(dst.m[r], src.m[r]);
+    if (m == kNegInf) continue;
+    const float a = dst.m[r] == kNegInf ? 0.0f : std::exp(dst.m[r] - m);
+    const float b = src.m[r] == kNegInf ? 0.0f : std::exp(src.m[r] - m);
+    float* d = dst.o + r * ld;
+    const float* s = src.o + r * ld;
+    for (int64_t e = 0; e < dv; ++e) d[e] = d[e] * a + s[e] * b;
+    dst.l[r] = dst.l[r] * a + src.l[r] * b;
+    dst.m[r] = m;
+  }
+}
+
+class Runner {
+ public:
+  Runner(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const Plan& plan, Isa isa)
+      : p_(p),
+        seqs_(seqs),
+        plan_(plan),
+        walker_(p.config, seqs),
+        g_(plan.geometry),
+        pairs_(p.dtype == DType::kBFloat16 && isa == Isa::kAvx512Bf16),
+        k_(kernels(isa, pairs_)),
+        d_(p.config.head_dim),
+        dv_(p.config.head_dim_v),
+        dw_(pairs_ ? (d_ + 1) / 2 : d_),
+        dvp_(round_up(dv_, 16)),
+        k_tile_words_(dw_ * kKeyTile),
+        v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * dvp_),
+        slot_floats_(g_.rows * (dvp_ + 2)) {}
+
+  int64_t slot_floats() const { return slot_floats_; }
+
+  // Per physical thread: packed operands, tiles, states and the packed key/value cache.
+  struct Scratch {
+    explicit Scratch(const Runner& r)
+        : q(r.g_.rows * r.dw_),
+          s(r.g_.rows * kKeyTile),
+          pb(r.g_.rows * kKeyTile),
+          o(2 * r.g_.rows * r.dvp_),
+          stats(5 * r.g_.rows),
+          row(std::max(r.d_, r.dv_) + 2),
+          vis(r.g_.positions) {}
+    AlignedBuffer<uint32_t> q;
+    AlignedBuffer<float> s;
+    AlignedBuffer<uint16_t> pb;
+    AlignedBuffer<float> o;      // current state's output, then the running fold's
+    AlignedBuffer<float> stats;  // m, l (current), m, l (running), correction
+    AlignedBuffer<float> row;
+    std::vector<KeyRange> vis;
+    // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
+    int32_t cache_b = -1, cache_h = -1;
+    bool cache_all = false;
+    std::vector<uint32_t> cache;
+    std::vector<uint8_t> packed;
+    State cur(const Runner& r) { return {o.data(), stats.data(), stats.data() + r.g_.rows}; }
+    State run(const Runner& r) {
+      return {o.data() + r.g_.rows * r.dvp_, stats.data() + 2 * r.g_.rows,
+              stats.data() + 3 * r.g_.rows};
+    }
+    float* correction(const Runner& r) { return stats.data() + 4 * r.g_.rows; }
+  };
+
+  void reset(const State& s, int64_t rows) const {
+    std::fill(s.o, s.o + rows * dvp_, 0.0f);
+    std::fill(s.m, s.m + rows, kNegInf);
+    std::fill(s.l, s.l + rows, 0.0f);
+  }
+
+  State slot(float* ws, int64_t index) const {
+    float* base = ws + index * slot_floats_;
+    return {base, base + g_.rows * dvp_, base + g_.rows * dvp_ + g_.rows};
+  }
+
+  void store(const State& src, const State& dst, int64_t rows) const {
+    std::copy(src.o, src.o + rows * dvp_, dst.o);
+    std::copy(src.m, src.m + rows, dst.m);
+    std::copy(src.l, src.l + rows, dst.l);
+  }
+
+  // One piece: key tiles [k_from, k_to) of unit (b, h, t).
+  void piece(Scratch& sc, int32_t b, int32_t h, int32_t t, int32_t k_from, int32_t k_to,
+             const TileSpan& sp, const WorkerRange& range, float* ws) const {
+    const Sequence& seq = seqs_[b];
+    const int64_t p0 = walker_.tile_begin(t);
+    const int64_t p1 = walker_.tile_end(b, t);
+    const int64_t rows = (p1 - p0) * g_.group;
+    const bool first = k_from == sp.begin;
+    const bool last = k_to == sp.end;
+    const bool det = plan_.chunk_tiles > 0;
+    const State cur = sc.cur(*this);
+    const State run = sc.run(*this);
+    reset(cur, rows);
+    if (det) reset(run, rows);
+    if (k_to > k_from) {
+      pack_queries(sc, b, h, p0, p1);
+      for (int64_t i = p0; i < p1; ++i) sc.vis[i - p0] = visible_keys(p_.config, seq, i);
+    }
+    int64_t next_slot = range.begin_slot;
+    bool pending = false;
+    auto flush = [&] {
+      if (first) {
+        merge_into(run, cur, rows, dvp_, dv_);
+      } else {
+        store(cur, slot(ws, next_slot++), rows);
+      }
+      reset(cur, rows);
+      pending = false;
+    };
+    for (int64_t j = k_from; j < k_to; ++j) {
+      if (det && pending && j % plan_.chunk_tiles == 0) flush();
+      tile(sc, b, h, j, sp, rows);
+      pending = true;
+    }
+    if (det && pending) flush();
+    const State& result = det ? run : cur;
+    if (first && last) {
+      finalize(result, b, h, p0, p1);
+    } else if (first) {
+      store(result, slot(ws, range.end_slot), rows);
+    } else if (!det) {
+      store(cur, slot(ws, range.begin_slot), rows);
+    }
+  }
+
+  void combine(Scratch& sc, const CombineTask& ct, float* ws) const {
+    const int64_t p0 = walker_.tile_begin(ct.t);
+    const int64_t p1 = walker_.tile_end(ct.b, ct.t);
+    const int64_t rows = (p1 - p0) * g_.group;
+    const State acc = sc.run(*this);
+    reset(acc, rows);
+    for (int32_t s = 0; s < ct.num_slots; ++s) {
+      merge_into(acc, slot(ws, ct.first_slot + s), rows, dvp_, dv_);
+    }
+    finalize(acc, ct.b, ct.h, p0, p1);
+  }
+
+ private:
+  int64_t key_offset(const View& view, int64_t b, int64_t h, int64_t key) const {
+    if (p_.block_table != nullptr) {
+      const int64_t block = p_.block_table[b * p_.bt_sb + (key / p_.block_size) * p_.bt_sj];
+      return block * view.sb + (key % p_.block_size) * view.ss + h * view.sn;
+    }
+    return b * view.sb + (seqs_[b].k_begin + key) * view.ss + h * view.sn;
+  }
+
+  void pack_queries(Scratch& sc, int64_t b, int64_t h, int64_t p0, int64_t p1) const {
+    const View& q = p_.q;
+    for (int64_t i = p0; i < p1; ++i) {
+      for (int64_t g = 0; g < g_.group; ++g) {
+        const int64_t head = h * g_.group + g;
+        const int64_t off = b * q.sb + (seqs_[b].q_begin + i) * q.ss + head * q.sn;
+        uint32_t* dst = sc.q.data() + ((i - p0) * g_.group + g) * dw_;
+        if (pairs_) {
+          load_row_bf16_pairs(q.data, off, q.sd, d_, dst);
+        } else {
+          load_row(q.data, p_.dtype, off, q.sd, d_, reinterpret_cast<float*>(dst));
+        }
+      }
+    }
+  }
+
+  void pack_tile(Scratch& sc, int64_t b, int64_t h, int64_t j, uint32_t* kp, uint32_t* vp) const {
+    const int64_t k_len = seqs_[b].k_len;
+    std::fill(kp, kp + k_tile_words_, 0u);
+    std::fill(vp, vp + v_tile_words_, 0u);
+    uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
+    float* rowf = sc.row.data();
+    uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
+    for (int64_t n = 0; n < kKeyTile; ++n) {
+      const int64_t key = j * kKeyTile + n;
+      if (key >= k_len) break;
+      const int64_t ko = key_offset(p_.k, b, h, key);
+      if (pairs_) {
+        load_row_bf16_pairs(p_.k.data, ko, p_.k.sd, d_, row);
+      } else {
+        load_row(p_.k.data, p_.dtype, ko, p_.k.sd, d_, rowf);
+      }
+      for (int64_t d = 0; d < dw_; ++d) kp[d * kKeyTile + n] = row[d];
+      const int64_t vo = key_offset(p_.v, b, h, key);
+      if (pairs_) {
+        const uint16_t* src = static_cast<const uint16_t*>(p_.v.data) + vo;
+        for (int64_t e = 0; e < dv_; ++e)
+          vp16[((n / 2) * dvp_ + e) * 2 + (n & 1)] = src[e * p_.v.sd];
+      } else {
+        load_row(p_.v.data, p_.dtype, vo, p_.v.sd, dv_, reinterpret_cast<float*>(vp) + n * dvp_);
+      }
+    }
+  }
+
+  // Packed key and value tiles j of (b, h), from the worker's cache when it holds them.
+  std::pair<const uint32_t*, const uint32_t*> tiles(Scratch& sc, int32_t b, int32_t h,
+                                                    int64_t j) const {
+    const int64_t per_tile = k_tile_words_ + v_tile_words_;
+    if (sc.cache_b != b || sc.cache_h != h) {
+      const int64_t n = (seqs_[b].k_len + kKeyTile - 1) / kKeyTile;
+      sc.cache_b = b;
+      sc.cache_h = h;
+      sc.cache_all = n * per_tile * 4 <= kCacheLimitBytes;
+      const int64_t slots = sc.cache_all ? n : 1;
+      if (static_cast<int64_t>(sc.cache.size()) < slots * per_tile)
+        sc.cache.resize(slots * per_tile);
+      sc.packed.assign(slots, 0);
+    }
+    const int64_t index = sc.cache_all ? j : 0;
+    uint32_t* kp = sc.cache.data() + index * per_tile;
+    uint32_t* vp = kp + k_tile_words_;
+    if (!sc.cache_all || !sc.packed[index]) {
+      pack_tile(sc, b, h, j, kp, vp);
+      sc.packed[index] = 1;
+    }
+    return {kp, vp};
+  }
+
+  void tile(Scratch& sc, int32_t b, int32_t h, int64_t j, const TileSpan& sp, int64_t rows) const {
+    const auto [kp, vp] = tiles(sc, b, h, j);
+    float* s = sc.s.data();
+    k_.gemm({sc.q.data(), dw_, kp, kKeyTile, s, kKeyTile, rows, kKeyTile, dw_, nullptr,
+             p_.softmax_scale});
+    if (j < sp.full_begin || j >= sp.full_end) {
+      const int64_t first_key = j * kKeyTile;
+      for (int64_t i = 0; i < rows / g_.group; ++i) {
+        const KeyRange vr = sc.vis[i];
+        const int64_t lo = std::clamp<int64_t>(vr.begin - first_key, 0, kKeyTile);
+        const int64_t hi =
+            vr.end > vr.begin ? std::clamp<int64_t>(vr.end - first_key, 0, kKeyTile) : 0;
+        for (int64_t g = 0; g < g_.group; ++g) {
+          float* x = s + (i * g_.group + g) * kKeyTile;
+          for (int64_t c = 0; c < kKeyTile; ++c) {
+            if (c < lo || c >= hi) x[c] = kNegInf;
+          }
+        }
+      }
+    }
+    const State cur = sc.cur(*this);
+    float* corr = sc.correction(*this);
+    k_.softmax(s, rows, cur.m, cur.l, corr);
+    if (pairs_) {
+      k_.to_bf16(s, sc.pb.data(), rows * kKeyTile);
+      k_.gemm({sc.pb.data(), kKeyTile / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, kKeyTile / 2, corr,
+               1.0f});
+    } else {
+      k_.gemm({s, kKeyTile, vp, dvp_, cur.o, dvp_, rows, dvp_, kKeyTile, corr, 1.0f});
+    }
+  }
+
+  void finalize(const State& st, int64_t b, int64_t h, int64_t p0, int64_t p1) const {
+    const Sequence& seq = seqs_[b];
+    for (int64_t i = p0; i < p1; ++i) {
+      for (int64_t g = 0; g < g_.group; ++g) {
+        const int64_t r = (i - p0) * g_.group + g;
+        const int64_t head = h * g_.group + g;
+        const float m = st.m[r];
+        const float l = st.l[r];
+        float scale;
+        float lse;
+        if (p_.sinks != nullptr) {
+          const float sink = p_.sinks[head];
+          const float top = nan_max(m, sink);
+          const float carried = l == 0.0f ? 0.0f : std::exp(m - top);
+          const float total = l * carried + std::exp(sink - top);
+          scale = carried / total;
+          lse = top + std::log(total);
+        } else if (l == 0.0f) {
+          scale = 0.0f;
+          lse = std::numeric_limits<float>::infinity();
+        } else {
+          scale = 1.0f / l;
+          lse = m + std::log(l);
+        }
+        const int64_t pos = seq.q_begin + i;
+        if (p_.lse != nullptr) p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss] = lse;
+        write_row(st.o + r * dvp_, scale, b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn);
+      }
+    }
+  }
+
+  void write_row(const float* o, float scale, int64_t offset) const {
+    const int64_t sd = p_.out_sd;
+    switch (p_.dtype) {
+      case DType::kFloat32: {
+        float* dst = static_cast<float*>(p_.out) + offset;
+        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = o[e] * scale;
+        return;
+      }
+      case DType::kBFloat16: {
+        uint16_t* dst = static_cast<uint16_t*>(p_.out) + offset;
+        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = float_to_bf16_bits(o[e] * scale);
+        return;
+      }
+      case DType::kFloat16: {
+        uint16_t* dst = static_cast<uint16_t*>(p_.out) + offset;
+        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = float_to_fp16_bits(o[e] * scale);
+        return;
+      }
+      case DType::kFloat64: {
+        double* dst = static_cast<double*>(p_.out) + offset;
+        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = static_cast<double>(o[e] * scale);
+        return;
+      }
+    }
+  }
+
+  const FlashAttnParams& p_;
+  const std::vector<Sequence>& seqs_;
+  const Plan& plan_;
+  UnitWalker walker_;
+  Geometry g_;
+  bool pairs_;
+  Kernels k_;
+  int64_t d_, dv_, dw_, dvp_;
+  int64_t k_tile_words_, v_tile_words_;
+  int64_t slot_floats_;
+};
+
+}  // namespace
+
+int64_t workspace_floats(const PlanConfig& config, const Plan& plan) {
+  const int64_t dvp = round_up(config.head_dim_v, 16);
+  return plan.num_slots * plan.geometry.rows * (dvp + 2);
+}
+
+void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
+                const Plan& plan, const Executor& executor, Isa isa, float* workspace,
+                int64_t* worker_ns) {
+  const Runner runner(params, sequences, plan, isa);
+  const UnitWalker walker(params.config, sequences);
+  std::vector<std::unique_ptr<Runner::Scratch>> scratch(executor.num_workers());
+  auto scratch_of = [&](int thread) -> Runner::Scratch& {
+    if (!scratch[thread]) scratch[thread] = std::make_unique<Runner::Scratch>(runner);
+    return *scratch[thread];
+  };
+  run_dynamic(executor, static_cast<int64_t>(plan.workers.size()), [&](int64_t w, int thread) {
+    const auto start = std::chrono::steady_clock::now();
+    Runner::Scratch& sc = scratch_of(thread);
+    const WorkerRange& range = plan.workers[w];
+    walker.for_each_piece(
+        range.begin, range.end,
+        [&](int32_t b, int32_t h, int32_t t, int32_t k_from, int32_t k_to, const TileSpan& sp) {
+          runner.piece(sc, b, h, t, k_from, k_to, sp, range, workspace);
+        });
+    if (worker_ns != nullptr) {
+      worker_ns[w] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
+    }
+  });
+  run_dynamic(executor, static_cast<int64_t>(plan.combines.size()), [&](int64_t c, int thread) {
+    runner.combine(scratch_of(thread), plan.combines[c], workspace);
+  });
+}
+
+}  // namespace opmesh::core::attention

@@ -1,0 +1,50 @@
+// Flash attention forward on the CPU, following a plan (planner.h): every logical worker walks
+// its stretch of (sequence, key head, query tile, key tile) work, split units leave partial
+// results in a workspace, and a combine phase merges them by their log-sum-exp.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "config.h"
+#include "planner.h"
+
+namespace opmesh::core::attention {
+
+// Element strides of a [batch][sequence][head][dim] view. TND tensors have sb = 0 and index the
+// sequence axis by token; paged caches are [block][slot][head][dim] (sb per block, ss per slot).
+struct View {
+  const void* data = nullptr;
+  int64_t sb = 0, ss = 0, sn = 0, sd = 0;
+};
+
+struct FlashAttnParams {
+  PlanConfig config;
+  LengthArrays lengths;
+  DType dtype = DType::kFloat32;  // of q, k, v and the output
+  View q, k, v;
+  const int32_t* block_table = nullptr;  // paged: [batch][max_blocks] with strides bt_sb, bt_sj
+  int64_t bt_sb = 0, bt_sj = 0;
+  int64_t block_size = 0;
+  const float* sinks = nullptr;  // [num_heads_q] or nullptr
+  float softmax_scale = 1.0f;
+  void* out = nullptr;  // output, same dtype as q, [b][s][n][dv] strides below
+  int64_t out_sb = 0, out_ss = 0, out_sn = 0, out_sd = 0;
+  float* lse = nullptr;  // nullptr: not requested; else strides for (b, head, position)
+  int64_t lse_sb = 0, lse_sn = 0, lse_ss = 0;
+};
+
+// Floats of workspace the plan's split units need.
+int64_t workspace_floats(const PlanConfig& config, const Plan& plan);
+
+// Runs the plan. The caller has filled `out` with zeros and `lse` with +inf, so rows no task
+// touches (query padding) already hold their final values. `worker_ns`, when given, receives each
+// logical worker's busy time in nanoseconds.
+void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
+                const Plan& plan, const Executor& executor, Isa isa, float* workspace,
+                int64_t* worker_ns);
+
+}  // namespace opmesh::core::attention

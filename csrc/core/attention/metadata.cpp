@@ -1,0 +1,258 @@
+#include "metadata.h"
+
+#include <cstring>
+#include <string>
+
+#include "../errors.h"
+
+namespace opmesh::core::attention::metadata {
+namespace {
+
+int32_t float_bits(float f) {
+  int32_t w;
+  std::memcpy(&w, &f, sizeof(w));
+  return w;
+}
+
+float bits_float(int32_t w) {
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// 64-bit hash of the values: a multiply-xorshift mix per word (word-wise FNV with a final
+// avalanche), so any changed entry changes the print.
+uint64_t hash_values(const int32_t* values, int64_t count) {
+  uint64_t h = 0xcbf29ce484222325ull ^ static_cast<uint64_t>(count);
+  for (int64_t i = 0; i < count; ++i) {
+    h ^= static_cast<uint32_t>(values[i]);
+    h *= 0x100000001b3ull;
+    h ^= h >> 29;
+  }
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdull;
+  h ^= h >> 33;
+  return h;
+}
+
+void length_prints(const PlanConfig& c, const LengthArrays& l, ArrayPrint out[4]) {
+  const int32_t* arrays[4] = {l.cu_seqlens_q, l.cu_seqlens_kv, l.seqused_q, l.seqused_kv};
+  const int64_t counts[4] = {c.batch_size + 1, c.batch_size + 1, c.batch_size, c.batch_size};
+  for (int i = 0; i < 4; ++i) {
+    if (arrays[i] == nullptr) {
+      out[i] = {0, 0, 0};
+      continue;
+    }
+    const uint64_t h = hash_values(arrays[i], counts[i]);
+    out[i] = {1, static_cast<int32_t>(h & 0xffffffffu), static_cast<int32_t>(h >> 32)};
+  }
+}
+
+void put_position(int32_t* w, const Position& p) {
+  w[0] = p.b;
+  w[1] = p.h;
+  w[2] = p.t;
+  w[3] = p.k;
+}
+
+Position get_position(const int32_t* w) { return {w[0], w[1], w[2], w[3]}; }
+
+[[noreturn]] void corrupt(const std::string& what) {
+  throw ArgumentError("metadata",
+                      "is not a flash_attn_metadata result of this version (" + what + ")");
+}
+
+}  // namespace
+
+int64_t size_words(int64_t num_workers) {
+  return kHeaderWords + num_workers * (kWorkerWords + kCombineWords);
+}
+
+void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
+  validate_config(c);
+  const std::vector<Sequence> seqs = resolve_sequences(c, l);
+  const Plan plan = make_plan(c, seqs);
+  const int64_t total = size_words(c.num_workers);
+  std::memset(out, 0, static_cast<size_t>(total) * sizeof(int32_t));
+  int32_t* h = out;
+  h[kFieldMagic] = kMagic;
+  h[kFieldVersion] = kVersion;
+  h[kFieldTotalWords] = static_cast<int32_t>(total);
+  h[kFieldNumWorkers] = static_cast<int32_t>(c.num_workers);
+  h[kFieldNumCombines] = static_cast<int32_t>(plan.combines.size());
+  h[kFieldNumSlots] = static_cast<int32_t>(plan.num_slots);
+  h[kFieldGroup] = static_cast<int32_t>(plan.geometry.group);
+  h[kFieldPositions] = static_cast<int32_t>(plan.geometry.positions);
+  h[kFieldRows] = static_cast<int32_t>(plan.geometry.rows);
+  h[kFieldKeyTile] = static_cast<int32_t>(kKeyTile);
+  h[kFieldChunkTiles] = static_cast<int32_t>(plan.chunk_tiles);
+  h[kFieldDeterministic] = c.deterministic ? 1 : 0;
+  h[kFieldNumHeadsQ] = static_cast<int32_t>(c.num_heads_q);
+  h[kFieldNumHeadsKv] = static_cast<int32_t>(c.num_heads_kv);
+  h[kFieldHeadDim] = static_cast<int32_t>(c.head_dim);
+  h[kFieldHeadDimV] = static_cast<int32_t>(c.head_dim_v);
+  h[kFieldBatchSize] = static_cast<int32_t>(c.batch_size);
+  h[kFieldMaxSeqlenQ] = static_cast<int32_t>(c.max_seqlen_q);
+  h[kFieldMaxSeqlenKv] = static_cast<int32_t>(c.max_seqlen_kv);
+  h[kFieldMaskMode] = static_cast<int32_t>(c.mask_mode);
+  h[kFieldWinLeft] = static_cast<int32_t>(c.win_left);
+  h[kFieldWinRight] = static_cast<int32_t>(c.win_right);
+  h[kFieldLayoutQ] = static_cast<int32_t>(c.layout_q);
+  h[kFieldLayoutKv] = static_cast<int32_t>(c.layout_kv);
+  h[kFieldLayoutOut] = static_cast<int32_t>(c.layout_out);
+  ArrayPrint prints[4];
+  length_prints(c, l, prints);
+  for (int i = 0; i < 4; ++i) {
+    h[kFieldLengthHashes + 3 * i] = prints[i].present;
+    h[kFieldLengthHashes + 3 * i + 1] = prints[i].low;
+    h[kFieldLengthHashes + 3 * i + 2] = prints[i].high;
+  }
+  h[kFieldMakespan] = float_bits(static_cast<float>(plan.makespan));
+  h[kFieldLowerBound] = float_bits(static_cast<float>(plan.lower_bound));
+  h[kFieldTotalCost] = float_bits(static_cast<float>(plan.total_cost));
+  h[kFieldNumTasks] = static_cast<int32_t>(plan.num_tasks);
+  h[kFieldNumSplits] = static_cast<int32_t>(plan.combines.size());
+  int32_t* w = out + kHeaderWords;
+  for (const WorkerRange& r : plan.workers) {
+    put_position(w, r.begin);
+    put_position(w + 4, r.end);
+    w[8] = r.begin_slot;
+    w[9] = r.end_slot;
+    w[10] = float_bits(r.cost);
+    w += kWorkerWords;
+  }
+  int32_t* cw = out + kHeaderWords + c.num_workers * kWorkerWords;
+  for (const CombineTask& ct : plan.combines) {
+    cw[0] = ct.b;
+    cw[1] = ct.h;
+    cw[2] = ct.t;
+    cw[3] = ct.first_slot;
+    cw[4] = ct.num_slots;
+    cw += kCombineWords;
+  }
+}
+
+Decoded read(const int32_t* words, int64_t size) {
+  if (size < kHeaderWords) corrupt("shorter than the header");
+  const int32_t* h = words;
+  if (h[kFieldMagic] != kMagic) corrupt("bad magic number");
+  if (h[kFieldVersion] != kVersion) {
+    corrupt("version " + std::to_string(h[kFieldVersion]) + ", expected " +
+            std::to_string(kVersion));
+  }
+  const int64_t workers = h[kFieldNumWorkers];
+  if (workers < 1 || workers > (1 << 16) || h[kFieldTotalWords] != size ||
+      size_words(workers) != size) {
+    corrupt("sizes do not agree");
+  }
+  Decoded d;
+  PlanConfig& c = d.config;
+  c.num_heads_q = h[kFieldNumHeadsQ];
+  c.num_heads_kv = h[kFieldNumHeadsKv];
+  c.head_dim = h[kFieldHeadDim];
+  c.head_dim_v = h[kFieldHeadDimV];
+  c.batch_size = h[kFieldBatchSize];
+  c.max_seqlen_q = h[kFieldMaxSeqlenQ];
+  c.max_seqlen_kv = h[kFieldMaxSeqlenKv];
+  c.mask_mode = static_cast<MaskMode>(h[kFieldMaskMode]);
+  c.win_left = h[kFieldWinLeft];
+  c.win_right = h[kFieldWinRight];
+  c.layout_q = static_cast<Layout>(h[kFieldLayoutQ]);
+  c.layout_kv = static_cast<Layout>(h[kFieldLayoutKv]);
+  c.layout_out = static_cast<Layout>(h[kFieldLayoutOut]);
+  c.num_workers = workers;
+  c.deterministic = h[kFieldDeterministic] != 0;
+  if (h[kFieldLayoutQ] < 0 || h[kFieldLayoutQ] > 3 || h[kFieldLayoutKv] < 0 ||
+      h[kFieldLayoutKv] > 3 || h[kFieldLayoutOut] < 0 || h[kFieldLayoutOut] > 3) {
+    corrupt("unknown layout code");
+  }
+  try {
+    validate_config(c);
+  } catch (const ArgumentError& e) {
+    corrupt(std::string("planned arguments are invalid: ") + e.what());
+  }
+  Plan& p = d.plan;
+  p.geometry = geometry(c);
+  if (h[kFieldGroup] != p.geometry.group || h[kFieldPositions] != p.geometry.positions ||
+      h[kFieldRows] != p.geometry.rows || h[kFieldKeyTile] != kKeyTile) {
+    corrupt("tile sizes differ from this build's");
+  }
+  p.chunk_tiles = h[kFieldChunkTiles];
+  if (p.chunk_tiles != (c.deterministic ? kDeterministicChunkTiles : 0)) corrupt("chunk size");
+  const int64_t combines = h[kFieldNumCombines];
+  if (combines < 0 || combines > workers) corrupt("combine count");
+  p.num_slots = h[kFieldNumSlots];
+  if (p.num_slots < 0) corrupt("slot count");
+  p.num_tasks = h[kFieldNumTasks];
+  p.makespan = bits_float(h[kFieldMakespan]);
+  p.lower_bound = bits_float(h[kFieldLowerBound]);
+  p.total_cost = bits_float(h[kFieldTotalCost]);
+  for (int i = 0; i < 4; ++i) {
+    d.length_prints[i] = {h[kFieldLengthHashes + 3 * i], h[kFieldLengthHashes + 3 * i + 1],
+                          h[kFieldLengthHashes + 3 * i + 2]};
+  }
+  const int32_t* w = words + kHeaderWords;
+  for (int64_t i = 0; i < workers; ++i, w += kWorkerWords) {
+    p.workers.push_back({get_position(w), get_position(w + 4), w[8], w[9], bits_float(w[10])});
+  }
+  const int32_t* cw = words + kHeaderWords + workers * kWorkerWords;
+  for (int64_t i = 0; i < combines; ++i, cw += kCombineWords) {
+    p.combines.push_back({cw[0], cw[1], cw[2], cw[3], cw[4]});
+  }
+  return d;
+}
+
+namespace {
+
+void same(const char* name, int64_t planned, int64_t call) {
+  if (planned != call) {
+    throw ArgumentError("metadata", std::string("was planned for ") + name + "=" +
+                                        std::to_string(planned) + ", but this call has " + name +
+                                        "=" + std::to_string(call));
+  }
+}
+
+void same_layout(const char* name, Layout planned, Layout call) {
+  if (planned != call) {
+    throw ArgumentError("metadata", std::string("was planned for ") + name + "=" +
+                                        layout_name(planned) + ", but this call has " + name + "=" +
+                                        layout_name(call));
+  }
+}
+
+}  // namespace
+
+void verify(const Decoded& d, const PlanConfig& call, const LengthArrays& lengths) {
+  const PlanConfig& p = d.config;
+  same("num_heads_q", p.num_heads_q, call.num_heads_q);
+  same("num_heads_kv", p.num_heads_kv, call.num_heads_kv);
+  same("head_dim", p.head_dim, call.head_dim);
+  same("head_dim_v", p.head_dim_v, call.head_dim_v);
+  same("batch_size", p.batch_size, call.batch_size);
+  // A negative value means the call leaves it to the metadata (not given, not implied by a shape).
+  if (call.max_seqlen_q >= 0) same("max_seqlen_q", p.max_seqlen_q, call.max_seqlen_q);
+  if (call.max_seqlen_kv >= 0) same("max_seqlen_kv", p.max_seqlen_kv, call.max_seqlen_kv);
+  same("mask_mode", static_cast<int64_t>(p.mask_mode), static_cast<int64_t>(call.mask_mode));
+  same("win_left", p.win_left, call.win_left);
+  same("win_right", p.win_right, call.win_right);
+  same_layout("layout_q", p.layout_q, call.layout_q);
+  same_layout("layout_kv", p.layout_kv, call.layout_kv);
+  same_layout("layout_out", p.layout_out, call.layout_out);
+  const ArrayPrint* planned = d.length_prints;
+  ArrayPrint given[4];
+  length_prints(p, lengths, given);
+  for (int i = 0; i < 4; ++i) {
+    if (planned[i].present != given[i].present) {
+      throw ArgumentError("metadata", std::string("was planned ") +
+                                          (planned[i].present ? "with " : "without ") +
+                                          kLengthNames[i] + ", but this call passes " +
+                                          (given[i].present ? "it" : "none"));
+    }
+    if (planned[i].low != given[i].low || planned[i].high != given[i].high) {
+      throw ArgumentError("metadata", std::string("was planned for other ") + kLengthNames[i] +
+                                          " values than this call's");
+    }
+  }
+}
+
+}  // namespace opmesh::core::attention::metadata

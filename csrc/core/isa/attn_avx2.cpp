@@ -1,0 +1,118 @@
+// AVX2 + FMA flash-attention micro-kernels on float32 words. GEMM blocks of 6 rows x 16 columns
+// (12 ymm accumulators).
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+
+#include "../attention/kernels.h"
+#include "row_blocks.h"
+
+namespace opmesh::core::attention {
+namespace {
+
+template <int kRows>
+void block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+           int64_t ldc, const float* row_scale, float alpha) {
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < depth; ++d) {
+    const __m256 b0 = _mm256_loadu_ps(b + d * ldb);
+    const __m256 b1 = _mm256_loadu_ps(b + d * ldb + 8);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 ab = _mm256_broadcast_ss(a + r * lda + d);
+      acc[r][0] = _mm256_fmadd_ps(ab, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(ab, b1, acc[r][1]);
+    }
+  }
+  const __m256 scale = _mm256_set1_ps(alpha);
+  for (int r = 0; r < kRows; ++r) {
+    float* out = c + r * ldc;
+    for (int j = 0; j < 2; ++j) {
+      __m256 v = _mm256_mul_ps(scale, acc[r][j]);
+      if (row_scale != nullptr) {
+        v = _mm256_fmadd_ps(_mm256_set1_ps(row_scale[r]), _mm256_loadu_ps(out + 8 * j), v);
+      }
+      _mm256_storeu_ps(out + 8 * j, v);
+    }
+  }
+}
+
+void gemm(const GemmArgs& g) {
+  const float* a = static_cast<const float*>(g.a);
+  const float* b = static_cast<const float*>(g.b);
+  for (int64_t col = 0; col < g.n; col += 16) {
+    indexer::for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+      block<decltype(rows)::value>(a + r * g.lda, g.lda, b + col, g.ldb, g.depth,
+                                   g.c + r * g.ldc + col, g.ldc,
+                                   g.row_scale ? g.row_scale + r : nullptr, g.alpha);
+    });
+  }
+}
+
+// exp(x) for x <= 0; see attn_avx512.cpp. Below -87 the result is 0 (no subnormals), NaN stays.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(underflow, r);
+}
+
+void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = s + r * 64;
+    __m256 v[8];
+    __m256 top = _mm256_set1_ps(m[r]);
+    __m256 nan = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+      top = _mm256_max_ps(top, v[j]);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    float row_max = lanes[0];
+    for (int j = 1; j < 8; ++j) row_max = lanes[j] > row_max ? lanes[j] : row_max;
+    if (_mm256_movemask_ps(nan) != 0 || m[r] != m[r]) {
+      row_max = std::numeric_limits<float>::quiet_NaN();
+    }
+    if (row_max == kNegInf) {
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(x + 8 * j, _mm256_setzero_ps());
+      correction[r] = 1.0f;
+      continue;
+    }
+    const __m256 mv = _mm256_set1_ps(row_max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      const __m256 p = exp_nonpositive(_mm256_sub_ps(v[j], mv));
+      sum = _mm256_add_ps(sum, p);
+      _mm256_storeu_ps(x + 8 * j, p);
+    }
+    _mm256_store_ps(lanes, sum);
+    float total = 0.0f;
+    for (int j = 0; j < 8; ++j) total += lanes[j];
+    correction[r] = std::exp(m[r] - row_max);
+    l[r] = l[r] * correction[r] + total;
+    m[r] = row_max;
+  }
+}
+
+}  // namespace
+
+Kernels kernels_avx2() { return {&gemm, &softmax, nullptr}; }
+
+}  // namespace opmesh::core::attention
