@@ -273,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
                                max_of(cq.data(), uq.data(), 0), "max_seqlen_q");
   c.max_seqlen_kv =
       resolve_max(max_seqlen_kv, !kv_tnd && !paged, (!kv_tnd && !paged) ? k.size(ka.s) : 0,
-                  max_of(ck.data(), uk.data(), 0), "max_seqlen_kv");
+                  max_of(ck.data(), uk.data(), paged ? INT32_MAX : 0), "max_seqlen_kv");
   if (paged) {
     for (int64_t b = 0; b < c.batch_size; ++b) {
       TORCH_CHECK_VALUE(uk.data()[b] <= blocks_per_seq * block_size, "seqused_kv: entry ", b,

@@ -16,9 +16,9 @@ void require_positive(int64_t value, const char* name, int64_t limit) {
   }
 }
 
-// Lengths from a cumulative array: non-decreasing from 0, each difference <= max_len.
-void lengths_from_cumulative(const int32_t* cu, int64_t batch, int64_t max_len, const char* name,
-                             const char* max_name, bool is_q, std::vector<Sequence>& out) {
+// Lengths from a cumulative array: starts at 0, non-decreasing.
+void lengths_from_cumulative(const int32_t* cu, int64_t batch, const char* name, bool is_q,
+                             std::vector<Sequence>& out) {
   if (cu[0] != 0) throw ArgumentError(name, "must start at 0, got " + str(cu[0]));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = static_cast<int64_t>(cu[b + 1]) - cu[b];
@@ -26,24 +26,34 @@ void lengths_from_cumulative(const int32_t* cu, int64_t batch, int64_t max_len, 
       throw ArgumentError(name, "must be non-decreasing, but entry " + str(b + 1) + " is " +
                                     str(cu[b + 1]) + " after " + str(cu[b]));
     }
-    if (len > max_len) {
-      throw ArgumentError(name, "sequence " + str(b) + " has length " + str(len) + ", more than " +
-                                    max_name + "=" + str(max_len));
-    }
     (is_q ? out[b].q_begin : out[b].k_begin) = cu[b];
     (is_q ? out[b].q_len : out[b].k_len) = len;
   }
 }
 
-void apply_used(const int32_t* used, int64_t batch, int64_t max_len, const char* name,
-                const char* max_name, bool is_q, std::vector<Sequence>& out) {
+// seqused entries: >= 0, and <= the padded length where the layout has one (limit >= 0).
+void apply_used(const int32_t* used, int64_t batch, int64_t limit, const char* name,
+                const char* limit_name, bool is_q, std::vector<Sequence>& out) {
   for (int64_t b = 0; b < batch; ++b) {
-    if (used[b] < 0 || used[b] > max_len) {
+    if (used[b] < 0 || (limit >= 0 && used[b] > limit)) {
       throw ArgumentError(name, "entry " + str(b) + " is " + str(used[b]) + ", expected [0, " +
-                                    max_name + "=" + str(max_len) + "]");
+                                    (limit >= 0 ? std::string(limit_name) + "=" + str(limit)
+                                                : std::string("inf")) +
+                                    "]");
     }
     int64_t& len = is_q ? out[b].q_len : out[b].k_len;
     len = std::min<int64_t>(len, used[b]);
+  }
+}
+
+void check_max(const std::vector<Sequence>& seqs, int64_t max_len, bool is_q) {
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const int64_t len = is_q ? seqs[b].q_len : seqs[b].k_len;
+    if (len > max_len) {
+      throw ArgumentError(is_q ? "max_seqlen_q" : "max_seqlen_kv",
+                          "is " + str(max_len) + ", but sequence " + str(b) + " has " +
+                              str(len) + (is_q ? " queries" : " keys"));
+    }
   }
 }
 
@@ -125,20 +135,20 @@ void validate_config(const PlanConfig& c) {
 std::vector<Sequence> resolve_sequences(const PlanConfig& c, const LengthArrays& l) {
   const int64_t batch = c.batch_size;
   std::vector<Sequence> seqs(batch);
-  if (c.layout_q == Layout::kTND) {
+  const bool q_tnd = c.layout_q == Layout::kTND;
+  const bool kv_tnd = c.layout_kv == Layout::kTND;
+  if (q_tnd) {
     if (l.cu_seqlens_q == nullptr) throw ArgumentError("cu_seqlens_q", "is required for TND");
-    lengths_from_cumulative(l.cu_seqlens_q, batch, c.max_seqlen_q, "cu_seqlens_q", "max_seqlen_q",
-                            true, seqs);
+    lengths_from_cumulative(l.cu_seqlens_q, batch, "cu_seqlens_q", true, seqs);
   } else {
     if (l.cu_seqlens_q != nullptr) {
       throw ArgumentError("cu_seqlens_q", "is only accepted with layout_q TND");
     }
     for (auto& s : seqs) s.q_len = c.max_seqlen_q;
   }
-  if (c.layout_kv == Layout::kTND) {
+  if (kv_tnd) {
     if (l.cu_seqlens_kv == nullptr) throw ArgumentError("cu_seqlens_kv", "is required for TND");
-    lengths_from_cumulative(l.cu_seqlens_kv, batch, c.max_seqlen_kv, "cu_seqlens_kv",
-                            "max_seqlen_kv", false, seqs);
+    lengths_from_cumulative(l.cu_seqlens_kv, batch, "cu_seqlens_kv", false, seqs);
   } else {
     if (l.cu_seqlens_kv != nullptr) {
       throw ArgumentError("cu_seqlens_kv", "is only accepted with layout_kv TND");
@@ -148,11 +158,16 @@ std::vector<Sequence> resolve_sequences(const PlanConfig& c, const LengthArrays&
     }
     for (auto& s : seqs) s.k_len = c.max_seqlen_kv;
   }
-  if (l.seqused_q)
-    apply_used(l.seqused_q, batch, c.max_seqlen_q, "seqused_q", "max_seqlen_q", true, seqs);
-  if (l.seqused_kv) {
-    apply_used(l.seqused_kv, batch, c.max_seqlen_kv, "seqused_kv", "max_seqlen_kv", false, seqs);
+  if (l.seqused_q) {
+    apply_used(l.seqused_q, batch, q_tnd ? -1 : c.max_seqlen_q, "seqused_q", "max_seqlen_q", true,
+               seqs);
   }
+  if (l.seqused_kv) {
+    apply_used(l.seqused_kv, batch, kv_tnd ? -1 : c.max_seqlen_kv, "seqused_kv", "max_seqlen_kv",
+               false, seqs);
+  }
+  check_max(seqs, c.max_seqlen_q, true);
+  check_max(seqs, c.max_seqlen_kv, false);
   return seqs;
 }
 
