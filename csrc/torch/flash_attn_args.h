@@ -5,7 +5,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string_view>
+#include <utility>
 
 #include "attention/config.h"
 
@@ -46,6 +48,23 @@ inline void check_rank(const at::Tensor& t, attn::Layout layout, const char* nam
   TORCH_CHECK_VALUE(t.dim() == a.rank, name, ": expected a ", a.rank, "-D ",
                     attn::layout_name(layout), " tensor, got ", t.dim(), "-D with shape ",
                     t.sizes());
+}
+
+// Every tensor argument on q's device (the metadata and length arrays are read on the host and
+// are checked where they are read).
+inline void check_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& block_table,
+                          const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK_VALUE(k.device() == q.device(), "k: expected a tensor on ", q.device(),
+                    " like q, got ", k.device());
+  TORCH_CHECK_VALUE(v.device() == q.device(), "v: expected a tensor on ", q.device(),
+                    " like q, got ", v.device());
+  for (const auto& [t, name] : {std::pair{&block_table, "block_table"}, {&sinks, "sinks"}}) {
+    if (t->has_value()) {
+      TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
+                        " like q, got ", (*t)->device());
+    }
+  }
 }
 
 }  // namespace opmesh::binding

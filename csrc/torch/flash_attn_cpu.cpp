@@ -124,13 +124,6 @@ attn::View view_of(const at::Tensor& t, attn::Layout layout) {
   return v;
 }
 
-void check_same_device(const std::optional<at::Tensor>& t, const at::Tensor& q, const char* name) {
-  if (t.has_value()) {
-    TORCH_CHECK_VALUE(t->device() == q.device(), name, ": expected a tensor on ", q.device(),
-                      " like q, got ", t->device());
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cu_seqlens_q,
@@ -142,12 +135,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     c10::string_view layout_out, bool return_softmax_lse) {
   // Device.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
-  TORCH_CHECK_VALUE(k.device() == q.device(), "k: expected a tensor on ", q.device(),
-                    " like q, got ", k.device());
-  TORCH_CHECK_VALUE(v.device() == q.device(), "v: expected a tensor on ", q.device(),
-                    " like q, got ", v.device());
-  check_same_device(block_table, q, "block_table");
-  check_same_device(sinks, q, "sinks");
+  check_devices(q, k, v, block_table, sinks);
   // Dtype.
   const core::DType dtype = core_dtype(q.scalar_type());
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k: expected dtype ", q.scalar_type(),

@@ -1,36 +1,24 @@
-// Shape functions of flash_attn_metadata and flash_attn for fake tensors and torch.compile.
-// Sizes stay symbolic, so dynamic shapes need no recompilation.
+// Shape function of flash_attn for fake tensors and torch.compile. Sizes stay symbolic, so dynamic
+// shapes need no recompilation. flash_attn_metadata's fake lives in opmesh/_fake.py: with no
+// tensor argument at all there is no device for a Meta kernel to follow, and the plan is a CPU
+// tensor whatever the inputs.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "attention/metadata.h"
 #include "flash_attn_args.h"
 
 namespace opmesh::binding {
 namespace {
 
-at::Tensor metadata_meta(int64_t, int64_t, int64_t, std::optional<int64_t>,
-                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, c10::string_view,
-                         c10::string_view, c10::string_view, std::optional<int64_t> num_workers,
-                         bool) {
-  const int64_t workers = num_workers.value_or(std::max(1, at::get_num_threads()));
-  TORCH_CHECK_VALUE(workers >= 1 && workers <= (1 << 16),
-                    "num_workers: must be in [1, 65536], got ", workers);
-  return at::empty({attn::metadata::size_words(workers)},
-                   at::TensorOptions().dtype(at::kInt).device(at::kMeta));
-}
-
 std::tuple<at::Tensor, at::Tensor> flash_attn_meta(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>&,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-    int64_t, int64_t, int64_t, std::optional<int64_t>, std::optional<int64_t>,
-    c10::string_view layout_q, c10::string_view layout_kv, c10::string_view layout_out,
-    bool return_softmax_lse) {
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>&, std::optional<double>, int64_t, int64_t, int64_t,
+    std::optional<int64_t>, std::optional<int64_t>, c10::string_view layout_q,
+    c10::string_view layout_kv, c10::string_view layout_out, bool return_softmax_lse) {
+  check_devices(q, k, v, block_table, sinks);
   const attn::Layout lq = parse_layout(layout_q, "layout_q");
   const attn::Layout lkv = parse_layout(layout_kv, "layout_kv");
   const attn::Layout lo = parse_layout(layout_out, "layout_out");
@@ -62,9 +50,6 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opmesh, Meta, m) {
-  m.impl("flash_attn_metadata", &metadata_meta);
-  m.impl("flash_attn", &flash_attn_meta);
-}
+TORCH_LIBRARY_IMPL(opmesh, Meta, m) { m.impl("flash_attn", &flash_attn_meta); }
 
 }  // namespace opmesh::binding

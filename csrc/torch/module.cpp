@@ -188,7 +188,19 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
   return out;
 }
 
-PyMethodDef methods[] = {{"_describe_metadata", describe_metadata, METH_VARARGS,
+PyObject* metadata_words(PyObject*, PyObject* arg) {
+  const long long workers = PyLong_AsLongLong(arg);
+  if (workers == -1 && PyErr_Occurred()) return nullptr;
+  if (workers < 1 || workers > (1 << 16)) {
+    PyErr_Format(PyExc_ValueError, "num_workers: must be in [1, 65536], got %lld", workers);
+    return nullptr;
+  }
+  return PyLong_FromLongLong(attn::metadata::size_words(workers));
+}
+
+PyMethodDef methods[] = {{"_metadata_words", metadata_words, METH_O,
+                          "Length of a flash_attn_metadata tensor planned for num_workers."},
+                         {"_describe_metadata", describe_metadata, METH_VARARGS,
                           "Decodes the words of a flash_attn_metadata tensor into a dict."},
                          {"_plan_pieces", plan_pieces, METH_VARARGS,
                           "Per-worker pieces of a plan with their modelled cost (ns)."},

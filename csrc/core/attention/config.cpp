@@ -36,10 +36,10 @@ void apply_used(const int32_t* used, int64_t batch, int64_t limit, const char* n
                 const char* limit_name, bool is_q, std::vector<Sequence>& out) {
   for (int64_t b = 0; b < batch; ++b) {
     if (used[b] < 0 || (limit >= 0 && used[b] > limit)) {
-      throw ArgumentError(name, "entry " + str(b) + " is " + str(used[b]) + ", expected [0, " +
-                                    (limit >= 0 ? std::string(limit_name) + "=" + str(limit)
-                                                : std::string("inf")) +
-                                    "]");
+      throw ArgumentError(
+          name, "entry " + str(b) + " is " + str(used[b]) + ", expected [0, " +
+                    (limit >= 0 ? std::string(limit_name) + "=" + str(limit) : std::string("inf")) +
+                    "]");
     }
     int64_t& len = is_q ? out[b].q_len : out[b].k_len;
     len = std::min<int64_t>(len, used[b]);
@@ -51,8 +51,8 @@ void check_max(const std::vector<Sequence>& seqs, int64_t max_len, bool is_q) {
     const int64_t len = is_q ? seqs[b].q_len : seqs[b].k_len;
     if (len > max_len) {
       throw ArgumentError(is_q ? "max_seqlen_q" : "max_seqlen_kv",
-                          "is " + str(max_len) + ", but sequence " + str(b) + " has " +
-                              str(len) + (is_q ? " queries" : " keys"));
+                          "is " + str(max_len) + ", but sequence " + str(b) + " has " + str(len) +
+                              (is_q ? " queries" : " keys"));
     }
   }
 }
