@@ -1,4 +1,4 @@
-"""Command line: ``python -m opmesh demo``."""
+"""Command line: ``python -m opmesh demo`` and ``python -m opmesh plan``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,22 @@ def main(argv=None):
     demo.add_argument("--seq", type=int, default=4096, help="sequence length S1 = S2")
     demo.add_argument("--heads", type=int, default=64, help="query heads N1 (N2 = 1)")
     demo.add_argument("--dim", type=int, default=128, help="head dim D")
+    plan = sub.add_parser("plan", help="plan a variable-length batch and show the work spread")
+    plan.add_argument("--seqlens-q", type=int, nargs="+", required=True, help="query lengths")
+    plan.add_argument("--seqlens-kv", type=int, nargs="+", help="key lengths (default: query's)")
+    plan.add_argument("--num-workers", type=int, default=None, help="default: thread count")
+    plan.add_argument("--heads-q", type=int, default=32)
+    plan.add_argument("--heads-kv", type=int, default=8)
+    plan.add_argument("--head-dim", type=int, default=128)
+    plan.add_argument("--mask-mode", type=int, default=3, choices=[0, 3])
+    plan.add_argument("--deterministic", action="store_true", help="fixed 1024-key splits")
+    plan.add_argument("--png", help="draw the per-worker timelines to this file")
     args = parser.parse_args(argv)
-    if args.command == "demo":
+    if args.command == "plan":
+        from ._plan_view import run
+
+        run(args)
+    elif args.command == "demo":
         from ._demo import run_demo
 
         run_demo(seq=args.seq, heads=args.heads, dim=args.dim)

@@ -137,7 +137,8 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
 }
 
 // The pieces of every worker's stretch with their modelled cost, given the per-sequence
-// (q_len, k_len) pairs the plan was made for: [[(b, h, t, k_from, k_to, cost), ...], ...].
+// (q_len, k_len) pairs the plan was made for:
+// [[(b, h, t, k_from, k_to, rows, cost, task cost, combine cost per partial), ...], ...].
 PyObject* plan_pieces(PyObject*, PyObject* args) {
   attn::metadata::Decoded d;
   PyObject* lens = nullptr;
@@ -174,11 +175,14 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
             const attn::TileSpan& sp) {
           const int64_t rows =
               (walker.tile_end(b, t) - walker.tile_begin(t)) * d.plan.geometry.group;
-          double cost = attn::task_cost(m, rows, dims);
+          const double task = attn::task_cost(m, rows, dims);
+          double cost = task;
           for (int64_t j = k_from; j < k_to; ++j) {
             cost += attn::block_cost(m, rows, dims, j < sp.full_begin || j >= sp.full_end);
           }
-          PyObject* item = Py_BuildValue("(iiiiid)", b, h, t, k_from, k_to, cost);
+          const double combine = attn::combine_cost(m, rows, d.config.head_dim_v);
+          PyObject* item = Py_BuildValue("(iiiiiiddd)", b, h, t, k_from, k_to,
+                                         static_cast<int>(rows), cost, task, combine);
           PyList_Append(pieces, item);
           Py_DECREF(item);
         });
