@@ -6,8 +6,10 @@ Importing the package loads the compiled extension, which registers the operator
 
 import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
 
-from . import _C  # noqa: F401  (registers torch.ops.opmesh.*)
-from . import _fake  # noqa: F401  (fake implementations registered from Python)
+from . import (
+    _C,  # noqa: F401  (registers torch.ops.opmesh.*)
+    _fake,  # noqa: F401  (fake implementations registered from Python)
+)
 from .ops import (
     dense_lightning_indexer_softmax_lse,
     describe_metadata,

@@ -126,7 +126,7 @@ def test_compile_varlen_equals_eager(dynamic):
             max(case.q_lens),
             max(case.k_lens),
         )
-        for got, want in zip(compiled(*args), varlen_attention(*args)):
+        for got, want in zip(compiled(*args), varlen_attention(*args), strict=True):
             assert torch.equal(got, want)
 
 
