@@ -21,7 +21,18 @@ def plan_pieces(metadata: torch.Tensor, q_lens, k_lens):
     """Each worker's pieces as dicts with the sequence, key head, query tile, key tiles, rows and
     modelled cost (ns), for a plan made for per-sequence lengths q_lens / k_lens."""
     words = metadata.detach().cpu().contiguous().numpy().tobytes()
-    names = ("b", "h", "t", "k_from", "k_to", "rows", "cost", "task_cost", "combine_cost")
+    names = (
+        "b",
+        "h",
+        "t",
+        "k_from",
+        "k_to",
+        "rows",
+        "cost",
+        "task_cost",
+        "combine_cost",
+        "masked_tiles",
+    )
     raw = _C._plan_pieces(words, list(zip(q_lens, k_lens, strict=True)))
     return [[dict(zip(names, piece, strict=True)) for piece in worker] for worker in raw]
 

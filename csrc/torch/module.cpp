@@ -138,7 +138,8 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
 
 // The pieces of every worker's stretch with their modelled cost, given the per-sequence
 // (q_len, k_len) pairs the plan was made for:
-// [[(b, h, t, k_from, k_to, rows, cost, task cost, combine cost per partial), ...], ...].
+// [[(b, h, t, k_from, k_to, rows, cost, task cost, combine cost per partial, masked tiles),
+//   ...], ...].
 PyObject* plan_pieces(PyObject*, PyObject* args) {
   attn::metadata::Decoded d;
   PyObject* lens = nullptr;
@@ -177,12 +178,15 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
               (walker.tile_end(b, t) - walker.tile_begin(t)) * d.plan.geometry.group;
           const double task = attn::task_cost(m, rows, dims);
           double cost = task;
+          int masked = 0;
           for (int64_t j = k_from; j < k_to; ++j) {
-            cost += attn::block_cost(m, rows, dims, j < sp.full_begin || j >= sp.full_end);
+            const bool edge = j < sp.full_begin || j >= sp.full_end;
+            masked += edge ? 1 : 0;
+            cost += attn::block_cost(m, rows, dims, edge);
           }
           const double combine = attn::combine_cost(m, rows, d.config.head_dim_v);
-          PyObject* item = Py_BuildValue("(iiiiiiddd)", b, h, t, k_from, k_to,
-                                         static_cast<int>(rows), cost, task, combine);
+          PyObject* item = Py_BuildValue("(iiiiiidddi)", b, h, t, k_from, k_to,
+                                         static_cast<int>(rows), cost, task, combine, masked);
           PyList_Append(pieces, item);
           Py_DECREF(item);
         });

@@ -193,30 +193,65 @@ class Runner {
     }
   }
 
+  // Packs key tile j of (b, h) as [depth][64] words (transposed) and value tile j as
+  // [keys or key pairs][dvp] words, zero beyond the sequence and the head dims. Contiguous rows
+  // of float32 or bf16 take a direct path; anything else is converted element by element.
   void pack_tile(Scratch& sc, int64_t b, int64_t h, int64_t j, uint32_t* kp, uint32_t* vp) const {
-    const int64_t k_len = seqs_[b].k_len;
-    std::fill(kp, kp + k_tile_words_, 0u);
-    std::fill(vp, vp + v_tile_words_, 0u);
-    uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
-    float* rowf = sc.row.data();
-    uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
-    for (int64_t n = 0; n < kKeyTile; ++n) {
-      const int64_t key = j * kKeyTile + n;
-      if (key >= k_len) break;
-      const int64_t ko = key_offset(p_.k, b, h, key);
-      if (pairs_) {
-        load_row_bf16_pairs(p_.k.data, ko, p_.k.sd, d_, row);
-      } else {
-        load_row(p_.k.data, p_.dtype, ko, p_.k.sd, d_, rowf);
+    const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
+    const bool fast_k = p_.k.sd == 1 && (pairs_ ? d_ % 2 == 0 : p_.dtype == DType::kFloat32);
+    const bool fast_v = p_.v.sd == 1 && (pairs_ || p_.dtype == DType::kFloat32);
+    if (!fast_k) std::fill(kp, kp + k_tile_words_, 0u);
+    if (valid < kKeyTile || !fast_v || dvp_ != dv_) std::fill(vp, vp + v_tile_words_, 0u);
+    const size_t elem = p_.dtype == DType::kFloat32 ? 4 : 2;
+    const char* krows[kKeyTile];
+    const char* vrows[kKeyTile];
+    for (int64_t n = 0; n < valid; ++n) {
+      krows[n] =
+          static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile + n) * elem;
+      vrows[n] =
+          static_cast<const char*>(p_.v.data) + key_offset(p_.v, b, h, j * kKeyTile + n) * elem;
+    }
+    if (fast_k) {
+      k_.pack_keys(krows, valid, dw_, kp);
+    } else {
+      uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
+      for (int64_t n = 0; n < valid; ++n) {
+        const int64_t ko = key_offset(p_.k, b, h, j * kKeyTile + n);
+        if (pairs_) {
+          load_row_bf16_pairs(p_.k.data, ko, p_.k.sd, d_, row);
+        } else {
+          load_row(p_.k.data, p_.dtype, ko, p_.k.sd, d_, sc.row.data());
+        }
+        for (int64_t d = 0; d < dw_; ++d) kp[d * kKeyTile + n] = row[d];
       }
-      for (int64_t d = 0; d < dw_; ++d) kp[d * kKeyTile + n] = row[d];
-      const int64_t vo = key_offset(p_.v, b, h, key);
-      if (pairs_) {
-        const uint16_t* src = static_cast<const uint16_t*>(p_.v.data) + vo;
-        for (int64_t e = 0; e < dv_; ++e)
-          vp16[((n / 2) * dvp_ + e) * 2 + (n & 1)] = src[e * p_.v.sd];
-      } else {
-        load_row(p_.v.data, p_.dtype, vo, p_.v.sd, dv_, reinterpret_cast<float*>(vp) + n * dvp_);
+    }
+    if (fast_v && pairs_) {
+      // Rows 2i and 2i + 1 interleaved element by element into bf16 pairs.
+      for (int64_t i = 0; 2 * i < valid; ++i) {
+        const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vrows[2 * i]);
+        const uint16_t* r1 =
+            2 * i + 1 < valid ? reinterpret_cast<const uint16_t*>(vrows[2 * i + 1]) : nullptr;
+        uint32_t* dst = vp + i * dvp_;
+        if (r1 != nullptr) {
+          for (int64_t e = 0; e < dv_; ++e) dst[e] = r0[e] | (static_cast<uint32_t>(r1[e]) << 16);
+        } else {
+          for (int64_t e = 0; e < dv_; ++e) dst[e] = r0[e];
+        }
+      }
+    } else if (fast_v) {
+      for (int64_t n = 0; n < valid; ++n) std::memcpy(vp + n * dvp_, vrows[n], dv_ * sizeof(float));
+    } else {
+      uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
+      for (int64_t n = 0; n < valid; ++n) {
+        const int64_t vo = key_offset(p_.v, b, h, j * kKeyTile + n);
+        if (pairs_) {
+          const uint16_t* src = static_cast<const uint16_t*>(p_.v.data) + vo;
+          for (int64_t e = 0; e < dv_; ++e) {
+            vp16[((n / 2) * dvp_ + e) * 2 + (n & 1)] = src[e * p_.v.sd];
+          }
+        } else {
+          load_row(p_.v.data, p_.dtype, vo, p_.v.sd, dv_, reinterpret_cast<float*>(vp) + n * dvp_);
+        }
       }
     }
   }
@@ -229,7 +264,8 @@ class Runner {
       const int64_t n = (seqs_[b].k_len + kKeyTile - 1) / kKeyTile;
       sc.cache_b = b;
       sc.cache_h = h;
-      sc.cache_all = n * per_tile * 4 <= kCacheLimitBytes;
+      // Worth keeping only when more than one query tile of this (b, h) can reuse the tiles.
+      sc.cache_all = walker_.num_query_tiles(b) > 1 && n * per_tile * 4 <= kCacheLimitBytes;
       const int64_t slots = sc.cache_all ? n : 1;
       if (static_cast<int64_t>(sc.cache.size()) < slots * per_tile)
         sc.cache.resize(slots * per_tile);

@@ -36,7 +36,12 @@ struct Kernels {
   void (*softmax)(float* s, int64_t rows, float* m, float* l, float* correction);
   // float -> bf16 with round-to-nearest-even; only set for the bf16 path.
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  // Key-tile packing, a transpose of 4-byte words: kp[d][n] = word d of rows[n] for the first
+  // `valid` of 64 rows, 0 for the others; `words` words per row.
+  void (*pack_keys)(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
 };
+
+void pack_keys_portable(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
 
 // Kernels for `isa`; with bf16_pairs the gemm consumes bf16 pairs (requires avx512_bf16).
 Kernels kernels(Isa isa, bool bf16_pairs);

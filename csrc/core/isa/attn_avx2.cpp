@@ -113,6 +113,6 @@ void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
 
 }  // namespace
 
-Kernels kernels_avx2() { return {&gemm, &softmax, nullptr}; }
+Kernels kernels_avx2() { return {&gemm, &softmax, nullptr, &pack_keys_portable}; }
 
 }  // namespace opmesh::core::attention

@@ -1,5 +1,6 @@
 // AVX-512F flash-attention micro-kernels on float32 words, and the vectorised softmax step the
 // bf16 variant shares.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -37,7 +38,52 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 void gemm_f32(const GemmArgs& g) { Avx512Gemm<Float32Policy>::run(g); }
 
+// In-register transpose of a 16 x 16 block of 4-byte words: out[c] lane i = in[i] lane c.
+inline void transpose16(const __m512i in[16], __m512i out[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  // u[4g + k], 128-bit lane l: rows 4g..4g+3 of column 4l + k.
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* tg = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(tg[0], tg[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(tg[0], tg[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(tg[1], tg[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(tg[1], tg[3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+    out[k] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    out[8 + k] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    out[4 + k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    out[12 + k] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
 }  // namespace
+
+void pack_keys_avx512(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
+  __m512i in[16], out[16];
+  for (int64_t n0 = 0; n0 < 64; n0 += 16) {
+    for (int64_t d0 = 0; d0 < words; d0 += 16) {
+      const int64_t count = std::min<int64_t>(16, words - d0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+      for (int i = 0; i < 16; ++i) {
+        in[i] = n0 + i < valid ? _mm512_maskz_loadu_epi32(mask, rows[n0 + i] + 4 * d0)
+                               : _mm512_setzero_si512();
+      }
+      transpose16(in, out);
+      for (int64_t c = 0; c < count; ++c) {
+        _mm512_storeu_si512(kp + (d0 + c) * 64 + n0, out[c]);
+      }
+    }
+  }
+}
 
 void softmax_avx512(float* s, int64_t rows, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -71,6 +117,6 @@ void softmax_avx512(float* s, int64_t rows, float* m, float* l, float* correctio
   }
 }
 
-Kernels kernels_avx512() { return {&gemm_f32, &softmax_avx512, nullptr}; }
+Kernels kernels_avx512() { return {&gemm_f32, &softmax_avx512, nullptr, &pack_keys_avx512}; }
 
 }  // namespace opmesh::core::attention

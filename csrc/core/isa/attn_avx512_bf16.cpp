@@ -5,6 +5,7 @@
 namespace opmesh::core::attention {
 
 void softmax_avx512(float* s, int64_t rows, float* m, float* l, float* correction);
+void pack_keys_avx512(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
 
 namespace {
 
@@ -34,6 +35,6 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 
 }  // namespace
 
-Kernels kernels_avx512_bf16() { return {&gemm_bf16, &softmax_avx512, &to_bf16}; }
+Kernels kernels_avx512_bf16() { return {&gemm_bf16, &softmax_avx512, &to_bf16, &pack_keys_avx512}; }
 
 }  // namespace opmesh::core::attention

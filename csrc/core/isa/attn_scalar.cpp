@@ -1,5 +1,6 @@
 // Portable flash-attention micro-kernels: plain loops, std::exp.
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "../attention/kernels.h"
@@ -53,6 +54,16 @@ void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
 
 }  // namespace
 
-Kernels kernels_scalar() { return {&gemm, &softmax, nullptr}; }
+void pack_keys_portable(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
+  for (int64_t n = 0; n < 64; ++n) {
+    for (int64_t d = 0; d < words; ++d) {
+      uint32_t word = 0;
+      if (n < valid) std::memcpy(&word, rows[n] + 4 * d, 4);
+      kp[d * 64 + n] = word;
+    }
+  }
+}
+
+Kernels kernels_scalar() { return {&gemm, &softmax, nullptr, &pack_keys_portable}; }
 
 }  // namespace opmesh::core::attention
