@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -71,6 +72,9 @@ int64_t UnitWalker::unit_index(const Position& p) const {
 
 namespace {
 
+// Relative precision of the capacity search: far below the cost model's own accuracy.
+constexpr double kCapacityTolerance = 5e-5;
+
 bool before(const Position& a, const Position& b) {
   return std::tie(a.b, a.h, a.t, a.k) < std::tie(b.b, b.h, b.t, b.k);
 }
@@ -104,6 +108,8 @@ class Planner {
         const int64_t rows = rows_of(b, t);
         acc += task_cost(m_, rows, dim_sum_) + tiles_cost(sp, rows, sp.end - sp.begin);
         indivisible_ = std::max(indivisible_, smallest_first_piece(sp, rows));
+        if (sp.end > sp.begin)
+          min_block_ = std::min(min_block_, block_cost(m_, rows, dim_sum_, false));
       }
       unit_pre_[base_[b] + n] = acc;
       seq_cost_[b] = acc;
@@ -121,15 +127,26 @@ class Planner {
     const double workers = static_cast<double>(c_.num_workers);
     plan.lower_bound = std::max(plan.total_cost / workers, indivisible_);
     if (plan.total_cost > 0) {
-      // Smallest capacity for which the greedy fill places everything, by bisection.
+      // Smallest capacity for which the greedy fill places everything, by bisection. With
+      // capacity lower_bound + max_overhead_ every worker places at least lower_bound of work
+      // (it loses at most one continuation's extra cost and one key tile), so that bracket holds
+      // the answer; the loop doubles it only to be safe against rounding.
       double lo = plan.lower_bound;
       double hi = lo;
-      if (!fill(lo, nullptr)) {
-        hi = lo * 1.01 + 2 * max_overhead_;
-        while (!fill(hi, nullptr)) hi *= 2;
-        for (int it = 0; it < 40 && hi - lo > 1e-3 * hi; ++it) {
+      double left = fill(lo, nullptr);
+      if (left > 0) {
+        // Raise the capacity by what is left over, spread over every worker, until everything
+        // fits; then bisect. Cuts fall on key tiles, so resolving the capacity more finely than a
+        // fraction of the cheapest block changes nothing.
+        hi = lo + left / workers;
+        while ((left = fill(hi, nullptr)) > 0) {
+          lo = hi;
+          hi += left / workers + 0.5 * min_block_;
+        }
+        const double resolution = std::max(kCapacityTolerance * lo, 0.25 * min_block_);
+        for (int it = 0; it < 40 && hi - lo > resolution; ++it) {
           const double mid = 0.5 * (lo + hi);
-          (fill(mid, nullptr) ? hi : lo) = mid;
+          (fill(mid, nullptr) > 0 ? lo : hi) = mid;
         }
       }
       fill(hi, &plan);
@@ -218,23 +235,41 @@ class Planner {
   }
 
   // Greedy fill with `capacity` per worker; records the plan when `out` is given.
-  bool fill(double capacity, Plan* out) const {
+  // Returns the cost left unplaced (0 when everything fits).
+  double fill(double capacity, Plan* out) const {
     Position cur = walker_.first_unit();
+    double cur_x = 0;  // coordinate of cur
     for (int64_t w = 0; w < c_.num_workers; ++w) {
       const Position begin = cur;
       double extra = 0;
       if (walker_.mid_unit(cur)) extra = continuation_extra(rows_of(cur.b, cur.t));
       Position end = cur;
+      double end_x = cur_x;
       if (!walker_.is_end(cur)) {
-        end = w + 1 == c_.num_workers && out != nullptr
-                  ? Position{static_cast<int32_t>(c_.batch_size), 0, 0, 0}
-                  : locate(coord(cur) + capacity - extra);
+        if (w + 1 == c_.num_workers && out != nullptr) {
+          end = walker_.end();
+        } else {
+          end = locate(cur_x + capacity - extra);
+          // A split costs the next worker a continuation; take a piece of a unit only when it is
+          // worth more than that, else stop at the unit's start.
+          if (walker_.mid_unit(end)) {
+            const Position start = walker_.unit_start(end.b, end.h, end.t);
+            const bool same = start.b == cur.b && start.h == cur.h && start.t == cur.t;
+            const Position from = same ? cur : start;
+            if (coord(end) - coord(from) < continuation_extra(rows_of(end.b, end.t)) &&
+                !before(start, cur) && !same) {
+              end = start;
+            }
+          }
+        }
         if (before(end, cur)) end = cur;
+        end_x = coord(end);
       }
       if (out != nullptr) record(begin, end, extra, *out);
       cur = end;
+      cur_x = end_x;
     }
-    return walker_.is_end(cur);
+    return walker_.is_end(cur) ? 0.0 : std::max(cum_.back() - cur_x, 1e-9);
   }
 
   void record(const Position& begin, const Position& end, double extra, Plan& plan) const {
@@ -277,6 +312,7 @@ class Planner {
   std::vector<double> seq_cost_;  // cost of one key head of a sequence
   std::vector<double> cum_;       // exclusive prefix over sequences of num_heads_kv * seq_cost_
   double indivisible_ = 0;
+  double min_block_ = std::numeric_limits<double>::infinity();
   double max_overhead_ = 0;
 };
 
