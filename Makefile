@@ -51,3 +51,4 @@ test-py: build
 
 bench: build
 	$(PY) benchmarks/bench_indexer.py
+	$(PY) benchmarks/bench_flash_attn.py

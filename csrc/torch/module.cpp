@@ -170,26 +170,26 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
   PyObject* out = PyList_New(0);
   for (const attn::WorkerRange& r : d.plan.workers) {
     PyObject* pieces = PyList_New(0);
-    walker.for_each_piece(
-        r.begin, r.end,
-        [&](int32_t b, int32_t h, int32_t t, int32_t k_from, int32_t k_to,
-            const attn::TileSpan& sp) {
-          const int64_t rows =
-              (walker.tile_end(b, t) - walker.tile_begin(t)) * d.plan.geometry.group;
-          const double task = attn::task_cost(m, rows, dims);
-          double cost = task;
-          int masked = 0;
-          for (int64_t j = k_from; j < k_to; ++j) {
-            const bool edge = j < sp.full_begin || j >= sp.full_end;
-            masked += edge ? 1 : 0;
-            cost += attn::block_cost(m, rows, dims, edge);
-          }
-          const double combine = attn::combine_cost(m, rows, d.config.head_dim_v);
-          PyObject* item = Py_BuildValue("(iiiiiidddi)", b, h, t, k_from, k_to,
-                                         static_cast<int>(rows), cost, task, combine, masked);
-          PyList_Append(pieces, item);
-          Py_DECREF(item);
-        });
+    walker.for_each_piece(r.begin, r.end,
+                          [&](int32_t b, int32_t h, int32_t t, int32_t k_from, int32_t k_to,
+                              const attn::TileSpan& sp) {
+                            const int64_t rows = (walker.tile_end(b, t) - walker.tile_begin(t)) *
+                                                 d.plan.geometry.group;
+                            const double task = attn::task_cost(m, rows, dims);
+                            double cost = task;
+                            int masked = 0;
+                            for (int64_t j = k_from; j < k_to; ++j) {
+                              const bool edge = j < sp.full_begin || j >= sp.full_end;
+                              masked += edge ? 1 : 0;
+                              cost += attn::block_cost(m, rows, dims, edge);
+                            }
+                            const double combine = attn::combine_cost(m, rows, d.config.head_dim_v);
+                            PyObject* item =
+                                Py_BuildValue("(iiiiiidddi)", b, h, t, k_from, k_to,
+                                              static_cast<int>(rows), cost, task, combine, masked);
+                            PyList_Append(pieces, item);
+                            Py_DECREF(item);
+                          });
     PyList_Append(out, pieces);
     Py_DECREF(pieces);
   }

@@ -7,31 +7,16 @@
 #include <cstring>
 #include <limits>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "errors.h"
 #include "indexer.h"
+#include "thread_executor.h"
 
 namespace opmesh::core {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// Runs workers on real threads, as the binding's pool does.
-class ThreadExecutor final : public Executor {
- public:
-  explicit ThreadExecutor(int n) : n_(n) {}
-  int num_workers() const override { return n_; }
-  void run_workers(const std::function<void(int)>& fn) const override {
-    std::vector<std::thread> threads;
-    for (int w = 0; w < n_; ++w) threads.emplace_back(fn, w);
-    for (auto& t : threads) t.join();
-  }
-
- private:
-  int n_;
-};
 
 uint16_t to_bf16_bits(float x) {
   uint32_t u;

@@ -195,9 +195,17 @@ class Planner {
   }
 
   // The furthest allowed cut position whose coordinate is <= target.
-  Position locate(double target) const {
+  // `from` is a sequence at or before the answer: the search gallops forward from it, since
+  // successive workers' cuts move forward through the batch.
+  Position locate(double target, int64_t from = 0) const {
     if (target >= cum_.back()) return Position{static_cast<int32_t>(c_.batch_size), 0, 0, 0};
-    const int64_t b = std::upper_bound(cum_.begin(), cum_.end(), target) - cum_.begin() - 1;
+    int64_t lo = std::max<int64_t>(0, from), step = 1;
+    while (lo + step < c_.batch_size && cum_[lo + step] <= target) {
+      lo += step;
+      step *= 2;
+    }
+    const auto window_end = cum_.begin() + std::min<int64_t>(c_.batch_size, lo + step) + 1;
+    const int64_t b = std::upper_bound(cum_.begin() + lo, window_end, target) - cum_.begin() - 1;
     double rem = target - cum_[b];
     const int64_t h = std::min<int64_t>(c_.num_heads_kv - 1,
                                         static_cast<int64_t>(std::floor(rem / seq_cost_[b])));
@@ -249,7 +257,7 @@ class Planner {
         if (w + 1 == c_.num_workers && out != nullptr) {
           end = walker_.end();
         } else {
-          end = locate(cur_x + capacity - extra);
+          end = locate(cur_x + capacity - extra, cur.b);
           // A split costs the next worker a continuation; take a piece of a unit only when it is
           // worth more than that, else stop at the unit's start.
           if (walker_.mid_unit(end)) {
