@@ -323,31 +323,42 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     plan = &own_plan;
   }
 
-  // Outputs: padding rows keep these fills.
+  // Outputs. The kernel writes every row a sequence uses; only when seqused leaves padding rows
+  // (or TND tokens past a sequence's used length) must the outputs start as 0 / +inf.
   const int64_t batch = c.batch_size;
   const int64_t nq = c.num_heads_q;
+  bool padding = false;
+  for (int64_t b = 0; b < batch && !padding; ++b) {
+    const int64_t rows = q_tnd ? cq.data()[b + 1] - cq.data()[b] : q.size(qa.s);
+    padding = seqs[b].q_len < rows;
+  }
+  if (batch == 0 && (q_tnd ? q.size(0) : 0) > 0) padding = true;
+  auto make_out = [&](at::IntArrayRef shape) {
+    return padding ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
+  };
   at::Tensor out;
   at::Tensor lse;
   attn::FlashAttnParams p;
   if (q_tnd) {
-    out = at::zeros({q.size(0), nq, c.head_dim_v}, q.options());
+    out = make_out({q.size(0), nq, c.head_dim_v});
     p.out_sb = 0;
     p.out_ss = out.stride(0);
     p.out_sn = out.stride(1);
   } else {
     const int64_t s1 = q.size(qa.s);
     const bool bnsd = c.layout_out == attn::Layout::kBNSD;
-    out = at::zeros(bnsd ? std::vector<int64_t>{batch, nq, s1, c.head_dim_v}
-                         : std::vector<int64_t>{batch, s1, nq, c.head_dim_v},
-                    q.options());
+    out = make_out(bnsd ? std::vector<int64_t>{batch, nq, s1, c.head_dim_v}
+                        : std::vector<int64_t>{batch, s1, nq, c.head_dim_v});
     p.out_sb = out.stride(0);
     p.out_ss = out.stride(bnsd ? 2 : 1);
     p.out_sn = out.stride(bnsd ? 1 : 2);
   }
   p.out_sd = out.stride(-1);
   if (return_softmax_lse) {
-    lse = q_tnd ? at::full({nq, q.size(0)}, INFINITY, q.options().dtype(at::kFloat))
-                : at::full({batch, nq, q.size(qa.s)}, INFINITY, q.options().dtype(at::kFloat));
+    const auto lse_options = q.options().dtype(at::kFloat);
+    const std::vector<int64_t> shape =
+        q_tnd ? std::vector<int64_t>{nq, q.size(0)} : std::vector<int64_t>{batch, nq, q.size(qa.s)};
+    lse = padding ? at::full(shape, INFINITY, lse_options) : at::empty(shape, lse_options);
     p.lse = lse.data_ptr<float>();
     p.lse_sb = q_tnd ? 0 : lse.stride(0);
     p.lse_sn = lse.stride(q_tnd ? 0 : 1);

@@ -106,8 +106,10 @@ void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads) {
   p.v = {x.v.data(), 0, kHeadsKv * kDimV, kDimV, 1};
   p.sinks = sinks ? x.sinks.data() : nullptr;
   p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)));
-  std::vector<float> out(total * kHeadsQ * kDimV, 0.0f);
-  std::vector<float> lse(kHeadsQ * total, std::numeric_limits<float>::infinity());
+  // No padding rows here: the kernel must write every element, so start from NaN.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> out(total * kHeadsQ * kDimV, nan);
+  std::vector<float> lse(kHeadsQ * total, nan);
   p.out = out.data();
   p.out_ss = kHeadsQ * kDimV;
   p.out_sn = kDimV;

@@ -40,8 +40,8 @@ struct FlashAttnParams {
 // Floats of workspace the plan's split units need.
 int64_t workspace_floats(const PlanConfig& config, const Plan& plan);
 
-// Runs the plan. The caller has filled `out` with zeros and `lse` with +inf, so rows no task
-// touches (query padding) already hold their final values. `worker_ns`, when given, receives each
+// Runs the plan. Every query row of every sequence's used length is written (output and lse);
+// rows beyond it (query padding) are not touched, so the caller fills them with 0 and +inf. `worker_ns`, when given, receives each
 // logical worker's busy time in nanoseconds.
 void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
                 const Plan& plan, const Executor& executor, Isa isa, float* workspace,
