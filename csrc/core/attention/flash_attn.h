@@ -41,8 +41,8 @@ struct FlashAttnParams {
 int64_t workspace_floats(const PlanConfig& config, const Plan& plan);
 
 // Runs the plan. Every query row of every sequence's used length is written (output and lse);
-// rows beyond it (query padding) are not touched, so the caller fills them with 0 and +inf. `worker_ns`, when given, receives each
-// logical worker's busy time in nanoseconds.
+// rows beyond it (query padding) are not touched, so the caller fills them with 0 and +inf.
+// `worker_ns`, when given, receives each logical worker's busy time in nanoseconds.
 void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
                 const Plan& plan, const Executor& executor, Isa isa, float* workspace,
                 int64_t* worker_ns);
