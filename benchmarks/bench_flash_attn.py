@@ -120,6 +120,19 @@ def varlen_inputs(lengths, dtype):
     return q, k, v, cu
 
 
+def plan(lengths, num_workers):
+    """flash_attn_metadata for the causal TND batch of `lengths` (benchmark heads and dims)."""
+    return varlen_metadata(
+        lengths,
+        lengths,
+        heads_q=NQ,
+        heads_kv=NKV,
+        head_dim=D,
+        mask_mode=3,
+        num_workers=num_workers,
+    )
+
+
 def ours_varlen(q, k, v, cu, lengths, md):
     return opmesh.flash_attn(
         q,
@@ -176,14 +189,9 @@ def varlen_section(args, lengths):
     for name in args.dtypes:
         dtype = DTYPES[name]
         q, k, v, cu = varlen_inputs(lengths, dtype)
-        md = varlen_metadata(
+        md = plan(
             lengths,
-            lengths,
-            heads_q=NQ,
-            heads_kv=NKV,
-            head_dim=D,
-            mask_mode=3,
-            num_workers=torch.get_num_threads(),
+            torch.get_num_threads(),
         )
         times = {
             "opmesh (planned)": time_call(
@@ -220,9 +228,7 @@ def varlen_section(args, lengths):
 def units_of(lengths):
     """Every (sequence, key head, query tile) unit with its modelled cost, from a one-worker plan
     (whose single stretch lists every unit whole)."""
-    md = varlen_metadata(
-        lengths, lengths, heads_q=NQ, heads_kv=NKV, head_dim=D, mask_mode=3, num_workers=1
-    )
+    md = plan(lengths, 1)
     positions = opmesh.describe_metadata(md)["query_positions_per_tile"]
     units = []
     for p in plan_pieces(md, lengths, lengths)[0]:
@@ -296,9 +302,7 @@ def plan_section(lengths, worker_counts):
     units = units_of(lengths)
     rows = []
     for workers in worker_counts:
-        md = varlen_metadata(
-            lengths, lengths, heads_q=NQ, heads_kv=NKV, head_dim=D, mask_mode=3, num_workers=workers
-        )
+        md = plan(lengths, workers)
         s = opmesh.describe_metadata(md)
         lb = s["lower_bound"]
         results = {
@@ -383,15 +387,7 @@ def imbalance_section(lengths, worker_counts):
     _C._set_worker_timing(True)
     try:
         for workers in worker_counts:
-            md = varlen_metadata(
-                lengths,
-                lengths,
-                heads_q=NQ,
-                heads_kv=NKV,
-                head_dim=D,
-                mask_mode=3,
-                num_workers=workers,
-            )
+            md = plan(lengths, workers)
             ours_varlen(q, k, v, cu, lengths, md)
             runs = []
             for _ in range(3):

@@ -108,8 +108,9 @@ def _flash_attn_demo(g, heads_q=32, heads_kv=8, dim=128):
         f"\nflash_attn, TND causal varlen: {len(lengths)} sequences {lengths}, "
         f"{heads_q} query / {heads_kv} key heads, D={dim}, {q.dtype}"
     )
-    for workers in (torch.get_num_threads(), 24):
-        md = opmesh.flash_attn_metadata(
+
+    def plan(workers=None):
+        return opmesh.flash_attn_metadata(
             heads_q,
             heads_kv,
             dim,
@@ -121,22 +122,14 @@ def _flash_attn_demo(g, heads_q=32, heads_kv=8, dim=128):
             num_workers=workers,
             **tnd,
         )
-        s = opmesh.describe_metadata(md)
+
+    for workers in (torch.get_num_threads(), 24):
+        s = opmesh.describe_metadata(plan(workers))
         print(
             f"  plan for {workers:3d} workers: {s['num_tasks']} tasks, {s['num_splits']} split "
             f"query tiles, makespan / lower bound = {s['makespan'] / s['lower_bound']:.4f}"
         )
-    md = opmesh.flash_attn_metadata(
-        heads_q,
-        heads_kv,
-        dim,
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        batch_size=len(lengths),
-        max_seqlen_q=max(lengths),
-        max_seqlen_kv=max(lengths),
-        **tnd,
-    )
+    md = plan()
 
     def attend(q, k, v, md):
         return opmesh.flash_attn(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, metadata=md, **tnd)

@@ -11,6 +11,7 @@
 #include "aten_executor.h"
 #include "attention/flash_attn.h"
 #include "attention/metadata.h"
+#include "dtypes.h"
 #include "errors.h"
 #include "flash_attn_args.h"
 #include "worker_times.h"
@@ -98,21 +99,6 @@ at::Tensor metadata_cpu(
   return out;
 }
 
-core::DType core_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return core::DType::kFloat32;
-    case at::kBFloat16:
-      return core::DType::kBFloat16;
-    case at::kHalf:
-      return core::DType::kFloat16;
-    case at::kDouble:
-      return core::DType::kFloat64;
-    default:
-      TORCH_CHECK_TYPE(false, "q: expected float32, bfloat16, float16 or float64, got ", t);
-  }
-}
-
 attn::View view_of(const at::Tensor& t, attn::Layout layout) {
   const Axes a = axes_of(layout);
   attn::View v;
@@ -137,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
   check_devices(q, k, v, block_table, sinks);
   // Dtype.
-  const core::DType dtype = core_dtype(q.scalar_type());
+  const core::DType dtype = to_core_dtype(q.scalar_type(), "q");
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k: expected dtype ", q.scalar_type(),
                    " like q, got ", k.scalar_type());
   TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "v: expected dtype ", q.scalar_type(),

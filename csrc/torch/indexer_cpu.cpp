@@ -6,26 +6,12 @@
 #include <vector>
 
 #include "aten_executor.h"
+#include "dtypes.h"
 #include "errors.h"
 #include "indexer_checks.h"
 
 namespace opmesh::binding {
 namespace {
-
-core::DType to_core_dtype(at::ScalarType t, const char* name) {
-  switch (t) {
-    case at::kFloat:
-      return core::DType::kFloat32;
-    case at::kBFloat16:
-      return core::DType::kBFloat16;
-    case at::kHalf:
-      return core::DType::kFloat16;
-    case at::kDouble:
-      return core::DType::kFloat64;
-    default:
-      TORCH_CHECK_TYPE(false, name, ": expected float32, bfloat16, float16 or float64, got ", t);
-  }
-}
 
 // Reads a 1-D int32/int64 length tensor of `expected` entries into host memory.
 std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens, const char* name,

@@ -5,17 +5,10 @@
 #include <limits>
 
 #include "avx512_gemm.h"
+#include "avx512_policies.h"
 
 namespace opmesh::core::attention {
 namespace {
-
-struct Float32Policy {
-  using Word = float;
-  using Vec = __m512;
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static Vec broadcast(float w) { return _mm512_set1_ps(w); }
-  static __m512 madd(__m512 acc, Vec x, Vec y) { return _mm512_fmadd_ps(x, y, acc); }
-};
 
 // exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f with f in [-1/2, 1/2] and a
 // degree-7 Taylor polynomial of 2^f (relative error below 1e-7). -inf gives 0, NaN stays NaN.
@@ -36,7 +29,7 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-void gemm_f32(const GemmArgs& g) { Avx512Gemm<Float32Policy>::run(g); }
+void gemm_f32(const GemmArgs& g) { Avx512Gemm<isa::Float32Policy>::run(g); }
 
 // In-register transpose of a 16 x 16 block of 4-byte words: out[c] lane i = in[i] lane c.
 inline void transpose16(const __m512i in[16], __m512i out[16]) {

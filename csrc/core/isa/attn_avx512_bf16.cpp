@@ -1,6 +1,7 @@
 // AVX-512 BF16 flash-attention micro-kernels: VDPBF16PS on bf16 pairs for both products (Q.K^T on
 // pairs along head_dim, P.V on pairs along keys), and VCVTNEPS2BF16 to round P to bf16.
 #include "avx512_gemm.h"
+#include "avx512_policies.h"
 
 namespace opmesh::core::attention {
 
@@ -9,16 +10,7 @@ void pack_keys_avx512(const char* const* rows, int64_t valid, int64_t words, uin
 
 namespace {
 
-struct Bf16PairPolicy {
-  using Word = uint32_t;
-  using Vec = __m512bh;
-  static Vec as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-  static Vec load(const uint32_t* p) { return as_bh(_mm512_loadu_si512(p)); }
-  static Vec broadcast(uint32_t w) { return as_bh(_mm512_set1_epi32(static_cast<int>(w))); }
-  static __m512 madd(__m512 acc, Vec x, Vec y) { return _mm512_dpbf16_ps(acc, x, y); }
-};
-
-void gemm_bf16(const GemmArgs& g) { Avx512Gemm<Bf16PairPolicy>::run(g); }
+void gemm_bf16(const GemmArgs& g) { Avx512Gemm<isa::Bf16PairPolicy>::run(g); }
 
 void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
