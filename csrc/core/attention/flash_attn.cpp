@@ -6,7 +6,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 
 #include "../aligned_buffer.h"
 #include "../online_softmax.h"
