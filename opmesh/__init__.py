@@ -5,10 +5,25 @@ Importing the package loads the compiled extension, which registers the operator
 """
 
 import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
+from torch.distributed.tensor import (
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
 
 from . import (
     _C,  # noqa: F401  (registers torch.ops.opmesh.*)
     _fake,  # noqa: F401  (fake implementations registered from Python)
+)
+from .distributed import (
+    DFunction,
+    DistributedOp,
+    Layout,
+    from_head_tail,
+    head_tail_cp,
+    to_head_tail,
 )
 from .ops import (
     dense_lightning_indexer_softmax_lse,
@@ -18,6 +33,17 @@ from .ops import (
 )
 
 __all__ = [
+    "DFunction",
+    "DistributedOp",
+    "Layout",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "distribute_tensor",
+    "from_head_tail",
+    "head_tail_cp",
+    "init_device_mesh",
+    "to_head_tail",
     "dense_lightning_indexer_softmax_lse",
     "flash_attn",
     "flash_attn_metadata",

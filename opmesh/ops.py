@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .distributed import DFunction
+
 LengthsLike = torch.Tensor | Sequence[int] | None
 
 
@@ -59,11 +61,15 @@ def dense_lightning_indexer_softmax_lse(
     Returns:
         ``(softmax_max, softmax_sum)``, float32, ``[B, N2, S1]`` (BSND) or ``[N2, T1]`` (TND).
 
+    With DTensor inputs the op runs on each rank's shard under the layout rules of
+    docs/distributed.md (batch and query-sequence sharding, context parallel) and returns
+    DTensors.
+
     Work is tiled (query tiles x 64-key tiles) with the relu and weighted head sum fused and an
     online max/sum, so extra memory is O(tile) whatever the sequence lengths; fully masked tiles
     are skipped.
     """
-    return torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
+    return _IndexerFunction.apply(
         query_index,
         key_index,
         weights,
@@ -72,6 +78,40 @@ def dense_lightning_indexer_softmax_lse(
         layout=layout,
         sparse_mode=sparse_mode,
     )
+
+
+class _IndexerFunction(DFunction):
+    """The indexer as a DFunction: plain tensors take the op directly; DTensors go through the
+    layout rules of opmesh/distributed/ops/indexer.py. The outputs have no gradient."""
+
+    _op_name = "dense_lightning_indexer_softmax_lse"
+
+    @staticmethod
+    def forward(
+        ctx,
+        query_index,
+        key_index,
+        weights,
+        actual_seq_qlen=None,
+        actual_seq_klen=None,
+        layout="BSND",
+        sparse_mode=3,
+    ):
+        out = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
+            query_index,
+            key_index,
+            weights,
+            actual_seq_qlen=actual_seq_qlen,
+            actual_seq_klen=actual_seq_klen,
+            layout=layout,
+            sparse_mode=sparse_mode,
+        )
+        ctx.mark_non_differentiable(*out)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, None
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:

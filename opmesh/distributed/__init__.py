@@ -1,0 +1,20 @@
+"""Ops on sharded tensors: DFunction, the dispatcher, DistributedOp and its registry, Layout,
+and context-parallel helpers (docs/distributed.md)."""
+
+from .context_parallel import from_head_tail, head_tail_cp, to_head_tail
+from .dfunction import DFunction
+from .dispatcher import DISPATCHER, OpDispatcher
+from .distributed_op import DistributedOp, get_distributed_op
+from .layout import Layout
+
+__all__ = [
+    "DFunction",
+    "DISPATCHER",
+    "DistributedOp",
+    "Layout",
+    "OpDispatcher",
+    "from_head_tail",
+    "get_distributed_op",
+    "head_tail_cp",
+    "to_head_tail",
+]

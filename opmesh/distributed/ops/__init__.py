@@ -1,0 +1,1 @@
+"""DistributedOps of the library's operators (declared in ../yaml/*.yaml, imported on first use)."""

@@ -1,0 +1,264 @@
+"""dense_lightning_indexer_softmax_lse on DTensors: layout rules and context parallelism.
+
+BSND: q [B, S1, N1, D], k [B, S2, N2, D], w [B, S1, N1]. Heads and D must be replicated, and so
+must k's S2. The batch dim is sharded alike in all three, and w's S1 like q's. The output
+[B, N2, S1] takes B and S1 from q.
+TND: q [T1, N1, D], k [T2, N2, D], w [T1, N1]. Only q's and w's T1 may be sharded, and alike.
+The output [N2, T1] takes T1 from q.
+
+Context parallel: when q's query sequence is sharded, each rank computes its own query rows
+against the replicated keys. The lengths the kernel receives are rewritten so that each local
+row keeps its global key range: it sees the key prefix its rows can see and no more. With
+opmesh.head_tail_cp() the query shards are in head-tail order (context_parallel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import platform as _platform
+from ..context_parallel import head_tail_enabled
+from ..distributed_op import DistributedOp
+from ..layout import Layout
+
+NAMES = ("query_index", "key_index", "weights")
+DIM_NAMES = {
+    "BSND": (("B", "S1", "N1", "D"), ("B", "S2", "N2", "D"), ("B", "S1", "N1")),
+    "TND": (("T1", "N1", "D"), ("T2", "N2", "D"), ("T1", "N1")),
+}
+
+
+def _lengths_list(value, name):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.tolist()]
+    return [int(v) for v in value]
+
+
+class IndexerDistributedOp(DistributedOp):
+    def __init__(self):
+        super().__init__("dense_lightning_indexer_softmax_lse")
+
+    # -- preprocess: check the layouts, take the DTensors apart -----------------------------
+
+    def preprocess(self, args, kwargs):
+        p = _platform.current()
+        if len(args) != 3:
+            raise ValueError(
+                "dense_lightning_indexer_softmax_lse: expected query_index, key_index and weights "
+                f"as positional arguments, got {len(args)}"
+            )
+        layout = kwargs.get("layout", "BSND")
+        if layout not in DIM_NAMES:
+            raise ValueError(f"layout: expected 'BSND' or 'TND', got {layout!r}")
+        for name, x in zip(NAMES, args, strict=True):
+            if not p.is_dtensor(x):
+                raise ValueError(
+                    f"{name}: expected a DTensor like the other inputs, got {type(x).__name__}"
+                )
+        layouts = [Layout.of(x) for x in args]
+        mesh = layouts[0].mesh
+        for name, lay in zip(NAMES[1:], layouts[1:], strict=True):
+            if lay.mesh != mesh:
+                raise ValueError(f"{name}: must be on the same device mesh as query_index")
+        for name, lay in zip(NAMES, layouts, strict=True):
+            partial = lay.partial_axes()
+            if partial:
+                raise ValueError(
+                    f"{name}: Partial placement on mesh axis {lay.axis_names[partial[0]]!r} is "
+                    "not supported; reduce it (redistribute to Replicate or Shard) first"
+                )
+        self._check_rules(layout, layouts)
+        head_tail = head_tail_enabled()
+        q_map = layouts[0].tensor_map
+        if head_tail and not (layout == "BSND" and q_map[1]):
+            raise ValueError(
+                "head_tail_cp: needs layout BSND with query_index's S1 sharded for context "
+                "parallelism"
+            )
+        local_args = tuple(p.to_local(x) for x in args)
+        local_kwargs = dict(kwargs)
+        cache_values = (
+            layout,
+            kwargs.get("sparse_mode", 3),
+            mesh,
+            tuple(lay.placements for lay in layouts),
+            tuple(lay.shape for lay in layouts),
+            head_tail,
+        )
+        return local_args, local_kwargs, cache_values
+
+    @staticmethod
+    def _check_rules(layout, layouts):
+        dims = DIM_NAMES[layout]
+
+        def fail(t, d, why):
+            lay = layouts[t]
+            where = (
+                f"is sharded over mesh axis {lay.axes_text(d)}"
+                if lay.tensor_map[d]
+                else "is not sharded"
+            )
+            raise ValueError(f"{NAMES[t]}: dim {d} ({dims[t][d]}) {where}; {why}")
+
+        maps = [lay.tensor_map for lay in layouts]
+        replicated = (
+            {0: (2, 3), 1: (1, 2, 3), 2: (2,)}
+            if layout == "BSND"
+            else {0: (1, 2), 1: (0, 1, 2), 2: (1,)}
+        )
+        for t, ds in replicated.items():
+            for d in ds:
+                if maps[t][d]:
+                    why = (
+                        "keys must be replicated (context parallel shards the queries only)"
+                        if t == 1 and dims[t][d] in ("S2", "T2")
+                        else "it must be replicated"
+                    )
+                    fail(t, d, why)
+        if layout == "BSND":
+            for t in (1, 2):
+                if maps[t][0] != maps[0][0]:
+                    fail(
+                        t,
+                        0,
+                        f"the batch must be sharded like query_index's "
+                        f"(mesh axis {layouts[0].axes_text(0)})",
+                    )
+            if maps[2][1] != maps[0][1]:
+                fail(
+                    2,
+                    1,
+                    f"S1 must be sharded like query_index's (mesh axis {layouts[0].axes_text(1)})",
+                )
+        elif maps[2][0] != maps[0][0]:
+            fail(
+                2, 0, f"T1 must be sharded like query_index's (mesh axis {layouts[0].axes_text(0)})"
+            )
+
+    # -- output layouts ---------------------------------------------------------------------
+
+    def infer_layout(self, cache_values):
+        layout, _mode, mesh, placements, _shapes, _head_tail = cache_values
+        p = _platform.current()
+        out = []
+        for placement in placements[0]:
+            dim = p.shard_dim(placement)
+            if layout == "BSND" and dim in (0, 1):
+                out.append(p.shard(0 if dim == 0 else 2))
+            elif layout == "TND" and dim == 0:
+                out.append(p.shard(1))
+            else:
+                out.append(p.replicate())
+        spec = (mesh, tuple(out))
+        return (spec, spec), None
+
+    # -- the local call: batch slices of the lengths, and context parallel ------------------
+
+    def get_expand_impl(self, func, infer_result, cache_values):
+        layout, mode, mesh, placements, shapes, head_tail = cache_values
+        q_layout = Layout(mesh, placements[0], shapes[0])
+        if layout == "BSND":
+            return _BsndLocal(func, q_layout, shapes[1][1], mode, head_tail)
+        return _TndLocal(func, q_layout, shapes[1][0], mode)
+
+
+class _BsndLocal:
+    def __init__(self, func, q_layout, s2, mode, head_tail):
+        self.func, self.mode, self.s2, self.head_tail = func, mode, s2, head_tail
+        self.s1 = q_layout.shape[1]
+        self.batch = q_layout.shard_range(0)
+        self.rows = q_layout.shard_range(1)
+        self.cp = q_layout.num_shards(1)
+        self.rank = q_layout.shard_index(1)
+
+    def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
+        b0, b1 = self.batch
+        qlen = _lengths_list(actual_seq_qlen, "actual_seq_qlen")
+        klen = _lengths_list(actual_seq_klen, "actual_seq_klen")
+        qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
+        klen = [self.s2] * (b1 - b0) if klen is None else klen[b0:b1]
+        if not self.head_tail:
+            return self._call(q, k, w, qlen, klen, self.rows[0], kwargs)
+        chunk = self.s1 // (2 * self.cp)
+        if self.s1 % (2 * self.cp) != 0:
+            raise ValueError(
+                f"query_index: S1={self.s1} is not a multiple of 2 * cp = {2 * self.cp}, as "
+                "head_tail_cp needs"
+            )
+        halves = []
+        for half, start in enumerate((self.rank * chunk, (2 * self.cp - 1 - self.rank) * chunk)):
+            rows = slice(half * chunk, (half + 1) * chunk)
+            halves.append(self._call(q[:, rows], k, w[:, rows], qlen, klen, start, kwargs))
+        return tuple(torch.cat([a, b], dim=2) for a, b in zip(*halves, strict=True))
+
+    def _call(self, q, k, w, qlen, klen, start, kwargs):
+        """Local rows are global rows [start, start + q.shape[1]) of each sequence."""
+        rows = q.shape[1]
+        q_used = [max(0, min(rows, n - start)) for n in qlen]
+        if self.mode == 3:
+            # Local row i is global row start + i: it keeps its keys j <= i + start + klen - qlen.
+            k_used = [
+                max(0, min(kl, kl - ql + start + qu))
+                for ql, kl, qu in zip(qlen, klen, q_used, strict=True)
+            ]
+        else:
+            k_used = list(klen)
+        return self.func(
+            q,
+            k,
+            w,
+            actual_seq_qlen=torch.tensor(q_used, dtype=torch.int64),
+            actual_seq_klen=torch.tensor(k_used, dtype=torch.int64),
+            **kwargs,
+        )
+
+
+class _TndLocal:
+    def __init__(self, func, q_layout, t2, mode):
+        self.func, self.mode, self.t2 = func, mode, t2
+        self.tokens = q_layout.shard_range(0)
+
+    def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
+        q_ends = _lengths_list(actual_seq_qlen, "actual_seq_qlen")
+        k_ends = _lengths_list(actual_seq_klen, "actual_seq_klen")
+        if q_ends is None or k_ends is None:
+            raise ValueError("actual_seq_qlen, actual_seq_klen: required for layout TND")
+        if len(q_ends) != len(k_ends):
+            raise ValueError(
+                f"actual_seq_klen: expected {len(q_ends)} entries like actual_seq_qlen, got "
+                f"{len(k_ends)}"
+            )
+        t0, t1 = self.tokens
+        q_used, k_used = [], []
+        last = -1
+        for b, (qe, ke) in enumerate(zip(q_ends, k_ends, strict=True)):
+            qs = q_ends[b - 1] if b else 0
+            ks = k_ends[b - 1] if b else 0
+            lo, hi = max(qs, t0), min(qe, t1)
+            used = max(0, hi - lo)
+            q_len, k_len = qe - qs, ke - ks
+            if used and self.mode == 3:
+                # The local rows are rows lo - qs .. of this sequence; keep their key ranges.
+                k_len_local = max(0, min(k_len, k_len - q_len + (lo - qs) + used))
+            else:
+                k_len_local = k_len
+            if used:
+                last = b
+            q_used.append(used)
+            k_used.append(k_len_local)
+        # Only the last sequence with local rows may have lost keys; sequences after it have no
+        # local rows, so the next one absorbs the difference to keep every key offset in place.
+        deficit = (
+            (k_ends[last] - (k_ends[last - 1] if last > 0 else 0)) - k_used[last]
+            if last >= 0
+            else 0
+        )
+        if deficit and last + 1 < len(k_used):
+            k_used[last + 1] += deficit
+            deficit = 0
+        keys = k[: self.t2 - deficit] if deficit else k
+        q_cum = torch.tensor(q_used, dtype=torch.int64).cumsum(0)
+        k_cum = torch.tensor(k_used, dtype=torch.int64).cumsum(0)
+        return self.func(q, keys, w, actual_seq_qlen=q_cum, actual_seq_klen=k_cum, **kwargs)

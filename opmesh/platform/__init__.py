@@ -1,0 +1,115 @@
+"""The framework-specific pieces of the distributed layer, behind one interface.
+
+Everything in ``opmesh.distributed`` (DFunction, the dispatcher, DistributedOps, Layout) reaches
+the framework's autograd and DTensor machinery only through ``opmesh.platform.current()``, so a
+second framework (MindSpore) is added by writing one more ``Platform`` subclass.
+
+The platform is chosen once, at first use, by the environment variable ``OPMESH_PLATFORM``:
+``torch`` (the default) or ``package.module:ClassName`` for an out-of-tree implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import os
+from typing import Any
+
+PLATFORM_ENV = "OPMESH_PLATFORM"
+_BUILTIN = {"torch": "opmesh.platform.torch_platform:TorchPlatform"}
+_current: Platform | None = None
+
+
+class Platform(abc.ABC):
+    """What the distributed layer needs from a framework."""
+
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def Function(self) -> type:  # noqa: N802  (a class, named like one)
+        """The autograd Function base class DFunction derives from."""
+
+    @property
+    @abc.abstractmethod
+    def DTensor(self) -> type:  # noqa: N802
+        """The distributed tensor type."""
+
+    @abc.abstractmethod
+    def is_dtensor(self, value: Any) -> bool:
+        """Whether value is a distributed tensor."""
+
+    @abc.abstractmethod
+    def op_name(self, op: Any) -> str:
+        """The registry name of an op callable (a DFunction's local call carries ``_op_name``)."""
+
+    @abc.abstractmethod
+    def to_local(self, dtensor: Any) -> Any:
+        """This rank's shard, differentiably (gradients flow back to the DTensor)."""
+
+    @abc.abstractmethod
+    def from_local(self, local: Any, mesh: Any, placements: tuple) -> Any:
+        """Wraps a local shard as a DTensor with these placements, differentiably."""
+
+    @abc.abstractmethod
+    def mesh_of(self, dtensor: Any) -> Any:
+        """The device mesh a DTensor lives on."""
+
+    @abc.abstractmethod
+    def placements_of(self, dtensor: Any) -> tuple:
+        """A DTensor's placements, one per mesh axis."""
+
+    @abc.abstractmethod
+    def global_shape(self, dtensor: Any) -> tuple[int, ...]:
+        """The shape of the whole (unsharded) tensor."""
+
+    @abc.abstractmethod
+    def mesh_axis_names(self, mesh: Any) -> tuple[str, ...]:
+        """Names of the mesh axes (``axis0``, ``axis1``... when unnamed)."""
+
+    @abc.abstractmethod
+    def mesh_shape(self, mesh: Any) -> tuple[int, ...]:
+        """Sizes of the mesh axes."""
+
+    @abc.abstractmethod
+    def mesh_coordinate(self, mesh: Any) -> tuple[int, ...]:
+        """This rank's coordinate on each mesh axis."""
+
+    @abc.abstractmethod
+    def shard_dim(self, placement: Any) -> int | None:
+        """The tensor dim a placement shards, or None when it does not shard."""
+
+    @abc.abstractmethod
+    def is_partial(self, placement: Any) -> bool:
+        """Whether a placement is a pending reduction."""
+
+    @abc.abstractmethod
+    def shard(self, dim: int) -> Any:
+        """The placement sharding tensor dim `dim`."""
+
+    @abc.abstractmethod
+    def replicate(self) -> Any:
+        """The replicated placement."""
+
+
+def _load(spec: str) -> Platform:
+    target = _BUILTIN.get(spec, spec)
+    module_name, _, class_name = target.partition(":")
+    if not class_name:
+        raise ValueError(
+            f"{PLATFORM_ENV}: expected one of {sorted(_BUILTIN)} or 'package.module:ClassName', "
+            f"got {spec!r}"
+        )
+    cls = getattr(importlib.import_module(module_name), class_name)
+    platform = cls()
+    if not isinstance(platform, Platform):
+        raise TypeError(f"{PLATFORM_ENV}: {target} is not an opmesh.platform.Platform")
+    return platform
+
+
+def current() -> Platform:
+    """The selected platform (``OPMESH_PLATFORM``, default ``torch``)."""
+    global _current
+    if _current is None:
+        _current = _load(os.environ.get(PLATFORM_ENV, "torch"))
+    return _current
