@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import platform as _platform
 from .dispatcher import DISPATCHER
 
@@ -23,7 +25,7 @@ class DFunction(_platform.current().Function):
     def apply(cls, *args, **kwargs):
         p = _platform.current()
         if not any(p.is_dtensor(a) for a in args):
-            return super().apply(*args, **kwargs)
+            return cls._local_apply(*args, **kwargs)
         if cls._op_name is None:
             raise ValueError(
                 f"{cls.__qualname__}: DTensor arguments need the class attribute _op_name, the "
@@ -33,4 +35,34 @@ class DFunction(_platform.current().Function):
 
     @classmethod
     def _local_apply(cls, *args, **kwargs):
-        return super().apply(*args, **kwargs)
+        if _records_autograd(args, kwargs):
+            return super().apply(*args, **kwargs)
+        # Nothing to differentiate: run forward as a plain call (the autograd Function call
+        # itself costs ~10 us, which dominates small ops).
+        return cls.forward(_NoGradContext(), *args, **kwargs)
+
+
+def _records_autograd(args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    values = (*args, *kwargs.values())
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+
+class _NoGradContext:
+    """The ctx forward receives when no input requires a gradient: records nothing."""
+
+    needs_input_grad = ()
+    saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def mark_dirty(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass

@@ -224,7 +224,6 @@ def _cp_cases(mesh):
     """Cases for a mesh whose last axis is the context-parallel one (and the first, if any,
     data parallel)."""
     dp = [S0] if mesh.ndim == 2 else []
-    rd = [R] if mesh.ndim == 2 else []
     cases = {
         "replicated": lambda: _check(mesh, "BSND", ([R] * mesh.ndim,) * 3),
         "dp_only": lambda: _check(mesh, "BSND", ([S0] + [R] * (mesh.ndim - 1),) * 3, b=4),

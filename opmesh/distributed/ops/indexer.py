@@ -36,13 +36,33 @@ def _lengths_list(value, name):
     return [int(v) for v in value]
 
 
+def _as_tensor(value):
+    return value if isinstance(value, torch.Tensor) else torch.tensor(list(value))
+
+
 class IndexerDistributedOp(DistributedOp):
     def __init__(self):
         super().__init__("dense_lightning_indexer_softmax_lse")
+        self._checked = set()  # cache values whose layouts passed the rules
 
     # -- preprocess: check the layouts, take the DTensors apart -----------------------------
 
     def preprocess(self, args, kwargs):
+        p = _platform.current()
+        if len(args) == 3 and all(p.is_dtensor(x) for x in args):
+            key = (
+                kwargs.get("layout", "BSND"),
+                kwargs.get("sparse_mode", 3),
+                p.mesh_of(args[0]),
+                tuple(p.placements_of(x) for x in args),
+                tuple(p.global_shape(x) for x in args),
+                head_tail_enabled(),
+            )
+            if key in self._checked:
+                return tuple(p.to_local(x) for x in args), kwargs, key
+        return self._check_and_take_apart(args, kwargs)
+
+    def _check_and_take_apart(self, args, kwargs):
         p = _platform.current()
         if len(args) != 3:
             raise ValueError(
@@ -78,7 +98,6 @@ class IndexerDistributedOp(DistributedOp):
                 "parallelism"
             )
         local_args = tuple(p.to_local(x) for x in args)
-        local_kwargs = dict(kwargs)
         cache_values = (
             layout,
             kwargs.get("sparse_mode", 3),
@@ -87,7 +106,8 @@ class IndexerDistributedOp(DistributedOp):
             tuple(lay.shape for lay in layouts),
             head_tail,
         )
-        return local_args, local_kwargs, cache_values
+        self._checked.add(cache_values)
+        return local_args, kwargs, cache_values
 
     @staticmethod
     def _check_rules(layout, layouts):
@@ -175,6 +195,19 @@ class _BsndLocal:
 
     def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
         b0, b1 = self.batch
+        if self.cp == 1 and not self.head_tail:
+            # No context parallel: the local call as it is, with the lengths of the local batch.
+            def local(lengths):
+                return lengths if lengths is None else _as_tensor(lengths)[b0:b1]
+
+            return self.func(
+                q,
+                k,
+                w,
+                actual_seq_qlen=local(actual_seq_qlen),
+                actual_seq_klen=local(actual_seq_klen),
+                **kwargs,
+            )
         qlen = _lengths_list(actual_seq_qlen, "actual_seq_qlen")
         klen = _lengths_list(actual_seq_klen, "actual_seq_klen")
         qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
