@@ -10,6 +10,7 @@ CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=O
 
 demo: build
 	$(PY) -m opmesh demo
+	$(PY) -m opmesh mesh-demo
 
 test: build test-cpp test-asan check-core-free-of-torch lint test-py
 
@@ -52,3 +53,4 @@ test-py: build
 bench: build
 	$(PY) benchmarks/bench_indexer.py
 	$(PY) benchmarks/bench_flash_attn.py
+	$(PY) benchmarks/bench_dispatch.py

@@ -1,4 +1,5 @@
-"""Command line: ``python -m opmesh demo`` and ``python -m opmesh plan``."""
+"""Command line: ``python -m opmesh demo``, ``python -m opmesh mesh-demo`` and
+``python -m opmesh plan``."""
 
 from __future__ import annotations
 
@@ -22,8 +23,13 @@ def main(argv=None):
     plan.add_argument("--mask-mode", type=int, default=3, choices=[0, 3])
     plan.add_argument("--deterministic", action="store_true", help="fixed 1024-key splits")
     plan.add_argument("--png", help="draw the per-worker timelines to this file")
+    sub.add_parser("mesh-demo", help="the indexer on a (2, 4) mesh of 8 local gloo processes")
     args = parser.parse_args(argv)
-    if args.command == "plan":
+    if args.command == "mesh-demo":
+        from ._mesh_demo import run_mesh_demo
+
+        run_mesh_demo()
+    elif args.command == "plan":
         from ._plan_view import run
 
         run(args)
