@@ -119,7 +119,11 @@ class RowRmsNormDistributed(DistributedOp):
             )
         if lay.partial_axes():
             raise ValueError("x: Partial placements are not supported")
-        return (x.to_local(), *args[1:]), kwargs, (lay.mesh, lay.placements)
+        return (
+            (opmesh.platform.current().to_local(x), *args[1:]),
+            kwargs,
+            (lay.mesh, lay.placements),
+        )
 
     def infer_layout(self, cache_values):
         return (cache_values,), None
