@@ -30,6 +30,7 @@ from .ops import (
     describe_metadata,
     flash_attn,
     flash_attn_metadata,
+    kv_cache_write_,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "flash_attn",
     "flash_attn_metadata",
     "describe_metadata",
+    "kv_cache_write_",
     "simd_levels",
     "active_simd_level",
 ]

@@ -279,3 +279,29 @@ def describe_metadata(metadata: torch.Tensor) -> dict:
     from . import _C
 
     return _C._describe_metadata(metadata.detach().cpu().contiguous().numpy().tobytes())
+
+
+def kv_cache_write_(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: LengthsLike,
+) -> None:
+    """Writes this step's keys and values into a paged cache, in place.
+
+    Token ``t`` goes to slot ``slot_mapping[t] = block * block_size + offset`` of both caches,
+    ``key_cache[block, offset] = key[t]``; ``-1`` skips the token (padding). Every slot is checked
+    (``-1 <= slot < num_blocks * block_size``, none written twice) before anything is written.
+    Both caches' version counters advance, as for PyTorch's in-place ops, and under
+    ``torch.compile`` the op is functionalized and written back in place (docs/graph_mode.md).
+
+    Args:
+        key: ``[T, Nkv, D]``; value: ``[T, Nkv, Dv]``; same dtype as the caches.
+        key_cache: ``[num_blocks, block_size, Nkv, D]`` (``PA_BBND``), mutated.
+        value_cache: ``[num_blocks, block_size, Nkv, Dv]``, mutated.
+        slot_mapping: int32/int64 ``[T]`` (a list is accepted).
+    """
+    torch.ops.opmesh.kv_cache_write_(
+        key, value, key_cache, value_cache, _as_lengths(slot_mapping, "slot_mapping")
+    )

@@ -22,4 +22,7 @@ TORCH_LIBRARY(opmesh, m) {
       "int? max_seqlen_q=None, int? max_seqlen_kv=None, str layout_q=\"BSND\", "
       "str layout_kv=\"BSND\", str layout_out=\"BSND\", bool return_softmax_lse=False) "
       "-> (Tensor attn_out, Tensor softmax_lse)");
+  m.def(
+      "kv_cache_write_(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
 }

@@ -1,0 +1,72 @@
+#include "kv_cache.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+
+namespace opmesh::core {
+namespace {
+
+// Copies n elements of `bytes` each between strided rows (contiguous rows take memcpy).
+void copy_row(const char* src, int64_t src_stride, char* dst, int64_t dst_stride, int64_t n,
+              int64_t bytes) {
+  if (src_stride == 1 && dst_stride == 1) {
+    std::memcpy(dst, src, static_cast<size_t>(n * bytes));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(dst + i * dst_stride * bytes, src + i * src_stride * bytes,
+                static_cast<size_t>(bytes));
+  }
+}
+
+}  // namespace
+
+void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
+  const int64_t capacity = p.num_blocks * p.block_size;
+  std::vector<int64_t> writer(static_cast<size_t>(capacity), -1);
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const int64_t slot = p.slots[t];
+    if (slot == -1) continue;
+    if (slot < -1 || slot >= capacity) {
+      throw ArgumentError("slot_mapping", "entry " + std::to_string(t) + " is " +
+                                              std::to_string(slot) + ", expected -1 or a slot in [0, " +
+                                              std::to_string(capacity) + ") (" +
+                                              std::to_string(p.num_blocks) + " blocks of " +
+                                              std::to_string(p.block_size) + ")");
+    }
+    if (writer[slot] != -1) {
+      throw ArgumentError("slot_mapping", "slot " + std::to_string(slot) +
+                                              " is written by tokens " +
+                                              std::to_string(writer[slot]) + " and " +
+                                              std::to_string(t));
+    }
+    writer[slot] = t;
+  }
+  const char* key = static_cast<const char*>(p.key);
+  const char* value = static_cast<const char*>(p.value);
+  char* key_cache = static_cast<char*>(p.key_cache);
+  char* value_cache = static_cast<char*>(p.value_cache);
+  const int64_t b = p.elem_bytes;
+  run_dynamic(executor, p.tokens, [&](int64_t t, int) {
+    const int64_t slot = p.slots[t];
+    if (slot < 0) return;
+    const int64_t block = slot / p.block_size, offset = slot % p.block_size;
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const int64_t ks = t * p.key_stride[0] + h * p.key_stride[1];
+      const int64_t kd = block * p.key_cache_stride[0] + offset * p.key_cache_stride[1] +
+                         h * p.key_cache_stride[2];
+      copy_row(key + ks * b, p.key_stride[2], key_cache + kd * b, p.key_cache_stride[3], p.dim_k,
+               b);
+      const int64_t vs = t * p.value_stride[0] + h * p.value_stride[1];
+      const int64_t vd = block * p.value_cache_stride[0] + offset * p.value_cache_stride[1] +
+                         h * p.value_cache_stride[2];
+      copy_row(value + vs * b, p.value_stride[2], value_cache + vd * b, p.value_cache_stride[3],
+               p.dim_v, b);
+    }
+  });
+}
+
+}  // namespace opmesh::core

@@ -1,0 +1,34 @@
+// Writing new tokens into a paged key/value cache ([num_blocks][block_size][heads][dim]) at the
+// slots slot_mapping names: slot = block * block_size + offset, -1 = skip (padding).
+#pragma once
+
+#include <cstdint>
+
+#include "executor.h"
+
+namespace opmesh::core {
+
+struct KvCacheWriteParams {
+  int64_t tokens = 0;
+  int64_t heads = 0;
+  int64_t dim_k = 0;
+  int64_t dim_v = 0;
+  int64_t elem_bytes = 0;  // the same element type everywhere (checked by the caller)
+  const void* key = nullptr;
+  const void* value = nullptr;
+  int64_t key_stride[3] = {};    // [token][head][dim], elements
+  int64_t value_stride[3] = {};
+  void* key_cache = nullptr;
+  void* value_cache = nullptr;
+  int64_t key_cache_stride[4] = {};  // [block][offset][head][dim], elements
+  int64_t value_cache_stride[4] = {};
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  const int64_t* slots = nullptr;  // [tokens]
+};
+
+// Checks every slot (in [-1, num_blocks * block_size), no slot written twice) and throws
+// ArgumentError("slot_mapping", ...) before anything is written; then copies in parallel.
+void kv_cache_write(const KvCacheWriteParams& params, const Executor& executor);
+
+}  // namespace opmesh::core
