@@ -1,0 +1,170 @@
+"""Graph mode across the library: opcheck for every op, torch.export saved and loaded in a
+fresh process, and the plugin path of docs/plugin_path.md (its example file is run here)."""
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import opmesh
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def samples():
+    """Representative inputs for every op in torch.ops.opmesh."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 40, 8, 16, generator=g), torch.randn(2, 50, 2, 16, generator=g)
+    w = torch.randn(2, 40, 8, generator=g)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    kc, vc = torch.randn(5, 16, 2, 16, generator=g), torch.randn(5, 16, 2, 16, generator=g)
+    return {
+        "dense_lightning_indexer_softmax_lse": ((q, k, w), dict(sparse_mode=3)),
+        "flash_attn": ((q, k, k.clone()), dict(mask_mode=3, return_softmax_lse=True)),
+        "flash_attn_metadata": (
+            (8, 2, 16),
+            dict(
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                batch_size=2,
+                max_seqlen_q=40,
+                max_seqlen_kv=40,
+                layout_q="TND",
+                layout_kv="TND",
+                layout_out="TND",
+                num_workers=3,
+            ),
+        ),
+        "kv_cache_write_": (
+            (
+                torch.randn(3, 2, 16, generator=g),
+                torch.randn(3, 2, 16, generator=g),
+                kc,
+                vc,
+                torch.tensor([0, -1, 77]),
+            ),
+            {},
+        ),
+    }
+
+
+def test_opcheck_every_op():
+    # Every op the extension registered, read from the dispatcher.
+    ops = {
+        name.split("::", 1)[1].split(".")[0]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("opmesh::")
+    }
+    cases = samples()
+    assert ops == set(cases), f"ops without an opcheck sample: {ops - set(cases)}"
+    for name, (args, kwargs) in cases.items():
+        torch.library.opcheck(getattr(torch.ops.opmesh, name).default, args, kwargs)
+
+
+class SmallAttention(torch.nn.Module):
+    """Writes new tokens into a paged cache (buffers), attends over it, and runs the indexer."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.register_buffer("key_cache", torch.randn(8, 16, 2, 32, generator=g))
+        self.register_buffer("value_cache", torch.randn(8, 16, 2, 32, generator=g))
+
+    def forward(self, q, k_new, v_new, slots, block_table, seqused_kv, w):
+        opmesh.kv_cache_write_(k_new, v_new, self.key_cache, self.value_cache, slots)
+        out, lse = opmesh.flash_attn(
+            q,
+            self.key_cache,
+            self.value_cache,
+            block_table=block_table,
+            seqused_kv=seqused_kv,
+            layout_kv="PA_BBND",
+            mask_mode=3,
+            return_softmax_lse=True,
+        )
+        m, s = opmesh.dense_lightning_indexer_softmax_lse(q, self.key_cache[:2, :, :1], w)
+        return out, lse, m, s
+
+
+def export_inputs():
+    g = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(2, 1, 8, 32, generator=g),
+        torch.randn(2, 2, 32, generator=g),
+        torch.randn(2, 2, 32, generator=g),
+        torch.tensor([20, 70]),
+        torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32),
+        torch.tensor([21, 7], dtype=torch.int32),
+        torch.randn(2, 1, 8, generator=g),
+    )
+
+
+def test_export_save_load_in_a_fresh_process(tmp_path):
+    inputs = export_inputs()
+    exported = torch.export.export(SmallAttention(), inputs)
+    names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {
+        "opmesh.kv_cache_write_.default",
+        "opmesh.flash_attn.default",
+        "opmesh.dense_lightning_indexer_softmax_lse.default",
+    } <= names, names
+    torch.export.save(exported, tmp_path / "attention.pt2")
+    eager = SmallAttention()
+    want = eager(*inputs)
+    torch.save(
+        {"inputs": inputs, "want": want, "key_cache": eager.key_cache}, tmp_path / "expected.pt"
+    )
+    script = textwrap.dedent(f"""
+        import torch
+        import opmesh  # registers the ops the program calls
+        program = torch.export.load({str(tmp_path / "attention.pt2")!r})
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        module = program.module()
+        got = module(*data["inputs"])
+        assert all(torch.equal(a, b) for a, b in zip(got, data["want"])), "outputs differ"
+        assert torch.equal(module.key_cache, data["key_cache"]), "cache write differs"
+        print("ok")
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+def load_plugin_example():
+    path = ROOT / "docs" / "examples" / "plugin_op.py"
+    spec = importlib.util.spec_from_file_location("plugin_op", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plugin_path_example():
+    example = load_plugin_example()
+    ns = "opmesh_plugin_example"
+    lib = example.define_eager_ops(ns)  # noqa: F841  (keeps the registrations alive)
+    ops = getattr(torch.ops, ns)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4)) * 3
+
+    # Before: eager works, a full graph cannot be traced (no fake implementation).
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="fake|Meta|meta|abstract"):
+        torch.compile(lambda t: ops.rowsum_scale(t, 2.0), fullgraph=True)(x.clone())
+
+    shift = example.make_graph_ready(ns)
+    want_x = x.clone()
+    want = example.model(ops, shift, want_x)
+    torch._dynamo.reset()
+    got_x = x.clone()
+    got = torch.compile(lambda t: example.model(ops, shift, t), fullgraph=True, dynamic=True)(got_x)
+    assert torch.equal(got, want) and torch.equal(got_x, want_x)  # mutations kept
+    for op, args in (
+        (ops.rowsum_scale.default, (x, 2.0)),
+        (ops.clamp_rows_.default, (x.clone(), 1.0)),
+        (shift._opoverload, (x.clone(), 0.5)),
+    ):
+        torch.library.opcheck(op, args)
