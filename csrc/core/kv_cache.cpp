@@ -31,17 +31,16 @@ void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
     const int64_t slot = p.slots[t];
     if (slot == -1) continue;
     if (slot < -1 || slot >= capacity) {
-      throw ArgumentError("slot_mapping", "entry " + std::to_string(t) + " is " +
-                                              std::to_string(slot) + ", expected -1 or a slot in [0, " +
-                                              std::to_string(capacity) + ") (" +
-                                              std::to_string(p.num_blocks) + " blocks of " +
-                                              std::to_string(p.block_size) + ")");
+      throw ArgumentError("slot_mapping",
+                          "entry " + std::to_string(t) + " is " + std::to_string(slot) +
+                              ", expected -1 or a slot in [0, " + std::to_string(capacity) + ") (" +
+                              std::to_string(p.num_blocks) + " blocks of " +
+                              std::to_string(p.block_size) + ")");
     }
     if (writer[slot] != -1) {
-      throw ArgumentError("slot_mapping", "slot " + std::to_string(slot) +
-                                              " is written by tokens " +
-                                              std::to_string(writer[slot]) + " and " +
-                                              std::to_string(t));
+      throw ArgumentError("slot_mapping",
+                          "slot " + std::to_string(slot) + " is written by tokens " +
+                              std::to_string(writer[slot]) + " and " + std::to_string(t));
     }
     writer[slot] = t;
   }

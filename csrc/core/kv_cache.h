@@ -16,7 +16,7 @@ struct KvCacheWriteParams {
   int64_t elem_bytes = 0;  // the same element type everywhere (checked by the caller)
   const void* key = nullptr;
   const void* value = nullptr;
-  int64_t key_stride[3] = {};    // [token][head][dim], elements
+  int64_t key_stride[3] = {};  // [token][head][dim], elements
   int64_t value_stride[3] = {};
   void* key_cache = nullptr;
   void* value_cache = nullptr;

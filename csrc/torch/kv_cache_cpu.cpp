@@ -28,14 +28,19 @@ void check_kv_cache_args(const at::Tensor& key, const at::Tensor& value,
                    key.scalar_type(), " like key, got ", value.scalar_type());
   TORCH_CHECK_TYPE(value_cache.scalar_type() == key.scalar_type(), "value_cache: expected dtype ",
                    key.scalar_type(), " like key, got ", value_cache.scalar_type());
-  TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
-                   "slot_mapping: expected int32 or int64, got ", slot_mapping.scalar_type());
+  TORCH_CHECK_TYPE(
+      slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
+      "slot_mapping: expected int32 or int64, got ", slot_mapping.scalar_type());
   TORCH_CHECK_VALUE(key.dim() == 3, "key: expected [T, Nkv, D], got shape ", key.sizes());
   TORCH_CHECK_VALUE(value.dim() == 3, "value: expected [T, Nkv, Dv], got shape ", value.sizes());
-  TORCH_CHECK_VALUE(key_cache.dim() == 4, "key_cache: expected [num_blocks, block_size, Nkv, D], "
-                    "got shape ", key_cache.sizes());
-  TORCH_CHECK_VALUE(value_cache.dim() == 4, "value_cache: expected [num_blocks, block_size, Nkv, "
-                    "Dv], got shape ", value_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.dim() == 4,
+                    "key_cache: expected [num_blocks, block_size, Nkv, D], "
+                    "got shape ",
+                    key_cache.sizes());
+  TORCH_CHECK_VALUE(value_cache.dim() == 4,
+                    "value_cache: expected [num_blocks, block_size, Nkv, "
+                    "Dv], got shape ",
+                    value_cache.sizes());
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1, "slot_mapping: expected [T], got shape ",
                     slot_mapping.sizes());
   const auto t = key.sym_size(0);
@@ -44,10 +49,9 @@ void check_kv_cache_args(const at::Tensor& key, const at::Tensor& value,
                     value.sizes(), " and slot_mapping ", slot_mapping.sizes());
   TORCH_CHECK_VALUE(value.sym_size(1) == key.sym_size(1), "value: ", value.sizes(),
                     " has other heads than key ", key.sizes());
-  TORCH_CHECK_VALUE(key_cache.sym_size(2) == key.sym_size(1) &&
-                        key_cache.sym_size(3) == key.sym_size(2),
-                    "key_cache: shape ", key_cache.sizes(), " does not hold key rows ",
-                    key.sizes());
+  TORCH_CHECK_VALUE(
+      key_cache.sym_size(2) == key.sym_size(1) && key_cache.sym_size(3) == key.sym_size(2),
+      "key_cache: shape ", key_cache.sizes(), " does not hold key rows ", key.sizes());
   TORCH_CHECK_VALUE(value_cache.sym_size(0) == key_cache.sym_size(0) &&
                         value_cache.sym_size(1) == key_cache.sym_size(1) &&
                         value_cache.sym_size(2) == value.sym_size(1) &&
@@ -57,9 +61,8 @@ void check_kv_cache_args(const at::Tensor& key, const at::Tensor& value,
   TORCH_CHECK_VALUE(!key_cache.is_same(value_cache), "value_cache: must not be key_cache");
 }
 
-void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value,
-                        const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& slot_mapping) {
+void kv_cache_write_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key.device().is_cpu(), "key: expected a CPU tensor, got ", key.device());
   check_kv_cache_args(key, value, key_cache, value_cache, slot_mapping);
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();

@@ -20,6 +20,7 @@ def define_eager_ops(ns: str) -> torch.library.Library:
     lib.impl("rowsum_scale", lambda x, scale: x.sum(-1) * scale, "CPU")
     # An in-place op that declares its mutation: Tensor(a!).
     lib.define("clamp_rows_(Tensor(a!) x, float limit) -> ()")
+
     def clamp_rows_(x, limit):
         x.clamp_(-limit, limit)
 
