@@ -1,7 +1,9 @@
 #include "kv_cache.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
@@ -26,7 +28,9 @@ void copy_row(const char* src, int64_t src_stride, char* dst, int64_t dst_stride
 
 void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
   const int64_t capacity = p.num_blocks * p.block_size;
-  std::vector<int64_t> writer(static_cast<size_t>(capacity), -1);
+  // (slot, token) pairs sorted by slot: O(T log T), independent of the cache's size.
+  std::vector<std::pair<int64_t, int64_t>> used;
+  used.reserve(static_cast<size_t>(p.tokens));
   for (int64_t t = 0; t < p.tokens; ++t) {
     const int64_t slot = p.slots[t];
     if (slot == -1) continue;
@@ -37,12 +41,16 @@ void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
                               std::to_string(p.num_blocks) + " blocks of " +
                               std::to_string(p.block_size) + ")");
     }
-    if (writer[slot] != -1) {
-      throw ArgumentError("slot_mapping",
-                          "slot " + std::to_string(slot) + " is written by tokens " +
-                              std::to_string(writer[slot]) + " and " + std::to_string(t));
+    used.emplace_back(slot, t);
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t i = 1; i < used.size(); ++i) {
+    if (used[i].first == used[i - 1].first) {
+      throw ArgumentError("slot_mapping", "slot " + std::to_string(used[i].first) +
+                                              " is written by tokens " +
+                                              std::to_string(used[i - 1].second) + " and " +
+                                              std::to_string(used[i].second));
     }
-    writer[slot] = t;
   }
   const char* key = static_cast<const char*>(p.key);
   const char* value = static_cast<const char*>(p.value);
