@@ -127,10 +127,8 @@ class Planner {
     const double workers = static_cast<double>(c_.num_workers);
     plan.lower_bound = std::max(plan.total_cost / workers, indivisible_);
     if (plan.total_cost > 0) {
-      // Smallest capacity for which the greedy fill places everything, by bisection. With
-      // capacity lower_bound + max_overhead_ every worker places at least lower_bound of work
-      // (it loses at most one continuation's extra cost and one key tile), so that bracket holds
-      // the answer; the loop doubles it only to be safe against rounding.
+      // The smallest capacity for which the greedy fill places everything. A capacity of at
+      // least the total always fits (one worker takes it all), so the raising loop ends.
       double lo = plan.lower_bound;
       double hi = lo;
       double left = fill(lo, nullptr);
@@ -169,11 +167,10 @@ class Planner {
            static_cast<double>(n - full) * block_cost(m_, rows, dim_sum_, true);
   }
 
-  double smallest_first_piece(const TileSpan& sp, int64_t rows) {
+  double smallest_first_piece(const TileSpan& sp, int64_t rows) const {
     const int64_t tiles = sp.end - sp.begin;
     int64_t n = std::min<int64_t>(tiles, 1);
     if (chunk_ > 0 && tiles > 0) n = std::min(tiles, chunk_ - sp.begin % chunk_);
-    max_overhead_ = std::max(max_overhead_, continuation_extra(rows) + tiles_cost(sp, rows, 1));
     return task_cost(m_, rows, dim_sum_) + tiles_cost(sp, rows, n);
   }
 
@@ -321,7 +318,6 @@ class Planner {
   std::vector<double> cum_;       // exclusive prefix over sequences of num_heads_kv * seq_cost_
   double indivisible_ = 0;
   double min_block_ = std::numeric_limits<double>::infinity();
-  double max_overhead_ = 0;
 };
 
 }  // namespace
