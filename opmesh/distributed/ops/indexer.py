@@ -28,7 +28,7 @@ DIM_NAMES = {
 }
 
 
-def _lengths_list(value, name):
+def _lengths_list(value):
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -208,8 +208,8 @@ class _BsndLocal:
                 actual_seq_klen=local(actual_seq_klen),
                 **kwargs,
             )
-        qlen = _lengths_list(actual_seq_qlen, "actual_seq_qlen")
-        klen = _lengths_list(actual_seq_klen, "actual_seq_klen")
+        qlen = _lengths_list(actual_seq_qlen)
+        klen = _lengths_list(actual_seq_klen)
         qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
         klen = [self.s2] * (b1 - b0) if klen is None else klen[b0:b1]
         if not self.head_tail:
@@ -254,8 +254,8 @@ class _TndLocal:
         self.tokens = q_layout.shard_range(0)
 
     def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
-        q_ends = _lengths_list(actual_seq_qlen, "actual_seq_qlen")
-        k_ends = _lengths_list(actual_seq_klen, "actual_seq_klen")
+        q_ends = _lengths_list(actual_seq_qlen)
+        k_ends = _lengths_list(actual_seq_klen)
         if q_ends is None or k_ends is None:
             raise ValueError("actual_seq_qlen, actual_seq_klen: required for layout TND")
         if len(q_ends) != len(k_ends):
