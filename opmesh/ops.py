@@ -111,7 +111,9 @@ class _IndexerFunction(DFunction):
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, None
+        # Never reached (the outputs are non-differentiable statistics); one entry per input of
+        # forward, as autograd requires.
+        return (None,) * 7
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from torch.autograd.function import FunctionCtx
 
 from .. import platform as _platform
 from .dispatcher import DISPATCHER
@@ -12,11 +15,11 @@ class DFunction(_platform.current().Function):
     """Subclass with ``forward(ctx, ...)`` / ``backward(ctx, ...)`` written on local tensors, and
     ``_op_name`` naming the DistributedOp that knows the op's layouts.
 
-    ``apply(*args, **kwargs)``: with no DTensor among the positional arguments this is the
-    framework's ordinary autograd Function call. Otherwise the dispatcher checks the input
-    layouts, runs forward on each rank's local tensors, and wraps the outputs as DTensors;
-    the local tensors are taken from the DTensors differentiably, so backward runs on local
-    gradients and the caller gets DTensor gradients with the inputs' placements.
+    ``apply(*args, **kwargs)``: with no DTensor among the arguments this is the framework's
+    ordinary autograd Function call. Otherwise the dispatcher checks the input layouts, runs
+    forward on each rank's local tensors, and wraps the outputs as DTensors; the local tensors
+    are taken from the DTensors differentiably, so backward runs on local gradients and the
+    caller gets DTensor gradients with the inputs' placements.
     """
 
     _op_name: str | None = None
@@ -24,7 +27,9 @@ class DFunction(_platform.current().Function):
     @classmethod
     def apply(cls, *args, **kwargs):
         p = _platform.current()
-        if not any(p.is_dtensor(a) for a in args):
+        if not any(p.is_dtensor(a) for a in args) and not any(
+            p.is_dtensor(v) for v in kwargs.values()
+        ):
             return cls._local_apply(*args, **kwargs)
         if cls._op_name is None:
             raise ValueError(
@@ -36,10 +41,25 @@ class DFunction(_platform.current().Function):
     @classmethod
     def _local_apply(cls, *args, **kwargs):
         if _records_autograd(args, kwargs):
-            return super().apply(*args, **kwargs)
+            # Autograd takes inputs by position only: keyword and default arguments become
+            # positional inputs, and backward returns one gradient per parameter of forward.
+            return super().apply(*_positional(cls.forward, args, kwargs))
         # Nothing to differentiate: run forward as a plain call (the autograd Function call
-        # itself costs ~10 us, which dominates small ops).
-        return cls.forward(_NoGradContext(), *args, **kwargs)
+        # itself costs ~10 us, which dominates small ops) with a ctx that behaves as autograd's.
+        return cls.forward(_NoGradContext(cls.forward, args, kwargs), *args, **kwargs)
+
+
+def _positional(forward, args, kwargs) -> tuple:
+    """The arguments of ``forward(ctx, ...)`` bound by position, defaults filled in."""
+    signature = inspect.signature(forward)
+    if any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
+        raise TypeError(
+            f"{forward.__qualname__}: a DFunction's forward cannot take keyword-only "
+            "parameters (autograd passes inputs by position)"
+        )
+    bound = signature.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]
 
 
 def _records_autograd(args, kwargs) -> bool:
@@ -49,20 +69,21 @@ def _records_autograd(args, kwargs) -> bool:
     return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
-class _NoGradContext:
-    """The ctx forward receives when no input requires a gradient: records nothing."""
+class _NoGradContext(FunctionCtx):
+    """The ctx forward receives when no input requires a gradient. It is autograd's own ctx
+    class, so every method forward may call exists and records what it records there;
+    ``needs_input_grad`` holds one False per input of forward (keyword and default arguments
+    included, as autograd binds them), and ``saved_tensors`` gives back what was saved."""
 
-    needs_input_grad = ()
-    saved_tensors = ()
+    def __init__(self, forward, args, kwargs):
+        self._forward = forward
+        self._call = (args, kwargs)
 
-    def save_for_backward(self, *tensors):
-        pass
+    @property
+    def needs_input_grad(self) -> tuple[bool, ...]:
+        args, kwargs = self._call
+        return (False,) * len(_positional(self._forward, args, kwargs))
 
-    def mark_non_differentiable(self, *tensors):
-        pass
-
-    def mark_dirty(self, *tensors):
-        pass
-
-    def set_materialize_grads(self, value):
-        pass
+    @property
+    def saved_tensors(self) -> tuple:
+        return tuple(getattr(self, "to_save", ()) or ())

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from .. import platform as _platform
+from .._bounded_cache import BoundedCache
 from .distributed_op import get_distributed_op
 
 
 class OpDispatcher:
-    """preprocess -> infer_layout (cached) -> get_expand_impl (cached) -> local call -> wrap."""
+    """preprocess -> infer_layout (cached) -> get_expand_impl (cached) -> local call -> wrap.
 
-    def __init__(self):
-        self._cache: dict[tuple[str, object], tuple] = {}
+    The cache is keyed by the op name and the DistributedOp's ``cache_values`` and holds at most
+    ``cache_size`` entries (least recently used dropped first), so a stream of new shapes costs
+    recomputation, never unbounded memory.
+    """
+
+    def __init__(self, cache_size: int = 256):
+        self._cache = BoundedCache(cache_size)
 
     def dispatch(self, op_name: str, func, args: tuple, kwargs: dict):
         dist_op = get_distributed_op(op_name)
@@ -27,13 +33,16 @@ class OpDispatcher:
             infer_result = dist_op.infer_layout(cache_values)
             expand = dist_op.get_expand_impl(func, infer_result, cache_values)
             cached = (infer_result, expand)
-            self._cache[key] = cached
+            self._cache.put(key, cached)
         (out_layouts, _extra), expand = cached
         outputs = (expand or func)(*local_args, **local_kwargs)
         return self._wrap(outputs, out_layouts)
 
     @staticmethod
     def _wrap(outputs, out_layouts):
+        """Wraps each local output as a DTensor. An output layout is ``(mesh, placements,
+        global_shape)``; the global shape is what makes uneven shards come out right. A
+        two-entry ``(mesh, placements)`` is accepted only for shards of equal size."""
         p = _platform.current()
         single = not isinstance(outputs, (tuple, list))
         items = (outputs,) if single else tuple(outputs)
@@ -43,10 +52,15 @@ class OpDispatcher:
                 f"{len(out_layouts)}"
             )
         wrapped = tuple(
-            out if layout is None else p.from_local(out, layout[0], tuple(layout[1]))
+            out
+            if layout is None
+            else p.from_local(out, layout[0], tuple(layout[1]), *tuple(layout[2:3]))
             for out, layout in zip(items, out_layouts, strict=True)
         )
         return wrapped[0] if single else wrapped
+
+    def cache_size(self) -> int:
+        return len(self._cache)
 
     def clear_cache(self):
         self._cache.clear()

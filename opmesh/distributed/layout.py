@@ -12,8 +12,10 @@ class Layout:
     """A tensor's (mesh, placements) seen per tensor dim.
 
     ``tensor_map[d]`` lists the mesh axes (in placement order) that shard tensor dim ``d``; an
-    empty tuple means the dim is replicated. Shards follow ``torch.chunk``: with ``n`` shards of
-    a dim of size ``S`` each holds ``ceil(S / n)`` entries, the last ones fewer or none.
+    empty tuple means the dim is replicated. Which rows a rank holds is the framework's answer
+    (``shard_range``), never recomputed here: sizes that do not divide the mesh, and one dim
+    split over several mesh axes (split one axis at a time), come out as the framework lays
+    them.
     """
 
     mesh: object
@@ -66,10 +68,12 @@ class Layout:
 
     def shard_range(self, dim: int) -> tuple[int, int]:
         """[start, end) of this rank's shard of dim `dim` in the global tensor."""
-        size, n = self.shape[dim], self.num_shards(dim)
-        chunk = -(-size // n)
-        start = min(self.shard_index(dim) * chunk, size)
-        return start, min(start + chunk, size)
+        local, offset = _platform.current().local_shape_and_offset(
+            self.mesh, self.placements, self.shape
+        )
+        if not offset:  # a rank outside the mesh holds nothing
+            return 0, 0
+        return offset[dim], offset[dim] + local[dim]
 
     def axes_text(self, dim: int) -> str:
         names = self.axis_names

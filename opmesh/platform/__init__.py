@@ -48,8 +48,19 @@ class Platform(abc.ABC):
         """This rank's shard, differentiably (gradients flow back to the DTensor)."""
 
     @abc.abstractmethod
-    def from_local(self, local: Any, mesh: Any, placements: tuple) -> Any:
-        """Wraps a local shard as a DTensor with these placements, differentiably."""
+    def from_local(
+        self, local: Any, mesh: Any, placements: tuple, shape: tuple[int, ...] | None = None
+    ) -> Any:
+        """Wraps a local shard as a DTensor with these placements, differentiably. ``shape`` is
+        the global shape (contiguous strides); without it the shards must all be equal."""
+
+    @abc.abstractmethod
+    def local_shape_and_offset(
+        self, mesh: Any, placements: tuple, shape: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """This rank's shard of a tensor of global ``shape`` laid out by ``placements``: its
+        local shape and the global index of its first element, per dim, exactly as the
+        framework splits it (uneven sizes, one dim over several mesh axes)."""
 
     @abc.abstractmethod
     def mesh_of(self, dtensor: Any) -> Any:

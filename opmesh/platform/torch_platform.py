@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .._bounded_cache import BoundedCache
 from . import Platform
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class TorchPlatform(Platform):
@@ -29,7 +39,8 @@ class TorchPlatform(Platform):
         return name
 
     def __init__(self):
-        self._specs = {}
+        self._specs = BoundedCache()
+        self._offsets = BoundedCache()
 
     def to_local(self, dtensor):
         # The differentiable view only when a gradient can flow; otherwise the shard itself
@@ -38,18 +49,32 @@ class TorchPlatform(Platform):
             return dtensor.to_local()
         return dtensor._local_tensor
 
-    def from_local(self, local, mesh, placements):
+    def from_local(self, local, mesh, placements, shape=None):
+        kwargs = (
+            {}
+            if shape is None
+            else {"shape": torch.Size(shape), "stride": _contiguous_strides(shape)}
+        )
         if local.requires_grad and torch.is_grad_enabled():
-            return DTensor.from_local(local, mesh, placements, run_check=False)
+            return DTensor.from_local(local, mesh, placements, run_check=False, **kwargs)
         # Without autograd, reuse the spec DTensor.from_local computed for this (mesh,
-        # placements, local shape, strides, dtype): building it again costs ~25 us a call.
-        key = (mesh, placements, local.shape, local.stride(), local.dtype)
+        # placements, global shape, local shape, strides, dtype): building it again costs ~25 us.
+        key = (mesh, placements, shape, local.shape, local.stride(), local.dtype)
         spec = self._specs.get(key)
         if spec is None:
-            out = DTensor.from_local(local, mesh, placements, run_check=False)
-            self._specs[key] = out._spec
+            out = DTensor.from_local(local, mesh, placements, run_check=False, **kwargs)
+            self._specs.put(key, out._spec)
             return out
         return DTensor(local, spec, requires_grad=False)
+
+    def local_shape_and_offset(self, mesh, placements, shape):
+        key = (mesh, placements, shape)
+        found = self._offsets.get(key)
+        if found is None:
+            local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+            found = (tuple(local), tuple(offset))
+            self._offsets.put(key, found)
+        return found
 
     def mesh_of(self, dtensor):
         return dtensor.device_mesh

@@ -38,6 +38,8 @@ def _inputs(layout, b=2, s1=32, s2=32, n1=8, n2=2, d=16, lengths=None, seed=0):
 
 
 def _close(got, want, what):
+    if isinstance(got, DTensor):
+        assert got.shape == want.shape, f"{what}: global shape {tuple(got.shape)} on this rank"
     got_full = got.full_tensor() if hasattr(got, "full_tensor") else got
     finite = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got_full), finite), f"{what}: infinities differ"
@@ -122,17 +124,17 @@ class RowRmsNormDistributed(DistributedOp):
         return (
             (opmesh.platform.current().to_local(x), *args[1:]),
             kwargs,
-            (lay.mesh, lay.placements),
+            (lay.mesh, lay.placements, lay.shape),
         )
 
     def infer_layout(self, cache_values):
         return (cache_values,), None
 
 
-def case_user_op_backward(mesh):
+def case_user_op_backward(mesh, rows=8):
     if "test_row_rms_norm" not in opmesh.distributed.distributed_op._instances:
         RowRmsNormDistributed()
-    x = torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    x = torch.randn(rows, 6, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
     y = RowRmsNorm.apply(x)
     (y * torch.arange(16.0)).sum().backward()
     dx = opmesh.distribute_tensor(x.detach(), mesh, [S0] + [R] * (mesh.ndim - 1))
@@ -224,6 +226,142 @@ def case_errors(mesh):
         _expect(ValueError, "head_tail_cp", lambda: op(*dist3(axes, axes, axes)))
 
 
+class NoGradCtxProbe(DFunction):
+    """Records what forward's ctx offers when no input needs a gradient."""
+
+    seen = {}
+
+    @staticmethod
+    def forward(ctx, x, scale=2.0):
+        NoGradCtxProbe.seen = {
+            "needs_input_grad": ctx.needs_input_grad,
+            "has_save_for_forward": callable(getattr(ctx, "save_for_forward", None)),
+        }
+        ctx.save_for_backward(x)
+        NoGradCtxProbe.seen["saved"] = len(ctx.saved_tensors)
+        ctx.mark_non_differentiable()
+        ctx.set_materialize_grads(False)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0, None
+
+
+def case_no_grad_ctx(mesh):
+    x = torch.ones(3)
+    NoGradCtxProbe.apply(x)
+    plain = dict(NoGradCtxProbe.seen)
+    x.requires_grad_(True)
+    NoGradCtxProbe.apply(x)
+    with_grad = dict(NoGradCtxProbe.seen)
+    assert plain["needs_input_grad"] == (False, False), plain
+    assert with_grad["needs_input_grad"] == (True, False), with_grad
+    assert plain["has_save_for_forward"] and plain["saved"] == 1, plain
+
+
+def case_lengths_as_dtensors(mesh):
+    """Length arrays passed as replicated DTensors are read whole on every rank; a sharded one is
+    refused by name."""
+    q, k, w, kw = _inputs("TND", lengths=UNEVEN_VARLEN)
+    want = opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **kw)
+    rep = [R] * mesh.ndim
+    shard = [R] * (mesh.ndim - 1) + [S0]
+    got = opmesh.dense_lightning_indexer_softmax_lse(
+        opmesh.distribute_tensor(q, mesh, shard),
+        opmesh.distribute_tensor(k, mesh, rep),
+        opmesh.distribute_tensor(w, mesh, shard),
+        actual_seq_qlen=opmesh.distribute_tensor(kw["actual_seq_qlen"], mesh, rep),
+        actual_seq_klen=opmesh.distribute_tensor(kw["actual_seq_klen"], mesh, rep),
+        layout="TND",
+    )
+    _close(got[0], want[0], "softmax_max")
+    _close(got[1], want[1], "softmax_sum")
+    _expect_start(
+        ValueError,
+        "actual_seq_qlen:",
+        lambda: opmesh.dense_lightning_indexer_softmax_lse(
+            opmesh.distribute_tensor(q, mesh, shard),
+            opmesh.distribute_tensor(k, mesh, rep),
+            opmesh.distribute_tensor(w, mesh, shard),
+            actual_seq_qlen=opmesh.distribute_tensor(kw["actual_seq_qlen"], mesh, shard),
+            actual_seq_klen=kw["actual_seq_klen"],
+            layout="TND",
+        ),
+    )
+
+
+def case_wrong_rank(mesh):
+    q, k, w, _ = _inputs("BSND")
+    rep = [R] * mesh.ndim
+    op = opmesh.dense_lightning_indexer_softmax_lse
+    dq = opmesh.distribute_tensor(q[0], mesh, rep)
+    dk = opmesh.distribute_tensor(k, mesh, rep)
+    dw = opmesh.distribute_tensor(w, mesh, rep)
+    _expect_start(ValueError, "query_index: expected a 4-D DTensor", lambda: op(dq, dk, dw))
+    dq = opmesh.distribute_tensor(q, mesh, rep)
+    _expect_start(
+        ValueError,
+        "weights: expected a 2-D DTensor",
+        lambda: op(dq[0], dk[0], dw, layout="TND", actual_seq_qlen=[16], actual_seq_klen=[16]),
+    )
+
+
+def _expect_start(exc, prefix, fn):
+    try:
+        fn()
+    except exc as e:
+        assert str(e).startswith(prefix), f"message {str(e)!r} does not start with {prefix!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__} starting with {prefix!r}")
+
+
+UNEVEN_VARLEN = ([3, 0, 5, 2], [3, 4, 5, 6])  # T1 = 10 query tokens
+
+
+def _uneven_cases(mesh):
+    """Sizes that do not divide the mesh: every rank's DTensor must carry the true global shape
+    and full_tensor() must equal the one-device call."""
+    rest = [R] * (mesh.ndim - 1)
+    last = rest + [S0]
+    dp = [S0] if mesh.ndim == 2 else []
+    cases = {
+        "uneven_batch_3": lambda: _check(mesh, "BSND", ([S0] + rest,) * 3, b=3, s1=8, s2=8),
+        "uneven_batch_5": lambda: _check(mesh, "BSND", ([S0] + rest,) * 3, b=5, s1=8, s2=8),
+        "uneven_batch_1": lambda: _check(mesh, "BSND", ([S0] + rest,) * 3, b=1, s1=8, s2=8),
+        "uneven_cp_s1_9": lambda: _check(
+            mesh, "BSND", (dp + [S1], dp + [R], dp + [S1]), b=3, s1=9, s2=9
+        ),
+        "uneven_cp_s1_9_more_keys": lambda: _check(
+            mesh, "BSND", (dp + [S1], dp + [R], dp + [S1]), b=2, s1=9, s2=13
+        ),
+        "uneven_tnd_10": lambda: _check(
+            mesh, "TND", (last, [R] * mesh.ndim, last), lengths=UNEVEN_VARLEN
+        ),
+        "uneven_tnd_10_mode0": lambda: _check(
+            mesh, "TND", (last, [R] * mesh.ndim, last), sparse_mode=0, lengths=UNEVEN_VARLEN
+        ),
+        "uneven_user_op_rows_5": lambda: case_user_op_backward(mesh, rows=5),
+        "lengths_as_dtensors": lambda: case_lengths_as_dtensors(mesh),
+        "wrong_rank": lambda: case_wrong_rank(mesh),
+        "no_grad_ctx": lambda: case_no_grad_ctx(mesh),
+    }
+    if mesh.ndim == 2:
+        # One dim over both mesh axes: DTensor splits axis by axis, so T=10 on (2, 2) gives
+        # rows [0, 3), [3, 5), [5, 8), [8, 10) and B=3 gives [0, 1), [1, 2), [2, 3), [].
+        both = [S0, S0]
+        cases["one_dim_two_axes_tnd_10"] = lambda: _check(
+            mesh, "TND", (both, [R, R], both), lengths=UNEVEN_VARLEN
+        )
+        cases["one_dim_two_axes_batch_3"] = lambda: _check(
+            mesh, "BSND", (both, both, both), b=3, s1=8, s2=8
+        )
+        cases["one_dim_two_axes_s1_9"] = lambda: _check(
+            mesh, "BSND", ([S1, S1], [R, R], [S1, S1]), b=2, s1=9, s2=11
+        )
+    return cases
+
+
 def _cp_cases(mesh):
     """Cases for a mesh whose last axis is the context-parallel one (and the first, if any,
     data parallel)."""
@@ -252,6 +390,7 @@ def _cp_cases(mesh):
         "user_op_backward": lambda: case_user_op_backward(mesh),
         "errors": lambda: case_errors(mesh),
     }
+    cases.update(_uneven_cases(mesh))
     return cases
 
 
@@ -298,4 +437,16 @@ CASE_NAMES = [
     "head_tail_bsnd",
     "user_op_backward",
     "errors",
+    "uneven_batch_3",
+    "uneven_batch_5",
+    "uneven_batch_1",
+    "uneven_cp_s1_9",
+    "uneven_cp_s1_9_more_keys",
+    "uneven_tnd_10",
+    "uneven_tnd_10_mode0",
+    "uneven_user_op_rows_5",
+    "lengths_as_dtensors",
+    "wrong_rank",
+    "no_grad_ctx",
 ]
+TWO_AXIS_CASES = ["one_dim_two_axes_tnd_10", "one_dim_two_axes_batch_3", "one_dim_two_axes_s1_9"]

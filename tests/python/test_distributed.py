@@ -11,11 +11,17 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_cases import CASE_NAMES, worker
+from distributed_cases import CASE_NAMES, TWO_AXIS_CASES, worker
 
 import opmesh
 
-MESHES = {"2": ((2,), ("cp",)), "4": ((4,), ("cp",)), "2x4": ((2, 4), ("dp", "cp"))}
+MESHES = {
+    "2": ((2,), ("cp",)),
+    "3": ((3,), ("cp",)),
+    "4": ((4,), ("cp",)),
+    "2x2": ((2, 2), ("dp", "cp")),
+    "2x4": ((2, 4), ("dp", "cp")),
+}
 
 
 def _free_port():
@@ -59,9 +65,11 @@ def mesh_results(request, tmp_path_factory):
         return request.param, json.load(f)
 
 
-@pytest.mark.parametrize("case", CASE_NAMES)
+@pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASES)
 def test_case_on_mesh(mesh_results, case):
     mesh, results = mesh_results
+    if case in TWO_AXIS_CASES and "x" not in mesh:
+        pytest.skip("needs a two-axis mesh")
     status = results.get(case, "not run")
     assert status == "ok", f"mesh {mesh}, case {case}:\n{status}"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ... import platform as _platform
+from ..._bounded_cache import BoundedCache
 from ..context_parallel import head_tail_enabled
 from ..distributed_op import DistributedOp
 from ..layout import Layout
@@ -26,6 +27,30 @@ DIM_NAMES = {
     "BSND": (("B", "S1", "N1", "D"), ("B", "S2", "N2", "D"), ("B", "S1", "N1")),
     "TND": (("T1", "N1", "D"), ("T2", "N2", "D"), ("T1", "N1")),
 }
+
+
+RANKS = {"BSND": (4, 4, 3), "TND": (3, 3, 2)}
+LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
+
+
+def local_lengths(kwargs, names=LENGTH_NAMES):
+    """Length arguments given as DTensors must be replicated on every mesh axis: every rank
+    reads the whole array. Returns kwargs with their local (full) tensors."""
+    p = _platform.current()
+    if not any(p.is_dtensor(kwargs.get(n)) for n in names):
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in names:
+        value = kwargs.get(name)
+        if not p.is_dtensor(value):
+            continue
+        if any(p.shard_dim(pl) is not None or p.is_partial(pl) for pl in p.placements_of(value)):
+            raise ValueError(
+                f"{name}: a DTensor of lengths must be replicated on every mesh axis, got "
+                f"placements {tuple(p.placements_of(value))}"
+            )
+        kwargs[name] = p.to_local(value).detach()
+    return kwargs
 
 
 def _lengths_list(value):
@@ -43,12 +68,13 @@ def _as_tensor(value):
 class IndexerDistributedOp(DistributedOp):
     def __init__(self):
         super().__init__("dense_lightning_indexer_softmax_lse")
-        self._checked = set()  # cache values whose layouts passed the rules
+        self._checked = BoundedCache()  # cache values whose layouts passed the rules
 
     # -- preprocess: check the layouts, take the DTensors apart -----------------------------
 
     def preprocess(self, args, kwargs):
         p = _platform.current()
+        kwargs = local_lengths(kwargs)
         if len(args) == 3 and all(p.is_dtensor(x) for x in args):
             key = (
                 kwargs.get("layout", "BSND"),
@@ -58,7 +84,7 @@ class IndexerDistributedOp(DistributedOp):
                 tuple(p.global_shape(x) for x in args),
                 head_tail_enabled(),
             )
-            if key in self._checked:
+            if self._checked.get(key):
                 return tuple(p.to_local(x) for x in args), kwargs, key
         return self._check_and_take_apart(args, kwargs)
 
@@ -76,6 +102,13 @@ class IndexerDistributedOp(DistributedOp):
             if not p.is_dtensor(x):
                 raise ValueError(
                     f"{name}: expected a DTensor like the other inputs, got {type(x).__name__}"
+                )
+        for name, x, rank, dims in zip(NAMES, args, RANKS[layout], DIM_NAMES[layout], strict=True):
+            shape = p.global_shape(x)
+            if len(shape) != rank:
+                raise ValueError(
+                    f"{name}: expected a {rank}-D DTensor [{', '.join(dims)}] for layout "
+                    f"{layout}, got {len(shape)}-D with global shape {tuple(shape)}"
                 )
         layouts = [Layout.of(x) for x in args]
         mesh = layouts[0].mesh
@@ -106,7 +139,7 @@ class IndexerDistributedOp(DistributedOp):
             tuple(lay.shape for lay in layouts),
             head_tail,
         )
-        self._checked.add(cache_values)
+        self._checked.put(cache_values, True)
         return local_args, kwargs, cache_values
 
     @staticmethod
@@ -160,7 +193,7 @@ class IndexerDistributedOp(DistributedOp):
     # -- output layouts ---------------------------------------------------------------------
 
     def infer_layout(self, cache_values):
-        layout, _mode, mesh, placements, _shapes, _head_tail = cache_values
+        layout, _mode, mesh, placements, shapes, _head_tail = cache_values
         p = _platform.current()
         out = []
         for placement in placements[0]:
@@ -171,7 +204,12 @@ class IndexerDistributedOp(DistributedOp):
                 out.append(p.shard(1))
             else:
                 out.append(p.replicate())
-        spec = (mesh, tuple(out))
+        q_shape, k_shape = shapes[0], shapes[1]
+        if layout == "BSND":
+            global_shape = (q_shape[0], k_shape[2], q_shape[1])
+        else:
+            global_shape = (k_shape[1], q_shape[0])
+        spec = (mesh, tuple(out), global_shape)
         return (spec, spec), None
 
     # -- the local call: batch slices of the lengths, and context parallel ------------------
