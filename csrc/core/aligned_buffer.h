@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <new>
@@ -11,7 +12,10 @@ namespace opmesh::core {
 template <class T>
 class AlignedBuffer {
  public:
+  // Throws std::bad_alloc when the allocation fails or its size overflows; never holds null for
+  // a non-zero count.
   explicit AlignedBuffer(size_t count) {
+    if (count > (SIZE_MAX - 63) / sizeof(T)) throw std::bad_alloc();
     const size_t bytes = ((count * sizeof(T) + 63) / 64) * 64;
     void* p = bytes == 0 ? nullptr : std::aligned_alloc(64, bytes);
     if (bytes != 0 && p == nullptr) throw std::bad_alloc();

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "aligned_buffer.h"
+#include "attention/config.h"
 #include "errors.h"
 #include "indexer_kernels.h"
 #include "indexer_tiling.h"
@@ -212,8 +213,19 @@ void validate(const IndexerParams& p) {
   }
   if (p.batch < 0) throw ArgumentError("batch", "must be >= 0, got " + str(p.batch));
   if (p.seq_q < 0 || p.seq_k < 0) throw ArgumentError("query_index", "negative sequence size");
-  if (p.heads_q < 1) throw ArgumentError("query_index", "needs at least one head");
-  if (p.heads_k < 1) throw ArgumentError("key_index", "needs at least one head");
+  // The same head and head-dim limits as flash attention: they bound every scratch size.
+  if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
+    throw ArgumentError("query_index", "N1 must be in [1, " + str(attention::kMaxHeads) +
+                                           "], got " + str(p.heads_q));
+  }
+  if (p.heads_k < 1 || p.heads_k > attention::kMaxHeads) {
+    throw ArgumentError(
+        "key_index", "N2 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_k));
+  }
+  if (p.head_dim > attention::kMaxHeadDim) {
+    throw ArgumentError("query_index", "head dim D must be <= " + str(attention::kMaxHeadDim) +
+                                           ", got " + str(p.head_dim));
+  }
   if (p.heads_q % p.heads_k != 0) {
     throw ArgumentError("key_index", "query heads N1=" + str(p.heads_q) +
                                          " must be a multiple of key heads N2=" + str(p.heads_k));

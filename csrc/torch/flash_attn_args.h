@@ -1,13 +1,16 @@
 // Argument handling shared by the CPU and Meta kernels of flash_attn and flash_attn_metadata:
-// everything that can be decided from ranks, sizes and argument values without reading data.
+// everything that can be decided from devices, dtypes, ranks, sizes and argument values without
+// reading tensor data. The Meta kernel runs exactly these checks, so a shape function (and so
+// torch.export) refuses what the CPU kernel would refuse, with the same message.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
 #include <string_view>
-#include <utility>
 
 #include "attention/config.h"
 
@@ -15,13 +18,13 @@ namespace opmesh::binding {
 
 namespace attn = core::attention;
 
-inline attn::Layout parse_layout(std::string_view s, const char* name) {
-  if (s == "BSND") return attn::Layout::kBSND;
-  if (s == "BNSD") return attn::Layout::kBNSD;
-  if (s == "TND") return attn::Layout::kTND;
-  if (s == "PA_BBND") return attn::Layout::kPagedBBND;
-  TORCH_CHECK_VALUE(false, name, ": expected 'BSND', 'BNSD', 'TND' or 'PA_BBND', got '", s, "'");
-}
+attn::Layout parse_layout(std::string_view s, const char* name);
+
+// mask_mode as given (int64) -> the enum, refused unless 0, 3 or 4 (checked before narrowing).
+attn::MaskMode parse_mask_mode(int64_t mode);
+
+// A window side as given (int64): -1 or >= 0; kMaxTokens or more is unbounded (-1).
+int64_t parse_window(int64_t value, const char* name);
 
 // Positions of the batch, sequence, head and dim axes of a q/k/v tensor in `layout`
 // (-1: absent). Paged caches read as [block][slot][head][dim].
@@ -29,42 +32,44 @@ struct Axes {
   int b, s, n, d;
   int rank;
 };
+Axes axes_of(attn::Layout layout);
 
-inline Axes axes_of(attn::Layout layout) {
-  switch (layout) {
-    case attn::Layout::kBSND:
-    case attn::Layout::kPagedBBND:
-      return {0, 1, 2, 3, 4};
-    case attn::Layout::kBNSD:
-      return {0, 2, 1, 3, 4};
-    case attn::Layout::kTND:
-      return {-1, 0, 1, 2, 3};
-  }
-  return {0, 1, 2, 3, 4};
+// A size relation: decided now for concrete sizes; for symbolic ones (torch.compile, export)
+// recorded as a runtime assertion when it cannot be decided, so no size is specialised.
+inline bool holds(const c10::SymBool& condition) {
+  return condition.is_heap_allocated() ? condition.expect_true(__FILE__, __LINE__)
+                                       : condition.guard_bool(__FILE__, __LINE__);
 }
 
-inline void check_rank(const at::Tensor& t, attn::Layout layout, const char* name) {
-  const Axes a = axes_of(layout);
-  TORCH_CHECK_VALUE(t.dim() == a.rank, name, ": expected a ", a.rank, "-D ",
-                    attn::layout_name(layout), " tensor, got ", t.dim(), "-D with shape ",
-                    t.sizes());
-}
+// Head counts and head dims decide the kernel: they are specialised (guarded) when symbolic.
+inline int64_t concrete(const c10::SymInt& size) { return size.guard_int(__FILE__, __LINE__); }
 
-// Every tensor argument on q's device (the metadata and length arrays are read on the host and
-// are checked where they are read).
-inline void check_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& block_table,
-                          const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK_VALUE(k.device() == q.device(), "k: expected a tensor on ", q.device(),
-                    " like q, got ", k.device());
-  TORCH_CHECK_VALUE(v.device() == q.device(), "v: expected a tensor on ", q.device(),
-                    " like q, got ", v.device());
-  for (const auto& [t, name] : {std::pair{&block_table, "block_table"}, {&sinks, "sinks"}}) {
-    if (t->has_value()) {
-      TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
-                        " like q, got ", (*t)->device());
-    }
-  }
-}
+struct FlashAttnArgs {
+  attn::PlanConfig config;  // heads, dims, layouts, mask, windows; batch_size when concrete
+  c10::SymInt batch;        // q's batch (TND: the number of cu_seqlens_q entries - 1)
+  Axes qa{};
+  Axes ka{};
+  bool paged = false;
+  bool q_tnd = false;
+  bool kv_tnd = false;
+  float softmax_scale = 0.0f;  // the given scale, or 1 / sqrt(head_dim)
+};
+
+// The checks in order: devices, dtypes, layouts and ranks, shapes and size limits, argument
+// values. Every failure is a Python exception whose message starts with the argument's name.
+FlashAttnArgs check_flash_attn_args(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_kv, const std::optional<at::Tensor>& seqused_q,
+    const std::optional<at::Tensor>& seqused_kv, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& metadata, std::optional<double> softmax_scale,
+    int64_t mask_mode, int64_t win_left, int64_t win_right,
+    const std::optional<c10::SymInt>& max_seqlen_q, const std::optional<c10::SymInt>& max_seqlen_kv,
+    std::string_view layout_q, std::string_view layout_kv, std::string_view layout_out);
+
+// A length array of flash_attn_metadata: int32, 1-D, `count` entries, on one device whose
+// memory the host can read (never meta).
+void check_plan_lengths(const std::optional<at::Tensor>& t, const char* name,
+                        const c10::SymInt& count);
 
 }  // namespace opmesh::binding

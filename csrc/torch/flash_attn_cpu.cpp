@@ -27,19 +27,9 @@ struct HostInts {
   const int32_t* data() const { return tensor.defined() ? tensor.data_ptr<int32_t>() : nullptr; }
 };
 
-HostInts host_ints(const std::optional<at::Tensor>& t, const char* name, int64_t count,
-                   const std::optional<at::Device>& device) {
+// Lengths were checked (dtype, rank, entries, device) before: this only brings them to the host.
+HostInts host_ints(const std::optional<at::Tensor>& t, const char*, int64_t, std::nullopt_t) {
   if (!t.has_value()) return {};
-  if (device.has_value()) {
-    TORCH_CHECK_VALUE(t->device() == *device, name, ": expected a tensor on ", *device, ", got ",
-                      t->device());
-  }
-  TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, name, ": expected int32, got ", t->scalar_type());
-  TORCH_CHECK_VALUE(t->dim() == 1, name, ": expected a 1-D tensor, got shape ", t->sizes());
-  if (count >= 0) {
-    TORCH_CHECK_VALUE(t->size(0) == count, name, ": expected ", count, " entries, got ",
-                      t->size(0));
-  }
   return {t->to(at::kCPU).contiguous()};
 }
 
@@ -71,21 +61,22 @@ at::Tensor metadata_cpu(
   c.batch_size = batch_size;
   c.max_seqlen_q = max_seqlen_q;
   c.max_seqlen_kv = max_seqlen_kv;
-  c.mask_mode = static_cast<attn::MaskMode>(mask_mode);
-  c.win_left = win_left;
-  c.win_right = win_right;
+  c.mask_mode = parse_mask_mode(mask_mode);
+  c.win_left = parse_window(win_left, "win_left");
+  c.win_right = parse_window(win_right, "win_right");
   c.layout_q = parse_layout(layout_q, "layout_q");
   c.layout_kv = parse_layout(layout_kv, "layout_kv");
   c.layout_out = parse_layout(layout_out, "layout_out");
   c.num_workers = default_workers(num_workers);
   c.deterministic = deterministic;
-  TORCH_CHECK_VALUE(batch_size <= INT32_MAX, "batch_size: too large: ", batch_size);
-  TORCH_CHECK_VALUE(max_seqlen_q <= INT32_MAX, "max_seqlen_q: too large: ", max_seqlen_q);
-  TORCH_CHECK_VALUE(max_seqlen_kv <= INT32_MAX, "max_seqlen_kv: too large: ", max_seqlen_kv);
   rethrow([&] {
     attn::validate_config(c);
     return 0;
   });
+  check_plan_lengths(cu_seqlens_q, "cu_seqlens_q", batch_size + 1);
+  check_plan_lengths(cu_seqlens_kv, "cu_seqlens_kv", batch_size + 1);
+  check_plan_lengths(seqused_q, "seqused_q", batch_size);
+  check_plan_lengths(seqused_kv, "seqused_kv", batch_size);
   const auto cq = host_ints(cu_seqlens_q, "cu_seqlens_q", batch_size + 1, std::nullopt);
   const auto ck = host_ints(cu_seqlens_kv, "cu_seqlens_kv", batch_size + 1, std::nullopt);
   const auto uq = host_ints(seqused_q, "seqused_q", batch_size, std::nullopt);
@@ -119,104 +110,48 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     int64_t mask_mode, int64_t win_left, int64_t win_right, std::optional<int64_t> max_seqlen_q,
     std::optional<int64_t> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
     c10::string_view layout_out, bool return_softmax_lse) {
-  // Device.
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
-  check_devices(q, k, v, block_table, sinks);
-  // Dtype.
+  const auto as_sym = [](std::optional<int64_t> v) {
+    return v.has_value() ? std::optional<c10::SymInt>(c10::SymInt(*v)) : std::nullopt;
+  };
+  const FlashAttnArgs args = check_flash_attn_args(
+      q, k, v, block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks, metadata,
+      softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
+      layout_q, layout_kv, layout_out);
   const core::DType dtype = to_core_dtype(q.scalar_type(), "q");
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k: expected dtype ", q.scalar_type(),
-                   " like q, got ", k.scalar_type());
-  TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "v: expected dtype ", q.scalar_type(),
-                   " like q, got ", v.scalar_type());
-  if (sinks.has_value()) {
-    TORCH_CHECK_TYPE(sinks->scalar_type() == at::kFloat, "sinks: expected float32, got ",
-                     sinks->scalar_type());
-  }
-  if (block_table.has_value()) {
-    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table: expected int32, got ",
-                     block_table->scalar_type());
-  }
-  // Layouts and ranks.
-  attn::PlanConfig c;
-  c.layout_q = parse_layout(layout_q, "layout_q");
-  c.layout_kv = parse_layout(layout_kv, "layout_kv");
-  c.layout_out = parse_layout(layout_out, "layout_out");
-  c.mask_mode = static_cast<attn::MaskMode>(mask_mode);
-  c.win_left = win_left;
-  c.win_right = win_right;
-  TORCH_CHECK_VALUE(c.layout_q != attn::Layout::kPagedBBND,
-                    "layout_q: expected 'BSND', 'BNSD' or 'TND', got 'PA_BBND'");
-  check_rank(q, c.layout_q, "q");
-  check_rank(k, c.layout_kv, "k");
-  check_rank(v, c.layout_kv, "v");
-  const bool paged = c.layout_kv == attn::Layout::kPagedBBND;
-  const bool q_tnd = c.layout_q == attn::Layout::kTND;
-  const bool kv_tnd = c.layout_kv == attn::Layout::kTND;
-  const Axes qa = axes_of(c.layout_q);
-  const Axes ka = axes_of(c.layout_kv);
-  // Shapes.
-  c.num_heads_q = q.size(qa.n);
-  c.num_heads_kv = k.size(ka.n);
-  c.head_dim = q.size(qa.d);
-  c.head_dim_v = v.size(ka.d);
-  TORCH_CHECK_VALUE(k.size(ka.d) == c.head_dim, "k: head_dim ", k.size(ka.d), " differs from q's ",
-                    c.head_dim);
-  TORCH_CHECK_VALUE(v.size(ka.n) == c.num_heads_kv, "v: ", v.size(ka.n), " heads differ from k's ",
-                    c.num_heads_kv);
-  for (int dim : {ka.b, ka.s}) {
-    if (dim >= 0) {
-      TORCH_CHECK_VALUE(v.size(dim) == k.size(dim), "v: shape ", v.sizes(), " does not match k's ",
-                        k.sizes(), " outside the head dim");
-    }
-  }
-  if (q_tnd) {
-    TORCH_CHECK_VALUE(cu_seqlens_q.has_value(), "cu_seqlens_q: required for layout_q TND");
-    c.batch_size = cu_seqlens_q->numel() - 1;
-    TORCH_CHECK_VALUE(c.batch_size >= 0, "cu_seqlens_q: expected batch_size + 1 >= 1 entries");
-  } else {
-    c.batch_size = q.size(qa.b);
-  }
-  if (!paged && !kv_tnd) {
-    TORCH_CHECK_VALUE(k.size(ka.b) == c.batch_size, "k: batch ", k.size(ka.b), " differs from q's ",
-                      c.batch_size);
-  }
-  if (sinks.has_value()) {
-    TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == c.num_heads_q,
-                      "sinks: expected shape [", c.num_heads_q, "] (one per query head), got ",
-                      sinks->sizes());
-  }
-  const std::optional<at::Device> dev = q.device();
-  const auto cq = host_ints(cu_seqlens_q, "cu_seqlens_q", c.batch_size + 1, dev);
-  const auto ck = host_ints(cu_seqlens_kv, "cu_seqlens_kv", c.batch_size + 1, dev);
-  const auto uq = host_ints(seqused_q, "seqused_q", c.batch_size, dev);
-  const auto uk = host_ints(seqused_kv, "seqused_kv", c.batch_size, dev);
+  attn::PlanConfig c = args.config;
+  const bool paged = args.paged;
+  const bool q_tnd = args.q_tnd;
+  const bool kv_tnd = args.kv_tnd;
+  const Axes& qa = args.qa;
+  const Axes& ka = args.ka;
+  c.batch_size = args.batch.expect_int();
+  const auto cq = host_ints(cu_seqlens_q, "cu_seqlens_q", c.batch_size + 1, std::nullopt);
+  const auto ck = host_ints(cu_seqlens_kv, "cu_seqlens_kv", c.batch_size + 1, std::nullopt);
+  const auto uq = host_ints(seqused_q, "seqused_q", c.batch_size, std::nullopt);
+  const auto uk = host_ints(seqused_kv, "seqused_kv", c.batch_size, std::nullopt);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
   if (q_tnd) {
     TORCH_CHECK_VALUE(cq.data()[c.batch_size] == q.size(0), "cu_seqlens_q: last entry ",
                       cq.data()[c.batch_size], " must equal the query token count ", q.size(0));
   }
   if (kv_tnd) {
-    TORCH_CHECK_VALUE(ck.data() != nullptr, "cu_seqlens_kv: required for layout_kv TND");
     TORCH_CHECK_VALUE(ck.data()[c.batch_size] == k.size(0), "cu_seqlens_kv: last entry ",
                       ck.data()[c.batch_size], " must equal the key token count ", k.size(0));
   }
   int64_t block_size = 0;
   int64_t blocks_per_seq = 0;
-  HostInts table;
+  const int32_t* table = nullptr;
+  int64_t bt_sb = 0;
+  int64_t bt_sj = 0;
   if (paged) {
-    TORCH_CHECK_VALUE(block_table.has_value(), "block_table: required with layout_kv PA_BBND");
-    TORCH_CHECK_VALUE(block_table->dim() == 2 && block_table->size(0) == c.batch_size,
-                      "block_table: expected shape [", c.batch_size, ", max_blocks_per_seq], got ",
-                      block_table->sizes());
-    TORCH_CHECK_VALUE(uk.data() != nullptr || c.batch_size == 0,
-                      "seqused_kv: required with layout_kv PA_BBND");
+    // Read in place through its strides: an expanded table is never copied, and only the
+    // entries the call's sequences use are read.
     block_size = k.size(1);
     blocks_per_seq = block_table->size(1);
-    TORCH_CHECK_VALUE(block_size >= 1, "k: block size must be >= 1, got shape ", k.sizes());
-    table.tensor = block_table->contiguous();
-  } else {
-    TORCH_CHECK_VALUE(!block_table.has_value(),
-                      "block_table: only accepted with layout_kv PA_BBND");
+    table = block_table->data_ptr<int32_t>();
+    bt_sb = block_table->stride(0);
+    bt_sj = block_table->stride(1);
   }
   // Maximum lengths: the shape's where the layout has a sequence axis, else given or observed.
   auto max_of = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
@@ -260,12 +195,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   attn::Plan own_plan;
   const attn::Plan* plan = nullptr;
   if (use_metadata) {
-    const at::Tensor& md = *metadata;
-    TORCH_CHECK_VALUE(md.device().is_cpu(), "metadata: expected a CPU tensor, got ", md.device());
-    TORCH_CHECK_TYPE(md.scalar_type() == at::kInt, "metadata: expected int32, got ",
-                     md.scalar_type());
-    TORCH_CHECK_VALUE(md.dim() == 1, "metadata: expected a 1-D tensor, got shape ", md.sizes());
-    const at::Tensor words = md.contiguous();
+    const at::Tensor words = metadata->to(at::kCPU).contiguous();
     decoded =
         rethrow([&] { return attn::metadata::read(words.data_ptr<int32_t>(), words.numel()); });
     rethrow([&] {
@@ -287,12 +217,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   const std::vector<attn::Sequence> seqs =
       rethrow([&] { return attn::resolve_sequences(c, lengths); });
   if (paged) {
-    const int32_t* bt = table.data();
     const int64_t num_blocks = k.size(0);
     for (int64_t b = 0; b < c.batch_size; ++b) {
       const int64_t used = (seqs[b].k_len + block_size - 1) / block_size;
       for (int64_t j = 0; j < used; ++j) {
-        const int32_t blk = bt[b * blocks_per_seq + j];
+        const int32_t blk = table[b * bt_sb + j * bt_sj];
         TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table: entry [", b, ", ", j, "] is ",
                           blk, ", expected a block index in [0, ", num_blocks, ")");
       }
@@ -360,9 +289,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   p.k = view_of(k, c.layout_kv);
   p.v = view_of(v, c.layout_kv);
   if (paged) {
-    p.block_table = table.data();
-    p.bt_sb = blocks_per_seq;
-    p.bt_sj = 1;
+    p.block_table = table;
+    p.bt_sb = bt_sb;
+    p.bt_sj = bt_sj;
     p.block_size = block_size;
   }
   at::Tensor sink_values;
@@ -370,10 +299,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     sink_values = sinks->contiguous();
     p.sinks = sink_values.data_ptr<float>();
   }
-  p.softmax_scale =
-      static_cast<float>(softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim))));
-  TORCH_CHECK_VALUE(std::isfinite(p.softmax_scale), "softmax_scale: must be finite, got ",
-                    p.softmax_scale);
+  p.softmax_scale = args.softmax_scale;
   at::Tensor workspace = at::empty({std::max<int64_t>(1, attn::workspace_floats(c, *plan))},
                                    q.options().dtype(at::kFloat));
   WorkerTimes::Recording recording(static_cast<int64_t>(plan->workers.size()));

@@ -12,27 +12,23 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_meta(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>&, std::optional<double>, int64_t, int64_t, int64_t,
-    std::optional<int64_t>, std::optional<int64_t>, c10::string_view layout_q,
-    c10::string_view layout_kv, c10::string_view layout_out, bool return_softmax_lse) {
-  check_devices(q, k, v, block_table, sinks);
-  const attn::Layout lq = parse_layout(layout_q, "layout_q");
-  const attn::Layout lkv = parse_layout(layout_kv, "layout_kv");
-  const attn::Layout lo = parse_layout(layout_out, "layout_out");
-  TORCH_CHECK_VALUE(lq != attn::Layout::kPagedBBND,
-                    "layout_q: expected 'BSND', 'BNSD' or 'TND', got 'PA_BBND'");
-  check_rank(q, lq, "q");
-  check_rank(k, lkv, "k");
-  check_rank(v, lkv, "v");
-  const Axes qa = axes_of(lq);
-  const Axes ka = axes_of(lkv);
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_kv, const std::optional<at::Tensor>& seqused_q,
+    const std::optional<at::Tensor>& seqused_kv, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& metadata, std::optional<double> softmax_scale,
+    int64_t mask_mode, int64_t win_left, int64_t win_right, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
+    c10::string_view layout_out, bool return_softmax_lse) {
+  const FlashAttnArgs args = check_flash_attn_args(
+      q, k, v, block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks, metadata,
+      softmax_scale, mask_mode, win_left, win_right, max_seqlen_q, max_seqlen_kv, layout_q,
+      layout_kv, layout_out);
+  const Axes& qa = args.qa;
+  const attn::Layout lo = args.config.layout_out;
   const c10::SymInt nq = q.sym_size(qa.n);
-  const c10::SymInt dv = v.sym_size(ka.d);
+  const c10::SymInt dv = v.sym_size(args.ka.d);
   const auto lse_options = q.options().dtype(at::kFloat);
-  if (lq == attn::Layout::kTND) {
+  if (args.q_tnd) {
     const c10::SymInt t = q.sym_size(0);
     at::Tensor out = at::empty_symint({t, nq, dv}, q.options());
     at::Tensor lse =

@@ -14,10 +14,9 @@ std::tuple<at::Tensor, at::Tensor> indexer_meta(const at::Tensor& query_index,
                                                 const std::optional<at::Tensor>& actual_seq_qlen,
                                                 const std::optional<at::Tensor>& actual_seq_klen,
                                                 c10::string_view layout, int64_t sparse_mode) {
-  check_indexer_devices(query_index, key_index, weights);
+  check_indexer_args(query_index, key_index, weights, actual_seq_qlen, actual_seq_klen, layout,
+                     sparse_mode);
   const core::Layout parsed = indexer_layout(layout);
-  indexer_sparse_mode(sparse_mode);
-  check_indexer_ranks(query_index, key_index, weights, parsed);
   const auto options = query_index.options().dtype(at::kFloat);
   std::vector<c10::SymInt> shape;
   if (parsed == core::Layout::kTND) {

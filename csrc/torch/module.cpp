@@ -99,6 +99,13 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
     PyList_SET_ITEM(combines, i,
                     Py_BuildValue("(iiiii)", t.b, t.h, t.t, t.first_slot, t.num_slots));
   }
+  if (costs == nullptr || ranges == nullptr || combines == nullptr || PyErr_Occurred()) {
+    Py_XDECREF(costs);
+    Py_XDECREF(ranges);
+    Py_XDECREF(combines);
+    Py_DECREF(dict);
+    return nullptr;
+  }
   const bool ok =
       set_item(dict, "version", PyLong_FromLong(attn::metadata::kVersion)) &&
       set_item(dict, "num_workers", PyLong_FromLongLong(c.num_workers)) &&
@@ -141,20 +148,36 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
 // [[(b, h, t, k_from, k_to, rows, cost, task cost, combine cost per partial, masked tiles),
 //   ...], ...].
 PyObject* plan_pieces(PyObject*, PyObject* args) {
-  attn::metadata::Decoded d;
+  Py_buffer buffer;
   PyObject* lens = nullptr;
-  if (!decode(args, d, &lens)) return nullptr;
-  std::vector<attn::Sequence> seqs;
-  PyObject* seq =
-      lens ? PySequence_Fast(lens, "lengths: expected a list of (q_len, k_len)") : nullptr;
+  if (!PyArg_ParseTuple(args, "y*O", &buffer, &lens)) return nullptr;
+  attn::metadata::Decoded d;
+  try {
+    d = attn::metadata::read(static_cast<const int32_t*>(buffer.buf),
+                             static_cast<int64_t>(buffer.len / sizeof(int32_t)));
+  } catch (const opmesh::core::ArgumentError& e) {
+    PyBuffer_Release(&buffer);
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  PyBuffer_Release(&buffer);
+  PyObject* seq = PySequence_Fast(lens, "lengths: expected a list of (q_len, k_len)");
   if (seq == nullptr) return nullptr;
+  std::vector<attn::Sequence> seqs;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    attn::Sequence s;
     long long ql = 0, kl = 0;
     if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LL", &ql, &kl)) {
       Py_DECREF(seq);
       return nullptr;
     }
+    if (ql < 0 || ql > d.config.max_seqlen_q || kl < 0 || kl > d.config.max_seqlen_kv) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_ValueError,
+                   "lengths: entry %zd is (%lld, %lld), outside the plan's maximum lengths", i, ql,
+                   kl);
+      return nullptr;
+    }
+    attn::Sequence s;
     s.q_len = ql;
     s.k_len = kl;
     seqs.push_back(s);
@@ -164,15 +187,25 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "lengths: expected one (q_len, k_len) per sequence");
     return nullptr;
   }
+  // The stretches are walked below: prove first that they cover these sequences exactly once.
+  try {
+    attn::verify_coverage(d.config, seqs, d.plan);
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_ValueError, "metadata: %s", e.what());
+    return nullptr;
+  }
   const attn::UnitWalker walker(d.config, seqs);
   const attn::CostModel& m = attn::default_cost_model();
   const int64_t dims = d.config.head_dim + d.config.head_dim_v;
   PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
   for (const attn::WorkerRange& r : d.plan.workers) {
     PyObject* pieces = PyList_New(0);
+    bool ok = pieces != nullptr;
     walker.for_each_piece(r.begin, r.end,
                           [&](int32_t b, int32_t h, int32_t t, int32_t k_from, int32_t k_to,
                               const attn::TileSpan& sp) {
+                            if (!ok) return;
                             const int64_t rows = (walker.tile_end(b, t) - walker.tile_begin(t)) *
                                                  d.plan.geometry.group;
                             const double task = attn::task_cost(m, rows, dims);
@@ -187,10 +220,14 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
                             PyObject* item =
                                 Py_BuildValue("(iiiiiidddi)", b, h, t, k_from, k_to,
                                               static_cast<int>(rows), cost, task, combine, masked);
-                            PyList_Append(pieces, item);
-                            Py_DECREF(item);
+                            ok = item != nullptr && PyList_Append(pieces, item) == 0;
+                            Py_XDECREF(item);
                           });
-    PyList_Append(out, pieces);
+    if (!ok || PyList_Append(out, pieces) != 0) {
+      Py_XDECREF(pieces);
+      Py_DECREF(out);
+      return nullptr;
+    }
     Py_DECREF(pieces);
   }
   return out;

@@ -10,8 +10,8 @@ TORCH_LIBRARY(opmesh, m) {
   m.def(
       "flash_attn_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
       "int? head_dim_v=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
-      "Tensor? seqused_q=None, Tensor? seqused_kv=None, int batch_size, int max_seqlen_q, "
-      "int max_seqlen_kv, int mask_mode=0, int win_left=-1, int win_right=-1, "
+      "Tensor? seqused_q=None, Tensor? seqused_kv=None, SymInt batch_size, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_kv, int mask_mode=0, int win_left=-1, int win_right=-1, "
       "str layout_q=\"BSND\", str layout_kv=\"BSND\", str layout_out=\"BSND\", "
       "int? num_workers=None, bool deterministic=False) -> Tensor");
   m.def(
@@ -19,7 +19,7 @@ TORCH_LIBRARY(opmesh, m) {
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, Tensor? seqused_q=None, "
       "Tensor? seqused_kv=None, Tensor? sinks=None, Tensor? metadata=None, "
       "float? softmax_scale=None, int mask_mode=0, int win_left=-1, int win_right=-1, "
-      "int? max_seqlen_q=None, int? max_seqlen_kv=None, str layout_q=\"BSND\", "
+      "SymInt? max_seqlen_q=None, SymInt? max_seqlen_kv=None, str layout_q=\"BSND\", "
       "str layout_kv=\"BSND\", str layout_out=\"BSND\", bool return_softmax_lse=False) "
       "-> (Tensor attn_out, Tensor softmax_lse)");
   m.def(

@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import pytest
@@ -14,3 +15,12 @@ def simd_level(request, monkeypatch):
     monkeypatch.setenv("OPMESH_SIMD_MAX", request.param)
     assert opmesh.active_simd_level() == request.param
     return request.param
+
+
+def assert_names_argument(error: BaseException, argument: str) -> None:
+    """The message must start with the argument's name (followed by ':' or ','), so a message
+    that only mentions it in passing, or blames another argument first, fails."""
+    message = str(error)
+    assert re.match(rf"{re.escape(argument)}[:,]", message), (
+        f"message does not start with {argument!r}: {message!r}"
+    )

@@ -76,22 +76,25 @@ const char* layout_name(Layout layout) {
 }
 
 void validate_config(const PlanConfig& c) {
-  constexpr int64_t kMaxHeads = 1 << 16;
-  constexpr int64_t kMaxDim = 2048;
   require_positive(c.num_heads_q, "num_heads_q", kMaxHeads);
   require_positive(c.num_heads_kv, "num_heads_kv", kMaxHeads);
   if (c.num_heads_q % c.num_heads_kv != 0) {
     throw ArgumentError("num_heads_kv", "must divide num_heads_q=" + str(c.num_heads_q) + ", got " +
                                             str(c.num_heads_kv));
   }
-  require_positive(c.head_dim, "head_dim", kMaxDim);
-  require_positive(c.head_dim_v, "head_dim_v", kMaxDim);
-  if (c.batch_size < 0) throw ArgumentError("batch_size", "must be >= 0, got " + str(c.batch_size));
-  if (c.max_seqlen_q < 0) {
-    throw ArgumentError("max_seqlen_q", "must be >= 0, got " + str(c.max_seqlen_q));
+  require_positive(c.head_dim, "head_dim", kMaxHeadDim);
+  require_positive(c.head_dim_v, "head_dim_v", kMaxHeadDim);
+  if (c.batch_size < 0 || c.batch_size > kMaxBatch) {
+    throw ArgumentError("batch_size",
+                        "must be in [0, " + str(kMaxBatch) + "], got " + str(c.batch_size));
   }
-  if (c.max_seqlen_kv < 0) {
-    throw ArgumentError("max_seqlen_kv", "must be >= 0, got " + str(c.max_seqlen_kv));
+  if (c.max_seqlen_q < 0 || c.max_seqlen_q > kMaxTokens) {
+    throw ArgumentError("max_seqlen_q",
+                        "must be in [0, " + str(kMaxTokens) + "], got " + str(c.max_seqlen_q));
+  }
+  if (c.max_seqlen_kv < 0 || c.max_seqlen_kv > kMaxTokens) {
+    throw ArgumentError("max_seqlen_kv",
+                        "must be in [0, " + str(kMaxTokens) + "], got " + str(c.max_seqlen_kv));
   }
   const int32_t mode = static_cast<int32_t>(c.mask_mode);
   if (c.mask_mode != MaskMode::kNone && c.mask_mode != MaskMode::kCausal &&
@@ -100,8 +103,11 @@ void validate_config(const PlanConfig& c) {
                         "must be 0 (none), 3 (causal) or 4 (window), got " + str(mode));
   }
   if (c.mask_mode == MaskMode::kWindow) {
-    if (c.win_left < -1) throw ArgumentError("win_left", "must be >= -1, got " + str(c.win_left));
-    if (c.win_right < -1) {
+    // Windows reach here normalised (normalize_window): kMaxTokens or more is already -1.
+    if (c.win_left < -1 || c.win_left >= kMaxTokens) {
+      throw ArgumentError("win_left", "must be >= -1, got " + str(c.win_left));
+    }
+    if (c.win_right < -1 || c.win_right >= kMaxTokens) {
       throw ArgumentError("win_right", "must be >= -1, got " + str(c.win_right));
     }
   } else {

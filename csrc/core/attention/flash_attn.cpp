@@ -322,7 +322,11 @@ class Runner {
         const float l = st.l[r];
         float scale;
         float lse;
-        if (p_.sinks != nullptr) {
+        if (p_.sinks != nullptr && p_.sinks[head] == std::numeric_limits<float>::infinity()) {
+          // An infinite sink takes all the probability mass: nothing reaches the output.
+          scale = 0.0f;
+          lse = std::numeric_limits<float>::infinity();
+        } else if (p_.sinks != nullptr) {
           const float sink = p_.sinks[head];
           const float top = nan_max(m, sink);
           const float carried = l == 0.0f ? 0.0f : std::exp(m - top);

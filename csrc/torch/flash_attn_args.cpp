@@ -1,0 +1,249 @@
+#include "flash_attn_args.h"
+
+#include <cmath>
+#include <utility>
+
+#include "dtypes.h"
+#include "errors.h"
+
+namespace opmesh::binding {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+void check_rank(const at::Tensor& t, attn::Layout layout, const char* name) {
+  const Axes a = axes_of(layout);
+  if (t.dim() == a.rank) return;
+  const bool suggest_tnd = t.dim() == 3 && layout != attn::Layout::kTND;
+  TORCH_CHECK_VALUE(false, name, ": expected a ", a.rank, "-D ", attn::layout_name(layout),
+                    " tensor, got ", t.dim(), "-D with shape ", t.sizes(),
+                    suggest_tnd ? std::string("; packed tokens [T, N, D] need layout_") +
+                                      (name[0] == 'q' ? "q" : "kv") + "='TND' and cu_seqlens"
+                                : std::string());
+}
+
+void check_device(const OptTensor& t, const char* name, const at::Device& device) {
+  if (t.has_value()) {
+    TORCH_CHECK_VALUE(t->device() == device, name, ": expected a tensor on ", device,
+                      " like q, got ", t->device());
+  }
+}
+
+void check_int32_vector(const OptTensor& t, const char* name, const c10::SymInt& count) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, name, ": expected int32, got ", t->scalar_type());
+  TORCH_CHECK_VALUE(t->dim() == 1, name, ": expected a 1-D tensor, got shape ", t->sizes());
+  TORCH_CHECK_VALUE(holds(t->sym_size(0) == count), name, ": expected ", count, " entries, got ",
+                    t->sym_size(0));
+}
+
+void check_tokens(const c10::SymInt& size, const char* name, const char* what) {
+  TORCH_CHECK_VALUE(holds(size <= attn::kMaxTokens), name, ": ", what, " ", size,
+                    " exceeds the limit of ", attn::kMaxTokens);
+}
+
+}  // namespace
+
+attn::Layout parse_layout(std::string_view s, const char* name) {
+  if (s == "BSND") return attn::Layout::kBSND;
+  if (s == "BNSD") return attn::Layout::kBNSD;
+  if (s == "TND") return attn::Layout::kTND;
+  if (s == "PA_BBND") return attn::Layout::kPagedBBND;
+  TORCH_CHECK_VALUE(false, name, ": expected 'BSND', 'BNSD', 'TND' or 'PA_BBND', got '", s, "'");
+}
+
+attn::MaskMode parse_mask_mode(int64_t mode) {
+  TORCH_CHECK_VALUE(mode == 0 || mode == 3 || mode == 4,
+                    "mask_mode: must be 0 (none), 3 (causal) or 4 (window), got ", mode);
+  return static_cast<attn::MaskMode>(mode);
+}
+
+int64_t parse_window(int64_t value, const char* name) {
+  TORCH_CHECK_VALUE(value >= -1, name, ": must be >= -1 (-1: unbounded), got ", value);
+  return attn::normalize_window(value);
+}
+
+Axes axes_of(attn::Layout layout) {
+  switch (layout) {
+    case attn::Layout::kBSND:
+    case attn::Layout::kPagedBBND:
+      return {0, 1, 2, 3, 4};
+    case attn::Layout::kBNSD:
+      return {0, 2, 1, 3, 4};
+    case attn::Layout::kTND:
+      return {-1, 0, 1, 2, 3};
+  }
+  return {0, 1, 2, 3, 4};
+}
+
+void check_plan_lengths(const OptTensor& t, const char* name, const c10::SymInt& count) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->device().type() != c10::DeviceType::Meta, name,
+                    ": the plan reads the lengths' values, so a meta tensor cannot be planned for");
+  check_int32_vector(t, name, count);
+}
+
+FlashAttnArgs check_flash_attn_args(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& block_table,
+    const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_kv, const OptTensor& seqused_q,
+    const OptTensor& seqused_kv, const OptTensor& sinks, const OptTensor& metadata,
+    std::optional<double> softmax_scale, int64_t mask_mode, int64_t win_left, int64_t win_right,
+    const std::optional<c10::SymInt>& max_seqlen_q, const std::optional<c10::SymInt>& max_seqlen_kv,
+    std::string_view layout_q, std::string_view layout_kv, std::string_view layout_out) {
+  FlashAttnArgs r;
+  attn::PlanConfig& c = r.config;
+  // Devices: every tensor on q's device; the plan is host data (CPU) or on q's device.
+  const at::Device device = q.device();
+  check_device(k, "k", device);
+  check_device(v, "v", device);
+  for (const auto& [t, name] : {std::pair{&block_table, "block_table"},
+                                {&cu_seqlens_q, "cu_seqlens_q"},
+                                {&cu_seqlens_kv, "cu_seqlens_kv"},
+                                {&seqused_q, "seqused_q"},
+                                {&seqused_kv, "seqused_kv"},
+                                {&sinks, "sinks"}}) {
+    check_device(*t, name, device);
+  }
+  if (metadata.has_value()) {
+    TORCH_CHECK_VALUE(metadata->device().is_cpu() || metadata->device() == device,
+                      "metadata: expected a CPU tensor (as flash_attn_metadata returns) or one on ",
+                      device, ", got ", metadata->device());
+  }
+  // Dtypes.
+  to_core_dtype(q.scalar_type(), "q");
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k: expected dtype ", q.scalar_type(),
+                   " like q, got ", k.scalar_type());
+  TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "v: expected dtype ", q.scalar_type(),
+                   " like q, got ", v.scalar_type());
+  if (sinks.has_value()) {
+    TORCH_CHECK_TYPE(sinks->scalar_type() == at::kFloat, "sinks: expected float32, got ",
+                     sinks->scalar_type());
+  }
+  if (block_table.has_value()) {
+    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table: expected int32, got ",
+                     block_table->scalar_type());
+  }
+  if (metadata.has_value()) {
+    TORCH_CHECK_TYPE(metadata->scalar_type() == at::kInt, "metadata: expected int32, got ",
+                     metadata->scalar_type());
+    TORCH_CHECK_VALUE(metadata->dim() == 1, "metadata: expected a 1-D tensor, got shape ",
+                      metadata->sizes());
+  }
+  // Layouts, their combination, then ranks (a wrong combination is named before the tensor it
+  // makes look wrong).
+  c.layout_q = parse_layout(layout_q, "layout_q");
+  c.layout_kv = parse_layout(layout_kv, "layout_kv");
+  c.layout_out = parse_layout(layout_out, "layout_out");
+  TORCH_CHECK_VALUE(c.layout_q != attn::Layout::kPagedBBND,
+                    "layout_q: expected 'BSND', 'BNSD' or 'TND', got 'PA_BBND'");
+  r.paged = c.layout_kv == attn::Layout::kPagedBBND;
+  r.q_tnd = c.layout_q == attn::Layout::kTND;
+  r.kv_tnd = c.layout_kv == attn::Layout::kTND;
+  TORCH_CHECK_VALUE(r.paged || !block_table.has_value(),
+                    "layout_kv: block_table is given, so k and v are a paged cache "
+                    "[num_blocks, block_size, Nkv, D]: pass layout_kv='PA_BBND' (got '",
+                    layout_kv, "')");
+  TORCH_CHECK_VALUE(r.paged || c.layout_kv == c.layout_q, "layout_kv: must equal layout_q ('",
+                    layout_q, "') or be 'PA_BBND', got '", layout_kv, "'");
+  TORCH_CHECK_VALUE(
+      r.q_tnd ? c.layout_out == attn::Layout::kTND
+              : (c.layout_out == attn::Layout::kBSND || c.layout_out == attn::Layout::kBNSD),
+      "layout_out: must be ", r.q_tnd ? "'TND' when layout_q is 'TND'" : "'BSND' or 'BNSD'",
+      ", got '", layout_out, "'");
+  check_rank(q, c.layout_q, "q");
+  check_rank(k, c.layout_kv, "k");
+  check_rank(v, c.layout_kv, "v");
+  r.qa = axes_of(c.layout_q);
+  r.ka = axes_of(c.layout_kv);
+  const Axes& qa = r.qa;
+  const Axes& ka = r.ka;
+  // Shapes.
+  c.num_heads_q = concrete(q.sym_size(qa.n));
+  c.num_heads_kv = concrete(k.sym_size(ka.n));
+  c.head_dim = concrete(q.sym_size(qa.d));
+  c.head_dim_v = concrete(v.sym_size(ka.d));
+  TORCH_CHECK_VALUE(concrete(k.sym_size(ka.d)) == c.head_dim, "k: head_dim ", k.sym_size(ka.d),
+                    " differs from q's ", c.head_dim);
+  TORCH_CHECK_VALUE(concrete(v.sym_size(ka.n)) == c.num_heads_kv, "v: ", v.sym_size(ka.n),
+                    " heads differ from k's ", c.num_heads_kv);
+  for (int dim : {ka.b, ka.s}) {
+    if (dim >= 0) {
+      TORCH_CHECK_VALUE(holds(v.sym_size(dim) == k.sym_size(dim)), "v: shape ", v.sym_sizes(),
+                        " does not match k's ", k.sym_sizes(), " outside the head dim");
+    }
+  }
+  if (r.q_tnd) {
+    TORCH_CHECK_VALUE(cu_seqlens_q.has_value(), "cu_seqlens_q: required for layout_q TND");
+    TORCH_CHECK_VALUE(cu_seqlens_q->dim() == 1, "cu_seqlens_q: expected a 1-D tensor, got shape ",
+                      cu_seqlens_q->sizes());
+    TORCH_CHECK_VALUE(holds(cu_seqlens_q->sym_size(0) >= 1),
+                      "cu_seqlens_q: expected batch_size + 1 >= 1 entries");
+    r.batch = cu_seqlens_q->sym_size(0) - 1;
+    check_tokens(q.sym_size(0), "q", "token count");
+  } else {
+    r.batch = q.sym_size(qa.b);
+    check_tokens(q.sym_size(qa.s), "q", "sequence length");
+  }
+  TORCH_CHECK_VALUE(holds(r.batch <= attn::kMaxBatch), r.q_tnd ? "cu_seqlens_q" : "q", ": batch ",
+                    r.batch, " exceeds the limit of ", attn::kMaxBatch);
+  if (r.kv_tnd) {
+    TORCH_CHECK_VALUE(cu_seqlens_kv.has_value(), "cu_seqlens_kv: required for layout_kv TND");
+    check_tokens(k.sym_size(0), "k", "token count");
+  } else if (!r.paged) {
+    TORCH_CHECK_VALUE(holds(k.sym_size(ka.b) == r.batch), "k: batch ", k.sym_size(ka.b),
+                      " differs from q's ", r.batch);
+    check_tokens(k.sym_size(ka.s), "k", "sequence length");
+  }
+  if (sinks.has_value()) {
+    TORCH_CHECK_VALUE(sinks->dim() == 1 && concrete(sinks->sym_size(0)) == c.num_heads_q,
+                      "sinks: expected shape [", c.num_heads_q, "] (one per query head), got ",
+                      sinks->sym_sizes());
+  }
+  check_int32_vector(cu_seqlens_q, "cu_seqlens_q", r.batch + 1);
+  check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", r.batch + 1);
+  check_int32_vector(seqused_q, "seqused_q", r.batch);
+  check_int32_vector(seqused_kv, "seqused_kv", r.batch);
+  if (r.paged) {
+    TORCH_CHECK_VALUE(block_table.has_value(), "block_table: required with layout_kv PA_BBND");
+    TORCH_CHECK_VALUE(block_table->dim() == 2 && holds(block_table->sym_size(0) == r.batch),
+                      "block_table: expected shape [", r.batch, ", max_blocks_per_seq], got ",
+                      block_table->sym_sizes());
+    TORCH_CHECK_VALUE(seqused_kv.has_value() || holds(r.batch == 0),
+                      "seqused_kv: required with layout_kv PA_BBND");
+    TORCH_CHECK_VALUE(holds(k.sym_size(1) >= 1), "k: block size must be >= 1, got shape ",
+                      k.sym_sizes());
+  }
+  // A given maximum length must agree with a shape that fixes it, else lie in [0, kMaxTokens].
+  auto check_max = [](const std::optional<c10::SymInt>& given, const c10::SymInt* shape,
+                      const char* name) {
+    if (!given.has_value()) return;
+    if (shape != nullptr) {
+      TORCH_CHECK_VALUE(holds(*given == *shape), name, ": ", *given,
+                        " differs from the sequence length ", *shape, " of the tensor");
+      return;
+    }
+    TORCH_CHECK_VALUE(holds(*given >= 0) && holds(*given <= attn::kMaxTokens), name,
+                      ": must be in [0, ", attn::kMaxTokens, "], got ", *given);
+  };
+  const c10::SymInt q_len = r.q_tnd ? c10::SymInt(0) : q.sym_size(qa.s);
+  const c10::SymInt k_len = (r.kv_tnd || r.paged) ? c10::SymInt(0) : k.sym_size(ka.s);
+  check_max(max_seqlen_q, r.q_tnd ? nullptr : &q_len, "max_seqlen_q");
+  check_max(max_seqlen_kv, (r.kv_tnd || r.paged) ? nullptr : &k_len, "max_seqlen_kv");
+  // Argument values, range-checked as int64 before anything narrows them.
+  c.mask_mode = parse_mask_mode(mask_mode);
+  c.win_left = parse_window(win_left, "win_left");
+  c.win_right = parse_window(win_right, "win_right");
+  c.batch_size = r.batch.is_heap_allocated() ? 0 : r.batch.expect_int();
+  try {
+    attn::validate_config(c);
+  } catch (const core::ArgumentError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  const double scale = softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  r.softmax_scale = static_cast<float>(scale);
+  TORCH_CHECK_VALUE(std::isfinite(r.softmax_scale),
+                    "softmax_scale: must be finite as a float32, got ", scale);
+  return r;
+}
+
+}  // namespace opmesh::binding
