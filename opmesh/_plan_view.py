@@ -15,12 +15,13 @@ import torch
 import opmesh
 
 from . import _C
+from .ops import plan_bytes
 
 
 def plan_pieces(metadata: torch.Tensor, q_lens, k_lens):
     """Each worker's pieces as dicts with the sequence, key head, query tile, key tiles, rows and
     modelled cost (ns), for a plan made for per-sequence lengths q_lens / k_lens."""
-    words = metadata.detach().cpu().contiguous().numpy().tobytes()
+    words = plan_bytes(metadata)
     names = (
         "b",
         "h",
@@ -60,7 +61,12 @@ def varlen_metadata(
 
 
 def draw(metadata, q_lens, k_lens, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "--png: drawing needs matplotlib, an optional dependency: pip install 'opmesh[plot]'"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

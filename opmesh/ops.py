@@ -3,6 +3,8 @@ computation, its validation and its shape function live in the extension."""
 
 from __future__ import annotations
 
+import array
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -12,11 +14,28 @@ from .distributed import DFunction
 LengthsLike = torch.Tensor | Sequence[int] | None
 
 
+def _int_list(value, name: str) -> list[int]:
+    """The entries of a list of lengths, each an integer (a float such as 1.5 is refused, never
+    truncated)."""
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, torch.SymInt)):
+            try:
+                item = operator.index(item)
+            except TypeError:
+                raise TypeError(
+                    f"{name}: entry {i} is {item!r} ({type(item).__name__}); lengths must be "
+                    "integers"
+                ) from None
+        out.append(item)
+    return out
+
+
 def _as_lengths(value: LengthsLike, name: str) -> torch.Tensor | None:
     if value is None or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (list, tuple)):
-        return torch.tensor(value, dtype=torch.int64)
+        return torch.tensor(_int_list(value, name), dtype=torch.int64)
     raise TypeError(
         f"{name}: expected a 1-D int32/int64 tensor, a list of ints or None, "
         f"got {type(value).__name__}"
@@ -120,7 +139,11 @@ def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
     if value is None or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (list, tuple)):
-        return torch.tensor(value, dtype=torch.int32)
+        entries = _int_list(value, name)
+        for i, item in enumerate(entries):
+            if not isinstance(item, torch.SymInt) and not -(2**31) <= item < 2**31:
+                raise ValueError(f"{name}: entry {i} is {item}, outside the int32 range")
+        return torch.tensor(entries, dtype=torch.int32)
     raise TypeError(
         f"{name}: expected a 1-D int32 tensor, a list of ints or None, got {type(value).__name__}"
     )
@@ -271,16 +294,27 @@ def flash_attn(
 
 
 def describe_metadata(metadata: torch.Tensor) -> dict:
-    """A plan's summary: ``num_workers``, ``worker_cost`` (modelled ns per worker), ``makespan``,
-    ``lower_bound`` (``max(total / num_workers, largest indivisible task)``), ``num_tasks``,
-    ``num_splits``, the planned arguments, each worker's stretch and the combine tasks."""
+    """A plan's summary as a dict.
+
+    Costs are modelled nanoseconds (the planner's calibrated cost model, not measured time):
+    ``worker_cost`` (one entry per logical worker), ``makespan`` (the largest worker cost),
+    ``lower_bound`` (``max(total_cost / num_workers, largest indivisible task)``) and
+    ``total_cost``. Counts: ``num_workers``, ``num_tasks``, ``num_splits``, ``num_slots``. Sizes in
+    keys/rows/positions: ``split_keys``, ``key_tile``, ``rows_per_tile``,
+    ``query_positions_per_tile``. Also the planned arguments, each worker's stretch
+    (``workers``) and the combine tasks (``combines``)."""
     if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32:
         raise TypeError("metadata: expected the int32 tensor flash_attn_metadata returns")
     if metadata.dim() != 1:
         raise ValueError(f"metadata: expected a 1-D tensor, got shape {tuple(metadata.shape)}")
     from . import _C
 
-    return _C._describe_metadata(metadata.detach().cpu().contiguous().numpy().tobytes())
+    return _C._describe_metadata(plan_bytes(metadata))
+
+
+def plan_bytes(metadata: torch.Tensor) -> bytes:
+    """The words of a plan as bytes, for the extension's plan readers (no numpy needed)."""
+    return array.array("i", metadata.detach().cpu().tolist()).tobytes()
 
 
 def kv_cache_write_(
