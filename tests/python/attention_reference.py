@@ -79,7 +79,8 @@ def flash_attn_reference(q, k, v, **kw):
         nq, d = (q.shape[2], q.shape[3]) if layout_q == "BSND" else (q.shape[1], q.shape[3])
     nkv = k.shape[1] if layout_kv in ("TND", "BNSD") else k.shape[2]
     dv = v.shape[-1]
-    scale = kw.get("softmax_scale") or 1.0 / math.sqrt(d)
+    scale = kw.get("softmax_scale")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     group = nq // nkv
     if layout_q == "TND":
         out = torch.zeros(q.shape[0], nq, dv, dtype=torch.float64)
@@ -108,7 +109,17 @@ def flash_attn_reference(q, k, v, **kw):
             vb = torch.cat([vb, torch.zeros(1, nq, dv, dtype=torch.float64)], dim=0)
         row_lse = torch.logsumexp(scores, dim=2)  # -inf where nothing is visible
         probs = torch.exp(scores - row_lse.unsqueeze(2)).nan_to_num(0.0)
-        ob = torch.einsum("nij,jne->ine", probs, vb)  # [ql, nq, dv]
+        if torch.isfinite(vb).all():
+            ob = torch.einsum("nij,jne->ine", probs, vb)  # [ql, nq, dv]
+        else:
+            # A key a row does not see contributes nothing, even an infinite or NaN value
+            # (0 * inf would make NaN): only visible terms enter the sum.
+            terms = probs.unsqueeze(-1) * vb.permute(1, 0, 2).unsqueeze(1)  # [nq, ql, kl, dv]
+            seen = visible
+            if sinks is not None:
+                seen = torch.cat([seen, torch.ones(ql, 1, dtype=torch.bool)], dim=1)
+            terms = torch.where(seen.view(1, ql, -1, 1), terms, 0.0)
+            ob = terms.sum(2).permute(1, 0, 2)
         row_lse = torch.where(torch.isneginf(row_lse), math.inf, row_lse)
         if layout_q == "TND":
             out[qs : qs + ql] = ob
