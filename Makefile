@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-installed
 CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=ON
 
-.PHONY: demo test build system-deps test-cpp test-asan test-py lint check-core-free-of-torch bench
+.PHONY: demo test build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
 
 demo: build
 	$(PY) -m opmesh demo
 	$(PY) -m opmesh mesh-demo
 
-test: build test-cpp test-asan check-core-free-of-torch lint test-py
+test: build test-cpp test-asan check-core-free-of-torch lint test-py test-packaging
 
 system-deps:
 	@bash scripts/install-system-deps.sh
@@ -49,6 +49,10 @@ lint: $(DEPS_STAMP)
 
 test-py: build
 	$(PY) -m pytest -q
+
+# pip install . and pip wheel . in a fresh virtual environment that has only torch.
+test-packaging: system-deps
+	bash tests/packaging/check_install.sh
 
 bench: build
 	$(PY) benchmarks/bench_indexer.py

@@ -4,8 +4,30 @@ Importing the package loads the compiled extension, which registers the operator
 ``torch.ops.opmesh``; the functions below are the documented entry points.
 """
 
-import torch  # noqa: F401  (the extension links against torch's libraries: load them first)
-from torch.distributed.tensor import (
+__version__ = "0.2.0"
+
+import torch  # (the extension links against torch's libraries: load them first)
+
+
+def _check_torch_release() -> None:
+    """The compiled extension works only with the torch release it was built against."""
+    try:
+        from ._build_config import TORCH_VERSION
+    except ImportError:  # a source tree that was never built: importing _C says so below
+        return
+    built = TORCH_VERSION.split("+")[0].split(".")[:2]
+    found = torch.__version__.split("+")[0].split(".")[:2]
+    if built != found:
+        raise ImportError(
+            f"opmesh {__version__} was built against torch {TORCH_VERSION}, but this environment "
+            f"has torch {torch.__version__}: install torch=={'.'.join(built)}.* or rebuild "
+            "opmesh against this torch (pip install --no-build-isolation .)"
+        )
+
+
+_check_torch_release()
+
+from torch.distributed.tensor import (  # noqa: E402
     Partial,
     Replicate,
     Shard,
@@ -13,11 +35,11 @@ from torch.distributed.tensor import (
     init_device_mesh,
 )
 
-from . import (
+from . import (  # noqa: E402
     _C,  # noqa: F401  (registers torch.ops.opmesh.*)
     _fake,  # noqa: F401  (fake implementations registered from Python)
 )
-from .distributed import (
+from .distributed import (  # noqa: E402
     DFunction,
     DistributedOp,
     Layout,
@@ -25,7 +47,7 @@ from .distributed import (
     head_tail_cp,
     to_head_tail,
 )
-from .ops import (
+from .ops import (  # noqa: E402
     dense_lightning_indexer_softmax_lse,
     describe_metadata,
     flash_attn,
@@ -34,6 +56,7 @@ from .ops import (
 )
 
 __all__ = [
+    "__version__",
     "DFunction",
     "DistributedOp",
     "Layout",
