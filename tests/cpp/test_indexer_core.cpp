@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "aligned_buffer.h"
 #include "errors.h"
 #include "indexer.h"
 #include "thread_executor.h"
@@ -236,6 +237,22 @@ TEST(IndexerCore, ValidationNamesTheArgument) {
   bad = p;
   bad.weights_dtype = DType::kFloat16;
   expect_arg(bad, "weights");
+  // The same head and head-dim limits as flash attention, checked before any scratch is sized.
+  bad = p;
+  bad.heads_q = int64_t{1} << 58;
+  bad.heads_k = 1;
+  expect_arg(bad, "query_index");
+  bad = p;
+  bad.head_dim = int64_t{1} << 40;
+  expect_arg(bad, "query_index");
+}
+
+TEST(AlignedBuffer, SizeOverflowThrowsInsteadOfHoldingNull) {
+  EXPECT_THROW(AlignedBuffer<float>(SIZE_MAX / 2), std::bad_alloc);
+  EXPECT_THROW(AlignedBuffer<uint32_t>(SIZE_MAX - 3), std::bad_alloc);
+  const AlignedBuffer<float> ok(17);
+  EXPECT_NE(ok.data(), nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(ok.data()) % 64, 0u);
 }
 
 TEST(DType, Fp16ConversionIsExact) {

@@ -236,6 +236,33 @@ CASES = {
 }
 
 
+HINTS = {
+    # layout_q="TND" alone: the keys' layout is what is missing, not k's rank.
+    "tnd_without_layout_kv": (
+        "layout_kv",
+        "must equal layout_q ('TND')",
+        lambda: fa(TQ, TK, TK, cu_seqlens_q=[0, 2, 6], cu_seqlens_kv=[0, 4, 9], layout_q="TND"),
+    ),
+    # A 3-D q with the default layout: packed tokens need TND.
+    "3d_q_default_layout": ("q", "layout_q='TND'", lambda: fa(TQ, TK, TK)),
+    # A paged cache passed without layout_kv.
+    "paged_without_layout_kv": (
+        "layout_kv",
+        "pass layout_kv='PA_BBND'",
+        lambda: fa(k=CACHE, v=CACHE, block_table=PAGED["block_table"], seqused_kv=[5, 8]),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HINTS))
+def test_error_hints_blame_the_argument_to_change(name):
+    argument, hint, fn = HINTS[name]
+    with pytest.raises(ValueError) as info:
+        fn()
+    assert_names_argument(info.value, argument)
+    assert hint in str(info.value), str(info.value)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_names_the_argument(name):
     exc, argument, fn = CASES[name]
