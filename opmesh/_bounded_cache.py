@@ -25,9 +25,11 @@ class BoundedCache:
         self._data: OrderedDict = OrderedDict()
 
     def get(self, key: Hashable, default=None):
-        value = self._data.get(key, default)
-        if value is not default:
-            self._data.move_to_end(key)
+        try:
+            value = self._data[key]
+        except KeyError:
+            return default
+        self._data.move_to_end(key)
         return value
 
     def put(self, key: Hashable, value) -> None:

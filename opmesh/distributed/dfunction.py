@@ -26,9 +26,9 @@ class DFunction(_platform.current().Function):
 
     @classmethod
     def apply(cls, *args, **kwargs):
-        p = _platform.current()
-        if not any(p.is_dtensor(a) for a in args) and not any(
-            p.is_dtensor(v) for v in kwargs.values()
+        dtensor = _platform.current().DTensor
+        if not any(isinstance(a, dtensor) for a in args) and not any(
+            isinstance(v, dtensor) for v in kwargs.values()
         ):
             return cls._local_apply(*args, **kwargs)
         if cls._op_name is None:

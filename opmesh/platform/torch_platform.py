@@ -10,6 +10,13 @@ from .._bounded_cache import BoundedCache
 from . import Platform
 
 
+def _global(shape):
+    """DTensor.from_local's arguments for a global shape (contiguous strides), if one is given."""
+    if shape is None:
+        return {}
+    return {"shape": torch.Size(shape), "stride": _contiguous_strides(shape)}
+
+
 def _contiguous_strides(shape):
     strides, step = [], 1
     for size in reversed(shape):
@@ -50,19 +57,14 @@ class TorchPlatform(Platform):
         return dtensor._local_tensor
 
     def from_local(self, local, mesh, placements, shape=None):
-        kwargs = (
-            {}
-            if shape is None
-            else {"shape": torch.Size(shape), "stride": _contiguous_strides(shape)}
-        )
         if local.requires_grad and torch.is_grad_enabled():
-            return DTensor.from_local(local, mesh, placements, run_check=False, **kwargs)
+            return DTensor.from_local(local, mesh, placements, run_check=False, **_global(shape))
         # Without autograd, reuse the spec DTensor.from_local computed for this (mesh,
         # placements, global shape, local shape, strides, dtype): building it again costs ~25 us.
         key = (mesh, placements, shape, local.shape, local.stride(), local.dtype)
         spec = self._specs.get(key)
         if spec is None:
-            out = DTensor.from_local(local, mesh, placements, run_check=False, **kwargs)
+            out = DTensor.from_local(local, mesh, placements, run_check=False, **_global(shape))
             self._specs.put(key, out._spec)
             return out
         return DTensor(local, spec, requires_grad=False)
