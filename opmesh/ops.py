@@ -329,6 +329,12 @@ def kv_cache_write_(
     Token ``t`` goes to slot ``slot_mapping[t] = block * block_size + offset`` of both caches,
     ``key_cache[block, offset] = key[t]``; ``-1`` skips the token (padding). Every slot is checked
     (``-1 <= slot < num_blocks * block_size``, none written twice) before anything is written.
+    The written memory must be the caches' own: a cache whose elements share memory (an
+    expanded tensor), caches that overlap each other, and a ``key``, ``value`` or
+    ``slot_mapping`` that overlaps a cache are refused, as PyTorch's in-place ops refuse them
+    (internal overlap, and full or partial overlap of dense tensors; strided views whose overlap
+    is too costly to decide pass, as they do in PyTorch). Under grad mode, arguments that require
+    a gradient are refused: the write has no backward.
     Both caches' version counters advance, as for PyTorch's in-place ops, and under
     ``torch.compile`` the op is functionalized and written back in place (docs/graph_mode.md).
 

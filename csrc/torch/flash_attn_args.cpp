@@ -79,7 +79,7 @@ Axes axes_of(attn::Layout layout) {
 void check_plan_lengths(const OptTensor& t, const char* name, const c10::SymInt& count) {
   if (!t.has_value()) return;
   TORCH_CHECK_VALUE(t->device().type() != c10::DeviceType::Meta, name,
-                    ": the plan reads the lengths' values, so a meta tensor cannot be planned for");
+                    ": the plan reads the lengths' values; a meta tensor cannot be planned for");
   check_int32_vector(t, name, count);
 }
 
