@@ -54,13 +54,44 @@ def peak_extra_bytes(fn):
 def machine_info():
     import opmesh
 
+    kernels = opmesh.bf16_kernels()
     return {
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "opmesh_simd": opmesh.active_simd_level(),
+        "bf16_kernels": {
+            kind: ("pairs" if c["pairs"] else "fp32") + f" ({c['source']})"
+            for kind, c in kernels.items()
+        },
     }
+
+
+RELEVANT_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+)
+
+
+def _cpu_flags():
+    """The CPU flags that decide which kernels can run and which are fast."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in RELEVANT_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
 
 
 def _cpu_model():
@@ -75,7 +106,12 @@ def _cpu_model():
 
 
 def write_results(name, rows, columns, notes=()):
-    """Writes rows (list of dicts) as markdown and JSON under benchmarks/results/."""
+    """Writes rows (list of dicts) as markdown and JSON under benchmarks/results/. With the
+    environment variable OPMESH_RESULTS_SUFFIX set, the files are NAME_SUFFIX.* so that results
+    from another machine sit beside the others instead of replacing them."""
+    suffix = os.environ.get("OPMESH_RESULTS_SUFFIX")
+    if suffix:
+        name = f"{name}_{suffix}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = machine_info()
     lines = [
@@ -83,6 +119,9 @@ def write_results(name, rows, columns, notes=()):
         "",
         f"Machine: {info['cpu_model']}, {info['threads']} threads, "
         f"torch {info['torch']}, opmesh SIMD {info['opmesh_simd']}",
+        "",
+        f"CPU flags: {' '.join(info['cpu_flags'])}; bf16 kernels: compute "
+        f"{info['bf16_kernels']['compute']}, memory {info['bf16_kernels']['memory']}",
         "",
     ]
     lines.append("| " + " | ".join(columns) + " |")

@@ -75,6 +75,7 @@ __all__ = [
     "kv_cache_write_",
     "simd_levels",
     "active_simd_level",
+    "bf16_kernels",
 ]
 
 
@@ -87,3 +88,15 @@ def active_simd_level() -> str:
     """The SIMD level the CPU kernels use now; the environment variable OPMESH_SIMD_MAX
     (scalar, avx2, avx512, avx512_bf16) caps it."""
     return _C.active_simd_level()
+
+
+def bf16_kernels() -> dict:
+    """Which kernels bf16 inputs use at the avx512_bf16 level, per kind of work: ``compute``
+    (prefill, the indexer) and ``memory`` (decode: every sequence has at most 16 queries).
+
+    Each entry is ``{"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float}``:
+    bf16-pair dot products (``pairs``) or float32 FMA, chosen by a short measurement of both on
+    this CPU, once per process (``source`` "measured", with the best times in ns), or fixed by
+    the environment variable ``OPMESH_BF16_KERNELS`` (``auto``, ``pairs``, ``fp32``, or per kind
+    as ``compute=fp32,memory=pairs``). Asking measures if nothing has yet."""
+    return {kind: _C._bf16_choice(kind) for kind in ("compute", "memory")}

@@ -10,6 +10,7 @@
 #include "errors.h"
 #include "indexer_kernels.h"
 #include "indexer_tiling.h"
+#include "kernel_choice.h"
 #include "online_softmax.h"
 #include "row_loads.h"
 
@@ -88,7 +89,8 @@ class IndexerRun {
   IndexerRun(const IndexerParams& p, Isa isa)
       : p_(p),
         groups_(p.heads_q / p.heads_k),
-        bf16_pairs_(p.qk_dtype == DType::kBFloat16 && isa == Isa::kAvx512Bf16),
+        bf16_pairs_(p.qk_dtype == DType::kBFloat16 && isa == Isa::kAvx512Bf16 &&
+                    (p.bf16_pairs >= 0 ? p.bf16_pairs == 1 : bf16_pairs_faster(Work::kCompute))),
         depth_(bf16_pairs_ ? (p.head_dim + 1) / 2 : p.head_dim),
         kernel_(indexer::score_tile_fn(isa, bf16_pairs_)),
         sequences_(make_sequences(p)) {}

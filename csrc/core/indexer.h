@@ -46,6 +46,10 @@ struct IndexerParams {
   // Outputs, contiguous float32: BSND [B,N2,S1], TND [N2,T1].
   float* softmax_max = nullptr;
   float* softmax_sum = nullptr;
+
+  // bf16 inputs at the avx512_bf16 level: -1 chooses bf16 pairs or float32 FMA by measured speed
+  // for compute-bound work (kernel_choice.h), 1 forces pairs, 0 forces float32.
+  int bf16_pairs = -1;
 };
 
 // Throws ArgumentError naming the first argument that is wrong.

@@ -9,6 +9,7 @@
 #include "attention/metadata.h"
 #include "cpu_features.h"
 #include "errors.h"
+#include "kernel_choice.h"
 #include "worker_times.h"
 
 namespace {
@@ -26,6 +27,26 @@ PyObject* supported_simd_levels(PyObject*, PyObject*) {
 PyObject* active_simd_level(PyObject*, PyObject*) {
   try {
     return PyUnicode_FromString(opmesh::core::isa_name(opmesh::core::active_isa()));
+  } catch (const opmesh::core::ArgumentError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
+// {"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float} for "compute" or "memory".
+PyObject* bf16_choice(PyObject*, PyObject* arg) {
+  const char* kind = PyUnicode_AsUTF8(arg);
+  if (kind == nullptr) return nullptr;
+  const std::string k(kind);
+  if (k != "compute" && k != "memory") {
+    PyErr_Format(PyExc_ValueError, "kind: expected 'compute' or 'memory', got '%s'", kind);
+    return nullptr;
+  }
+  try {
+    const opmesh::core::Bf16Choice c = opmesh::core::bf16_choice(
+        k == "memory" ? opmesh::core::Work::kMemory : opmesh::core::Work::kCompute);
+    return Py_BuildValue("{s:O,s:s,s:d,s:d}", "pairs", c.pairs ? Py_True : Py_False, "source",
+                         c.source, "pairs_ns", c.pairs_ns, "fp32_ns", c.fp32_ns);
   } catch (const opmesh::core::ArgumentError& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
     return nullptr;
@@ -249,6 +270,8 @@ PyMethodDef methods[] = {{"_metadata_words", metadata_words, METH_O,
                           "Decodes the words of a flash_attn_metadata tensor into a dict."},
                          {"_plan_pieces", plan_pieces, METH_VARARGS,
                           "Per-worker pieces of a plan with their modelled cost (ns)."},
+                         {"_bf16_choice", bf16_choice, METH_O,
+                          "Which kernels bf16 inputs use for 'compute' or 'memory' work."},
                          {"_set_worker_timing", set_worker_timing, METH_O,
                           "Record per-logical-worker busy times of flash_attn calls (ns)."},
                          {"_last_worker_times", last_worker_times, METH_NOARGS,

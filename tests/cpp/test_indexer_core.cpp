@@ -154,14 +154,17 @@ void check_case(const Case& c) {
   std::vector<double> rmax, rsum;
   reference(c, in, rmax, rsum);
   for (Isa isa : supported_isas()) {
+    // Both kernel sets bf16 inputs can take at avx512_bf16: float32 FMA (0) and bf16 pairs (1).
     for (int workers : {1, 3}) {
+      const int pairs = workers == 1 ? 0 : 1;
       Result out;
-      const IndexerParams p = make_params(c, in, out);
+      IndexerParams p = make_params(c, in, out);
+      p.bf16_pairs = pairs;
       const ThreadExecutor executor(workers);
       dense_lightning_indexer_softmax_lse(p, executor, isa);
       for (size_t r = 0; r < rmax.size(); ++r) {
-        SCOPED_TRACE(::testing::Message()
-                     << isa_name(isa) << " workers " << workers << " row " << r);
+        SCOPED_TRACE(::testing::Message() << isa_name(isa) << " workers " << workers << " pairs "
+                                          << pairs << " row " << r);
         if (std::isinf(rmax[r])) {
           EXPECT_EQ(out.max[r], -std::numeric_limits<float>::infinity());
           EXPECT_EQ(out.sum[r], 0.0f);

@@ -9,11 +9,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 import opmesh  # noqa: E402
 
 
-@pytest.fixture(params=opmesh.simd_levels())
+def _kernel_paths():
+    """Every SIMD level this machine supports; at avx512_bf16 both kernel sets bf16 inputs can
+    take there (bf16 pairs and float32 FMA), since the measured choice would test only one."""
+    paths = []
+    for level in opmesh.simd_levels():
+        if level == "avx512_bf16":
+            paths += ["avx512_bf16/pairs", "avx512_bf16/fp32"]
+        else:
+            paths.append(level)
+    return paths
+
+
+@pytest.fixture(params=_kernel_paths())
 def simd_level(request, monkeypatch):
-    """Runs a test once per SIMD path this machine supports, checking the cap took effect."""
-    monkeypatch.setenv("OPMESH_SIMD_MAX", request.param)
-    assert opmesh.active_simd_level() == request.param
+    """Runs a test once per kernel path this machine supports, checking the cap took effect."""
+    level, _, bf16 = request.param.partition("/")
+    monkeypatch.setenv("OPMESH_SIMD_MAX", level)
+    monkeypatch.setenv("OPMESH_BF16_KERNELS", bf16 or "auto")
+    assert opmesh.active_simd_level() == level
+    if bf16:
+        choice = opmesh.bf16_kernels()
+        assert all(c["pairs"] == (bf16 == "pairs") for c in choice.values()), choice
     return request.param
 
 

@@ -205,3 +205,44 @@ def test_plans_split_long_rows_and_stay_balanced():
     assert s["num_splits"] == 1 and s["num_tasks"] == 16 + 1  # 16 pieces, one combine
     assert s["makespan"] <= 1.05 * s["lower_bound"]
     assert len(s["worker_cost"]) == 16 and max(s["worker_cost"]) == s["makespan"]
+
+
+def test_bf16_kernels_are_chosen_by_measurement_or_environment(monkeypatch):
+    monkeypatch.delenv("OPMESH_BF16_KERNELS", raising=False)
+    choice = opmesh.bf16_kernels()
+    assert set(choice) == {"compute", "memory"}
+    for kind in choice.values():
+        if "avx512_bf16" in opmesh.simd_levels():
+            assert kind["source"] == "measured"
+            assert kind["pairs_ns"] > 0 and kind["fp32_ns"] > 0
+            assert kind["pairs"] == (kind["pairs_ns"] <= kind["fp32_ns"])
+        else:
+            assert not kind["pairs"]
+    monkeypatch.setenv("OPMESH_BF16_KERNELS", "compute=fp32,memory=pairs")
+    forced = opmesh.bf16_kernels()
+    if "avx512_bf16" in opmesh.simd_levels():
+        assert not forced["compute"]["pairs"] and forced["memory"]["pairs"]
+        assert forced["compute"]["source"] == "environment"
+    monkeypatch.setenv("OPMESH_BF16_KERNELS", "fast")
+    with pytest.raises(ValueError, match="^OPMESH_BF16_KERNELS:"):
+        opmesh.bf16_kernels()
+    monkeypatch.setenv("OPMESH_BF16_KERNELS", "decode=pairs")
+    with pytest.raises(ValueError, match="^OPMESH_BF16_KERNELS:"):
+        opmesh.bf16_kernels()
+
+
+@pytest.mark.skipif("avx512_bf16" not in opmesh.simd_levels(), reason="needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_both_bf16_kernel_sets_agree_on_decode_and_prefill(rows, monkeypatch):
+    """Either kernel set for bf16 inputs gives the float64 reference's answer, for calls on both
+    sides of the decode boundary (16 query rows)."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(2, rows, 8, 64, generator=g).bfloat16()
+    k = torch.randn(2, 300, 2, 64, generator=g).bfloat16()
+    v = torch.randn(2, 300, 2, 64, generator=g).bfloat16()
+    ref, _ = flash_attn_reference(q, k, v, mask_mode=3)
+    outs = {}
+    for setting in ("pairs", "fp32"):
+        monkeypatch.setenv("OPMESH_BF16_KERNELS", setting)
+        outs[setting] = opmesh.flash_attn(q, k, v, mask_mode=3)[0]
+        torch.testing.assert_close(outs[setting].double(), ref, atol=2e-2, rtol=2e-2)

@@ -43,6 +43,14 @@ void merge_into(const State& dst, const State& src, int64_t rows, int64_t ld, in
   }
 }
 
+bool use_pairs(const FlashAttnParams& p, const std::vector<Sequence>& seqs, Isa isa) {
+  if (p.dtype != DType::kBFloat16 || isa != Isa::kAvx512Bf16) return false;
+  if (p.bf16_pairs >= 0) return p.bf16_pairs == 1;
+  int64_t rows = 0;
+  for (const Sequence& s : seqs) rows = std::max(rows, s.q_len);
+  return bf16_pairs_faster(rows <= kDecodeRows ? Work::kMemory : Work::kCompute);
+}
+
 class Runner {
  public:
   Runner(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const Plan& plan, Isa isa)
@@ -51,7 +59,7 @@ class Runner {
         plan_(plan),
         walker_(p.config, seqs),
         g_(plan.geometry),
-        pairs_(p.dtype == DType::kBFloat16 && isa == Isa::kAvx512Bf16),
+        pairs_(use_pairs(p, seqs, isa)),
         k_(kernels(isa, pairs_)),
         d_(p.config.head_dim),
         dv_(p.config.head_dim_v),

@@ -9,6 +9,7 @@
 #include "../cpu_features.h"
 #include "../dtype.h"
 #include "../executor.h"
+#include "../kernel_choice.h"
 #include "config.h"
 #include "planner.h"
 
@@ -35,7 +36,14 @@ struct FlashAttnParams {
   int64_t out_sb = 0, out_ss = 0, out_sn = 0, out_sd = 0;
   float* lse = nullptr;  // nullptr: not requested; else strides for (b, head, position)
   int64_t lse_sb = 0, lse_sn = 0, lse_ss = 0;
+  // bf16 inputs at the avx512_bf16 level: -1 chooses bf16 pairs or float32 FMA by measured speed
+  // for the call's kind of work (kernel_choice.h), 1 forces pairs, 0 forces float32.
+  int bf16_pairs = -1;
 };
+
+// The kind of work a call is: memory-bound when every sequence has at most kDecodeRows queries
+// (decode), compute-bound otherwise.
+inline constexpr int64_t kDecodeRows = 16;
 
 // Floats of workspace the plan's split units need.
 int64_t workspace_floats(const PlanConfig& config, const Plan& plan);

@@ -1,0 +1,159 @@
+#include "kernel_choice.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "attention/flash_attn.h"
+#include "attention/planner.h"
+#include "cpu_features.h"
+#include "dtype.h"
+#include "errors.h"
+
+namespace opmesh::core {
+namespace {
+
+// What OPMESH_BF16_KERNELS says about `work`: 1 pairs, 0 fp32, -1 measure.
+int from_environment(Work work) {
+  const char* env = std::getenv("OPMESH_BF16_KERNELS");
+  if (env == nullptr || *env == '\0') return -1;
+  const std::string text(env);
+  auto value = [](const std::string& v) {
+    if (v == "pairs") return 1;
+    if (v == "fp32") return 0;
+    if (v == "auto") return -1;
+    throw ArgumentError("OPMESH_BF16_KERNELS",
+                        "expected auto, pairs, fp32 or "
+                        "'compute=...,memory=...', got '" +
+                            v + "'");
+  };
+  if (text.find('=') == std::string::npos) return value(text);
+  int result = -1;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t end = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, end - start);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) value(item);  // throws unless a plain value
+    const std::string kind = item.substr(0, eq);
+    if (kind != "compute" && kind != "memory") {
+      throw ArgumentError("OPMESH_BF16_KERNELS",
+                          "kinds are 'compute' and 'memory', got '" + kind + "' in '" + text + "'");
+    }
+    const int v = value(item.substr(eq + 1));
+    if (kind == work_name(work)) result = v;
+    start = end + 1;
+  }
+  return result;
+}
+
+// A deterministic bf16 tensor of `count` elements in [-1, 1).
+std::vector<uint16_t> bf16_data(int64_t count, uint32_t seed) {
+  std::vector<uint16_t> out(count);
+  uint32_t state = seed;
+  for (auto& x : out) {
+    state = state * 1664525u + 1013904223u;
+    const float f = static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
+    x = float_to_bf16_bits(f);
+  }
+  return out;
+}
+
+// Best of `runs` timings (ns) of one flash-attention problem with the pairs choice forced.
+double time_problem(Work work, bool pairs, int runs) {
+  namespace attn = attention;
+  const bool decode = work == Work::kMemory;
+  // Compute-bound: a short causal prefill. Memory-bound: one query row against a long cache.
+  const int64_t heads_q = decode ? 4 : 2, heads_kv = 1, dim = 128;
+  const int64_t s1 = decode ? 1 : 128, s2 = decode ? 1024 : 128;
+  attn::PlanConfig c;
+  c.num_heads_q = heads_q;
+  c.num_heads_kv = heads_kv;
+  c.head_dim = c.head_dim_v = dim;
+  c.batch_size = 1;
+  c.max_seqlen_q = s1;
+  c.max_seqlen_kv = s2;
+  c.mask_mode = decode ? attn::MaskMode::kNone : attn::MaskMode::kCausal;
+  c.num_workers = 1;
+  const std::vector<attn::Sequence> seqs = attn::resolve_sequences(c, attn::LengthArrays{});
+  const attn::Plan plan = attn::make_plan(c, seqs);
+  const std::vector<uint16_t> q = bf16_data(s1 * heads_q * dim, 1);
+  const std::vector<uint16_t> k = bf16_data(s2 * heads_kv * dim, 2);
+  const std::vector<uint16_t> v = bf16_data(s2 * heads_kv * dim, 3);
+  std::vector<uint16_t> out(s1 * heads_q * dim);
+  std::vector<float> workspace(std::max<int64_t>(1, attn::workspace_floats(c, plan)));
+  attn::FlashAttnParams p;
+  p.config = c;
+  p.dtype = DType::kBFloat16;
+  p.q = {q.data(), s1 * heads_q * dim, heads_q * dim, dim, 1};
+  p.k = {k.data(), s2 * heads_kv * dim, heads_kv * dim, dim, 1};
+  p.v = {v.data(), s2 * heads_kv * dim, heads_kv * dim, dim, 1};
+  p.out = out.data();
+  p.out_sb = s1 * heads_q * dim;
+  p.out_ss = heads_q * dim;
+  p.out_sn = dim;
+  p.out_sd = 1;
+  p.softmax_scale = 0.088f;
+  p.bf16_pairs = pairs ? 1 : 0;
+  const SerialExecutor serial;
+  double best = 1e30;
+  for (int r = 0; r <= runs; ++r) {  // the first run warms caches and is not counted
+    const auto t0 = std::chrono::steady_clock::now();
+    attn::flash_attn(p, seqs, plan, serial, Isa::kAvx512Bf16, workspace.data(), nullptr);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (r > 0) best = std::min(best, std::chrono::duration<double, std::nano>(t1 - t0).count());
+  }
+  return best;
+}
+
+struct Measured {
+  std::once_flag once;
+  Bf16Choice choice;
+};
+
+Measured& measured(Work work) {
+  static Measured slots[2];
+  return slots[static_cast<int>(work)];
+}
+
+}  // namespace
+
+const char* work_name(Work work) { return work == Work::kMemory ? "memory" : "compute"; }
+
+bool bf16_pairs_faster(Work work) { return bf16_choice(work).pairs; }
+
+Bf16Choice bf16_choice(Work work) {
+  const int forced = from_environment(work);
+  if (forced >= 0) {
+    Bf16Choice c;
+    c.pairs = forced == 1;
+    c.source = "environment";
+    return c;
+  }
+  if (static_cast<int>(detected_isa()) < static_cast<int>(Isa::kAvx512Bf16)) {
+    Bf16Choice c;
+    c.pairs = false;
+    c.source = "no avx512_bf16 on this CPU";
+    return c;
+  }
+  Measured& m = measured(work);
+  std::call_once(m.once, [&] {
+    // Interleaved, so a frequency change or a neighbour's load hits both alike.
+    double pairs_ns = 1e30, fp32_ns = 1e30;
+    for (int round = 0; round < 2; ++round) {
+      pairs_ns = std::min(pairs_ns, time_problem(work, true, 2));
+      fp32_ns = std::min(fp32_ns, time_problem(work, false, 2));
+    }
+    m.choice.pairs = pairs_ns <= fp32_ns;
+    m.choice.source = "measured";
+    m.choice.pairs_ns = pairs_ns;
+    m.choice.fp32_ns = fp32_ns;
+  });
+  return m.choice;
+}
+
+}  // namespace opmesh::core
