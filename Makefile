@@ -58,3 +58,4 @@ bench: build
 	$(PY) benchmarks/bench_indexer.py
 	$(PY) benchmarks/bench_flash_attn.py
 	$(PY) benchmarks/bench_dispatch.py
+	$(PY) benchmarks/bench_bf16_kernels.py
