@@ -41,3 +41,11 @@ def assert_names_argument(error: BaseException, argument: str) -> None:
     assert re.match(rf"{re.escape(argument)}[:,]", message), (
         f"message does not start with {argument!r}: {message!r}"
     )
+
+
+def assert_raises_named(exc, argument: str, fn):
+    """fn() raises `exc` whose message starts with `argument`; returns the exception."""
+    with pytest.raises(exc) as info:
+        fn()
+    assert_names_argument(info.value, argument)
+    return info.value

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 from attention_reference import flash_attn_reference
-from conftest import assert_names_argument
+from conftest import assert_names_argument, assert_raises_named
 
 import opmesh
 
@@ -171,9 +171,7 @@ HUGE = {
 @pytest.mark.parametrize("name", sorted(HUGE))
 def test_extreme_sizes_are_refused_by_name(name):
     exc, argument, fn = HUGE[name]
-    with pytest.raises(exc) as info:
-        fn()
-    assert_names_argument(info.value, argument)
+    assert_raises_named(exc, argument, fn)
 
 
 @pytest.mark.parametrize("win", [2**31, 2**40, 2**62, 2**63 - 1])

@@ -4,7 +4,7 @@ differs."""
 
 import pytest
 import torch
-from conftest import assert_names_argument
+from conftest import assert_raises_named
 from flash_attn_cases import BY_NAME, make_inputs, metadata_kwargs
 
 import opmesh
@@ -257,18 +257,14 @@ HINTS = {
 @pytest.mark.parametrize("name", sorted(HINTS))
 def test_error_hints_blame_the_argument_to_change(name):
     argument, hint, fn = HINTS[name]
-    with pytest.raises(ValueError) as info:
-        fn()
-    assert_names_argument(info.value, argument)
-    assert hint in str(info.value), str(info.value)
+    error = assert_raises_named(ValueError, argument, fn)
+    assert hint in str(error), str(error)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_names_the_argument(name):
     exc, argument, fn = CASES[name]
-    with pytest.raises(exc) as info:
-        fn()
-    assert_names_argument(info.value, argument)
+    assert_raises_named(exc, argument, fn)
 
 
 def test_tampered_plan_is_refused():

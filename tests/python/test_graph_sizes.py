@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from conftest import assert_names_argument
+from conftest import assert_raises_named
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import opmesh
@@ -191,9 +191,7 @@ SHAPE_CASES = {
 @pytest.mark.parametrize("name", sorted(SHAPE_CASES))
 def test_shape_functions_refuse_what_the_kernels_refuse(name):
     exc, argument, fn = SHAPE_CASES[name]
-    with pytest.raises(exc) as info:
-        fn()
-    assert_names_argument(info.value, argument)
+    assert_raises_named(exc, argument, fn)
 
 
 def test_export_refuses_grouping_that_does_not_divide():
@@ -262,9 +260,7 @@ DEVICE_CASES = {
 @pytest.mark.parametrize("name", sorted(DEVICE_CASES))
 def test_a_tensor_on_another_device_is_refused(name):
     argument, fn = DEVICE_CASES[name]
-    with pytest.raises(ValueError) as info:
-        fn()
-    assert_names_argument(info.value, argument)
+    assert_raises_named(ValueError, argument, fn)
 
 
 def test_plan_fake_checks_entry_counts():

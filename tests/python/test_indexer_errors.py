@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_names_argument
+from conftest import assert_raises_named
 
 import opmesh
 
@@ -93,9 +93,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input_names_the_argument(name):
     error, argument, fn = CASES[name]
-    with pytest.raises(error) as info:
-        fn()
-    assert_names_argument(info.value, argument)
+    assert_raises_named(error, argument, fn)
 
 
 def test_meta_tensors_give_shapes_without_running():
