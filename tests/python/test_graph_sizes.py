@@ -3,6 +3,10 @@ an exported plan runs with any thread count, shape functions refuse what the ker
 a tensor argument on another device (meta included) is refused by every kernel and fake."""
 
 import io
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -278,3 +282,37 @@ def test_plan_fake_checks_entry_counts():
             cu_seqlens_kv=torch.zeros(3, dtype=torch.int32),
             **TND,
         )
+
+
+def test_aoti_package_with_the_default_plan_runs_with_any_thread_count(tmp_path):
+    """AOTInductor, with its input checks on: the plan's length is not pinned to the thread
+    count at compile time."""
+    seq = torch.export.Dim("S", min=2, max=4096)
+    program = torch.export.export(
+        PlanInside(), bsnd(10), dynamic_shapes={"q": {1: seq}, "k": {1: seq}, "v": {1: seq}}
+    )
+    package = torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp_path / "plan_inside.pt2")
+    )
+    script = textwrap.dedent(
+        f"""
+        import sys, torch, opmesh
+        from test_graph_sizes import PlanInside, bsnd
+        torch.set_num_threads(int(sys.argv[1]))
+        runner = torch._inductor.aoti_load_package({package!r})
+        for s in (7, 33):
+            args = bsnd(s, seed=s)
+            assert torch.equal(runner(*args), PlanInside()(*args)), s
+        print("OK")
+        """
+    )
+    for threads in (1, 3):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(threads)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            env=dict(os.environ, AOTI_RUNTIME_CHECK_INPUTS="1"),
+        )
+        assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
