@@ -13,6 +13,7 @@
 
 #include "attention/flash_attn.h"
 #include "attention/planner.h"
+#include "errors.h"
 #include "thread_executor.h"
 
 namespace opmesh::core::attention {
@@ -172,6 +173,56 @@ TEST(FlashAttnCore, WindowsSinksAndDeterministicSplits) {
   run_and_check(window, true, isa, 2);
   run_and_check(config(MaskMode::kNone, 5, true), true, isa, 2);
   run_and_check(config(MaskMode::kCausal, 64, true), false, isa, 4);
+}
+
+TEST(FlashAttnCore, EntryPointValidatesWhatItIsGiven) {
+  const PlanConfig c = config(MaskMode::kCausal, 2, false);
+  const std::vector<int32_t> lengths{130, 0, 1, 1100, 67};
+  const Batch x = make_batch(lengths, 3);
+  const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
+  const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
+  const Plan plan = make_plan(c, seqs);
+  std::vector<float> out(x.cu.back() * kHeadsQ * kDimV);
+  std::vector<float> workspace(std::max<int64_t>(1, workspace_floats(c, plan)));
+  FlashAttnParams good;
+  good.config = c;
+  good.lengths = arrays;
+  good.q = {x.q.data(), 0, kHeadsQ * kDim, kDim, 1};
+  good.k = {x.k.data(), 0, kHeadsKv * kDim, kDim, 1};
+  good.v = {x.v.data(), 0, kHeadsKv * kDimV, kDimV, 1};
+  good.out = out.data();
+  good.out_ss = kHeadsQ * kDimV;
+  good.out_sn = kDimV;
+  good.out_sd = 1;
+  good.softmax_scale = 0.1f;
+  const SerialExecutor serial;
+  auto expect_arg = [&](const FlashAttnParams& p, const std::vector<Sequence>& s, const Plan& pl,
+                        float* ws, const std::string& arg) {
+    try {
+      flash_attn(p, s, pl, serial, Isa::kScalar, ws, nullptr);
+      ADD_FAILURE() << "no error for " << arg;
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(e.argument(), arg) << e.what();
+    }
+  };
+  FlashAttnParams bad = good;
+  bad.config.num_heads_kv = 3;
+  expect_arg(bad, seqs, plan, workspace.data(), "num_heads_kv");
+  bad = good;
+  bad.q.data = nullptr;
+  expect_arg(bad, seqs, plan, workspace.data(), "q");
+  bad = good;
+  bad.softmax_scale = std::numeric_limits<float>::infinity();
+  expect_arg(bad, seqs, plan, workspace.data(), "softmax_scale");
+  std::vector<Sequence> fewer(seqs.begin(), seqs.end() - 1);
+  expect_arg(good, fewer, plan, workspace.data(), "sequences");
+  std::vector<Sequence> longer = seqs;
+  longer[0].q_len = c.max_seqlen_q + 1;
+  expect_arg(good, longer, plan, workspace.data(), "sequences");
+  Plan short_plan = plan;
+  short_plan.workers.pop_back();
+  expect_arg(good, seqs, short_plan, workspace.data(), "plan");
+  if (plan.num_slots > 0) expect_arg(good, seqs, plan, nullptr, "workspace");
 }
 
 }  // namespace

@@ -6,8 +6,10 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 
 #include "../aligned_buffer.h"
+#include "../errors.h"
 #include "../online_softmax.h"
 #include "../row_loads.h"
 #include "kernels.h"
@@ -400,9 +402,61 @@ int64_t workspace_floats(const PlanConfig& config, const Plan& plan) {
   return plan.num_slots * plan.geometry.rows * (dvp + 2);
 }
 
+void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const Plan& plan,
+              Isa isa, const float* workspace) {
+  validate_config(p.config);
+  const PlanConfig& c = p.config;
+  if (static_cast<int64_t>(seqs.size()) != c.batch_size) {
+    throw ArgumentError("sequences", "expected " + std::to_string(c.batch_size) +
+                                         " (batch_size), got " + std::to_string(seqs.size()));
+  }
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const Sequence& s = seqs[b];
+    if (s.q_len < 0 || s.q_len > c.max_seqlen_q || s.k_len < 0 || s.k_len > c.max_seqlen_kv ||
+        s.q_begin < 0 || s.k_begin < 0) {
+      throw ArgumentError(
+          "sequences", "entry " + std::to_string(b) + " lies outside max_seqlen_q/max_seqlen_kv");
+    }
+  }
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16 &&
+      p.dtype != DType::kFloat64) {
+    throw ArgumentError("dtype", "expected float32, bfloat16, float16 or float64");
+  }
+  bool work = false;
+  for (const Sequence& s : seqs) work = work || s.q_len > 0;
+  if (work) {
+    if (p.q.data == nullptr) throw ArgumentError("q", "is null");
+    if (p.k.data == nullptr) throw ArgumentError("k", "is null");
+    if (p.v.data == nullptr) throw ArgumentError("v", "is null");
+    if (p.out == nullptr) throw ArgumentError("out", "is null");
+  }
+  if (c.layout_kv == Layout::kPagedBBND) {
+    if (p.block_table == nullptr && c.batch_size > 0) {
+      throw ArgumentError("block_table", "is required with the paged layout PA_BBND");
+    }
+    if (p.block_size < 1) throw ArgumentError("block_size", "must be >= 1");
+  }
+  if (!std::isfinite(p.softmax_scale)) {
+    throw ArgumentError("softmax_scale", "must be finite");
+  }
+  if (static_cast<int64_t>(plan.workers.size()) != c.num_workers) {
+    throw ArgumentError("plan", "has " + std::to_string(plan.workers.size()) +
+                                    " worker stretches, the configuration " +
+                                    std::to_string(c.num_workers));
+  }
+  if (plan.num_slots > 0 && workspace == nullptr) {
+    throw ArgumentError("workspace", "is null but the plan has split units");
+  }
+  if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
+    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
+  }
+}
+
 void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
                 const Plan& plan, const Executor& executor, Isa isa, float* workspace,
                 int64_t* worker_ns) {
+  // The core entry point checks what it is given itself, whatever the binding checked before.
+  validate(params, sequences, plan, isa, workspace);
   const Runner runner(params, sequences, plan, isa);
   const UnitWalker walker(params.config, sequences);
   std::vector<std::unique_ptr<Runner::Scratch>> scratch(executor.num_workers());

@@ -48,6 +48,12 @@ inline constexpr int64_t kDecodeRows = 16;
 // Floats of workspace the plan's split units need.
 int64_t workspace_floats(const PlanConfig& config, const Plan& plan);
 
+// Checks the configuration (validate_config), the sequences against it, the pointers the call
+// needs, the plan's worker count, the workspace and the ISA; throws ArgumentError naming the
+// first offending argument. flash_attn() calls it first.
+void validate(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
+              const Plan& plan, Isa isa, const float* workspace);
+
 // Runs the plan. Every query row of every sequence's used length is written (output and lse);
 // rows beyond it (query padding) are not touched, so the caller fills them with 0 and +inf.
 // `worker_ns`, when given, receives each logical worker's busy time in nanoseconds.
