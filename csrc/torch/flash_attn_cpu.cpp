@@ -28,7 +28,7 @@ struct HostInts {
 };
 
 // Lengths were checked (dtype, rank, entries, device) before: this only brings them to the host.
-HostInts host_ints(const std::optional<at::Tensor>& t, const char*, int64_t, std::nullopt_t) {
+HostInts host_ints(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return {};
   return {t->to(at::kCPU).contiguous()};
 }
@@ -77,10 +77,10 @@ at::Tensor metadata_cpu(
   check_plan_lengths(cu_seqlens_kv, "cu_seqlens_kv", batch_size + 1);
   check_plan_lengths(seqused_q, "seqused_q", batch_size);
   check_plan_lengths(seqused_kv, "seqused_kv", batch_size);
-  const auto cq = host_ints(cu_seqlens_q, "cu_seqlens_q", batch_size + 1, std::nullopt);
-  const auto ck = host_ints(cu_seqlens_kv, "cu_seqlens_kv", batch_size + 1, std::nullopt);
-  const auto uq = host_ints(seqused_q, "seqused_q", batch_size, std::nullopt);
-  const auto uk = host_ints(seqused_kv, "seqused_kv", batch_size, std::nullopt);
+  const auto cq = host_ints(cu_seqlens_q);
+  const auto ck = host_ints(cu_seqlens_kv);
+  const auto uq = host_ints(seqused_q);
+  const auto uk = host_ints(seqused_kv);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
   at::Tensor out = at::empty({attn::metadata::size_words(c.num_workers)}, at::kInt);
   rethrow([&] {
@@ -126,10 +126,10 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   const Axes& qa = args.qa;
   const Axes& ka = args.ka;
   c.batch_size = args.batch.expect_int();
-  const auto cq = host_ints(cu_seqlens_q, "cu_seqlens_q", c.batch_size + 1, std::nullopt);
-  const auto ck = host_ints(cu_seqlens_kv, "cu_seqlens_kv", c.batch_size + 1, std::nullopt);
-  const auto uq = host_ints(seqused_q, "seqused_q", c.batch_size, std::nullopt);
-  const auto uk = host_ints(seqused_kv, "seqused_kv", c.batch_size, std::nullopt);
+  const auto cq = host_ints(cu_seqlens_q);
+  const auto ck = host_ints(cu_seqlens_kv);
+  const auto uq = host_ints(seqused_q);
+  const auto uk = host_ints(seqused_kv);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
   if (q_tnd) {
     TORCH_CHECK_VALUE(cq.data()[c.batch_size] == q.size(0), "cu_seqlens_q: last entry ",
@@ -153,7 +153,6 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     bt_sb = block_table->stride(0);
     bt_sj = block_table->stride(1);
   }
-  // Maximum lengths: the shape's where the layout has a sequence axis, else given or observed.
   auto max_of = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
     int64_t m = 0;
     for (int64_t b = 0; b < c.batch_size; ++b) {
@@ -164,25 +163,20 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     return m;
   };
   const bool use_metadata = metadata.has_value();
-  // -1: leave it to the metadata (only where neither a shape nor the caller fixes it).
+  // The shape's where the layout has a sequence axis, else the caller's, else -1 (left to the
+  // metadata) or the observed maximum. A given value was checked against the shape and the
+  // limits by check_flash_attn_args.
   auto resolve_max = [&](std::optional<int64_t> given, bool from_shape, int64_t shape_value,
-                         int64_t observed, const char* name) -> int64_t {
-    if (from_shape) {
-      TORCH_CHECK_VALUE(!given.has_value() || *given == shape_value, name, ": ", *given,
-                        " differs from the sequence length ", shape_value, " of the tensor");
-      return shape_value;
-    }
-    if (given.has_value()) {
-      TORCH_CHECK_VALUE(*given >= 0, name, ": must be >= 0, got ", *given);
-      return *given;
-    }
+                         int64_t observed) -> int64_t {
+    if (from_shape) return shape_value;
+    if (given.has_value()) return *given;
     return use_metadata ? -1 : observed;
   };
-  c.max_seqlen_q = resolve_max(max_seqlen_q, !q_tnd, q_tnd ? 0 : q.size(qa.s),
-                               max_of(cq.data(), uq.data(), 0), "max_seqlen_q");
+  c.max_seqlen_q =
+      resolve_max(max_seqlen_q, !q_tnd, q_tnd ? 0 : q.size(qa.s), max_of(cq.data(), uq.data(), 0));
   c.max_seqlen_kv =
       resolve_max(max_seqlen_kv, !kv_tnd && !paged, (!kv_tnd && !paged) ? k.size(ka.s) : 0,
-                  max_of(ck.data(), uk.data(), paged ? INT32_MAX : 0), "max_seqlen_kv");
+                  max_of(ck.data(), uk.data(), paged ? INT32_MAX : 0));
   if (paged) {
     for (int64_t b = 0; b < c.batch_size; ++b) {
       TORCH_CHECK_VALUE(uk.data()[b] <= blocks_per_seq * block_size, "seqused_kv: entry ", b,

@@ -72,11 +72,13 @@ PyObject* last_worker_times(PyObject*, PyObject*) {
 
 namespace attn = opmesh::core::attention;
 
-// Decodes the int32 words of a metadata tensor passed as a bytes-like object.
+// Decodes the int32 words of a metadata tensor passed as a bytes-like object; with `extra`, a
+// second, required argument is returned there.
 bool decode(PyObject* args, attn::metadata::Decoded& out, PyObject** extra = nullptr) {
   Py_buffer buffer;
-  PyObject* ignored = nullptr;
-  if (!PyArg_ParseTuple(args, "y*|O", &buffer, extra ? extra : &ignored)) return false;
+  const bool parsed =
+      extra ? PyArg_ParseTuple(args, "y*O", &buffer, extra) : PyArg_ParseTuple(args, "y*", &buffer);
+  if (!parsed) return false;
   try {
     out = attn::metadata::read(static_cast<const int32_t*>(buffer.buf),
                                static_cast<int64_t>(buffer.len / sizeof(int32_t)));
@@ -169,19 +171,9 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
 // [[(b, h, t, k_from, k_to, rows, cost, task cost, combine cost per partial, masked tiles),
 //   ...], ...].
 PyObject* plan_pieces(PyObject*, PyObject* args) {
-  Py_buffer buffer;
-  PyObject* lens = nullptr;
-  if (!PyArg_ParseTuple(args, "y*O", &buffer, &lens)) return nullptr;
   attn::metadata::Decoded d;
-  try {
-    d = attn::metadata::read(static_cast<const int32_t*>(buffer.buf),
-                             static_cast<int64_t>(buffer.len / sizeof(int32_t)));
-  } catch (const opmesh::core::ArgumentError& e) {
-    PyBuffer_Release(&buffer);
-    PyErr_SetString(PyExc_ValueError, e.what());
-    return nullptr;
-  }
-  PyBuffer_Release(&buffer);
+  PyObject* lens = nullptr;
+  if (!decode(args, d, &lens)) return nullptr;
   PyObject* seq = PySequence_Fast(lens, "lengths: expected a list of (q_len, k_len)");
   if (seq == nullptr) return nullptr;
   std::vector<attn::Sequence> seqs;

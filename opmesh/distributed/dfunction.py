@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -49,9 +50,14 @@ class DFunction(_platform.current().Function):
         return cls.forward(_NoGradContext(cls.forward, args, kwargs), *args, **kwargs)
 
 
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
+
+
 def _positional(forward, args, kwargs) -> tuple:
     """The arguments of ``forward(ctx, ...)`` bound by position, defaults filled in."""
-    signature = inspect.signature(forward)
+    signature = _signature(forward)
     if any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
         raise TypeError(
             f"{forward.__qualname__}: a DFunction's forward cannot take keyword-only "
