@@ -1,9 +1,10 @@
-// A fixed-size, 64-byte aligned scratch array (one cache line, one zmm register).
+// A fixed-size, 64-byte aligned, zero-filled scratch array (one cache line, one zmm register).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 
@@ -19,6 +20,7 @@ class AlignedBuffer {
     const size_t bytes = ((count * sizeof(T) + 63) / 64) * 64;
     void* p = bytes == 0 ? nullptr : std::aligned_alloc(64, bytes);
     if (bytes != 0 && p == nullptr) throw std::bad_alloc();
+    if (bytes != 0) std::memset(p, 0, bytes);
     data_.reset(static_cast<T*>(p));
   }
   T* data() const { return data_.get(); }

@@ -8,9 +8,8 @@
 #include "aligned_buffer.h"
 #include "attention/config.h"
 #include "errors.h"
-#include "indexer_kernels.h"
 #include "indexer_tiling.h"
-#include "kernel_choice.h"
+#include "kernels/kernel_set.h"
 #include "online_softmax.h"
 #include "row_loads.h"
 
@@ -71,12 +70,12 @@ std::vector<Sequence> make_sequences(const IndexerParams& p) {
 
 // One worker's scratch, reused across its tasks: O(tile), independent of sequence length.
 struct Scratch {
-  Scratch(int64_t groups, int64_t depth)
+  Scratch(int64_t groups, int64_t depth, int64_t words)
       : query(groups * kQueryTile * depth),
         key(depth * kKeyTile),
         weights(kQueryTile * groups),
         scores(kQueryTile * kKeyTile),
-        row(2 * depth) {}
+        row(2 * words) {}
   AlignedBuffer<uint32_t> query;  // [groups][kQueryTile][depth] words
   AlignedBuffer<uint32_t> key;    // [depth][kKeyTile] words
   AlignedBuffer<float> weights;   // [kQueryTile][groups]
@@ -89,15 +88,23 @@ class IndexerRun {
   IndexerRun(const IndexerParams& p, Isa isa)
       : p_(p),
         groups_(p.heads_q / p.heads_k),
-        bf16_pairs_(p.qk_dtype == DType::kBFloat16 && isa == Isa::kAvx512Bf16 &&
-                    (p.bf16_pairs >= 0 ? p.bf16_pairs == 1 : bf16_pairs_faster(Work::kCompute))),
-        depth_(bf16_pairs_ ? (p.head_dim + 1) / 2 : p.head_dim),
-        kernel_(indexer::score_tile_fn(isa, bf16_pairs_)),
-        sequences_(make_sequences(p)) {}
+        set_(kernels::select_set(isa, p.qk_dtype, p.bf16_pairs, true)),
+        bf16_pairs_(set_.word == kernels::Word::kBf16Pair),
+        words_(bf16_pairs_ ? (p.head_dim + 1) / 2 : p.head_dim),
+        depth_(kernels::round_up(words_, set_.depth_align)),
+        sequences_(make_sequences(p)) {
+    static_assert(kQueryTile % 16 == 0, "query tiles hold whole 16-row tiles");
+    if (kQueryTile % set_.row_align != 0) {
+      throw ArgumentError(
+          "isa", std::string(set_.name) + " needs rows in multiples of " + str(set_.row_align));
+    }
+  }
 
   const std::vector<Sequence>& sequences() const { return sequences_; }
   int64_t groups() const { return groups_; }
   int64_t depth() const { return depth_; }
+  int64_t words() const { return words_; }
+  const kernels::KernelSet& kernel_set() const { return set_; }
 
   void run_task(const indexer::Task& task, Scratch& scratch) const {
     const Sequence& seq = sequences_[task.sequence];
@@ -119,7 +126,7 @@ class IndexerRun {
           pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), scratch);
           std::fill(scratch.scores.data() + row_begin * kKeyTile,
                     scratch.scores.data() + rows * kKeyTile, 0.0f);
-          const indexer::ScoreTileArgs args{scratch.query.data(),
+          const kernels::ScoreTileArgs args{scratch.query.data(),
                                             kQueryTile,
                                             scratch.key.data(),
                                             scratch.weights.data(),
@@ -128,7 +135,7 @@ class IndexerRun {
                                             rows,
                                             static_cast<int>(groups_),
                                             depth_};
-          kernel_(args);
+          set_.score_tile(args);
           for (int r = row_begin; r < rows; ++r) {
             const int64_t n = std::min<int64_t>(kKeyTile, row_key_end[r] - j0);
             absorb(stats[r], scratch.scores.data() + r * kKeyTile, static_cast<int>(n));
@@ -170,6 +177,7 @@ class IndexerRun {
           load_row(p_.query, p_.qk_dtype, offset, qs[3], p_.head_dim,
                    reinterpret_cast<float*>(dst));
         }
+        std::fill(dst + words_, dst + depth_, 0u);
         const int64_t w_offset = batch_offset(ws, seq) + token * ws[1] + head * ws[2];
         load_row(p_.weights, p_.weights_dtype, w_offset, 1, 1,
                  scratch.weights.data() + r * groups_ + h);
@@ -191,15 +199,17 @@ class IndexerRun {
       } else {
         load_row(p_.key, p_.qk_dtype, offset, ks[3], p_.head_dim, reinterpret_cast<float*>(row));
       }
-      for (int64_t l = 0; l < depth_; ++l) dst[l * kKeyTile + j] = row[l];
+      for (int64_t l = 0; l < words_; ++l) dst[l * kKeyTile + j] = row[l];
     }
+    if (count == kKeyTile) std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
   }
 
   const IndexerParams& p_;
   int64_t groups_;
+  const kernels::KernelSet& set_;
   bool bf16_pairs_;
-  int64_t depth_;
-  indexer::ScoreTileFn kernel_;
+  int64_t words_;  // packed words per row
+  int64_t depth_;  // words_ padded to the set's depth_align (zero words)
   std::vector<Sequence> sequences_;
 };
 
@@ -247,7 +257,7 @@ void validate(const IndexerParams& p) {
 void dense_lightning_indexer_softmax_lse(const IndexerParams& p, const Executor& executor,
                                          Isa isa) {
   validate(p);
-  if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
+  if (!isa_supported(isa)) {
     throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
   }
   const int64_t out_rows = p.layout == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
@@ -263,7 +273,10 @@ void dense_lightning_indexer_softmax_lse(const IndexerParams& p, const Executor&
   const int workers = std::max(1, executor.num_workers());
   std::vector<std::unique_ptr<Scratch>> scratch(workers);
   run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int worker) {
-    if (!scratch[worker]) scratch[worker] = std::make_unique<Scratch>(run.groups(), run.depth());
+    if (!scratch[worker]) {
+      scratch[worker] = std::make_unique<Scratch>(run.groups(), run.depth(), run.words());
+    }
+    const kernels::WorkerScope scope(run.kernel_set());
     run.run_task(tasks[t], *scratch[worker]);
   });
 }

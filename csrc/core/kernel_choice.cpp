@@ -64,7 +64,7 @@ std::vector<uint16_t> bf16_data(int64_t count, uint32_t seed) {
 }
 
 // Best of `runs` timings (ns) of one flash-attention problem with the pairs choice forced.
-double time_problem(Work work, bool pairs, int runs) {
+double time_problem(Work work, Isa isa, bool pairs, int runs) {
   namespace attn = attention;
   const bool decode = work == Work::kMemory;
   // Compute-bound: a short causal prefill. Memory-bound: one query row against a long cache.
@@ -103,7 +103,7 @@ double time_problem(Work work, bool pairs, int runs) {
   double best = 1e30;
   for (int r = 0; r <= runs; ++r) {  // the first run warms caches and is not counted
     const auto t0 = std::chrono::steady_clock::now();
-    attn::flash_attn(p, seqs, plan, serial, Isa::kAvx512Bf16, workspace.data(), nullptr);
+    attn::flash_attn(p, seqs, plan, serial, isa, workspace.data(), nullptr);
     const auto t1 = std::chrono::steady_clock::now();
     if (r > 0) best = std::min(best, std::chrono::duration<double, std::nano>(t1 - t0).count());
   }
@@ -115,18 +115,22 @@ struct Measured {
   Bf16Choice choice;
 };
 
-Measured& measured(Work work) {
-  static Measured slots[2];
-  return slots[static_cast<int>(work)];
+// One slot per (level, tile implementation, kind of work): the AMX level measures its hardware
+// and its emulated tiles separately.
+Measured& measured(Work work, Isa isa) {
+  static Measured slots[3][2];
+  int level = 0;
+  if (isa == Isa::kAmxBf16) level = amx_tiles() == AmxTiles::kEmulated ? 2 : 1;
+  return slots[level][static_cast<int>(work)];
 }
 
 }  // namespace
 
 const char* work_name(Work work) { return work == Work::kMemory ? "memory" : "compute"; }
 
-bool bf16_pairs_faster(Work work) { return bf16_choice(work).pairs; }
+bool bf16_pairs_faster(Work work, Isa isa) { return bf16_choice(work, isa).pairs; }
 
-Bf16Choice bf16_choice(Work work) {
+Bf16Choice bf16_choice(Work work, Isa isa) {
   const int forced = from_environment(work);
   if (forced >= 0) {
     Bf16Choice c;
@@ -134,19 +138,19 @@ Bf16Choice bf16_choice(Work work) {
     c.source = "environment";
     return c;
   }
-  if (static_cast<int>(detected_isa()) < static_cast<int>(Isa::kAvx512Bf16)) {
+  if (static_cast<int>(isa) < static_cast<int>(Isa::kAvx512Bf16) || !isa_supported(isa)) {
     Bf16Choice c;
     c.pairs = false;
-    c.source = "no avx512_bf16 on this CPU";
+    c.source = "no bf16-pair kernels at this level";
     return c;
   }
-  Measured& m = measured(work);
+  Measured& m = measured(work, isa);
   std::call_once(m.once, [&] {
     // Interleaved, so a frequency change or a neighbour's load hits both alike.
     double pairs_ns = 1e30, fp32_ns = 1e30;
     for (int round = 0; round < 2; ++round) {
-      pairs_ns = std::min(pairs_ns, time_problem(work, true, 2));
-      fp32_ns = std::min(fp32_ns, time_problem(work, false, 2));
+      pairs_ns = std::min(pairs_ns, time_problem(work, isa, true, 2));
+      fp32_ns = std::min(fp32_ns, time_problem(work, isa, false, 2));
     }
     m.choice.pairs = pairs_ns <= fp32_ns;
     m.choice.source = "measured";

@@ -1,14 +1,17 @@
-// Which kernels bf16 inputs use at the avx512_bf16 level, chosen by measured speed.
+// Which kernels bf16 inputs use at the avx512_bf16 and amx_bf16 levels, chosen by measured speed.
 //
-// bf16 inputs can run on bf16-pair dot products (VDPBF16PS on packed pairs, half the bytes moved)
-// or be widened to float32 and run on FMA. Which is faster depends on the CPU: where VDPBF16PS
-// runs at half the FMA rate (Intel Xeons with AMX), compute-bound work (prefill, the indexer) is
-// faster on FMA while memory-bound work (decode) is faster on pairs; on AMD Zen 4 pairs win both.
-// So the choice is made per kind of work by a short measurement of the real kernels, once per
-// process, and can be fixed by the environment variable OPMESH_BF16_KERNELS:
+// bf16 inputs can run on the level's bf16-pair kernels (VDPBF16PS, or AMX tiles at amx_bf16, on
+// packed pairs: half the bytes moved) or be widened to float32 and run on FMA. Which is faster
+// depends on the CPU: where VDPBF16PS runs at half the FMA rate (Intel Xeons), compute-bound work
+// (prefill, the indexer) is faster on FMA while memory-bound work (decode) is faster on pairs; on
+// AMD Zen 4 pairs win both. So the choice is made per level and kind of work by a short
+// measurement of the real kernels, once per process, and can be fixed by the environment
+// variable OPMESH_BF16_KERNELS:
 //   auto (default): measure;  pairs: always bf16 pairs;  fp32: always float32 FMA;
 //   or per kind, e.g. "compute=fp32,memory=pairs" (an unnamed kind is measured).
 #pragma once
+
+#include "cpu_features.h"
 
 namespace opmesh::core {
 
@@ -16,9 +19,10 @@ enum class Work : int { kCompute = 0, kMemory = 1 };
 
 const char* work_name(Work work);
 
-// Whether bf16 inputs should use bf16-pair kernels for this kind of work (only asked at the
-// avx512_bf16 level). Thread-safe; the first call per kind may take a few milliseconds.
-bool bf16_pairs_faster(Work work);
+// Whether bf16 inputs should use the bf16-pair kernels of level `isa` (avx512_bf16 or amx_bf16)
+// for this kind of work. Thread-safe; the first call per level and kind may take a few
+// milliseconds.
+bool bf16_pairs_faster(Work work, Isa isa);
 
 // The source of the last decision for `work`: "measured", "environment" or "not decided yet";
 // and the measured times (nanoseconds, best of several runs) of pairs and fp32, 0 when not
@@ -29,6 +33,6 @@ struct Bf16Choice {
   double pairs_ns = 0.0;
   double fp32_ns = 0.0;
 };
-Bf16Choice bf16_choice(Work work);
+Bf16Choice bf16_choice(Work work, Isa isa);
 
 }  // namespace opmesh::core

@@ -10,6 +10,7 @@
 #include "cpu_features.h"
 #include "errors.h"
 #include "kernel_choice.h"
+#include "kernels/kernel_set.h"
 #include "worker_times.h"
 
 namespace {
@@ -33,7 +34,8 @@ PyObject* active_simd_level(PyObject*, PyObject*) {
   }
 }
 
-// {"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float} for "compute" or "memory".
+// {"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float, "kernel_set": str} for
+// "compute" or "memory" work on bf16 inputs at the active level.
 PyObject* bf16_choice(PyObject*, PyObject* arg) {
   const char* kind = PyUnicode_AsUTF8(arg);
   if (kind == nullptr) return nullptr;
@@ -43,11 +45,44 @@ PyObject* bf16_choice(PyObject*, PyObject* arg) {
     return nullptr;
   }
   try {
-    const opmesh::core::Bf16Choice c = opmesh::core::bf16_choice(
-        k == "memory" ? opmesh::core::Work::kMemory : opmesh::core::Work::kCompute);
-    return Py_BuildValue("{s:O,s:s,s:d,s:d}", "pairs", c.pairs ? Py_True : Py_False, "source",
-                         c.source, "pairs_ns", c.pairs_ns, "fp32_ns", c.fp32_ns);
+    namespace core = opmesh::core;
+    const core::Isa isa = core::active_isa();
+    const core::Work work = k == "memory" ? core::Work::kMemory : core::Work::kCompute;
+    const core::Bf16Choice c = core::bf16_choice(work, isa);
+    const core::kernels::KernelSet& set =
+        core::kernels::select_set(isa, core::DType::kBFloat16, -1, work == core::Work::kCompute);
+    return Py_BuildValue("{s:O,s:s,s:d,s:d,s:s}", "pairs", c.pairs ? Py_True : Py_False, "source",
+                         c.source, "pairs_ns", c.pairs_ns, "fp32_ns", c.fp32_ns, "kernel_set",
+                         set.name);
   } catch (const opmesh::core::ArgumentError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
+// [{"name", "isa", "word", "depth_align", "row_align"}] for every kernel set usable now, and
+// how the amx_bf16 level runs its tiles ("hardware", "emulated" or "none").
+PyObject* kernel_sets(PyObject*, PyObject*) {
+  namespace core = opmesh::core;
+  try {
+    const core::kernels::KernelSet* sets[16];
+    const int n = core::kernels::available_sets(sets, 16);
+    PyObject* list = PyList_New(n);
+    if (list == nullptr) return nullptr;
+    for (int i = 0; i < n; ++i) {
+      const auto& s = *sets[i];
+      PyObject* item = Py_BuildValue(
+          "{s:s,s:s,s:s,s:L,s:L}", "name", s.name, "isa", core::isa_name(s.isa), "word",
+          s.word == core::kernels::Word::kBf16Pair ? "bf16_pair" : "float32", "depth_align",
+          static_cast<long long>(s.depth_align), "row_align", static_cast<long long>(s.row_align));
+      if (item == nullptr) {
+        Py_DECREF(list);
+        return nullptr;
+      }
+      PyList_SET_ITEM(list, i, item);
+    }
+    return Py_BuildValue("(Ns)", list, core::amx_tiles_name(core::amx_tiles()));
+  } catch (const core::ArgumentError& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
     return nullptr;
   }
@@ -256,23 +291,25 @@ PyObject* metadata_words(PyObject*, PyObject* arg) {
   return PyLong_FromLongLong(attn::metadata::size_words(workers));
 }
 
-PyMethodDef methods[] = {{"_metadata_words", metadata_words, METH_O,
-                          "Length of a flash_attn_metadata tensor planned for num_workers."},
-                         {"_describe_metadata", describe_metadata, METH_VARARGS,
-                          "Decodes the words of a flash_attn_metadata tensor into a dict."},
-                         {"_plan_pieces", plan_pieces, METH_VARARGS,
-                          "Per-worker pieces of a plan with their modelled cost (ns)."},
-                         {"_bf16_choice", bf16_choice, METH_O,
-                          "Which kernels bf16 inputs use for 'compute' or 'memory' work."},
-                         {"_set_worker_timing", set_worker_timing, METH_O,
-                          "Record per-logical-worker busy times of flash_attn calls (ns)."},
-                         {"_last_worker_times", last_worker_times, METH_NOARGS,
-                          "Busy times (ns) of each logical worker of the last recorded call."},
-                         {"supported_simd_levels", supported_simd_levels, METH_NOARGS,
-                          "SIMD levels this CPU and build support, lowest first."},
-                         {"active_simd_level", active_simd_level, METH_NOARGS,
-                          "The level the CPU kernels use now (capped by OPMESH_SIMD_MAX)."},
-                         {nullptr, nullptr, 0, nullptr}};
+PyMethodDef methods[] = {
+    {"_metadata_words", metadata_words, METH_O,
+     "Length of a flash_attn_metadata tensor planned for num_workers."},
+    {"_describe_metadata", describe_metadata, METH_VARARGS,
+     "Decodes the words of a flash_attn_metadata tensor into a dict."},
+    {"_plan_pieces", plan_pieces, METH_VARARGS,
+     "Per-worker pieces of a plan with their modelled cost (ns)."},
+    {"_kernel_sets", kernel_sets, METH_NOARGS, "(kernel sets usable now, amx tile implementation)"},
+    {"_bf16_choice", bf16_choice, METH_O,
+     "Which kernels bf16 inputs use for 'compute' or 'memory' work."},
+    {"_set_worker_timing", set_worker_timing, METH_O,
+     "Record per-logical-worker busy times of flash_attn calls (ns)."},
+    {"_last_worker_times", last_worker_times, METH_NOARGS,
+     "Busy times (ns) of each logical worker of the last recorded call."},
+    {"supported_simd_levels", supported_simd_levels, METH_NOARGS,
+     "SIMD levels this CPU and build support, lowest first."},
+    {"active_simd_level", active_simd_level, METH_NOARGS,
+     "The level the CPU kernels use now (capped by OPMESH_SIMD_MAX)."},
+    {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "opmesh operators (loaded for registration).",
                       -1, methods};

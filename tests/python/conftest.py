@@ -11,11 +11,15 @@ import opmesh  # noqa: E402
 
 def _kernel_paths():
     """Every SIMD level this machine supports; at avx512_bf16 both kernel sets bf16 inputs can
-    take there (bf16 pairs and float32 FMA), since the measured choice would test only one."""
+    take there (bf16 pairs and float32 FMA), since the measured choice would test only one; and
+    the amx_bf16 kernels, on AMX tiles where the CPU has them and on the portable tile emulation
+    wherever AVX-512 BF16 is present."""
     paths = []
     for level in opmesh.simd_levels():
         if level == "avx512_bf16":
-            paths += ["avx512_bf16/pairs", "avx512_bf16/fp32"]
+            paths += ["avx512_bf16/pairs", "avx512_bf16/fp32", "amx_bf16/emulated"]
+        elif level == "amx_bf16":
+            paths.append("amx_bf16/tiles")
         else:
             paths.append(level)
     return paths
@@ -24,13 +28,18 @@ def _kernel_paths():
 @pytest.fixture(params=_kernel_paths())
 def simd_level(request, monkeypatch):
     """Runs a test once per kernel path this machine supports, checking the cap took effect."""
-    level, _, bf16 = request.param.partition("/")
+    level, _, variant = request.param.partition("/")
     monkeypatch.setenv("OPMESH_SIMD_MAX", level)
+    monkeypatch.setenv("OPMESH_AMX_TILES", "emulate" if variant == "emulated" else "auto")
+    bf16 = {"emulated": "pairs", "tiles": "pairs"}.get(variant, variant)
     monkeypatch.setenv("OPMESH_BF16_KERNELS", bf16 or "auto")
     assert opmesh.active_simd_level() == level
     if bf16:
         choice = opmesh.bf16_kernels()
         assert all(c["pairs"] == (bf16 == "pairs") for c in choice.values()), choice
+        if level == "amx_bf16":
+            want = f"amx_bf16/{variant}"
+            assert all(c["kernel_set"] == want for c in choice.values()), choice
     return request.param
 
 

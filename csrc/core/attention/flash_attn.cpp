@@ -10,9 +10,10 @@
 
 #include "../aligned_buffer.h"
 #include "../errors.h"
+#include "../kernel_choice.h"
+#include "../kernels/kernel_set.h"
 #include "../online_softmax.h"
 #include "../row_loads.h"
-#include "kernels.h"
 
 namespace opmesh::core::attention {
 namespace {
@@ -20,7 +21,8 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kCacheLimitBytes = int64_t{64} << 20;
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using kernels::KernelSet;
+using kernels::round_up;
 
 // Running state of a tile of rows: unnormalised output, row max, row sum.
 struct State {
@@ -45,12 +47,12 @@ void merge_into(const State& dst, const State& src, int64_t rows, int64_t ld, in
   }
 }
 
-bool use_pairs(const FlashAttnParams& p, const std::vector<Sequence>& seqs, Isa isa) {
-  if (p.dtype != DType::kBFloat16 || isa != Isa::kAvx512Bf16) return false;
-  if (p.bf16_pairs >= 0) return p.bf16_pairs == 1;
+// Decode (every sequence at most kDecodeRows query rows) is memory-bound, anything else
+// compute-bound: the two kinds of work may prefer different bf16 kernels (kernel_choice.h).
+const KernelSet& choose_set(const FlashAttnParams& p, const std::vector<Sequence>& seqs, Isa isa) {
   int64_t rows = 0;
   for (const Sequence& s : seqs) rows = std::max(rows, s.q_len);
-  return bf16_pairs_faster(rows <= kDecodeRows ? Work::kMemory : Work::kCompute);
+  return kernels::select_set(isa, p.dtype, p.bf16_pairs, rows > kDecodeRows);
 }
 
 class Runner {
@@ -61,24 +63,27 @@ class Runner {
         plan_(plan),
         walker_(p.config, seqs),
         g_(plan.geometry),
-        pairs_(use_pairs(p, seqs, isa)),
-        k_(kernels(isa, pairs_)),
+        k_(choose_set(p, seqs, isa)),
+        pairs_(k_.word == kernels::Word::kBf16Pair),
         d_(p.config.head_dim),
         dv_(p.config.head_dim_v),
-        dw_(pairs_ ? (d_ + 1) / 2 : d_),
+        words_(pairs_ ? (d_ + 1) / 2 : d_),
+        dw_(round_up(words_, k_.depth_align)),
+        rows_cap_(round_up(g_.rows, k_.row_align)),
         dvp_(round_up(dv_, 16)),
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * dvp_),
         slot_floats_(g_.rows * (dvp_ + 2)) {}
 
   int64_t slot_floats() const { return slot_floats_; }
+  const KernelSet& kernel_set() const { return k_; }
 
   // Per physical thread: packed operands, tiles, states and the packed key/value cache.
   struct Scratch {
     explicit Scratch(const Runner& r)
-        : q(r.g_.rows * r.dw_),
-          s(r.g_.rows * kKeyTile),
-          pb(r.g_.rows * kKeyTile),
+        : q(r.rows_cap_ * r.dw_),
+          s(r.rows_cap_ * kKeyTile),
+          pb(r.rows_cap_ * kKeyTile),
           o(2 * r.g_.rows * r.dvp_),
           stats(5 * r.g_.rows),
           row(std::max(r.d_, r.dv_) + 2),
@@ -198,6 +203,7 @@ class Runner {
         } else {
           load_row(q.data, p_.dtype, off, q.sd, d_, reinterpret_cast<float*>(dst));
         }
+        std::fill(dst + words_, dst + dw_, 0u);
       }
     }
   }
@@ -221,7 +227,8 @@ class Runner {
           static_cast<const char*>(p_.v.data) + key_offset(p_.v, b, h, j * kKeyTile + n) * elem;
     }
     if (fast_k) {
-      k_.pack_keys(krows, valid, dw_, kp);
+      k_.pack_keys(krows, valid, words_, kp);
+      std::fill(kp + words_ * kKeyTile, kp + dw_ * kKeyTile, 0u);
     } else {
       uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
       for (int64_t n = 0; n < valid; ++n) {
@@ -231,7 +238,7 @@ class Runner {
         } else {
           load_row(p_.k.data, p_.dtype, ko, p_.k.sd, d_, sc.row.data());
         }
-        for (int64_t d = 0; d < dw_; ++d) kp[d * kKeyTile + n] = row[d];
+        for (int64_t d = 0; d < words_; ++d) kp[d * kKeyTile + n] = row[d];
       }
     }
     if (fast_v && pairs_) {
@@ -388,9 +395,13 @@ class Runner {
   const Plan& plan_;
   UnitWalker walker_;
   Geometry g_;
+  const KernelSet& k_;
   bool pairs_;
-  Kernels k_;
-  int64_t d_, dv_, dw_, dvp_;
+  int64_t d_, dv_;
+  int64_t words_;     // packed words per q/k row
+  int64_t dw_;        // words_ padded to the set's depth_align (zero words)
+  int64_t rows_cap_;  // tile rows padded to the set's row_align
+  int64_t dvp_;
   int64_t k_tile_words_, v_tile_words_;
   int64_t slot_floats_;
 };
@@ -447,7 +458,7 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
   if (plan.num_slots > 0 && workspace == nullptr) {
     throw ArgumentError("workspace", "is null but the plan has split units");
   }
-  if (static_cast<int>(isa) > static_cast<int>(detected_isa())) {
+  if (!isa_supported(isa)) {
     throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
   }
 }
@@ -467,6 +478,7 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
   run_dynamic(executor, static_cast<int64_t>(plan.workers.size()), [&](int64_t w, int thread) {
     const auto start = std::chrono::steady_clock::now();
     Runner::Scratch& sc = scratch_of(thread);
+    const kernels::WorkerScope scope(runner.kernel_set());
     const WorkerRange& range = plan.workers[w];
     walker.for_each_piece(
         range.begin, range.end,

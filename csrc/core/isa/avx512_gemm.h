@@ -8,10 +8,10 @@
 
 #include <cstdint>
 
-#include "../attention/kernels.h"
-#include "row_blocks.h"
+#include "../kernels/kernel_set.h"
+#include "../kernels/row_blocks.h"
 
-namespace opmesh::core::attention {
+namespace opmesh::core::kernels {
 
 template <class Policy>
 struct Avx512Gemm {
@@ -53,7 +53,7 @@ struct Avx512Gemm {
   static void columns(const GemmArgs& g, int64_t col) {
     const Word* a = static_cast<const Word*>(g.a);
     const Word* b = static_cast<const Word*>(g.b) + col;
-    indexer::for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+    for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
       block<decltype(rows)::value, kCols>(a + r * g.lda, g.lda, b, g.ldb, g.depth,
                                           g.c + r * g.ldc + col, g.ldc,
                                           g.row_scale ? g.row_scale + r : nullptr, g.alpha);
@@ -79,4 +79,4 @@ struct Avx512Gemm {
   }
 };
 
-}  // namespace opmesh::core::attention
+}  // namespace opmesh::core::kernels

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace opmesh::core::isa {
+namespace opmesh::core::kernels {
 
 struct Float32Policy {
   using Word = float;
@@ -29,4 +29,4 @@ struct Bf16PairPolicy {
 };
 #endif
 
-}  // namespace opmesh::core::isa
+}  // namespace opmesh::core::kernels

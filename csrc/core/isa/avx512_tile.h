@@ -13,10 +13,10 @@
 
 #include <cstdint>
 
-#include "../indexer_kernels.h"
-#include "row_blocks.h"
+#include "../kernels/kernel_set.h"
+#include "../kernels/row_blocks.h"
 
-namespace opmesh::core::indexer {
+namespace opmesh::core::kernels {
 
 template <class Policy>
 struct Avx512Tile {
@@ -72,4 +72,4 @@ struct Avx512Tile {
   }
 };
 
-}  // namespace opmesh::core::indexer
+}  // namespace opmesh::core::kernels

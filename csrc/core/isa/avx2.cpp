@@ -1,14 +1,16 @@
-// AVX2 + FMA flash-attention micro-kernels on float32 words. GEMM blocks of 6 rows x 16 columns
-// (12 ymm accumulators).
+// The AVX2 + FMA kernel set, float32 words. The attention GEMM works in blocks of 6 rows x 16
+// columns (12 ymm accumulators); the indexer's score tile in blocks of 6 rows x 16 keys that walk
+// the 64-key tile in four column passes.
 #include <immintrin.h>
 
 #include <cmath>
 #include <limits>
 
-#include "../attention/kernels.h"
-#include "row_blocks.h"
+#include "../kernels/kernel_set.h"
+#include "../kernels/row_blocks.h"
+#include "sets.h"
 
-namespace opmesh::core::attention {
+namespace opmesh::core::kernels::avx2 {
 namespace {
 
 template <int kRows>
@@ -42,7 +44,7 @@ void gemm(const GemmArgs& g) {
   const float* a = static_cast<const float*>(g.a);
   const float* b = static_cast<const float*>(g.b);
   for (int64_t col = 0; col < g.n; col += 16) {
-    indexer::for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+    for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
       block<decltype(rows)::value>(a + r * g.lda, g.lda, b + col, g.ldb, g.depth,
                                    g.c + r * g.ldc + col, g.ldc,
                                    g.row_scale ? g.row_scale + r : nullptr, g.alpha);
@@ -50,7 +52,7 @@ void gemm(const GemmArgs& g) {
   }
 }
 
-// exp(x) for x <= 0; see attn_avx512.cpp. Below -87 the result is 0 (no subnormals), NaN stays.
+// exp(x) for x <= 0; see avx512.cpp. Below -87 the result is 0 (no subnormals), NaN stays.
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
   x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
@@ -74,7 +76,7 @@ inline __m256 exp_nonpositive(__m256 x) {
 void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    float* x = s + r * 64;
+    float* x = s + r * kKeyTile;
     __m256 v[8];
     __m256 top = _mm256_set1_ps(m[r]);
     __m256 nan = _mm256_setzero_ps();
@@ -111,8 +113,59 @@ void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
   }
 }
 
+constexpr int kTile = kKeyTile;
+constexpr int kCols = 2;  // ymm registers of 8 keys per row
+
+template <int kRows>
+inline void score_block(const float* q, int64_t depth, const float* k, const float* w, int w_stride,
+                        float* scores) {
+  __m256 acc[kRows][kCols];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < depth; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(k + d * kTile);
+    const __m256 k1 = _mm256_loadu_ps(k + d * kTile + 8);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + r * depth + d);
+      acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+    }
+  }
+  const __m256 zero = _mm256_setzero_ps();  // max(zero, acc): a NaN dot product stays NaN
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 wb = _mm256_broadcast_ss(w + r * w_stride);
+    for (int c = 0; c < kCols; ++c) {
+      float* out = scores + r * kTile + c * 8;
+      _mm256_storeu_ps(out,
+                       _mm256_fmadd_ps(wb, _mm256_max_ps(zero, acc[r][c]), _mm256_loadu_ps(out)));
+    }
+  }
+}
+
+void score_tile(const ScoreTileArgs& args) {
+  const float* query = static_cast<const float*>(args.query);
+  const float* key = static_cast<const float*>(args.key);
+  const int64_t depth = args.depth;
+  for (int h = 0; h < args.groups; ++h) {
+    const float* qh = query + h * args.row_capacity * depth;
+    for (int pass = 0; pass < kTile / (8 * kCols); ++pass) {
+      const int col = pass * 8 * kCols;
+      for_each_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
+        score_block<decltype(rows)::value>(qh + r * depth, depth, key + col,
+                                           args.weights + r * args.groups + h, args.groups,
+                                           args.scores + r * kTile + col);
+      });
+    }
+  }
+}
+
 }  // namespace
 
-Kernels kernels_avx2() { return {&gemm, &softmax, nullptr, &pack_keys_portable}; }
+const KernelSet& kernel_set() {
+  static const KernelSet set{
+      "avx2",   Isa::kAvx2, Word::kFloat32,     1,          1, nullptr, nullptr, &gemm,
+      &softmax, nullptr,    &scalar::pack_keys, &score_tile};
+  return set;
+}
 
-}  // namespace opmesh::core::attention
+}  // namespace opmesh::core::kernels::avx2

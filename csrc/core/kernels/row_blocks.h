@@ -5,7 +5,7 @@
 
 #include <type_traits>
 
-namespace opmesh::core::indexer {
+namespace opmesh::core::kernels {
 
 template <int kRows, class F>
 inline void visit_remainder(int count, int row, F& f) {
@@ -25,4 +25,4 @@ inline void for_each_row_block(int begin, int end, F&& f) {
   visit_remainder<kRows - 1>(end - row, row, f);
 }
 
-}  // namespace opmesh::core::indexer
+}  // namespace opmesh::core::kernels

@@ -1,13 +1,15 @@
-// AVX-512F flash-attention micro-kernels on float32 words, and the vectorised softmax step the
-// bf16 variant shares.
+// The AVX-512F kernel set, float32 words, and the vectorised softmax step and key packing the
+// bf16-pair and AMX sets share.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "avx512_gemm.h"
 #include "avx512_policies.h"
+#include "avx512_tile.h"
+#include "sets.h"
 
-namespace opmesh::core::attention {
+namespace opmesh::core::kernels::avx512 {
 namespace {
 
 // exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f with f in [-1/2, 1/2] and a
@@ -29,7 +31,9 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-void gemm_f32(const GemmArgs& g) { Avx512Gemm<isa::Float32Policy>::run(g); }
+void gemm(const GemmArgs& g) { Avx512Gemm<Float32Policy>::run(g); }
+
+void score_tile(const ScoreTileArgs& args) { Avx512Tile<Float32Policy>::run(args); }
 
 // In-register transpose of a 16 x 16 block of 4-byte words: out[c] lane i = in[i] lane c.
 inline void transpose16(const __m512i in[16], __m512i out[16]) {
@@ -60,9 +64,9 @@ inline void transpose16(const __m512i in[16], __m512i out[16]) {
 
 }  // namespace
 
-void pack_keys_avx512(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
+void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
   __m512i in[16], out[16];
-  for (int64_t n0 = 0; n0 < 64; n0 += 16) {
+  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 16) {
     for (int64_t d0 = 0; d0 < words; d0 += 16) {
       const int64_t count = std::min<int64_t>(16, words - d0);
       const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
@@ -72,16 +76,16 @@ void pack_keys_avx512(const char* const* rows, int64_t valid, int64_t words, uin
       }
       transpose16(in, out);
       for (int64_t c = 0; c < count; ++c) {
-        _mm512_storeu_si512(kp + (d0 + c) * 64 + n0, out[c]);
+        _mm512_storeu_si512(kp + (d0 + c) * kKeyTile + n0, out[c]);
       }
     }
   }
 }
 
-void softmax_avx512(float* s, int64_t rows, float* m, float* l, float* correction) {
+void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    float* x = s + r * 64;
+    float* x = s + r * kKeyTile;
     __m512 v[4];
     __mmask16 nan = 0;
     __m512 top = _mm512_set1_ps(m[r]);
@@ -110,6 +114,11 @@ void softmax_avx512(float* s, int64_t rows, float* m, float* l, float* correctio
   }
 }
 
-Kernels kernels_avx512() { return {&gemm_f32, &softmax_avx512, nullptr, &pack_keys_avx512}; }
+const KernelSet& kernel_set() {
+  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,
+                             1,        nullptr,      nullptr,        &gemm,
+                             &softmax, nullptr,      &pack_keys,     &score_tile};
+  return set;
+}
 
-}  // namespace opmesh::core::attention
+}  // namespace opmesh::core::kernels::avx512

@@ -1,0 +1,97 @@
+// The portable kernel set: plain loops the compiler may vectorise for the baseline target,
+// std::exp. Runs anywhere; the reference the vector sets are tested against.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "../kernels/kernel_set.h"
+#include "../online_softmax.h"
+#include "sets.h"
+
+namespace opmesh::core::kernels::scalar {
+namespace {
+
+void gemm(const GemmArgs& g) {
+  const float* a = static_cast<const float*>(g.a);
+  const float* b = static_cast<const float*>(g.b);
+  for (int64_t r = 0; r < g.m; ++r) {
+    float* c = g.c + r * g.ldc;
+    const float keep = g.row_scale ? g.row_scale[r] : 0.0f;
+    float acc[16];
+    for (int64_t col = 0; col < g.n; col += 16) {
+      for (int j = 0; j < 16; ++j) acc[j] = 0.0f;
+      for (int64_t d = 0; d < g.depth; ++d) {
+        const float ad = a[r * g.lda + d];
+        const float* bd = b + d * g.ldb + col;
+        for (int j = 0; j < 16; ++j) acc[j] += ad * bd[j];
+      }
+      for (int j = 0; j < 16; ++j) {
+        c[col + j] = g.row_scale ? keep * c[col + j] + g.alpha * acc[j] : g.alpha * acc[j];
+      }
+    }
+  }
+}
+
+void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = s + r * kKeyTile;
+    float top = m[r];
+    for (int j = 0; j < kKeyTile; ++j) top = nan_max(top, x[j]);
+    if (top == kNegInf) {
+      for (int j = 0; j < kKeyTile; ++j) x[j] = 0.0f;
+      correction[r] = 1.0f;
+      continue;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < kKeyTile; ++j) {
+      x[j] = std::exp(x[j] - top);
+      sum += x[j];
+    }
+    correction[r] = std::exp(m[r] - top);
+    l[r] = l[r] * correction[r] + sum;
+    m[r] = top;
+  }
+}
+
+void score_tile(const ScoreTileArgs& args) {
+  const float* query = static_cast<const float*>(args.query);
+  const float* key = static_cast<const float*>(args.key);
+  float dot[kKeyTile];
+  for (int h = 0; h < args.groups; ++h) {
+    for (int r = args.row_begin; r < args.row_end; ++r) {
+      const float* q = query + (h * args.row_capacity + r) * args.depth;
+      std::fill(dot, dot + kKeyTile, 0.0f);
+      for (int64_t d = 0; d < args.depth; ++d) {
+        const float qd = q[d];
+        const float* k = key + d * kKeyTile;
+        for (int j = 0; j < kKeyTile; ++j) dot[j] += qd * k[j];
+      }
+      const float w = args.weights[r * args.groups + h];
+      float* out = args.scores + r * kKeyTile;
+      for (int j = 0; j < kKeyTile; ++j) out[j] += w * std::max(dot[j], 0.0f);
+    }
+  }
+}
+
+}  // namespace
+
+void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
+  for (int64_t n = 0; n < kKeyTile; ++n) {
+    for (int64_t d = 0; d < words; ++d) {
+      uint32_t word = 0;
+      if (n < valid) std::memcpy(&word, rows[n] + 4 * d, 4);
+      kp[d * kKeyTile + n] = word;
+    }
+  }
+}
+
+const KernelSet& kernel_set() {
+  static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,
+                             1,        nullptr,      nullptr,        &gemm,
+                             &softmax, nullptr,      &pack_keys,     &score_tile};
+  return set;
+}
+
+}  // namespace opmesh::core::kernels::scalar

@@ -1,0 +1,124 @@
+// The kernel layer both operator families run on. A kernel set is everything one instruction set
+// provides: the flash-attention micro-kernels (GEMM, online-softmax step, bf16 rounding, key
+// packing), the indexer's score tile, the geometry its packed operands need, and per-worker
+// setup and teardown. Each set lives in its own namespace and translation unit under isa/,
+// compiled with that set's flags; the registry (registry.cpp) picks one at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "../cpu_features.h"
+#include "../dtype.h"
+
+namespace opmesh::core::kernels {
+
+// Keys per packed tile: one micro-kernel column block, and the unit of the planner's key work.
+inline constexpr int64_t kKeyTile = 64;
+
+// The 4-byte word packed operands hold: a float per element, or a pair of bf16 elements that are
+// consecutive along the depth (the layout VDPBF16PS and AMX TDPBF16PS consume).
+enum class Word : int { kFloat32 = 0, kBf16Pair = 1 };
+
+// C[m][n] = alpha * A.B, or C = row_scale[r] * C + alpha * A.B when row_scale is given.
+// A is row-major [m][lda] words; B is packed [depth][ldb] words with n a multiple of 16 and
+// ldb >= n; C is float [m][ldc]. A must stay readable up to row round_up(m, row_align) and
+// depth is a multiple of depth_align (the kernel set's geometry).
+struct GemmArgs {
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  float* c;
+  int64_t ldc;
+  int64_t m;
+  int64_t n;
+  int64_t depth;
+  const float* row_scale;
+  float alpha;
+};
+
+// The indexer's tile: one packed key tile against the packed query rows of a task.
+//   scores[r][j] += sum_h weights[r][h] * relu(dot(q[h][r], k[:, j]))
+// for rows [row_begin, row_end); other rows of `scores` are left alone.
+struct ScoreTileArgs {
+  const void* query;     // [groups][row_capacity][depth] words; row r of head h at
+                         //   query + (h * row_capacity + r) * depth
+  int64_t row_capacity;  // rows allocated per head, a multiple of row_align
+  const void* key;       // [depth][kKeyTile] words, keys past the sequence end zero-filled
+  const float* weights;  // [rows][groups]
+  float* scores;         // [row_capacity][kKeyTile]
+  int row_begin;
+  int row_end;
+  int groups;     // query heads per key head
+  int64_t depth;  // words per row, a multiple of depth_align; padding words are zero
+};
+
+struct KernelSet {
+  const char* name;  // e.g. "avx512_bf16/pairs"
+  Isa isa;
+  Word word;
+  // Geometry of the packed operands: depth (in words) is padded with zeros to a multiple of
+  // depth_align, and row buffers are allocated to a multiple of row_align rows.
+  int64_t depth_align;
+  int64_t row_align;
+  // Called by each worker thread before its first kernel call of an operator run and after its
+  // last (e.g. to load and release a tile configuration); either may be null.
+  void (*begin_worker)();
+  void (*end_worker)();
+
+  // Flash attention.
+  void (*gemm)(const GemmArgs& args);
+  // One online-softmax step over `rows` rows of kKeyTile scores s (masked entries are -inf):
+  //   m_new = max(m, max_j s_j);  s_j <- exp(s_j - m_new);  correction = exp(m - m_new);
+  //   l <- l * correction + sum_j s_j;  m <- m_new.
+  // A row whose m_new is -inf (nothing visible yet) gets s = 0 and correction = 1. A NaN score
+  // makes the row's m, l and s NaN.
+  void (*softmax)(float* s, int64_t rows, float* m, float* l, float* correction);
+  // float -> bf16 with round-to-nearest-even; set for bf16-pair sets only.
+  void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  // Key-tile packing, a transpose of 4-byte words: kp[d][n] = word d of rows[n] for the first
+  // `valid` of kKeyTile rows, 0 for the others; `words` words per row.
+  void (*pack_keys)(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
+
+  // The lightning indexer.
+  void (*score_tile)(const ScoreTileArgs& args);
+
+  // What the set accepts: input dtypes it computes (after packing into its word type).
+  bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
+};
+
+// Every set built into this library that can run on this machine now, lowest level first.
+// (The amx_bf16 set appears with the tile implementation amx_tiles() selects.)
+int available_sets(const KernelSet** out, int capacity);
+
+// The set for a level and word type, or nullptr when that combination is not built or cannot
+// run here (bf16 pairs below avx512_bf16, amx_bf16 without tiles).
+const KernelSet* find_set(Isa isa, Word word);
+
+// The float32 set a level falls back to (amx_bf16 and avx512_bf16 use the avx512 one).
+const KernelSet& float32_set(Isa isa);
+
+// The set a call with inputs of `dtype` at level `isa` runs on. bf16 inputs at avx512_bf16 and
+// above take the level's bf16-pair set when `bf16_pairs` is 1, float32 FMA when 0, and when -1
+// whichever kernel_choice measured faster for `compute_bound` work.
+const KernelSet& select_set(Isa isa, DType dtype, int bf16_pairs, bool compute_bound);
+
+// Runs begin_worker / end_worker around a scope.
+class WorkerScope {
+ public:
+  explicit WorkerScope(const KernelSet& set) : set_(set) {
+    if (set_.begin_worker != nullptr) set_.begin_worker();
+  }
+  ~WorkerScope() {
+    if (set_.end_worker != nullptr) set_.end_worker();
+  }
+  WorkerScope(const WorkerScope&) = delete;
+  WorkerScope& operator=(const WorkerScope&) = delete;
+
+ private:
+  const KernelSet& set_;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace opmesh::core::kernels

@@ -1,0 +1,240 @@
+// Every kernel set this machine can run, AMX tiles on their portable emulation included, against
+// float64 references of the KernelSet contract (kernels/kernel_set.h): the attention GEMM with and
+// without row scaling and the indexer's score tile, on sizes that do not fill whole blocks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "aligned_buffer.h"
+#include "cpu_features.h"
+#include "dtype.h"
+#include "kernels/kernel_set.h"
+
+namespace opmesh::core::kernels {
+namespace {
+
+// Sets OPMESH_AMX_TILES for the lifetime of the object.
+class AmxTilesEnv {
+ public:
+  explicit AmxTilesEnv(const char* value) { setenv("OPMESH_AMX_TILES", value, 1); }
+  ~AmxTilesEnv() { unsetenv("OPMESH_AMX_TILES"); }
+};
+
+// Every set to test: the usable ones, plus the emulated AMX set where it can run.
+std::vector<const KernelSet*> sets_under_test() {
+  std::vector<const KernelSet*> out;
+  const KernelSet* sets[16];
+  const int n = available_sets(sets, 16);
+  out.assign(sets, sets + n);
+  const AmxTilesEnv env("emulate");
+  if (const KernelSet* emulated = find_set(Isa::kAmxBf16, Word::kBf16Pair)) {
+    out.push_back(emulated);
+  }
+  return out;
+}
+
+// Random values exactly representable in bf16, so float32 and bf16-pair sets see the same data.
+float bf16_value(std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  return bf16_bits_to_float(float_to_bf16_bits(u(rng)));
+}
+
+// Packs a [rows][depth] float matrix (depth even for pairs) into words of the set's type.
+void pack_rows(const KernelSet& set, const std::vector<float>& x, int64_t rows, int64_t depth,
+               int64_t words, uint32_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t w = 0; w < words; ++w) {
+      uint32_t word = 0;
+      if (set.word == Word::kFloat32) {
+        const float v = w < depth ? x[r * depth + w] : 0.0f;
+        std::memcpy(&word, &v, 4);
+      } else {
+        const float lo = 2 * w < depth ? x[r * depth + 2 * w] : 0.0f;
+        const float hi = 2 * w + 1 < depth ? x[r * depth + 2 * w + 1] : 0.0f;
+        word = float_to_bf16_bits(lo) | (static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16);
+      }
+      out[r * words + w] = word;
+    }
+  }
+}
+
+// The workers' scope, as the operators open it.
+struct Scope {
+  explicit Scope(const KernelSet& s) : scope(s) {}
+  WorkerScope scope;
+};
+
+void check_gemm(const KernelSet& set, int64_t m, int64_t n, int64_t depth, bool scaled) {
+  SCOPED_TRACE(std::string(set.name) + " m " + std::to_string(m) + " n " + std::to_string(n) +
+               " depth " + std::to_string(depth) + (scaled ? " scaled" : ""));
+  std::mt19937 rng(static_cast<unsigned>(m * 1000 + n * 10 + depth));
+  const bool pairs = set.word == Word::kBf16Pair;
+  const int64_t words = round_up(pairs ? (depth + 1) / 2 : depth, set.depth_align);
+  const int64_t rows = round_up(m, set.row_align);
+  std::vector<float> a(m * depth), bt(n * depth), c0(m * n), scale(m);
+  for (auto& v : a) v = bf16_value(rng);
+  for (auto& v : bt) v = bf16_value(rng);
+  for (auto& v : c0) v = bf16_value(rng);
+  for (auto& v : scale) v = 0.5f + 0.5f * bf16_value(rng);
+  AlignedBuffer<uint32_t> pa(rows * words), pb(words * n);
+  pack_rows(set, a, m, depth, words, pa.data());
+  // B packed [words][n]: word w of column j, the transpose of bt's packed rows.
+  std::vector<uint32_t> bt_words(n * words);
+  pack_rows(set, bt, n, depth, words, bt_words.data());
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t w = 0; w < words; ++w) pb.data()[w * n + j] = bt_words[j * words + w];
+  const int64_t ldc = n + 16;
+  std::vector<float> c(m * ldc, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < n; ++j) c[r * ldc + j] = c0[r * n + j];
+  {
+    const Scope scope(set);
+    set.gemm({pa.data(), words, pb.data(), n, c.data(), ldc, m, n, words,
+              scaled ? scale.data() : nullptr, 0.75f});
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < n; ++j) {
+      double dot = 0;
+      for (int64_t d = 0; d < depth; ++d) dot += double(a[r * depth + d]) * bt[j * depth + d];
+      const double want = 0.75 * dot + (scaled ? double(scale[r]) * c0[r * n + j] : 0.0);
+      ASSERT_NEAR(c[r * ldc + j], want, 1e-5 * (1 + std::abs(want))) << "row " << r << " col " << j;
+    }
+    for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[r * ldc + j], 0.0f) << "wrote past n";
+  }
+}
+
+TEST(KernelSets, RegistryDescribesWhatRunsHere) {
+  const KernelSet* sets[16];
+  const int n = available_sets(sets, 16);
+  ASSERT_GE(n, 1);
+  EXPECT_STREQ(sets[0]->name, "scalar");
+  for (int i = 0; i < n; ++i) {
+    const KernelSet& s = *sets[i];
+    SCOPED_TRACE(s.name);
+    EXPECT_TRUE(isa_supported(s.isa));
+    EXPECT_GE(s.depth_align, 1);
+    EXPECT_GE(s.row_align, 1);
+    EXPECT_TRUE(s.accepts(DType::kBFloat16));
+    EXPECT_EQ(s.accepts(DType::kFloat32), s.word == Word::kFloat32);
+    EXPECT_EQ(s.to_bf16 != nullptr, s.word == Word::kBf16Pair);
+    EXPECT_NE(s.gemm, nullptr);
+    EXPECT_NE(s.softmax, nullptr);
+    EXPECT_NE(s.pack_keys, nullptr);
+    EXPECT_NE(s.score_tile, nullptr);
+    EXPECT_EQ(s.begin_worker == nullptr, s.end_worker == nullptr);
+  }
+  EXPECT_EQ(find_set(Isa::kAvx512, Word::kBf16Pair), nullptr);
+  EXPECT_EQ(&float32_set(Isa::kScalar), sets[0]);
+  // bf16 inputs take the float32 set when asked to, and fp32 inputs always do.
+  const Isa best = active_isa();
+  EXPECT_EQ(select_set(best, DType::kBFloat16, 0, true).word, Word::kFloat32);
+  EXPECT_EQ(select_set(best, DType::kFloat32, 1, true).word, Word::kFloat32);
+  if (static_cast<int>(best) >= static_cast<int>(Isa::kAvx512Bf16)) {
+    EXPECT_EQ(select_set(best, DType::kBFloat16, 1, true).word, Word::kBf16Pair);
+  }
+}
+
+TEST(KernelSets, AmxLevelOnlyWithTilesOrTheirEmulation) {
+  {
+    const AmxTilesEnv env("auto");
+    EXPECT_EQ(isa_supported(Isa::kAmxBf16), amx_hardware());
+    EXPECT_EQ(amx_tiles(), amx_hardware() ? AmxTiles::kHardware : AmxTiles::kNone);
+  }
+  const AmxTilesEnv env("emulate");
+  if (detected_isa() < Isa::kAvx512Bf16) {
+    EXPECT_EQ(amx_tiles(), AmxTiles::kNone);
+    GTEST_SKIP() << "the tile emulation's softmax and packing need AVX-512 BF16";
+  }
+  EXPECT_EQ(amx_tiles(), AmxTiles::kEmulated);
+  EXPECT_EQ(supported_isas().back(), Isa::kAmxBf16);
+  const KernelSet* set = find_set(Isa::kAmxBf16, Word::kBf16Pair);
+  ASSERT_NE(set, nullptr);
+  EXPECT_STREQ(set->name, "amx_bf16/emulated");
+  EXPECT_EQ(set->depth_align, 16);
+  EXPECT_EQ(set->row_align, 16);
+}
+
+TEST(KernelSets, BadTileSettingIsRefusedByName) {
+  const AmxTilesEnv env("always");
+  try {
+    amx_tiles();
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("OPMESH_AMX_TILES:", 0), 0u) << e.what();
+  }
+}
+
+TEST(KernelSets, GemmMatchesDoubleReferenceOnPartialBlocks) {
+  for (const KernelSet* set : sets_under_test()) {
+    for (int64_t m : {1, 5, 15, 16, 17, 31, 33, 64}) {
+      for (int64_t n : {16, 48, 64}) {
+        for (int64_t depth : {2, 30, 64, 130}) {
+          check_gemm(*set, m, n, depth, m % 2 == 1);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+    check_gemm(*set, 63, 128, 128, true);  // a GQA tile of 21 positions x 3 heads, D = 128
+  }
+}
+
+TEST(KernelSets, ScoreTileMatchesDoubleReference) {
+  constexpr int kCapacity = 32;
+  for (const KernelSet* set : sets_under_test()) {
+    for (int groups : {1, 3}) {
+      for (int64_t depth : {7, 64, 100}) {
+        for (auto [begin, end] : {std::pair{0, 32}, {5, 21}, {17, 32}, {0, 1}, {3, 3}}) {
+          SCOPED_TRACE(std::string(set->name) + " groups " + std::to_string(groups) + " depth " +
+                       std::to_string(depth) + " rows " + std::to_string(begin) + ".." +
+                       std::to_string(end));
+          std::mt19937 rng(static_cast<unsigned>(groups * 100 + depth + begin));
+          const bool pairs = set->word == Word::kBf16Pair;
+          const int64_t words = round_up(pairs ? (depth + 1) / 2 : depth, set->depth_align);
+          std::vector<float> q(groups * kCapacity * depth), k(kKeyTile * depth);
+          std::vector<float> w(kCapacity * groups), before(kCapacity * kKeyTile);
+          for (auto& v : q) v = bf16_value(rng);
+          for (auto& v : k) v = bf16_value(rng);
+          for (auto& v : w) v = bf16_value(rng);
+          for (auto& v : before) v = bf16_value(rng);
+          AlignedBuffer<uint32_t> pq(groups * kCapacity * words), pk(words * kKeyTile);
+          pack_rows(*set, q, groups * kCapacity, depth, words, pq.data());
+          std::vector<uint32_t> k_words(kKeyTile * words);
+          pack_rows(*set, k, kKeyTile, depth, words, k_words.data());
+          for (int64_t j = 0; j < kKeyTile; ++j)
+            for (int64_t x = 0; x < words; ++x)
+              pk.data()[x * kKeyTile + j] = k_words[j * words + x];
+          std::vector<float> scores = before;
+          {
+            const Scope scope(*set);
+            set->score_tile({pq.data(), kCapacity, pk.data(), w.data(), scores.data(), begin, end,
+                             groups, words});
+          }
+          for (int r = 0; r < kCapacity; ++r) {
+            for (int64_t j = 0; j < kKeyTile; ++j) {
+              double want = before[r * kKeyTile + j];
+              if (r >= begin && r < end) {
+                for (int h = 0; h < groups; ++h) {
+                  double dot = 0;
+                  for (int64_t d = 0; d < depth; ++d) {
+                    dot += double(q[(h * kCapacity + r) * depth + d]) * k[j * depth + d];
+                  }
+                  want += double(w[r * groups + h]) * std::max(dot, 0.0);
+                }
+              }
+              ASSERT_NEAR(scores[r * kKeyTile + j], want, 1e-5 * (1 + std::abs(want)))
+                  << "row " << r << " key " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace opmesh::core::kernels
