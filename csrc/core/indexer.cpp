@@ -18,7 +18,6 @@ namespace {
 
 using indexer::kKeyTile;
 using indexer::kQueryTile;
-using indexer::Sequence;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -111,8 +110,7 @@ class IndexerRun {
     const int rows = static_cast<int>(task.row_end - task.row_begin);
     int64_t row_key_end[kQueryTile];
     for (int r = 0; r < rows; ++r) {
-      row_key_end[r] =
-          indexer::visible_key_end(p_.sparse_mode, task.row_begin + r, seq.q_len, seq.k_len);
+      row_key_end[r] = indexer::visible_key_end(p_.sparse_mode, seq, task.row_begin + r);
     }
     const int64_t tile_key_end = row_key_end[rows - 1];
     for (int64_t g = 0; g < p_.heads_k; ++g) {
@@ -219,7 +217,7 @@ void validate(const IndexerParams& p) {
   if (p.layout != Layout::kBSND && p.layout != Layout::kTND) {
     throw ArgumentError("layout", "expected BSND or TND");
   }
-  if (p.sparse_mode != SparseMode::kNone && p.sparse_mode != SparseMode::kCausal) {
+  if (p.sparse_mode != MaskMode::kNone && p.sparse_mode != MaskMode::kCausal) {
     throw ArgumentError("sparse_mode", "expected 0 (no mask) or 3 (causal), got " +
                                            str(static_cast<int>(p.sparse_mode)));
   }

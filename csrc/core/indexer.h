@@ -8,17 +8,15 @@
 #include "cpu_features.h"
 #include "dtype.h"
 #include "executor.h"
+#include "vocabulary.h"
 
 namespace opmesh::core {
 
-enum class Layout : int { kBSND = 0, kTND = 1 };
-// 0: every key visible; 3: causal aligned to the bottom-right corner of each sequence,
-// key j visible to query i iff j <= i + s2 - s1.
-enum class SparseMode : int { kNone = 0, kCausal = 3 };
-
 struct IndexerParams {
-  Layout layout = Layout::kBSND;
-  SparseMode sparse_mode = SparseMode::kCausal;
+  Layout layout = Layout::kBSND;  // BSND or TND
+  // The operator's sparse_mode: kNone, or kCausal (key j visible to query i iff
+  // j <= i + s2 - s1, aligned to the bottom-right corner of each sequence).
+  MaskMode sparse_mode = MaskMode::kCausal;
 
   int64_t batch = 0;     // B; for TND the number of sequences (length of the seqlen arrays)
   int64_t seq_q = 0;     // BSND: S1; TND: T1 (total query tokens)

@@ -6,25 +6,18 @@
 #include <vector>
 
 #include "indexer.h"
+#include "kernels/kernel_set.h"
+#include "vocabulary.h"
 
 namespace opmesh::core::indexer {
 
-inline constexpr int kKeyTile = 64;    // keys per packed tile (one micro-kernel column block)
+using kernels::kKeyTile;
 inline constexpr int kQueryTile = 32;  // query positions per task
 
-// One sequence of the batch, in token coordinates of the input tensors.
-struct Sequence {
-  int64_t batch = 0;    // index into the B dim (BSND) or the seqlen arrays (TND)
-  int64_t q_begin = 0;  // first query token: S index (BSND, always 0) or T index (TND)
-  int64_t k_begin = 0;
-  int64_t q_len = 0;  // s1
-  int64_t k_len = 0;  // s2
-};
-
-// Exclusive end of the keys visible to query row i (0-based within its sequence); 0 = none.
-inline int64_t visible_key_end(SparseMode mode, int64_t i, int64_t q_len, int64_t k_len) {
-  if (mode == SparseMode::kNone) return k_len;
-  return std::clamp<int64_t>(i + 1 + (k_len - q_len), 0, k_len);
+// Exclusive end of the keys visible to query row i (0-based within its sequence); 0 = none. The
+// indexer's masks (none, causal) always start at key 0.
+inline int64_t visible_key_end(MaskMode mode, const Sequence& seq, int64_t i) {
+  return visible_keys(Mask{mode, -1, -1}, seq, i).end;
 }
 
 // A unit of parallel work: query rows [row_begin, row_end) of one sequence.
@@ -37,14 +30,14 @@ struct Task {
 
 // Cuts every sequence into query tiles. Tasks are returned most expensive first so that workers
 // pulling from a shared counter finish at about the same time.
-inline std::vector<Task> make_tasks(const std::vector<Sequence>& sequences, SparseMode mode,
+inline std::vector<Task> make_tasks(const std::vector<Sequence>& sequences, MaskMode mode,
                                     int64_t query_tile) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < static_cast<int64_t>(sequences.size()); ++s) {
     const Sequence& seq = sequences[s];
     for (int64_t r0 = 0; r0 < seq.q_len; r0 += query_tile) {
       const int64_t r1 = std::min(seq.q_len, r0 + query_tile);
-      const int64_t key_end = visible_key_end(mode, r1 - 1, seq.q_len, seq.k_len);
+      const int64_t key_end = visible_key_end(mode, seq, r1 - 1);
       const int64_t tiles = (key_end + kKeyTile - 1) / kKeyTile;
       tasks.push_back({s, r0, r1, (r1 - r0) * (tiles * kKeyTile + kKeyTile)});
     }

@@ -20,10 +20,10 @@ inline core::Layout indexer_layout(std::string_view layout) {
   TORCH_CHECK_VALUE(false, "layout: expected 'BSND' or 'TND', got '", layout, "'");
 }
 
-inline core::SparseMode indexer_sparse_mode(int64_t mode) {
+inline core::MaskMode indexer_sparse_mode(int64_t mode) {
   TORCH_CHECK_VALUE(mode == 0 || mode == 3,
                     "sparse_mode: expected 0 (no mask) or 3 (causal, bottom-right), got ", mode);
-  return static_cast<core::SparseMode>(mode);
+  return static_cast<core::MaskMode>(mode);
 }
 
 inline void check_indexer_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w) {

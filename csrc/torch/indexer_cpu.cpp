@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
   check_indexer_args(q, k, w, actual_seq_qlen, actual_seq_klen, layout, sparse_mode);
   const core::DType qk_dtype = to_core_dtype(q.scalar_type(), "query_index");
   const core::Layout parsed = indexer_layout(layout);
-  const core::SparseMode mode = indexer_sparse_mode(sparse_mode);
+  const core::MaskMode mode = indexer_sparse_mode(sparse_mode);
   const bool tnd = parsed == core::Layout::kTND;
   const int64_t off = tnd ? -1 : 0;  // TND has no batch dim
   const int64_t n1 = q.size(2 + off), n2 = k.size(2 + off), d = q.size(3 + off);

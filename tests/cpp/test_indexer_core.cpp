@@ -28,7 +28,7 @@ uint16_t to_bf16_bits(float x) {
 
 struct Case {
   Layout layout;
-  SparseMode mode;
+  MaskMode mode;
   int64_t batch, s1, s2, n1, n2, d;
   std::vector<int64_t> qlens, klens;  // BSND: lengths (may be empty); TND: cumulative ends
   bool bf16;
@@ -124,7 +124,7 @@ void reference(const Case& c, const Inputs& in, std::vector<double>& rmax,
       for (int64_t i = 0; i < s1; ++i) {
         std::vector<double> scores;
         for (int64_t j = 0; j < s2; ++j) {
-          if (c.mode == SparseMode::kCausal && j > i + s2 - s1) continue;
+          if (c.mode == MaskMode::kCausal && j > i + s2 - s1) continue;
           double total = 0;
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             double dot = 0;
@@ -179,21 +179,21 @@ void check_case(const Case& c) {
 }
 
 TEST(IndexerCore, BsndCausalWithGroupsAndLengths) {
-  check_case({Layout::kBSND, SparseMode::kCausal, 2, 37, 70, 6, 2, 17, {37, 11}, {70, 3}, false});
+  check_case({Layout::kBSND, MaskMode::kCausal, 2, 37, 70, 6, 2, 17, {37, 11}, {70, 3}, false});
 }
 
 TEST(IndexerCore, BsndCausalMoreQueriesThanKeysBf16) {
-  check_case({Layout::kBSND, SparseMode::kCausal, 1, 80, 9, 4, 1, 33, {}, {}, true});
+  check_case({Layout::kBSND, MaskMode::kCausal, 1, 80, 9, 4, 1, 33, {}, {}, true});
 }
 
 TEST(IndexerCore, BsndNoMaskBf16OddDim) {
-  check_case({Layout::kBSND, SparseMode::kNone, 2, 7, 130, 3, 3, 5, {}, {}, true});
+  check_case({Layout::kBSND, MaskMode::kNone, 2, 7, 130, 3, 3, 5, {}, {}, true});
 }
 
 TEST(IndexerCore, TndVarlenWithEmptySequence) {
   for (bool bf16 : {false, true}) {
     check_case({Layout::kTND,
-                SparseMode::kCausal,
+                MaskMode::kCausal,
                 4,
                 60,
                 100,
@@ -207,7 +207,7 @@ TEST(IndexerCore, TndVarlenWithEmptySequence) {
 }
 
 TEST(IndexerCore, ValidationNamesTheArgument) {
-  const Case c{Layout::kTND, SparseMode::kCausal, 2, 4, 4, 2, 1, 8, {2, 4}, {1, 4}, false};
+  const Case c{Layout::kTND, MaskMode::kCausal, 2, 4, 4, 2, 1, 8, {2, 4}, {1, 4}, false};
   const Inputs in = make_inputs(c);
   Result out;
   IndexerParams p = make_params(c, in, out);
@@ -235,7 +235,7 @@ TEST(IndexerCore, ValidationNamesTheArgument) {
   bad.heads_k = 3;
   expect_arg(bad, "key_index");
   bad = p;
-  bad.sparse_mode = static_cast<SparseMode>(1);
+  bad.sparse_mode = static_cast<MaskMode>(1);
   expect_arg(bad, "sparse_mode");
   bad = p;
   bad.weights_dtype = DType::kFloat16;

@@ -7,28 +7,52 @@
 namespace opmesh::core::indexer {
 namespace {
 
+// visible_key_end for query row i of a sequence of q_len queries and k_len keys.
+int64_t end_of(MaskMode mode, int64_t i, int64_t q_len, int64_t k_len) {
+  return visible_key_end(mode, Sequence{0, q_len, 0, k_len}, i);
+}
+
 TEST(Tiling, VisibleKeyEndCausalBottomRight) {
   // s1 == s2: plain causal.
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 0, 5, 5), 1);
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 4, 5, 5), 5);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 0, 5, 5), 1);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 4, 5, 5), 5);
   // s2 > s1: the last query sees every key.
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 0, 2, 7), 6);
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 1, 2, 7), 7);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 0, 2, 7), 6);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 1, 2, 7), 7);
   // s1 > s2: the first s1 - s2 rows see nothing.
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 0, 7, 2), 0);
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 4, 7, 2), 0);
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 5, 7, 2), 1);
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 6, 7, 2), 2);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 0, 7, 2), 0);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 4, 7, 2), 0);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 5, 7, 2), 1);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 6, 7, 2), 2);
   // Empty key sequence.
-  EXPECT_EQ(visible_key_end(SparseMode::kCausal, 0, 1, 0), 0);
-  EXPECT_EQ(visible_key_end(SparseMode::kNone, 3, 7, 0), 0);
-  EXPECT_EQ(visible_key_end(SparseMode::kNone, 0, 7, 2), 2);
+  EXPECT_EQ(end_of(MaskMode::kCausal, 0, 1, 0), 0);
+  EXPECT_EQ(end_of(MaskMode::kNone, 3, 7, 0), 0);
+  EXPECT_EQ(end_of(MaskMode::kNone, 0, 7, 2), 2);
+}
+
+TEST(Tiling, MasksWithAnExplicitDiagonal) {
+  // A slice of queries 4..7 of an 8 x 8 causal sequence, against all 8 keys: row 0 of the slice
+  // is query 4, whose diagonal key is 4.
+  Sequence slice{0, 4, 0, 8};
+  slice.diagonal = 4;
+  const Mask causal{MaskMode::kCausal, -1, -1};
+  EXPECT_EQ(visible_keys(causal, slice, 0).end, 5);
+  EXPECT_EQ(visible_keys(causal, slice, 3).end, 8);
+  // The default is bottom-right: the same slice without the offset sees keys up to 4 + i + 1.
+  EXPECT_EQ(visible_keys(causal, Sequence{0, 4, 0, 8}, 0).end, 5);
+  const Mask window{MaskMode::kWindow, 2, 1};
+  const KeyRange r = visible_keys(window, slice, 1);  // query 5: keys 3..6
+  EXPECT_EQ(r.begin, 3);
+  EXPECT_EQ(r.end, 7);
+  slice.diagonal = -10;  // every row before its first key: nothing visible
+  EXPECT_EQ(visible_keys(causal, slice, 3).end, 0);
+  EXPECT_EQ(visible_keys(Mask{}, slice, 3).end, 8);
 }
 
 TEST(Tiling, TasksCoverEveryRowOnceAndComeMostExpensiveFirst) {
   const std::vector<Sequence> seqs = {
-      {0, 0, 0, 100, 100}, {1, 100, 100, 0, 5}, {2, 100, 105, 33, 1000}, {3, 133, 1105, 1, 0}};
-  for (SparseMode mode : {SparseMode::kNone, SparseMode::kCausal}) {
+      {0, 100, 0, 100, 0}, {100, 0, 100, 5, 1}, {100, 33, 105, 1000, 2}, {133, 1, 1105, 0, 3}};
+  for (MaskMode mode : {MaskMode::kNone, MaskMode::kCausal}) {
     const std::vector<Task> tasks = make_tasks(seqs, mode, kQueryTile);
     std::vector<std::vector<int>> covered(seqs.size());
     for (size_t s = 0; s < seqs.size(); ++s) covered[s].assign(seqs[s].q_len, 0);

@@ -61,20 +61,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-const char* layout_name(Layout layout) {
-  switch (layout) {
-    case Layout::kBSND:
-      return "BSND";
-    case Layout::kBNSD:
-      return "BNSD";
-    case Layout::kTND:
-      return "TND";
-    case Layout::kPagedBBND:
-      return "PA_BBND";
-  }
-  return "?";
-}
-
 void validate_config(const PlanConfig& c) {
   require_positive(c.num_heads_q, "num_heads_q", kMaxHeads);
   require_positive(c.num_heads_kv, "num_heads_kv", kMaxHeads);
@@ -141,6 +127,7 @@ void validate_config(const PlanConfig& c) {
 std::vector<Sequence> resolve_sequences(const PlanConfig& c, const LengthArrays& l) {
   const int64_t batch = c.batch_size;
   std::vector<Sequence> seqs(batch);
+  for (int64_t b = 0; b < batch; ++b) seqs[b].batch = b;
   const bool q_tnd = c.layout_q == Layout::kTND;
   const bool kv_tnd = c.layout_kv == Layout::kTND;
   if (q_tnd) {
@@ -177,22 +164,6 @@ std::vector<Sequence> resolve_sequences(const PlanConfig& c, const LengthArrays&
   return seqs;
 }
 
-KeyRange visible_keys(const PlanConfig& c, const Sequence& s, int64_t i) {
-  const int64_t diag = i + s.k_len - s.q_len;  // the key aligned with query i (bottom-right)
-  int64_t lo = 0;
-  int64_t hi = s.k_len;
-  if (c.mask_mode == MaskMode::kCausal) {
-    hi = diag + 1;
-  } else if (c.mask_mode == MaskMode::kWindow) {
-    if (c.win_left >= 0) lo = diag - c.win_left;
-    if (c.win_right >= 0) hi = diag + c.win_right + 1;
-  }
-  lo = std::max<int64_t>(lo, 0);
-  hi = std::min<int64_t>(hi, s.k_len);
-  if (hi <= lo) return {0, 0};
-  return {lo, hi};
-}
-
 Geometry geometry(const PlanConfig& c) {
   Geometry g;
   g.group = c.num_heads_q / c.num_heads_kv;
@@ -211,8 +182,8 @@ TileSpan tile_span(const PlanConfig& c, const Sequence& s, int64_t p0, int64_t p
   int64_t first_seeing = p0;
   if (c.mask_mode != MaskMode::kNone && !(c.mask_mode == MaskMode::kWindow && c.win_right < 0)) {
     const int64_t reach = c.mask_mode == MaskMode::kCausal ? 0 : c.win_right;
-    // Row i sees something iff i + (k_len - q_len) + reach >= 0.
-    first_seeing = std::max(p0, s.q_len - s.k_len - reach);
+    // Row i sees something iff i + diag + reach >= 0.
+    first_seeing = std::max(p0, -s.diag() - reach);
   }
   if (first_seeing >= p1) return t;
   const KeyRange head = visible_keys(c, s, first_seeing);

@@ -6,12 +6,18 @@
 #include <cstdint>
 #include <vector>
 
+#include "../kernels/kernel_set.h"
+#include "../vocabulary.h"
+
 namespace opmesh::core::attention {
 
-enum class Layout : int32_t { kBSND = 0, kBNSD = 1, kTND = 2, kPagedBBND = 3 };
-enum class MaskMode : int32_t { kNone = 0, kCausal = 3, kWindow = 4 };
-
-const char* layout_name(Layout layout);
+using core::KeyRange;
+using core::Layout;
+using core::layout_name;
+using core::Mask;
+using core::MaskMode;
+using core::Sequence;
+using kernels::kKeyTile;
 
 // Every argument of flash_attn_metadata except the length arrays.
 struct PlanConfig {
@@ -52,32 +58,23 @@ struct LengthArrays {
   const int32_t* seqused_kv = nullptr;
 };
 
-// One sequence of the batch after applying cu_seqlens and seqused (the shorter wins).
-struct Sequence {
-  int64_t q_begin = 0;  // first token in a TND query tensor, 0 otherwise
-  int64_t q_len = 0;
-  int64_t k_begin = 0;  // first token in a TND key tensor, 0 otherwise
-  int64_t k_len = 0;
-};
-
 // Checks the configuration (head counts, dims, mask/window combination, layouts) and throws
 // ArgumentError naming the first offending argument.
 void validate_config(const PlanConfig& config);
 
+// The sequences of the batch after applying cu_seqlens and seqused (the shorter wins).
 // Resolves and validates the lengths: cu_seqlens must start at 0 and be non-decreasing, no length
 // may exceed max_seqlen_*, seqused_* must be in [0, max]. Throws ArgumentError naming the array.
 std::vector<Sequence> resolve_sequences(const PlanConfig& config, const LengthArrays& lengths);
 
-// Key columns visible to query row `i` of a sequence: [begin, end), possibly empty.
-struct KeyRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-KeyRange visible_keys(const PlanConfig& config, const Sequence& seq, int64_t i);
+// The mask a configuration describes, and the keys it lets query row `i` of a sequence see.
+inline Mask mask_of(const PlanConfig& c) { return {c.mask_mode, c.win_left, c.win_right}; }
+inline KeyRange visible_keys(const PlanConfig& config, const Sequence& seq, int64_t i) {
+  return core::visible_keys(mask_of(config), seq, i);
+}
 
 // Tile geometry. A query tile holds `positions` consecutive query positions of one sequence times
 // all `group` query heads that share a key head, so one packed key/value tile serves every row.
-inline constexpr int64_t kKeyTile = 64;
 inline constexpr int64_t kTargetRows = 64;
 
 struct Geometry {

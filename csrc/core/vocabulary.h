@@ -1,0 +1,67 @@
+// The words both operator families use: tensor layouts, masks, sequences of a batch and the keys
+// a query row sees. The indexer and flash attention describe their problems with these, so the
+// kernel layer, the planner and the bindings agree on them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace opmesh::core {
+
+// The values are the ones the operators' metadata stores; BSND and TND are the indexer's.
+enum class Layout : int32_t { kBSND = 0, kBNSD = 1, kTND = 2, kPagedBBND = 3 };
+const char* layout_name(Layout layout);
+
+// 0: every key visible; 3: causal aligned to the bottom-right corner of each sequence; 4: a
+// window around that diagonal. The values are the operators' mask_mode / sparse_mode arguments.
+enum class MaskMode : int32_t { kNone = 0, kCausal = 3, kWindow = 4 };
+
+// One sequence of the batch, in token coordinates of the input tensors.
+struct Sequence {
+  // The default diagonal: bottom-right aligned, key k_len - q_len + i is on query row i's.
+  static constexpr int64_t kBottomRight = std::numeric_limits<int64_t>::min();
+
+  int64_t q_begin = 0;  // first query token in a TND tensor, 0 otherwise
+  int64_t q_len = 0;
+  int64_t k_begin = 0;  // first key token in a TND tensor, 0 otherwise
+  int64_t k_len = 0;
+  int64_t batch = 0;  // index into the batch dim (BSND/BNSD) or the length arrays (TND)
+  // The key index on query row 0's diagonal, for slices of a longer sequence whose query and
+  // key offsets differ (context parallelism); kBottomRight for k_len - q_len.
+  int64_t diagonal = kBottomRight;
+
+  int64_t diag() const { return diagonal == kBottomRight ? k_len - q_len : diagonal; }
+};
+
+// The mask of a call: mode and, for kWindow, how far left and right of the diagonal a query sees
+// (-1: unbounded).
+struct Mask {
+  MaskMode mode = MaskMode::kNone;
+  int64_t left = -1;
+  int64_t right = -1;
+};
+
+// Key columns visible to query row `i` (0-based in its sequence): [begin, end), possibly empty.
+struct KeyRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+inline KeyRange visible_keys(const Mask& mask, const Sequence& s, int64_t i) {
+  const int64_t diag = i + s.diag();
+  int64_t lo = 0;
+  int64_t hi = s.k_len;
+  if (mask.mode == MaskMode::kCausal) {
+    hi = diag + 1;
+  } else if (mask.mode == MaskMode::kWindow) {
+    if (mask.left >= 0) lo = diag - mask.left;
+    if (mask.right >= 0) hi = diag + mask.right + 1;
+  }
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, s.k_len);
+  if (hi <= lo) return {0, 0};
+  return {lo, hi};
+}
+
+}  // namespace opmesh::core
