@@ -7,6 +7,7 @@
 
 #include "aligned_buffer.h"
 #include "attention/config.h"
+#include "attention/planner.h"
 #include "errors.h"
 #include "indexer_tiling.h"
 #include "kernels/kernel_set.h"
@@ -17,7 +18,6 @@ namespace opmesh::core {
 namespace {
 
 using indexer::kKeyTile;
-using indexer::kQueryTile;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -67,88 +67,173 @@ std::vector<Sequence> make_sequences(const IndexerParams& p) {
   return out;
 }
 
-// One worker's scratch, reused across its tasks: O(tile), independent of sequence length.
+constexpr int64_t kMaxUnitPositions = 64;
+
+// One worker's scratch, reused across its pieces: O(tile), independent of sequence length.
 struct Scratch {
-  Scratch(int64_t groups, int64_t depth, int64_t words)
-      : query(groups * kQueryTile * depth),
+  Scratch(int64_t groups, int64_t rows, int64_t depth, int64_t words)
+      : query(groups * rows * depth),
         key(depth * kKeyTile),
-        weights(kQueryTile * groups),
-        scores(kQueryTile * kKeyTile),
-        row(2 * words) {}
-  AlignedBuffer<uint32_t> query;  // [groups][kQueryTile][depth] words
+        weights(rows * groups),
+        scores(rows * kKeyTile),
+        row(2 * words),
+        stats(3 * rows) {}
+  AlignedBuffer<uint32_t> query;  // [groups][rows][depth] words
   AlignedBuffer<uint32_t> key;    // [depth][kKeyTile] words
-  AlignedBuffer<float> weights;   // [kQueryTile][groups]
-  AlignedBuffer<float> scores;    // [kQueryTile][kKeyTile]
+  AlignedBuffer<float> weights;   // [rows][groups]
+  AlignedBuffer<float> scores;    // [rows][kKeyTile]
   AlignedBuffer<float> row;       // one converted key row
+  std::vector<SoftmaxStats> stats;
 };
+
+// The work is planned by the same planner as flash attention's: a unit is (sequence, key head g,
+// tile of query positions) and its key tiles; the group's query heads are summed inside each
+// score, so a unit's rows are query positions (the planner sees one query head per key head).
+// A unit split over workers leaves partial statistics in slots that a combine task merges.
+// Query positions per unit: the packed queries of a unit (groups x positions x depth words) are
+// read once per key tile, so they should stay in a core's L2 cache (budget 1 MiB); 16 to 64.
+int64_t unit_positions(int64_t groups, int64_t depth_words) {
+  constexpr int64_t kBudgetBytes = int64_t{1} << 20;
+  const int64_t fit = kBudgetBytes / (groups * depth_words * 4) / 16 * 16;
+  return std::clamp<int64_t>(fit, 16, kMaxUnitPositions);
+}
+
+attention::PlanConfig plan_config(const IndexerParams& p, const std::vector<Sequence>& seqs,
+                                  int64_t workers, int64_t depth_words) {
+  attention::PlanConfig c;
+  c.tile_positions = unit_positions(p.heads_q / p.heads_k, depth_words);
+  c.num_heads_q = c.num_heads_kv = p.heads_k;
+  c.head_dim = p.head_dim;
+  c.head_dim_v = 1;  // the state of a row is two floats, not an output vector
+  c.batch_size = p.batch;
+  for (const Sequence& s : seqs) {
+    c.max_seqlen_q = std::max(c.max_seqlen_q, s.q_len);
+    c.max_seqlen_kv = std::max(c.max_seqlen_kv, s.k_len);
+  }
+  c.mask_mode = p.sparse_mode;
+  c.layout_q = c.layout_kv = c.layout_out = p.layout;
+  c.num_workers = workers;
+  // Units split only at fixed key chunks, whose statistics merge in a fixed order: the result
+  // is the same, bit for bit, whatever the worker and thread counts.
+  c.deterministic = true;
+  return c;
+}
+
+// Flash attention's cost model with the work per row and per key scaled by the group: a score of
+// the indexer takes `groups` dot products of D. (Not calibrated on the indexer itself.)
+attention::CostModel cost_model(const IndexerParams& p, const kernels::KernelSet& set) {
+  attention::CostModel m = attention::cost_model_for(set);
+  const double groups = static_cast<double>(p.heads_q / p.heads_k);
+  m.mac_ns *= groups;
+  m.row_ns *= groups;  // packing a row packs every head of its group
+  return m;
+}
 
 class IndexerRun {
  public:
-  IndexerRun(const IndexerParams& p, Isa isa)
+  IndexerRun(const IndexerParams& p, Isa isa, int64_t workers)
       : p_(p),
         groups_(p.heads_q / p.heads_k),
         set_(kernels::select_set(isa, p.qk_dtype, p.bf16_pairs, true)),
         bf16_pairs_(set_.word == kernels::Word::kBf16Pair),
         words_(bf16_pairs_ ? (p.head_dim + 1) / 2 : p.head_dim),
         depth_(kernels::round_up(words_, set_.depth_align)),
-        sequences_(make_sequences(p)) {
-    static_assert(kQueryTile % 16 == 0, "query tiles hold whole 16-row tiles");
-    if (kQueryTile % set_.row_align != 0) {
-      throw ArgumentError(
-          "isa", std::string(set_.name) + " needs rows in multiples of " + str(set_.row_align));
-    }
+        sequences_(make_sequences(p)),
+        config_(plan_config(p, sequences_, workers, depth_)),
+        plan_(attention::make_plan(config_, sequences_, cost_model(p, set_))),
+        walker_(config_, sequences_),
+        rows_(kernels::round_up(plan_.geometry.positions, set_.row_align)) {}
+
+  const attention::Plan& plan() const { return plan_; }
+  const attention::UnitWalker& walker() const { return walker_; }
+  const kernels::KernelSet& kernel_set() const { return set_; }
+  std::unique_ptr<Scratch> make_scratch() const {
+    return std::make_unique<Scratch>(groups_, rows_, depth_, words_);
   }
 
-  const std::vector<Sequence>& sequences() const { return sequences_; }
-  int64_t groups() const { return groups_; }
-  int64_t depth() const { return depth_; }
-  int64_t words() const { return words_; }
-  const kernels::KernelSet& kernel_set() const { return set_; }
-
-  void run_task(const indexer::Task& task, Scratch& scratch) const {
-    const Sequence& seq = sequences_[task.sequence];
-    const int rows = static_cast<int>(task.row_end - task.row_begin);
-    int64_t row_key_end[kQueryTile];
-    for (int r = 0; r < rows; ++r) {
-      row_key_end[r] = indexer::visible_key_end(p_.sparse_mode, seq, task.row_begin + r);
-    }
-    const int64_t tile_key_end = row_key_end[rows - 1];
-    for (int64_t g = 0; g < p_.heads_k; ++g) {
-      SoftmaxStats stats[kQueryTile];
-      if (tile_key_end > 0) {
-        pack_queries(seq, task, g, scratch);
-        int row_begin = 0;
-        for (int64_t j0 = 0; j0 < tile_key_end; j0 += kKeyTile) {
-          // Rows are ordered by visible range: skip the prefix that sees none of this tile.
-          while (row_begin < rows && row_key_end[row_begin] <= j0) ++row_begin;
-          pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), scratch);
-          std::fill(scratch.scores.data() + row_begin * kKeyTile,
-                    scratch.scores.data() + rows * kKeyTile, 0.0f);
-          const kernels::ScoreTileArgs args{scratch.query.data(),
-                                            kQueryTile,
-                                            scratch.key.data(),
-                                            scratch.weights.data(),
-                                            scratch.scores.data(),
-                                            row_begin,
-                                            rows,
-                                            static_cast<int>(groups_),
-                                            depth_};
-          set_.score_tile(args);
-          for (int r = row_begin; r < rows; ++r) {
-            const int64_t n = std::min<int64_t>(kKeyTile, row_key_end[r] - j0);
-            absorb(stats[r], scratch.scores.data() + r * kKeyTile, static_cast<int>(n));
-          }
+  // Key tiles [k_from, k_to) of unit (b, g, t); `slots` holds the partial statistics of split
+  // units, rows_ per slot.
+  void piece(Scratch& sc, int32_t b, int32_t g, int32_t t, int32_t k_from, int32_t k_to,
+             const attention::TileSpan& sp, const attention::WorkerRange& range,
+             SoftmaxStats* slots) const {
+    const Sequence& seq = sequences_[b];
+    const int64_t p0 = walker_.tile_begin(t);
+    const int rows = static_cast<int>(walker_.tile_end(b, t) - p0);
+    const bool first = k_from == sp.begin;
+    const bool last = k_to == sp.end;
+    // cur: the current key chunk; run: the chunks of a unit's first piece, merged in order.
+    SoftmaxStats* cur = sc.stats.data();
+    SoftmaxStats* run = cur + rows_;
+    std::fill(cur, cur + rows, SoftmaxStats{});
+    std::fill(run, run + rows, SoftmaxStats{});
+    int32_t next_slot = range.begin_slot;
+    bool pending = false;
+    auto flush = [&] {
+      if (first) {
+        for (int r = 0; r < rows; ++r) run[r] = merge(run[r], cur[r]);
+      } else {
+        std::copy(cur, cur + rows, slots + next_slot++ * rows_);
+      }
+      std::fill(cur, cur + rows, SoftmaxStats{});
+      pending = false;
+    };
+    if (k_to > k_from) {
+      int64_t row_key_end[kMaxUnitPositions];
+      for (int r = 0; r < rows; ++r) {
+        row_key_end[r] = indexer::visible_key_end(p_.sparse_mode, seq, p0 + r);
+      }
+      pack_queries(seq, p0, rows, g, sc);
+      int row_begin = 0;
+      for (int64_t j = k_from; j < k_to; ++j) {
+        if (pending && j % plan_.chunk_tiles == 0) flush();
+        pending = true;
+        const int64_t j0 = j * kKeyTile;
+        // Rows are ordered by visible range: skip the prefix that sees none of this tile.
+        while (row_begin < rows && row_key_end[row_begin] <= j0) ++row_begin;
+        if (row_begin == rows) continue;
+        pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), sc);
+        std::fill(sc.scores.data() + row_begin * kKeyTile, sc.scores.data() + rows * kKeyTile,
+                  0.0f);
+        set_.score_tile({sc.query.data(), rows_, sc.key.data(), sc.weights.data(), sc.scores.data(),
+                         row_begin, rows, static_cast<int>(groups_), depth_});
+        for (int r = row_begin; r < rows; ++r) {
+          const int64_t n = std::min<int64_t>(kKeyTile, row_key_end[r] - j0);
+          absorb(cur[r], sc.scores.data() + r * kKeyTile, static_cast<int>(n));
         }
       }
-      const int64_t out = output_offset(seq, g) + task.row_begin;
-      for (int r = 0; r < rows; ++r) {
-        p_.softmax_max[out + r] = stats[r].max;
-        p_.softmax_sum[out + r] = stats[r].sum;
-      }
+    }
+    if (pending) flush();
+    if (first && last) {
+      write(seq, g, p0, rows, run);
+    } else if (first) {
+      std::copy(run, run + rows, slots + range.end_slot * rows_);
     }
   }
 
+  void combine(Scratch& sc, const attention::CombineTask& ct, const SoftmaxStats* slots) const {
+    const int64_t p0 = walker_.tile_begin(ct.t);
+    const int rows = static_cast<int>(walker_.tile_end(ct.b, ct.t) - p0);
+    SoftmaxStats* stats = sc.stats.data() + 2 * rows_;
+    std::fill(stats, stats + rows, SoftmaxStats{});
+    for (int32_t s = 0; s < ct.num_slots; ++s) {
+      const SoftmaxStats* part = slots + (ct.first_slot + s) * rows_;
+      for (int r = 0; r < rows; ++r) stats[r] = merge(stats[r], part[r]);
+    }
+    write(sequences_[ct.b], ct.h, p0, rows, stats);
+  }
+
+  int64_t slot_rows() const { return rows_; }
+
  private:
+  void write(const Sequence& seq, int64_t g, int64_t p0, int rows,
+             const SoftmaxStats* stats) const {
+    const int64_t out = output_offset(seq, g) + p0;
+    for (int r = 0; r < rows; ++r) {
+      p_.softmax_max[out + r] = stats[r].max;
+      p_.softmax_sum[out + r] = stats[r].sum;
+    }
+  }
+
   int64_t output_offset(const Sequence& seq, int64_t g) const {
     if (p_.layout == Layout::kTND) return g * p_.seq_q + seq.q_begin;
     return (seq.batch * p_.heads_k + g) * p_.seq_q;
@@ -158,17 +243,16 @@ class IndexerRun {
     return p_.layout == Layout::kBSND ? seq.batch * stride[0] : 0;
   }
 
-  void pack_queries(const Sequence& seq, const indexer::Task& task, int64_t g,
-                    Scratch& scratch) const {
+  // Query rows [p0, p0 + rows) of every query head of group g, and their weights.
+  void pack_queries(const Sequence& seq, int64_t p0, int rows, int64_t g, Scratch& sc) const {
     const int64_t* qs = p_.query_stride;
     const int64_t* ws = p_.weights_stride;
-    const int rows = static_cast<int>(task.row_end - task.row_begin);
     for (int64_t h = 0; h < groups_; ++h) {
       const int64_t head = g * groups_ + h;
       for (int r = 0; r < rows; ++r) {
-        const int64_t token = seq.q_begin + task.row_begin + r;
+        const int64_t token = seq.q_begin + p0 + r;
         const int64_t offset = batch_offset(qs, seq) + token * qs[1] + head * qs[2];
-        uint32_t* dst = scratch.query.data() + (h * kQueryTile + r) * depth_;
+        uint32_t* dst = sc.query.data() + (h * rows_ + r) * depth_;
         if (bf16_pairs_) {
           load_row_bf16_pairs(p_.query, offset, qs[3], p_.head_dim, dst);
         } else {
@@ -177,19 +261,17 @@ class IndexerRun {
         }
         std::fill(dst + words_, dst + depth_, 0u);
         const int64_t w_offset = batch_offset(ws, seq) + token * ws[1] + head * ws[2];
-        load_row(p_.weights, p_.weights_dtype, w_offset, 1, 1,
-                 scratch.weights.data() + r * groups_ + h);
+        load_row(p_.weights, p_.weights_dtype, w_offset, 1, 1, sc.weights.data() + r * groups_ + h);
       }
     }
   }
 
   // Transposes keys [j0, j0 + count) of key head g into [depth][kKeyTile], zero-filling the rest.
-  void pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count,
-                 Scratch& scratch) const {
+  void pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, Scratch& sc) const {
     const int64_t* ks = p_.key_stride;
-    uint32_t* dst = scratch.key.data();
+    uint32_t* dst = sc.key.data();
     if (count < kKeyTile) std::fill(dst, dst + depth_ * kKeyTile, 0u);
-    uint32_t* row = reinterpret_cast<uint32_t*>(scratch.row.data());
+    uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
     for (int64_t j = 0; j < count; ++j) {
       const int64_t offset = batch_offset(ks, seq) + (seq.k_begin + j0 + j) * ks[1] + g * ks[2];
       if (bf16_pairs_) {
@@ -209,6 +291,10 @@ class IndexerRun {
   int64_t words_;  // packed words per row
   int64_t depth_;  // words_ padded to the set's depth_align (zero words)
   std::vector<Sequence> sequences_;
+  attention::PlanConfig config_;
+  attention::Plan plan_;
+  attention::UnitWalker walker_;
+  int64_t rows_;  // query positions per unit, padded to the set's row_align
 };
 
 }  // namespace
@@ -245,6 +331,13 @@ void validate(const IndexerParams& p) {
     throw ArgumentError("weights", std::string("dtype must be ") + dtype_name(p.qk_dtype) +
                                        " or float32, got " + dtype_name(p.weights_dtype));
   }
+  if (p.seq_q > attention::kMaxTokens || p.seq_k > attention::kMaxTokens) {
+    throw ArgumentError(p.seq_q > attention::kMaxTokens ? "query_index" : "key_index",
+                        "at most " + str(attention::kMaxTokens) + " tokens per sequence dim");
+  }
+  if (p.batch > attention::kMaxBatch) {
+    throw ArgumentError("query_index", "batch must be <= " + str(attention::kMaxBatch));
+  }
   if (p.layout == Layout::kTND && p.batch == 0 && (p.seq_q != 0 || p.seq_k != 0)) {
     throw ArgumentError("actual_seq_qlen", "is empty but the inputs hold tokens");
   }
@@ -264,18 +357,28 @@ void dense_lightning_indexer_softmax_lse(const IndexerParams& p, const Executor&
             -std::numeric_limits<float>::infinity());
   std::fill(p.softmax_sum, p.softmax_sum + out_rows * p.heads_k, 0.0f);
 
-  const IndexerRun run(p, isa);
-  const std::vector<indexer::Task> tasks =
-      indexer::make_tasks(run.sequences(), p.sparse_mode, kQueryTile);
-  if (tasks.empty()) return;
-  const int workers = std::max(1, executor.num_workers());
-  std::vector<std::unique_ptr<Scratch>> scratch(workers);
-  run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int worker) {
-    if (!scratch[worker]) {
-      scratch[worker] = std::make_unique<Scratch>(run.groups(), run.depth(), run.words());
-    }
+  const int threads = std::max(1, executor.num_workers());
+  // Four logical workers per thread: pulled dynamically, they absorb the cost model's errors.
+  const IndexerRun run(p, isa, int64_t{4} * threads);
+  const attention::Plan& plan = run.plan();
+  std::vector<SoftmaxStats> slots(plan.num_slots * run.slot_rows());
+  std::vector<std::unique_ptr<Scratch>> scratch(threads);
+  auto scratch_of = [&](int thread) -> Scratch& {
+    if (!scratch[thread]) scratch[thread] = run.make_scratch();
+    return *scratch[thread];
+  };
+  run_dynamic(executor, static_cast<int64_t>(plan.workers.size()), [&](int64_t w, int thread) {
+    Scratch& sc = scratch_of(thread);
     const kernels::WorkerScope scope(run.kernel_set());
-    run.run_task(tasks[t], *scratch[worker]);
+    const attention::WorkerRange& range = plan.workers[w];
+    run.walker().for_each_piece(range.begin, range.end,
+                                [&](int32_t b, int32_t g, int32_t t, int32_t k_from, int32_t k_to,
+                                    const attention::TileSpan& sp) {
+                                  run.piece(sc, b, g, t, k_from, k_to, sp, range, slots.data());
+                                });
+  });
+  run_dynamic(executor, static_cast<int64_t>(plan.combines.size()), [&](int64_t c, int thread) {
+    run.combine(scratch_of(thread), plan.combines[c], slots.data());
   });
 }
 

@@ -149,13 +149,15 @@ void reference(const Case& c, const Inputs& in, std::vector<double>& rmax,
   }
 }
 
-void check_case(const Case& c) {
+// Worker counts 1 and 3 run the float32 set and the bf16-pair set respectively; more workers than
+// query tiles make the planner split units along the keys and merge their partial statistics.
+void check_case(const Case& c, std::vector<int> worker_counts = {1, 3}) {
   const Inputs in = make_inputs(c);
   std::vector<double> rmax, rsum;
   reference(c, in, rmax, rsum);
   for (Isa isa : supported_isas()) {
     // Both kernel sets bf16 inputs can take at avx512_bf16: float32 FMA (0) and bf16 pairs (1).
-    for (int workers : {1, 3}) {
+    for (int workers : worker_counts) {
       const int pairs = workers == 1 ? 0 : 1;
       Result out;
       IndexerParams p = make_params(c, in, out);
@@ -184,6 +186,27 @@ TEST(IndexerCore, BsndCausalWithGroupsAndLengths) {
 
 TEST(IndexerCore, BsndCausalMoreQueriesThanKeysBf16) {
   check_case({Layout::kBSND, MaskMode::kCausal, 1, 80, 9, 4, 1, 33, {}, {}, true});
+}
+
+TEST(IndexerCore, FewQueriesManyKeysSplitOverWorkers) {
+  check_case({Layout::kBSND, MaskMode::kCausal, 2, 3, 1500, 4, 2, 40, {3, 1}, {1500, 700}, true},
+             {1, 2, 5, 8});
+  check_case({Layout::kBSND, MaskMode::kNone, 1, 1, 4000, 2, 1, 16, {}, {}, false}, {7});
+}
+
+TEST(IndexerCore, SameBitsWhateverTheWorkerCount) {
+  const Case c{Layout::kBSND, MaskMode::kCausal, 1, 5, 5000, 4, 1, 24, {}, {}, false};
+  const Inputs in = make_inputs(c);
+  Result one;
+  IndexerParams p = make_params(c, in, one);
+  dense_lightning_indexer_softmax_lse(p, ThreadExecutor(1), detected_isa());
+  for (int workers : {2, 3, 8}) {
+    Result many;
+    IndexerParams q = make_params(c, in, many);
+    dense_lightning_indexer_softmax_lse(q, ThreadExecutor(workers), detected_isa());
+    EXPECT_EQ(std::memcmp(one.max.data(), many.max.data(), one.max.size() * 4), 0) << workers;
+    EXPECT_EQ(std::memcmp(one.sum.data(), many.sum.data(), one.sum.size() * 4), 0) << workers;
+  }
 }
 
 TEST(IndexerCore, BsndNoMaskBf16OddDim) {

@@ -119,6 +119,7 @@ TEST(KernelSets, RegistryDescribesWhatRunsHere) {
     EXPECT_TRUE(isa_supported(s.isa));
     EXPECT_GE(s.depth_align, 1);
     EXPECT_GE(s.row_align, 1);
+    EXPECT_GE(s.row_block, 1);
     EXPECT_TRUE(s.accepts(DType::kBFloat16));
     EXPECT_EQ(s.accepts(DType::kFloat32), s.word == Word::kFloat32);
     EXPECT_EQ(s.to_bf16 != nullptr, s.word == Word::kBf16Pair);

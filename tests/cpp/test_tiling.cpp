@@ -49,25 +49,5 @@ TEST(Tiling, MasksWithAnExplicitDiagonal) {
   EXPECT_EQ(visible_keys(Mask{}, slice, 3).end, 8);
 }
 
-TEST(Tiling, TasksCoverEveryRowOnceAndComeMostExpensiveFirst) {
-  const std::vector<Sequence> seqs = {
-      {0, 100, 0, 100, 0}, {100, 0, 100, 5, 1}, {100, 33, 105, 1000, 2}, {133, 1, 1105, 0, 3}};
-  for (MaskMode mode : {MaskMode::kNone, MaskMode::kCausal}) {
-    const std::vector<Task> tasks = make_tasks(seqs, mode, kQueryTile);
-    std::vector<std::vector<int>> covered(seqs.size());
-    for (size_t s = 0; s < seqs.size(); ++s) covered[s].assign(seqs[s].q_len, 0);
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      const Task& task = tasks[t];
-      EXPECT_LT(task.row_begin, task.row_end);
-      EXPECT_LE(task.row_end - task.row_begin, kQueryTile);
-      for (int64_t r = task.row_begin; r < task.row_end; ++r) ++covered[task.sequence][r];
-      if (t > 0) EXPECT_GE(tasks[t - 1].cost, task.cost);
-    }
-    for (size_t s = 0; s < seqs.size(); ++s) {
-      for (int c : covered[s]) EXPECT_EQ(c, 1) << "sequence " << s;
-    }
-  }
-}
-
 }  // namespace
 }  // namespace opmesh::core::indexer

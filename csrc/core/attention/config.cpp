@@ -167,7 +167,8 @@ std::vector<Sequence> resolve_sequences(const PlanConfig& c, const LengthArrays&
 Geometry geometry(const PlanConfig& c) {
   Geometry g;
   g.group = c.num_heads_q / c.num_heads_kv;
-  g.positions = std::max<int64_t>(1, kTargetRows / g.group);
+  g.positions =
+      c.tile_positions > 0 ? c.tile_positions : std::max<int64_t>(1, kTargetRows / g.group);
   g.rows = g.positions * g.group;
   return g;
 }

@@ -15,8 +15,15 @@ const CostModel& default_cost_model() {
       /*mac_ns=*/0.0108,
       /*masked_row_ns=*/27.0,
       /*combine_row_ns=*/0.5,
+      /*row_block=*/6,
   };
   return model;
+}
+
+CostModel cost_model_for(const kernels::KernelSet& set) {
+  CostModel m = default_cost_model();
+  m.row_block = set.row_block;
+  return m;
 }
 
 }  // namespace opmesh::core::attention

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "../kernels/kernel_set.h"
+
 namespace opmesh::core::attention {
 
 struct CostModel {
@@ -16,17 +18,25 @@ struct CostModel {
   double mac_ns;          // per multiply-add of a block: rows x 64 keys x (head_dim + head_dim_v)
   double masked_row_ns;   // extra per row of a block that needs per-row masking
   double combine_row_ns;  // per row, per element of head_dim_v, per merged partial result
+  int64_t row_block = 6;  // rows the micro-kernel computes at once (its register block or tile)
 };
 
+// The fitted model, for the AVX-512 kernel sets' 6-row register blocks. flash_attn_metadata plans
+// with it: a plan is made before the inputs' dtype, and so the kernel set, is known.
 const CostModel& default_cost_model();
 
-// Rows the micro-kernel computes for `rows` real rows (its register block is 6 rows high).
-inline int64_t padded_rows(int64_t rows) { return (rows + 5) / 6 * 6; }
+// The fitted model with the row block of the kernel set that will run the plan.
+CostModel cost_model_for(const kernels::KernelSet& set);
+
+// Rows the micro-kernel computes for `rows` real rows.
+inline int64_t padded_rows(const CostModel& m, int64_t rows) {
+  return (rows + m.row_block - 1) / m.row_block * m.row_block;
+}
 
 // Cost of one block of `rows` query rows against one 64-key tile, masked or not. A partial key
 // tile costs a full one: the kernel computes all 64 columns and masks the rest.
 inline double block_cost(const CostModel& m, int64_t rows, int64_t dim_sum, bool masked) {
-  return m.tile_ns + m.mac_ns * static_cast<double>(padded_rows(rows) * 64 * dim_sum) +
+  return m.tile_ns + m.mac_ns * static_cast<double>(padded_rows(m, rows) * 64 * dim_sum) +
          (masked ? m.masked_row_ns * static_cast<double>(rows) : 0.0);
 }
 

@@ -13,6 +13,7 @@ const KernelSet& kernel_set() {
                              Word::kBf16Pair,
                              16,
                              16,
+                             16,
                              &K::begin_worker,
                              &K::end_worker,
                              &K::gemm,

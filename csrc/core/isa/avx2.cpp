@@ -163,7 +163,7 @@ void score_tile(const ScoreTileArgs& args) {
 
 const KernelSet& kernel_set() {
   static const KernelSet set{
-      "avx2",   Isa::kAvx2, Word::kFloat32,     1,          1, nullptr, nullptr, &gemm,
+      "avx2",   Isa::kAvx2, Word::kFloat32,     1,          1, 6, nullptr, nullptr, &gemm,
       &softmax, nullptr,    &scalar::pack_keys, &score_tile};
   return set;
 }

@@ -115,9 +115,9 @@ void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,
-                             1,        nullptr,      nullptr,        &gemm,
-                             &softmax, nullptr,      &pack_keys,     &score_tile};
+  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,     1,
+                             6,        nullptr,      nullptr,        &gemm, &softmax,
+                             nullptr,  &pack_keys,   &score_tile};
   return set;
 }
 

@@ -35,6 +35,7 @@ const KernelSet& kernel_set() {
                              Word::kBf16Pair,
                              1,
                              1,
+                             6,
                              nullptr,
                              nullptr,
                              &gemm,

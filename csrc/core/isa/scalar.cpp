@@ -88,9 +88,9 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,
-                             1,        nullptr,      nullptr,        &gemm,
-                             &softmax, nullptr,      &pack_keys,     &score_tile};
+  static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,     1,
+                             1,        nullptr,      nullptr,        &gemm, &softmax,
+                             nullptr,  &pack_keys,   &score_tile};
   return set;
 }
 

@@ -61,6 +61,9 @@ struct KernelSet {
   // depth_align, and row buffers are allocated to a multiple of row_align rows.
   int64_t depth_align;
   int64_t row_align;
+  // Rows the GEMM and score tile compute at once (register block or tile height): the cost
+  // model counts work in whole blocks.
+  int64_t row_block;
   // Called by each worker thread before its first kernel call of an operator run and after its
   // last (e.g. to load and release a tile configuration); either may be null.
   void (*begin_worker)();
