@@ -77,12 +77,14 @@ struct Scratch {
         weights(rows * groups),
         scores(rows * kKeyTile),
         row(2 * words),
+        stage(kKeyTile * words),
         stats(3 * rows) {}
   AlignedBuffer<uint32_t> query;  // [groups][rows][depth] words
   AlignedBuffer<uint32_t> key;    // [depth][kKeyTile] words
   AlignedBuffer<float> weights;   // [rows][groups]
   AlignedBuffer<float> scores;    // [rows][kKeyTile]
   AlignedBuffer<float> row;       // one converted key row
+  AlignedBuffer<float> stage;     // widened key rows before their transpose
   std::vector<SoftmaxStats> stats;
 };
 
@@ -138,6 +140,9 @@ class IndexerRun {
         bf16_pairs_(set_.word == kernels::Word::kBf16Pair),
         words_(bf16_pairs_ ? (p.head_dim + 1) / 2 : p.head_dim),
         depth_(kernels::round_up(words_, set_.depth_align)),
+        elem_(p.qk_dtype == DType::kFloat64   ? 8
+              : p.qk_dtype == DType::kFloat32 ? 4
+                                              : 2),
         sequences_(make_sequences(p)),
         config_(plan_config(p, sequences_, workers, depth_)),
         plan_(attention::make_plan(config_, sequences_, cost_model(p, set_))),
@@ -255,6 +260,9 @@ class IndexerRun {
         uint32_t* dst = sc.query.data() + (h * rows_ + r) * depth_;
         if (bf16_pairs_) {
           load_row_bf16_pairs(p_.query, offset, qs[3], p_.head_dim, dst);
+        } else if (qs[3] == 1) {
+          set_.widen(static_cast<const char*>(p_.query) + offset * elem_, p_.qk_dtype, p_.head_dim,
+                     reinterpret_cast<float*>(dst));
         } else {
           load_row(p_.query, p_.qk_dtype, offset, qs[3], p_.head_dim,
                    reinterpret_cast<float*>(dst));
@@ -267,17 +275,37 @@ class IndexerRun {
   }
 
   // Transposes keys [j0, j0 + count) of key head g into [depth][kKeyTile], zero-filling the rest.
+  // Contiguous rows go through the kernel set's transpose: as they are when already in the word
+  // type (float32, or bf16 pairs of an even D), else widened first.
   void pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, Scratch& sc) const {
     const int64_t* ks = p_.key_stride;
     uint32_t* dst = sc.key.data();
+    auto offset_of = [&](int64_t j) {
+      return batch_offset(ks, seq) + (seq.k_begin + j0 + j) * ks[1] + g * ks[2];
+    };
+    if (ks[3] == 1 && (!bf16_pairs_ || p_.head_dim % 2 == 0)) {
+      const bool direct = bf16_pairs_ || p_.qk_dtype == DType::kFloat32;
+      const char* rows[kKeyTile];
+      for (int64_t j = 0; j < count; ++j) {
+        rows[j] = static_cast<const char*>(p_.key) + offset_of(j) * elem_;
+        if (!direct) {
+          float* staged = sc.stage.data() + j * words_;
+          set_.widen(rows[j], p_.qk_dtype, p_.head_dim, staged);
+          rows[j] = reinterpret_cast<const char*>(staged);
+        }
+      }
+      set_.pack_keys(rows, count, words_, dst);
+      std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
+      return;
+    }
     if (count < kKeyTile) std::fill(dst, dst + depth_ * kKeyTile, 0u);
     uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
     for (int64_t j = 0; j < count; ++j) {
-      const int64_t offset = batch_offset(ks, seq) + (seq.k_begin + j0 + j) * ks[1] + g * ks[2];
       if (bf16_pairs_) {
-        load_row_bf16_pairs(p_.key, offset, ks[3], p_.head_dim, row);
+        load_row_bf16_pairs(p_.key, offset_of(j), ks[3], p_.head_dim, row);
       } else {
-        load_row(p_.key, p_.qk_dtype, offset, ks[3], p_.head_dim, reinterpret_cast<float*>(row));
+        load_row(p_.key, p_.qk_dtype, offset_of(j), ks[3], p_.head_dim,
+                 reinterpret_cast<float*>(row));
       }
       for (int64_t l = 0; l < words_; ++l) dst[l * kKeyTile + j] = row[l];
     }
@@ -290,6 +318,7 @@ class IndexerRun {
   bool bf16_pairs_;
   int64_t words_;  // packed words per row
   int64_t depth_;  // words_ padded to the set's depth_align (zero words)
+  int64_t elem_;   // bytes per query/key element
   std::vector<Sequence> sequences_;
   attention::PlanConfig config_;
   attention::Plan plan_;

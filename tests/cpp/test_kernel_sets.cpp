@@ -14,6 +14,7 @@
 #include "cpu_features.h"
 #include "dtype.h"
 #include "kernels/kernel_set.h"
+#include "row_loads.h"
 
 namespace opmesh::core::kernels {
 namespace {
@@ -181,6 +182,37 @@ TEST(KernelSets, GemmMatchesDoubleReferenceOnPartialBlocks) {
       }
     }
     check_gemm(*set, 63, 128, 128, true);  // a GQA tile of 21 positions x 3 heads, D = 128
+  }
+}
+
+TEST(KernelSets, WidenIsExactForEveryTypeAndLength) {
+  // Every fp16 and bf16 bit pattern once (normals, subnormals, infinities, NaNs), then doubles.
+  std::vector<uint16_t> halves(65536);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
+  std::vector<double> doubles{0.0, -0.0, 1e-300, 3.5, -1e300, 1.0 / 3.0, 7e-46, 65504.0};
+  for (int i = 0; i < 40; ++i) doubles.push_back(std::ldexp(1.0 + i / 7.0, i - 20));
+  for (const KernelSet* set : sets_under_test()) {
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat64, DType::kFloat32}) {
+      const void* src = dtype == DType::kFloat64 ? static_cast<const void*>(doubles.data())
+                                                 : static_cast<const void*>(halves.data());
+      const int64_t total = dtype == DType::kFloat64   ? static_cast<int64_t>(doubles.size())
+                            : dtype == DType::kFloat32 ? 32768
+                                                       : 65536;
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{17}, total}) {
+        std::vector<float> got(n + 1, 42.0f), want(n);
+        set->widen(src, dtype, n, got.data());
+        load_row(src, dtype, 0, 1, n, want.data());
+        for (int64_t i = 0; i < n; ++i) {
+          if (want[i] != want[i]) {
+            ASSERT_NE(got[i], got[i]) << set->name << " " << dtype_name(dtype) << " " << i;
+          } else {
+            ASSERT_EQ(std::memcmp(&got[i], &want[i], 4), 0)
+                << set->name << " " << dtype_name(dtype) << " element " << i;
+          }
+        }
+        ASSERT_EQ(got[n], 42.0f) << set->name << " wrote past n";
+      }
+    }
   }
 }
 

@@ -70,6 +70,9 @@ class Runner {
         words_(pairs_ ? (d_ + 1) / 2 : d_),
         dw_(round_up(words_, k_.depth_align)),
         rows_cap_(round_up(g_.rows, k_.row_align)),
+        elem_(p.dtype == DType::kFloat64   ? 8
+              : p.dtype == DType::kFloat32 ? 4
+                                           : 2),
         dvp_(round_up(dv_, 16)),
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * dvp_),
@@ -87,6 +90,7 @@ class Runner {
           o(2 * r.g_.rows * r.dvp_),
           stats(5 * r.g_.rows),
           row(std::max(r.d_, r.dv_) + 2),
+          stage(kKeyTile * r.words_),
           vis(r.g_.positions) {}
     AlignedBuffer<uint32_t> q;
     AlignedBuffer<float> s;
@@ -94,6 +98,7 @@ class Runner {
     AlignedBuffer<float> o;      // current state's output, then the running fold's
     AlignedBuffer<float> stats;  // m, l (current), m, l (running), correction
     AlignedBuffer<float> row;
+    AlignedBuffer<float> stage;  // widened key rows before their transpose
     std::vector<KeyRange> vis;
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
@@ -191,6 +196,10 @@ class Runner {
     return b * view.sb + (seqs_[b].k_begin + key) * view.ss + h * view.sn;
   }
 
+  const char* at(const View& view, int64_t offset) const {
+    return static_cast<const char*>(view.data) + offset * elem_;
+  }
+
   void pack_queries(Scratch& sc, int64_t b, int64_t h, int64_t p0, int64_t p1) const {
     const View& q = p_.q;
     for (int64_t i = p0; i < p1; ++i) {
@@ -200,6 +209,8 @@ class Runner {
         uint32_t* dst = sc.q.data() + ((i - p0) * g_.group + g) * dw_;
         if (pairs_) {
           load_row_bf16_pairs(q.data, off, q.sd, d_, dst);
+        } else if (q.sd == 1) {
+          k_.widen(at(q, off), p_.dtype, d_, reinterpret_cast<float*>(dst));
         } else {
           load_row(q.data, p_.dtype, off, q.sd, d_, reinterpret_cast<float*>(dst));
         }
@@ -215,9 +226,14 @@ class Runner {
     const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
     const bool fast_k = p_.k.sd == 1 && (pairs_ ? d_ % 2 == 0 : p_.dtype == DType::kFloat32);
     const bool fast_v = p_.v.sd == 1 && (pairs_ || p_.dtype == DType::kFloat32);
-    if (!fast_k) std::fill(kp, kp + k_tile_words_, 0u);
-    if (valid < kKeyTile || !fast_v || dvp_ != dv_) std::fill(vp, vp + v_tile_words_, 0u);
-    const size_t elem = p_.dtype == DType::kFloat32 ? 4 : 2;
+    // Contiguous rows of another type for the float32 kernels: widened, then as the fast path.
+    const bool stage_k = !fast_k && !pairs_ && p_.k.sd == 1;
+    const bool stage_v = !fast_v && !pairs_ && p_.v.sd == 1;
+    if (!fast_k && !stage_k) std::fill(kp, kp + k_tile_words_, 0u);
+    if (valid < kKeyTile || !(fast_v || stage_v) || dvp_ != dv_) {
+      std::fill(vp, vp + v_tile_words_, 0u);
+    }
+    const int64_t elem = elem_;
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
     for (int64_t n = 0; n < valid; ++n) {
@@ -226,7 +242,14 @@ class Runner {
       vrows[n] =
           static_cast<const char*>(p_.v.data) + key_offset(p_.v, b, h, j * kKeyTile + n) * elem;
     }
-    if (fast_k) {
+    if (stage_k) {
+      for (int64_t n = 0; n < valid; ++n) {
+        float* dst = sc.stage.data() + n * words_;
+        k_.widen(krows[n], p_.dtype, d_, dst);
+        krows[n] = reinterpret_cast<const char*>(dst);
+      }
+    }
+    if (fast_k || stage_k) {
       k_.pack_keys(krows, valid, words_, kp);
       std::fill(kp + words_ * kKeyTile, kp + dw_ * kKeyTile, 0u);
     } else {
@@ -256,6 +279,10 @@ class Runner {
       }
     } else if (fast_v) {
       for (int64_t n = 0; n < valid; ++n) std::memcpy(vp + n * dvp_, vrows[n], dv_ * sizeof(float));
+    } else if (stage_v) {
+      for (int64_t n = 0; n < valid; ++n) {
+        k_.widen(vrows[n], p_.dtype, dv_, reinterpret_cast<float*>(vp) + n * dvp_);
+      }
     } else {
       uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
       for (int64_t n = 0; n < valid; ++n) {
@@ -401,6 +428,7 @@ class Runner {
   int64_t words_;     // packed words per q/k row
   int64_t dw_;        // words_ padded to the set's depth_align (zero words)
   int64_t rows_cap_;  // tile rows padded to the set's row_align
+  int64_t elem_;      // bytes per input element
   int64_t dvp_;
   int64_t k_tile_words_, v_tile_words_;
   int64_t slot_floats_;

@@ -21,7 +21,8 @@ const KernelSet& kernel_set() {
                              &avx512::softmax,
                              &avx512_bf16::to_bf16,
                              &avx512::pack_keys,
-                             &K::score_tile};
+                             &K::score_tile,
+                             &avx512::widen};
   return set;
 }
 

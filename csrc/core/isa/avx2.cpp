@@ -163,8 +163,9 @@ void score_tile(const ScoreTileArgs& args) {
 
 const KernelSet& kernel_set() {
   static const KernelSet set{
-      "avx2",   Isa::kAvx2, Word::kFloat32,     1,          1, 6, nullptr, nullptr, &gemm,
-      &softmax, nullptr,    &scalar::pack_keys, &score_tile};
+      "avx2",      Isa::kAvx2,    Word::kFloat32, 1,        1,       6,
+      nullptr,     nullptr,       &gemm,          &softmax, nullptr, &scalar::pack_keys,
+      &score_tile, &scalar::widen};
   return set;
 }
 

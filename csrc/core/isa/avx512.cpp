@@ -2,6 +2,7 @@
 // bf16-pair and AMX sets share.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "avx512_gemm.h"
@@ -82,6 +83,42 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
   }
 }
 
+// VCVTPH2PS (AVX-512F) for fp16, a 16-bit shift for bf16: both exact; VCVTPD2PS for float64.
+void widen(const void* src, DType dtype, int64_t n, float* dst) {
+  int64_t i = 0;
+  switch (dtype) {
+    case DType::kFloat32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (; i + 16 <= n; i += 16) {
+        _mm512_storeu_ps(
+            dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+      }
+      break;
+    }
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (; i + 16 <= n; i += 16) {
+        const __m512i w =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+      }
+      break;
+    }
+    case DType::kFloat64: {
+      const double* s = static_cast<const double*>(src);
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm512_cvtpd_ps(_mm512_loadu_pd(s + i)));
+      break;
+    }
+  }
+  // The tail by the portable set (built without AVX-512 flags, like every inline helper the
+  // sets could otherwise share across translation units of different flags).
+  const size_t elem = dtype == DType::kFloat64 ? 8 : 2;
+  scalar::widen(static_cast<const char*>(src) + i * elem, dtype, n - i, dst + i);
+}
+
 void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
@@ -117,7 +154,7 @@ void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
 const KernelSet& kernel_set() {
   static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,     1,
                              6,        nullptr,      nullptr,        &gemm, &softmax,
-                             nullptr,  &pack_keys,   &score_tile};
+                             nullptr,  &pack_keys,   &score_tile,    &widen};
   return set;
 }
 

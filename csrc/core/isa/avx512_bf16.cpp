@@ -42,7 +42,8 @@ const KernelSet& kernel_set() {
                              &avx512::softmax,
                              &to_bf16,
                              &avx512::pack_keys,
-                             &score_tile};
+                             &score_tile,
+                             &avx512::widen};
   return set;
 }
 

@@ -7,6 +7,7 @@
 
 #include "../kernels/kernel_set.h"
 #include "../online_softmax.h"
+#include "../row_loads.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::scalar {
@@ -77,6 +78,10 @@ void score_tile(const ScoreTileArgs& args) {
 
 }  // namespace
 
+void widen(const void* src, DType dtype, int64_t n, float* dst) {
+  load_row(src, dtype, 0, 1, n, dst);
+}
+
 void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
   for (int64_t n = 0; n < kKeyTile; ++n) {
     for (int64_t d = 0; d < words; ++d) {
@@ -90,7 +95,7 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
 const KernelSet& kernel_set() {
   static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,     1,
                              1,        nullptr,      nullptr,        &gemm, &softmax,
-                             nullptr,  &pack_keys,   &score_tile};
+                             nullptr,  &pack_keys,   &score_tile,    &widen};
   return set;
 }
 

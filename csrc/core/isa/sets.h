@@ -12,6 +12,7 @@ namespace opmesh::core::kernels {
 namespace scalar {
 const KernelSet& kernel_set();
 void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
+void widen(const void* src, DType dtype, int64_t n, float* dst);
 }  // namespace scalar
 
 #if defined(__x86_64__)
@@ -23,6 +24,7 @@ namespace avx512 {
 const KernelSet& kernel_set();
 void softmax(float* s, int64_t rows, float* m, float* l, float* correction);
 void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
+void widen(const void* src, DType dtype, int64_t n, float* dst);
 }  // namespace avx512
 
 namespace avx512_bf16 {

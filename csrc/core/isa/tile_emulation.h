@@ -8,13 +8,18 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../dtype.h"
-
 namespace opmesh::core::kernels {
 
 struct EmulatedTiles {
   static constexpr int kRows = 16;
   static constexpr int kRowBytes = 64;
+
+  static float widen(uint16_t bits) {
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float out;
+    std::memcpy(&out, &wide, sizeof(out));
+    return out;
+  }
 
   struct alignas(64) Registers {
     uint8_t bytes[8][kRows][kRowBytes];
@@ -56,12 +61,12 @@ struct EmulatedTiles {
     std::memcpy(b, regs().bytes[B], sizeof(b));
     for (int m = 0; m < kRows; ++m) {
       for (int k = 0; k < 16; ++k) {
-        const float a0 = bf16_bits_to_float(a[m][2 * k]);
-        const float a1 = bf16_bits_to_float(a[m][2 * k + 1]);
+        const float a0 = widen(a[m][2 * k]);
+        const float a1 = widen(a[m][2 * k + 1]);
         for (int n = 0; n < 16; ++n) {
           float acc = c[m][n];
-          acc += a0 * bf16_bits_to_float(b[k][2 * n]);
-          acc += a1 * bf16_bits_to_float(b[k][2 * n + 1]);
+          acc += a0 * widen(b[k][2 * n]);
+          acc += a1 * widen(b[k][2 * n + 1]);
           c[m][n] = acc;
         }
       }

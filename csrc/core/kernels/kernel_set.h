@@ -86,6 +86,10 @@ struct KernelSet {
   // The lightning indexer.
   void (*score_tile)(const ScoreTileArgs& args);
 
+  // Packing: n contiguous elements of `dtype` to float32, exactly (fp16 and bf16 widen without
+  // rounding; float64 rounds to nearest). Used for rows with unit stride.
+  void (*widen)(const void* src, DType dtype, int64_t n, float* dst);
+
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
 };
