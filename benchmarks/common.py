@@ -55,6 +55,7 @@ def machine_info():
     import opmesh
 
     kernels = opmesh.bf16_kernels()
+    sets = opmesh.kernel_sets()
     return {
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
@@ -62,10 +63,9 @@ def machine_info():
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "opmesh_simd": opmesh.active_simd_level(),
-        "bf16_kernels": {
-            kind: ("pairs" if c["pairs"] else "fp32") + f" ({c['source']})"
-            for kind, c in kernels.items()
-        },
+        "bf16_kernels": {kind: f"{c['kernel_set']} ({c['source']})" for kind, c in kernels.items()},
+        "kernel_sets": [s["name"] for s in sets["sets"]],
+        "amx_tiles": sets["amx_tiles"],
     }
 
 
@@ -120,7 +120,8 @@ def write_results(name, rows, columns, notes=()):
         f"Machine: {info['cpu_model']}, {info['threads']} threads, "
         f"torch {info['torch']}, opmesh SIMD {info['opmesh_simd']}",
         "",
-        f"CPU flags: {' '.join(info['cpu_flags'])}; bf16 kernels: compute "
+        f"CPU flags: {' '.join(info['cpu_flags'])}; AMX tiles: {info['amx_tiles']}; kernel "
+        f"sets: {', '.join(info['kernel_sets'])}; bf16 inputs run on: compute "
         f"{info['bf16_kernels']['compute']}, memory {info['bf16_kernels']['memory']}",
         "",
     ]

@@ -76,6 +76,7 @@ __all__ = [
     "simd_levels",
     "active_simd_level",
     "bf16_kernels",
+    "kernel_sets",
 ]
 
 
@@ -86,17 +87,32 @@ def simd_levels() -> list[str]:
 
 def active_simd_level() -> str:
     """The SIMD level the CPU kernels use now; the environment variable OPMESH_SIMD_MAX
-    (scalar, avx2, avx512, avx512_bf16) caps it."""
+    (scalar, avx2, avx512, avx512_bf16, amx_bf16) caps it."""
     return _C.active_simd_level()
 
 
 def bf16_kernels() -> dict:
-    """Which kernels bf16 inputs use at the avx512_bf16 level, per kind of work: ``compute``
-    (prefill, the indexer) and ``memory`` (decode: every sequence has at most 16 queries).
+    """Which kernels bf16 inputs use at the active level (avx512_bf16 or amx_bf16), per kind of
+    work: ``compute`` (prefill, the indexer) and ``memory`` (decode: every sequence has at most
+    16 queries).
 
-    Each entry is ``{"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float}``:
-    bf16-pair dot products (``pairs``) or float32 FMA, chosen by a short measurement of both on
-    this CPU, once per process (``source`` "measured", with the best times in ns), or fixed by
-    the environment variable ``OPMESH_BF16_KERNELS`` (``auto``, ``pairs``, ``fp32``, or per kind
-    as ``compute=fp32,memory=pairs``). Asking measures if nothing has yet."""
+    Each entry is ``{"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float,
+    "kernel_set": str}``: the level's bf16-pair kernels (``pairs``: VDPBF16PS, or AMX tiles at
+    amx_bf16) or float32 FMA, chosen by a short measurement of both on this CPU, once per process
+    and level (``source`` "measured", with the best times in ns), or fixed by the environment
+    variable ``OPMESH_BF16_KERNELS`` (``auto``, ``pairs``, ``fp32``, or per kind as
+    ``compute=fp32,memory=pairs``); ``kernel_set`` names the set that runs. Asking measures if
+    nothing has yet."""
     return {kind: _C._bf16_choice(kind) for kind in ("compute", "memory")}
+
+
+def kernel_sets() -> dict:
+    """The kernel sets usable now and how the amx_bf16 level runs its tiles.
+
+    ``{"sets": [{"name", "isa", "word", "depth_align", "row_align"}, ...], "amx_tiles": str}``,
+    lowest level first. ``word`` is ``float32`` or ``bf16_pair``; the alignments are the packed
+    operands' geometry the set declares. ``amx_tiles`` is ``hardware`` (the CPU and OS allow AMX),
+    ``emulated`` (``OPMESH_AMX_TILES=emulate``: the portable tile emulation, for tests) or
+    ``none``."""
+    sets, tiles = _C._kernel_sets()
+    return {"sets": sets, "amx_tiles": tiles}
