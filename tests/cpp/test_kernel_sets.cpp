@@ -121,6 +121,8 @@ TEST(KernelSets, RegistryDescribesWhatRunsHere) {
     EXPECT_GE(s.depth_align, 1);
     EXPECT_GE(s.row_align, 1);
     EXPECT_GE(s.row_block, 1);
+    EXPECT_GE(s.block_tiles, 1);
+    EXPECT_EQ(16 % s.block_tiles, 0) << "a block may not straddle a deterministic chunk";
     EXPECT_TRUE(s.accepts(DType::kBFloat16));
     EXPECT_EQ(s.accepts(DType::kFloat32), s.word == Word::kFloat32);
     EXPECT_EQ(s.to_bf16 != nullptr, s.word == Word::kBf16Pair);

@@ -73,6 +73,7 @@ class Runner {
         elem_(p.dtype == DType::kFloat64   ? 8
               : p.dtype == DType::kFloat32 ? 4
                                            : 2),
+        block_tiles_(k_.block_tiles),
         dvp_(round_up(dv_, 16)),
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * dvp_),
@@ -85,8 +86,8 @@ class Runner {
   struct Scratch {
     explicit Scratch(const Runner& r)
         : q(r.rows_cap_ * r.dw_),
-          s(r.rows_cap_ * kKeyTile),
-          pb(r.rows_cap_ * kKeyTile),
+          s(r.rows_cap_ * r.k_.block_tiles * kKeyTile),
+          pb(r.rows_cap_ * r.k_.block_tiles * kKeyTile),
           o(2 * r.g_.rows * r.dvp_),
           stats(5 * r.g_.rows),
           row(std::max(r.d_, r.dv_) + 2),
@@ -103,7 +104,8 @@ class Runner {
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
     bool cache_all = false;
-    std::vector<uint32_t> cache;
+    std::vector<uint32_t> kcache;  // packed key tiles, one after another
+    std::vector<uint32_t> vcache;  // packed value tiles: those of a block are contiguous
     std::vector<uint8_t> packed;
     State cur(const Runner& r) { return {o.data(), stats.data(), stats.data() + r.g_.rows}; }
     State run(const Runner& r) {
@@ -159,10 +161,14 @@ class Runner {
       reset(cur, rows);
       pending = false;
     };
-    for (int64_t j = k_from; j < k_to; ++j) {
+    // Blocks are aligned to absolute multiples of the kernel set's block_tiles (a divisor of the
+    // deterministic chunk), so a unit is grouped the same way whichever pieces it is cut into.
+    for (int64_t j = k_from; j < k_to;) {
       if (det && pending && j % plan_.chunk_tiles == 0) flush();
-      tile(sc, b, h, j, sp, rows);
+      const int64_t j1 = std::min<int64_t>(k_to, (j / block_tiles_ + 1) * block_tiles_);
+      block(sc, b, h, j, j1, sp, rows);
       pending = true;
+      j = j1;
     }
     if (det && pending) flush();
     const State& result = det ? run : cur;
@@ -299,60 +305,80 @@ class Runner {
     }
   }
 
-  // Packed key and value tiles j of (b, h), from the worker's cache when it holds them.
-  std::pair<const uint32_t*, const uint32_t*> tiles(Scratch& sc, int32_t b, int32_t h,
-                                                    int64_t j) const {
-    const int64_t per_tile = k_tile_words_ + v_tile_words_;
+  // Packs key and value tiles j of (b, h) unless the worker's cache holds them; returns their
+  // slot. With the whole (b, h) cached the slot is j; otherwise slots are reused per block, j
+  // modulo the block size, so the value tiles of a block stay contiguous.
+  int64_t ensure_tile(Scratch& sc, int32_t b, int32_t h, int64_t j) const {
     if (sc.cache_b != b || sc.cache_h != h) {
       const int64_t n = (seqs_[b].k_len + kKeyTile - 1) / kKeyTile;
       sc.cache_b = b;
       sc.cache_h = h;
       // Worth keeping only when more than one query tile of this (b, h) can reuse the tiles.
-      sc.cache_all = walker_.num_query_tiles(b) > 1 && n * per_tile * 4 <= kCacheLimitBytes;
-      const int64_t slots = sc.cache_all ? n : 1;
-      if (static_cast<int64_t>(sc.cache.size()) < slots * per_tile)
-        sc.cache.resize(slots * per_tile);
+      sc.cache_all = walker_.num_query_tiles(b) > 1 &&
+                     n * (k_tile_words_ + v_tile_words_) * 4 <= kCacheLimitBytes;
+      const int64_t slots = sc.cache_all ? n : block_tiles_;
+      if (static_cast<int64_t>(sc.kcache.size()) < slots * k_tile_words_) {
+        sc.kcache.resize(slots * k_tile_words_);
+      }
+      if (static_cast<int64_t>(sc.vcache.size()) < slots * v_tile_words_) {
+        sc.vcache.resize(slots * v_tile_words_);
+      }
       sc.packed.assign(slots, 0);
     }
-    const int64_t index = sc.cache_all ? j : 0;
-    uint32_t* kp = sc.cache.data() + index * per_tile;
-    uint32_t* vp = kp + k_tile_words_;
+    const int64_t index = sc.cache_all ? j : j % block_tiles_;
     if (!sc.cache_all || !sc.packed[index]) {
-      pack_tile(sc, b, h, j, kp, vp);
+      pack_tile(sc, b, h, j, sc.kcache.data() + index * k_tile_words_,
+                sc.vcache.data() + index * v_tile_words_);
       sc.packed[index] = 1;
     }
-    return {kp, vp};
+    return index;
   }
 
-  void tile(Scratch& sc, int32_t b, int32_t h, int64_t j, const TileSpan& sp, int64_t rows) const {
-    const auto [kp, vp] = tiles(sc, b, h, j);
+  // One online-softmax step over key tiles [j0, j1) of one block (at most block_tiles_): their
+  // scores side by side, one softmax over all of them, one P.V product with the rescaling of the
+  // output folded in.
+  void block(Scratch& sc, int32_t b, int32_t h, int64_t j0, int64_t j1, const TileSpan& sp,
+             int64_t rows) const {
+    const int64_t tiles = j1 - j0;
+    const int64_t cols = tiles * kKeyTile;
     float* s = sc.s.data();
-    k_.gemm({sc.q.data(), dw_, kp, kKeyTile, s, kKeyTile, rows, kKeyTile, dw_, nullptr,
-             p_.softmax_scale});
-    if (j < sp.full_begin || j >= sp.full_end) {
-      const int64_t first_key = j * kKeyTile;
-      for (int64_t i = 0; i < rows / g_.group; ++i) {
-        const KeyRange vr = sc.vis[i];
-        const int64_t lo = std::clamp<int64_t>(vr.begin - first_key, 0, kKeyTile);
-        const int64_t hi =
-            vr.end > vr.begin ? std::clamp<int64_t>(vr.end - first_key, 0, kKeyTile) : 0;
-        for (int64_t g = 0; g < g_.group; ++g) {
-          float* x = s + (i * g_.group + g) * kKeyTile;
-          for (int64_t c = 0; c < kKeyTile; ++c) {
-            if (c < lo || c >= hi) x[c] = kNegInf;
-          }
-        }
-      }
+    int64_t first_slot = 0;
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t j = j0 + i;
+      const int64_t slot = ensure_tile(sc, b, h, j);
+      if (i == 0) first_slot = slot;
+      float* si = s + i * kKeyTile;
+      k_.gemm({sc.q.data(), dw_, sc.kcache.data() + slot * k_tile_words_, kKeyTile, si, cols, rows,
+               kKeyTile, dw_, nullptr, p_.softmax_scale});
+      if (j < sp.full_begin || j >= sp.full_end) mask_tile(sc, si, cols, j, rows);
     }
+    const uint32_t* vp = sc.vcache.data() + first_slot * v_tile_words_;
     const State cur = sc.cur(*this);
     float* corr = sc.correction(*this);
-    k_.softmax(s, rows, cur.m, cur.l, corr);
+    k_.softmax(s, rows, cols, cur.m, cur.l, corr);
     if (pairs_) {
-      k_.to_bf16(s, sc.pb.data(), rows * kKeyTile);
-      k_.gemm({sc.pb.data(), kKeyTile / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, kKeyTile / 2, corr,
-               1.0f});
+      k_.to_bf16(s, sc.pb.data(), rows * cols);
+      k_.gemm({sc.pb.data(), cols / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
     } else {
-      k_.gemm({s, kKeyTile, vp, dvp_, cur.o, dvp_, rows, dvp_, kKeyTile, corr, 1.0f});
+      k_.gemm({s, cols, vp, dvp_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
+    }
+  }
+
+  // Sets the scores of key tile j (columns [0, kKeyTile) of rows with stride ld) that their row
+  // may not see to -inf.
+  void mask_tile(Scratch& sc, float* s, int64_t ld, int64_t j, int64_t rows) const {
+    const int64_t first_key = j * kKeyTile;
+    for (int64_t i = 0; i < rows / g_.group; ++i) {
+      const KeyRange vr = sc.vis[i];
+      const int64_t lo = std::clamp<int64_t>(vr.begin - first_key, 0, kKeyTile);
+      const int64_t hi =
+          vr.end > vr.begin ? std::clamp<int64_t>(vr.end - first_key, 0, kKeyTile) : 0;
+      for (int64_t g = 0; g < g_.group; ++g) {
+        float* x = s + (i * g_.group + g) * ld;
+        for (int64_t c = 0; c < kKeyTile; ++c) {
+          if (c < lo || c >= hi) x[c] = kNegInf;
+        }
+      }
     }
   }
 
@@ -425,10 +451,11 @@ class Runner {
   const KernelSet& k_;
   bool pairs_;
   int64_t d_, dv_;
-  int64_t words_;     // packed words per q/k row
-  int64_t dw_;        // words_ padded to the set's depth_align (zero words)
-  int64_t rows_cap_;  // tile rows padded to the set's row_align
-  int64_t elem_;      // bytes per input element
+  int64_t words_;        // packed words per q/k row
+  int64_t dw_;           // words_ padded to the set's depth_align (zero words)
+  int64_t rows_cap_;     // tile rows padded to the set's row_align
+  int64_t elem_;         // bytes per input element
+  int64_t block_tiles_;  // key tiles per online-softmax step (the kernel set's)
   int64_t dvp_;
   int64_t k_tile_words_, v_tile_words_;
   int64_t slot_floats_;

@@ -15,6 +15,7 @@ const KernelSet& kernel_set() {
                              16,
                              16,
                              16,
+                             4,
                              &K::begin_worker,
                              &K::end_worker,
                              &K::gemm,

@@ -73,17 +73,16 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, r);
 }
 
-void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
+void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    float* x = s + r * kKeyTile;
-    __m256 v[8];
+    float* x = s + r * cols;
     __m256 top = _mm256_set1_ps(m[r]);
     __m256 nan = _mm256_setzero_ps();
-    for (int j = 0; j < 8; ++j) {
-      v[j] = _mm256_loadu_ps(x + 8 * j);
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
-      top = _mm256_max_ps(top, v[j]);
+    for (int64_t j = 0; j < cols; j += 8) {
+      const __m256 v = _mm256_loadu_ps(x + j);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      top = _mm256_max_ps(top, v);
     }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, top);
@@ -93,16 +92,16 @@ void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
       row_max = std::numeric_limits<float>::quiet_NaN();
     }
     if (row_max == kNegInf) {
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(x + 8 * j, _mm256_setzero_ps());
+      for (int64_t j = 0; j < cols; j += 8) _mm256_storeu_ps(x + j, _mm256_setzero_ps());
       correction[r] = 1.0f;
       continue;
     }
     const __m256 mv = _mm256_set1_ps(row_max);
     __m256 sum = _mm256_setzero_ps();
-    for (int j = 0; j < 8; ++j) {
-      const __m256 p = exp_nonpositive(_mm256_sub_ps(v[j], mv));
+    for (int64_t j = 0; j < cols; j += 8) {
+      const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv));
       sum = _mm256_add_ps(sum, p);
-      _mm256_storeu_ps(x + 8 * j, p);
+      _mm256_storeu_ps(x + j, p);
     }
     _mm256_store_ps(lanes, sum);
     float total = 0.0f;
@@ -162,10 +161,21 @@ void score_tile(const ScoreTileArgs& args) {
 }  // namespace
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{
-      "avx2",      Isa::kAvx2,    Word::kFloat32, 1,        1,       6,
-      nullptr,     nullptr,       &gemm,          &softmax, nullptr, &scalar::pack_keys,
-      &score_tile, &scalar::widen};
+  static const KernelSet set{"avx2",
+                             Isa::kAvx2,
+                             Word::kFloat32,
+                             1,
+                             1,
+                             6,
+                             1,
+                             nullptr,
+                             nullptr,
+                             &gemm,
+                             &softmax,
+                             nullptr,
+                             &scalar::pack_keys,
+                             &score_tile,
+                             &scalar::widen};
   return set;
 }
 

@@ -119,42 +119,45 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
   scalar::widen(static_cast<const char*>(src) + i * elem, dtype, n - i, dst + i);
 }
 
-void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
+void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    float* x = s + r * kKeyTile;
-    __m512 v[4];
+    float* x = s + r * cols;
     __mmask16 nan = 0;
-    __m512 top = _mm512_set1_ps(m[r]);
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm512_loadu_ps(x + 16 * j);
-      nan |= _mm512_cmp_ps_mask(v[j], v[j], _CMP_UNORD_Q);
-      top = _mm512_max_ps(top, v[j]);
+    __m512 top[2] = {_mm512_set1_ps(m[r]), _mm512_set1_ps(m[r])};
+    for (int64_t j = 0; j < cols; j += 32) {
+      for (int u = 0; u < 2; ++u) {
+        const __m512 v = _mm512_loadu_ps(x + j + 16 * u);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top[u] = _mm512_max_ps(top[u], v);
+      }
     }
-    float row_max = _mm512_reduce_max_ps(top);
+    float row_max = _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1]));
     if (nan != 0 || m[r] != m[r]) row_max = std::numeric_limits<float>::quiet_NaN();
     if (row_max == kNegInf) {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(x + 16 * j, _mm512_setzero_ps());
+      for (int64_t j = 0; j < cols; j += 16) _mm512_storeu_ps(x + j, _mm512_setzero_ps());
       correction[r] = 1.0f;
       continue;
     }
     const __m512 mv = _mm512_set1_ps(row_max);
-    __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(v[j], mv));
-      sum = _mm512_add_ps(sum, p);
-      _mm512_storeu_ps(x + 16 * j, p);
+    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t j = 0; j < cols; j += 32) {
+      for (int u = 0; u < 2; ++u) {
+        const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16 * u), mv));
+        sum[u] = _mm512_add_ps(sum[u], p);
+        _mm512_storeu_ps(x + j + 16 * u, p);
+      }
     }
     correction[r] = std::exp(m[r] - row_max);
-    l[r] = l[r] * correction[r] + _mm512_reduce_add_ps(sum);
+    l[r] = l[r] * correction[r] + _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
     m[r] = row_max;
   }
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,     1,
-                             6,        nullptr,      nullptr,        &gemm, &softmax,
-                             nullptr,  &pack_keys,   &score_tile,    &widen};
+  static const KernelSet set{"avx512",   Isa::kAvx512, Word::kFloat32, 1,     1,        6,
+                             1,          nullptr,      nullptr,        &gemm, &softmax, nullptr,
+                             &pack_keys, &score_tile,  &widen};
   return set;
 }
 

@@ -36,6 +36,7 @@ const KernelSet& kernel_set() {
                              1,
                              1,
                              6,
+                             1,
                              nullptr,
                              nullptr,
                              &gemm,

@@ -34,19 +34,19 @@ void gemm(const GemmArgs& g) {
   }
 }
 
-void softmax(float* s, int64_t rows, float* m, float* l, float* correction) {
+void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    float* x = s + r * kKeyTile;
+    float* x = s + r * cols;
     float top = m[r];
-    for (int j = 0; j < kKeyTile; ++j) top = nan_max(top, x[j]);
+    for (int64_t j = 0; j < cols; ++j) top = nan_max(top, x[j]);
     if (top == kNegInf) {
-      for (int j = 0; j < kKeyTile; ++j) x[j] = 0.0f;
+      for (int64_t j = 0; j < cols; ++j) x[j] = 0.0f;
       correction[r] = 1.0f;
       continue;
     }
     float sum = 0.0f;
-    for (int j = 0; j < kKeyTile; ++j) {
+    for (int64_t j = 0; j < cols; ++j) {
       x[j] = std::exp(x[j] - top);
       sum += x[j];
     }
@@ -93,9 +93,9 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,     1,
-                             1,        nullptr,      nullptr,        &gemm, &softmax,
-                             nullptr,  &pack_keys,   &score_tile,    &widen};
+  static const KernelSet set{"scalar",   Isa::kScalar, Word::kFloat32, 1,     1,        1,
+                             1,          nullptr,      nullptr,        &gemm, &softmax, nullptr,
+                             &pack_keys, &score_tile,  &widen};
   return set;
 }
 

@@ -64,6 +64,10 @@ struct KernelSet {
   // Rows the GEMM and score tile compute at once (register block or tile height): the cost
   // model counts work in whole blocks.
   int64_t row_block;
+  // Key tiles flash attention takes per online-softmax step (a divisor of the deterministic
+  // split, 16): more amortise the output's rescaling over more keys where a product's epilogue
+  // is expensive relative to its arithmetic (AMX tiles go through memory).
+  int64_t block_tiles;
   // Called by each worker thread before its first kernel call of an operator run and after its
   // last (e.g. to load and release a tile configuration); either may be null.
   void (*begin_worker)();
@@ -71,12 +75,13 @@ struct KernelSet {
 
   // Flash attention.
   void (*gemm)(const GemmArgs& args);
-  // One online-softmax step over `rows` rows of kKeyTile scores s (masked entries are -inf):
+  // One online-softmax step over `rows` rows of `cols` scores s (row-major, cols a multiple of
+  // kKeyTile; masked entries are -inf):
   //   m_new = max(m, max_j s_j);  s_j <- exp(s_j - m_new);  correction = exp(m - m_new);
   //   l <- l * correction + sum_j s_j;  m <- m_new.
   // A row whose m_new is -inf (nothing visible yet) gets s = 0 and correction = 1. A NaN score
   // makes the row's m, l and s NaN.
-  void (*softmax)(float* s, int64_t rows, float* m, float* l, float* correction);
+  void (*softmax)(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction);
   // float -> bf16 with round-to-nearest-even; set for bf16-pair sets only.
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
   // Key-tile packing, a transpose of 4-byte words: kp[d][n] = word d of rows[n] for the first
