@@ -34,6 +34,34 @@ inline void load_row(const void* base, DType dtype, int64_t offset, int64_t stri
   }
 }
 
+// Writes scale * src[0..n) to n elements spaced `stride` apart from element `offset`, rounding
+// to the destination type (round to nearest even).
+inline void store_row(void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
+                      const float* src, float scale) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      float* dst = static_cast<float*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i * stride] = src[i] * scale;
+      return;
+    }
+    case DType::kBFloat16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i * stride] = float_to_bf16_bits(src[i] * scale);
+      return;
+    }
+    case DType::kFloat16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i * stride] = float_to_fp16_bits(src[i] * scale);
+      return;
+    }
+    case DType::kFloat64: {
+      double* dst = static_cast<double*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i * stride] = static_cast<double>(src[i] * scale);
+      return;
+    }
+  }
+}
+
 // Packs n bf16 elements into ceil(n / 2) words of (x[2l], x[2l+1]) pairs, zero-padding the last.
 inline void load_row_bf16_pairs(const void* base, int64_t offset, int64_t stride, int64_t n,
                                 uint32_t* out) {

@@ -1,0 +1,338 @@
+#include "flash_attn_backward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "../aligned_buffer.h"
+#include "../errors.h"
+#include "../kernels/kernel_set.h"
+#include "../row_loads.h"
+
+namespace opmesh::core::attention {
+namespace {
+
+using kernels::KernelSet;
+using kernels::round_up;
+
+constexpr int64_t kTile = kKeyTile;  // keys per key tile, query positions per query tile
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A unit of one pass: (sequence b, head h, tile t). Pass 1: key head, key tile; pass 2: query
+// head, query tile.
+struct Unit {
+  int32_t b, h, t;
+};
+
+class Backward {
+ public:
+  Backward(const FlashAttnBackwardParams& p, const std::vector<Sequence>& seqs, Isa isa)
+      : p_(p),
+        seqs_(seqs),
+        k_(kernels::float32_set(isa)),
+        group_(p.config.num_heads_q / p.config.num_heads_kv),
+        d_(p.config.head_dim),
+        dv_(p.config.head_dim_v),
+        dp_(round_up(d_, 16)),
+        dvp_(round_up(dv_, 16)),
+        mask_(mask_of(p.config)) {}
+
+  struct Scratch {
+    explicit Scratch(const Backward& r)
+        : q(kTile * r.dp_),
+          dout(kTile * r.dvp_),
+          kt(r.d_ * kTile),
+          vt(r.dv_ * kTile),
+          krows(kTile * r.dp_),
+          s(kTile * kTile),
+          dp(kTile * kTile),
+          trans(kTile * kTile),
+          acc(kTile * std::max(r.dp_, r.dvp_)),
+          acc2(kTile * r.dvp_),
+          row(std::max(r.dp_, r.dvp_)),
+          ones(kTile),
+          lse(kTile),
+          delta(kTile) {
+      std::fill(ones.data(), ones.data() + kTile, 1.0f);
+    }
+    AlignedBuffer<float> q;      // [positions][dp] query rows
+    AlignedBuffer<float> dout;   // [positions][dvp] output-gradient rows
+    AlignedBuffer<float> kt;     // [d][64] keys, transposed
+    AlignedBuffer<float> vt;     // [dv][64] values, transposed
+    AlignedBuffer<float> krows;  // [64][dp] key rows
+    AlignedBuffer<float> s;      // [positions][64] probabilities, then dS
+    AlignedBuffer<float> dp;     // [positions][64] dP
+    AlignedBuffer<float> trans;  // [64][positions] a transpose of s
+    AlignedBuffer<float> acc;    // dK or dQ accumulator
+    AlignedBuffer<float> acc2;   // dV accumulator
+    AlignedBuffer<float> row;
+    AlignedBuffer<float> ones;
+    AlignedBuffer<float> lse;
+    AlignedBuffer<float> delta;  // D_i = dO_i . O_i
+  };
+
+  std::vector<Unit> key_units() const {
+    std::vector<Unit> units;
+    for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
+      const int64_t tiles = (seqs_[b].k_len + kTile - 1) / kTile;
+      if (seqs_[b].q_len == 0) continue;
+      for (int64_t h = 0; h < p_.config.num_heads_kv; ++h)
+        for (int64_t t = 0; t < tiles; ++t) units.push_back(unit(b, h, t));
+    }
+    return units;
+  }
+
+  std::vector<Unit> query_units() const {
+    std::vector<Unit> units;
+    for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
+      const int64_t tiles = (seqs_[b].q_len + kTile - 1) / kTile;
+      for (int64_t h = 0; h < p_.config.num_heads_q; ++h)
+        for (int64_t t = 0; t < tiles; ++t) units.push_back(unit(b, h, t));
+    }
+    return units;
+  }
+
+  // Pass 1: dK and dV of key tile u.t of key head u.h, over every query head of its group and
+  // every query tile that sees the tile.
+  void key_tile(Scratch& sc, const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t k0 = u.t * kTile;
+    const int64_t keys = std::min(kTile, seq.k_len - k0);
+    pack_keys(sc, u.b, u.h, k0, keys);
+    float* dk = sc.acc.data();
+    float* dv = sc.acc2.data();
+    std::fill(dk, dk + kTile * dp_, 0.0f);
+    std::fill(dv, dv + kTile * dvp_, 0.0f);
+    for (int64_t g = 0; g < group_; ++g) {
+      const int64_t head = u.h * group_ + g;
+      for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+        const int64_t rows = std::min(kTile, seq.q_len - i0);
+        if (!sees_tile(seq, i0, rows, k0, keys)) continue;
+        pack_queries(sc, u.b, head, i0, rows);
+        probabilities_and_ds(sc, seq, i0, rows, k0);
+        // dV += P^T dO, dK += scale dS^T Q (sc.trans holds P^T, then dS^T).
+        transpose(sc.dp.data(), rows, sc.trans.data());
+        k_.gemm({sc.trans.data(), rows, sc.dout.data(), dvp_, dv, dvp_, kTile, dvp_, rows,
+                 sc.ones.data(), 1.0f});
+        transpose(sc.s.data(), rows, sc.trans.data());
+        k_.gemm({sc.trans.data(), rows, sc.q.data(), dp_, dk, dp_, kTile, dp_, rows, sc.ones.data(),
+                 p_.softmax_scale});
+      }
+    }
+    for (int64_t n = 0; n < keys; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      const MutableView& gk = p_.dk;
+      const MutableView& gv = p_.dv;
+      store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_, dk + n * dp_,
+                1.0f);
+      store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
+                dv + n * dvp_, 1.0f);
+    }
+  }
+
+  // Pass 2: dQ of query tile u.t of query head u.h over every key tile it sees; returns the
+  // tile's share of -dsink (sum of exp(sink - lse_i) D_i), 0 without sinks.
+  double query_tile(Scratch& sc, const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t i0 = u.t * kTile;
+    const int64_t rows = std::min(kTile, seq.q_len - i0);
+    const int64_t kv_head = u.h / group_;
+    pack_queries(sc, u.b, u.h, i0, rows);
+    float* dq = sc.acc.data();
+    std::fill(dq, dq + kTile * dp_, 0.0f);
+    int64_t lo = seq.k_len, hi = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const KeyRange vr = visible_keys(mask_, seq, i0 + r);
+      if (vr.end > vr.begin) {
+        lo = std::min(lo, vr.begin);
+        hi = std::max(hi, vr.end);
+      }
+    }
+    for (int64_t k0 = lo / kTile * kTile; k0 < hi; k0 += kTile) {
+      const int64_t keys = std::min(kTile, seq.k_len - k0);
+      pack_keys(sc, u.b, kv_head, k0, keys);
+      probabilities_and_ds(sc, seq, i0, rows, k0);
+      // dQ += scale dS K.
+      k_.gemm({sc.s.data(), kTile, sc.krows.data(), dp_, dq, dp_, rows, dp_, kTile, sc.ones.data(),
+               p_.softmax_scale});
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seq.q_begin + i0 + r;
+      const MutableView& gq = p_.dq;
+      store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_, dq + r * dp_,
+                1.0f);
+    }
+    if (p_.sinks == nullptr) return 0.0;
+    const float sink = p_.sinks[u.h];
+    double part = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float lse = sc.lse.data()[r];
+      if (lse == kInf) continue;  // nothing reached the output (or an infinite sink): no term
+      part += std::exp(static_cast<double>(sink) - lse) * sc.delta.data()[r];
+    }
+    return part;
+  }
+
+ private:
+  Unit unit(int64_t b, int64_t h, int64_t t) const {
+    return {static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(t)};
+  }
+
+  // Whether any of query rows [i0, i0 + rows) sees a key of [k0, k0 + keys).
+  bool sees_tile(const Sequence& seq, int64_t i0, int64_t rows, int64_t k0, int64_t keys) const {
+    bool any = false;
+    for (int64_t r = 0; r < rows; ++r) {
+      const KeyRange vr = visible_keys(mask_, seq, i0 + r);
+      any = any || (vr.end > k0 && vr.begin < k0 + keys && vr.end > vr.begin);
+    }
+    return any;
+  }
+
+  // Widened query rows and output-gradient rows [i0, i0 + rows) of query head `head`, with their
+  // log-sum-exp and D_i = dO_i . O_i.
+  void pack_queries(Scratch& sc, int64_t b, int64_t head, int64_t i0, int64_t rows) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(sc.q.data(), sc.q.data() + kTile * dp_, 0.0f);
+    std::fill(sc.dout.data(), sc.dout.data() + kTile * dvp_, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seq.q_begin + i0 + r;
+      const View& q = p_.q;
+      load_row(q.data, p_.dtype, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_,
+               sc.q.data() + r * dp_);
+      const View& go = p_.dout;
+      const View& o = p_.out;
+      float* g = sc.dout.data() + r * dvp_;
+      load_row(go.data, p_.dtype, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, g);
+      load_row(o.data, p_.dtype, b * o.sb + pos * o.ss + head * o.sn, o.sd, dv_, sc.row.data());
+      double delta = 0.0;
+      for (int64_t e = 0; e < dv_; ++e) delta += static_cast<double>(g[e]) * sc.row.data()[e];
+      sc.delta.data()[r] = static_cast<float>(delta);
+      sc.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
+    }
+  }
+
+  // Key tile [k0, k0 + keys) of key head h: transposed keys and values for the two products
+  // with 64 columns, and key rows for dQ. Keys past the sequence are zero.
+  void pack_keys(Scratch& sc, int64_t b, int64_t h, int64_t k0, int64_t keys) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(sc.kt.data(), sc.kt.data() + d_ * kTile, 0.0f);
+    std::fill(sc.vt.data(), sc.vt.data() + dv_ * kTile, 0.0f);
+    std::fill(sc.krows.data(), sc.krows.data() + kTile * dp_, 0.0f);
+    for (int64_t n = 0; n < keys; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      const View& k = p_.k;
+      const View& v = p_.v;
+      float* kr = sc.krows.data() + n * dp_;
+      load_row(k.data, p_.dtype, b * k.sb + key * k.ss + h * k.sn, k.sd, d_, kr);
+      for (int64_t e = 0; e < d_; ++e) sc.kt.data()[e * kTile + n] = kr[e];
+      load_row(v.data, p_.dtype, b * v.sb + key * v.ss + h * v.sn, v.sd, dv_, sc.row.data());
+      for (int64_t e = 0; e < dv_; ++e) sc.vt.data()[e * kTile + n] = sc.row.data()[e];
+    }
+  }
+
+  // For the packed query rows against the packed key tile at k0: P (in sc.dp) and dS (in sc.s),
+  // both [rows][64], zero where a key is not visible or past the sequence.
+  void probabilities_and_ds(Scratch& sc, const Sequence& seq, int64_t i0, int64_t rows,
+                            int64_t k0) const {
+    float* s = sc.s.data();
+    float* dp = sc.dp.data();
+    k_.gemm({sc.q.data(), dp_, sc.kt.data(), kTile, s, kTile, rows, kTile, d_, nullptr,
+             p_.softmax_scale});
+    k_.gemm(
+        {sc.dout.data(), dvp_, sc.vt.data(), kTile, dp, kTile, rows, kTile, dv_, nullptr, 1.0f});
+    for (int64_t r = 0; r < rows; ++r) {
+      const KeyRange vr = visible_keys(mask_, seq, i0 + r);
+      const int64_t lo = std::clamp<int64_t>(vr.begin - k0, 0, kTile);
+      const int64_t hi = vr.end > vr.begin ? std::clamp<int64_t>(vr.end - k0, 0, kTile) : 0;
+      const float lse = sc.lse.data()[r];
+      const float delta = sc.delta.data()[r];
+      float* sr = s + r * kTile;
+      float* dr = dp + r * kTile;
+      for (int64_t c = 0; c < kTile; ++c) {
+        const float pr = (c >= lo && c < hi && lse != kInf) ? std::exp(sr[c] - lse) : 0.0f;
+        sr[c] = pr * (dr[c] - delta);  // dS
+        dr[c] = pr;                    // P
+      }
+    }
+    for (int64_t r = rows; r < kTile; ++r) {
+      std::fill(s + r * kTile, s + (r + 1) * kTile, 0.0f);
+      std::fill(dp + r * kTile, dp + (r + 1) * kTile, 0.0f);
+    }
+  }
+
+  // out[c][r] = in[r][c] for r < rows, c < 64.
+  static void transpose(const float* in, int64_t rows, float* out) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < kTile; ++c) out[c * rows + r] = in[r * kTile + c];
+  }
+
+  const FlashAttnBackwardParams& p_;
+  const std::vector<Sequence>& seqs_;
+  const KernelSet& k_;
+  int64_t group_, d_, dv_, dp_, dvp_;
+  Mask mask_;
+};
+
+}  // namespace
+
+void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Sequence>& seqs,
+                       Isa isa) {
+  validate_config(p.config);
+  const PlanConfig& c = p.config;
+  if (c.layout_kv == Layout::kPagedBBND) {
+    throw ArgumentError("layout_kv", "PA_BBND (paged keys and values) has no backward");
+  }
+  if (static_cast<int64_t>(seqs.size()) != c.batch_size) {
+    throw ArgumentError("sequences", "expected " + std::to_string(c.batch_size) +
+                                         " (batch_size), got " + std::to_string(seqs.size()));
+  }
+  bool work = false;
+  for (const Sequence& s : seqs) work = work || s.q_len > 0;
+  if (work) {
+    const std::pair<const void*, const char*> needed[] = {
+        {p.q.data, "q"},     {p.k.data, "k"},       {p.v.data, "v"},
+        {p.out.data, "out"}, {p.dout.data, "dout"}, {p.lse, "lse"},
+        {p.dq.data, "dq"},   {p.dk.data, "dk"},     {p.dv.data, "dv"},
+    };
+    for (const auto& [ptr, name] : needed) {
+      if (ptr == nullptr) throw ArgumentError(name, "is null");
+    }
+  }
+  if (p.sinks != nullptr && p.dsinks == nullptr) {
+    throw ArgumentError("dsinks", "is null but the forward had sinks");
+  }
+  if (!std::isfinite(p.softmax_scale)) throw ArgumentError("softmax_scale", "must be finite");
+  if (!isa_supported(isa)) {
+    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
+  }
+}
+
+void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Sequence>& seqs,
+                         const Executor& executor, Isa isa) {
+  validate_backward(p, seqs, isa);
+  const Backward run(p, seqs, isa);
+  std::vector<std::unique_ptr<Backward::Scratch>> scratch(std::max(1, executor.num_workers()));
+  auto scratch_of = [&](int thread) -> Backward::Scratch& {
+    if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
+    return *scratch[thread];
+  };
+  const std::vector<Unit> keys = run.key_units();
+  run_dynamic(executor, static_cast<int64_t>(keys.size()),
+              [&](int64_t i, int thread) { run.key_tile(scratch_of(thread), keys[i]); });
+  const std::vector<Unit> queries = run.query_units();
+  std::vector<double> sink_parts(queries.size(), 0.0);
+  run_dynamic(executor, static_cast<int64_t>(queries.size()), [&](int64_t i, int thread) {
+    sink_parts[i] = run.query_tile(scratch_of(thread), queries[i]);
+  });
+  if (p.sinks != nullptr) {
+    std::vector<double> total(p.config.num_heads_q, 0.0);
+    for (size_t i = 0; i < queries.size(); ++i) total[queries[i].h] += sink_parts[i];
+    for (int64_t h = 0; h < p.config.num_heads_q; ++h) {
+      p.dsinks[h] = static_cast<float>(-total[h]);
+    }
+  }
+}
+
+}  // namespace opmesh::core::attention

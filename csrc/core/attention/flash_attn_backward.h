@@ -1,0 +1,54 @@
+// Flash attention backward on the CPU: the gradients of flash_attn's output with respect to q, k,
+// v and the sinks, recomputing the probabilities from the saved log-sum-exp (never an S x S
+// matrix: every worker holds O(tile) scratch).
+//
+// With P_ij = exp(scale * q_i.k_j - lse_i) on visible keys (0 elsewhere), dO the output's gradient
+// and D_i = dO_i . O_i:
+//   dV_j = sum_i P_ij dO_i        dP_ij = dO_i . v_j        dS_ij = P_ij (dP_ij - D_i)
+//   dK_j = scale sum_i dS_ij q_i  dQ_i = scale sum_j dS_ij k_j
+//   dsink_h = -sum_i exp(sink_h - lse_i) D_i   (over every query row of head h)
+// summed over the query heads of a key head (GQA). Two passes, each over units a single task
+// owns: key tiles (dK, dV) and query tiles (dQ, the sinks' partial sums), so no two tasks write
+// the same element and the result is bitwise independent of the thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "config.h"
+#include "flash_attn.h"
+
+namespace opmesh::core::attention {
+
+struct MutableView {
+  void* data = nullptr;
+  int64_t sb = 0, ss = 0, sn = 0, sd = 0;
+};
+
+struct FlashAttnBackwardParams {
+  PlanConfig config;              // the forward's (num_workers and deterministic are not used)
+  DType dtype = DType::kFloat32;  // of q, k, v, out, dout and the three gradients
+  View q, k, v;                   // the forward's inputs; layout_kv may not be PA_BBND
+  View out, dout;                 // the forward's output and its gradient, layout_out
+  const float* lse = nullptr;     // the forward's log-sum-exp, strides for (b, head, position)
+  int64_t lse_sb = 0, lse_sn = 0, lse_ss = 0;
+  const float* sinks = nullptr;  // [num_heads_q] or nullptr
+  float softmax_scale = 1.0f;
+  // Gradients in the layouts of q, k and v. Rows outside the sequences' used lengths are not
+  // written: the caller zero-fills them.
+  MutableView dq, dk, dv;
+  float* dsinks = nullptr;  // [num_heads_q], required with sinks
+};
+
+// Throws ArgumentError naming the first offending argument.
+void validate_backward(const FlashAttnBackwardParams& params, const std::vector<Sequence>& seqs,
+                       Isa isa);
+
+// Validates, then computes dq, dk, dv (and dsinks) on the float32 kernels of `isa`.
+void flash_attn_backward(const FlashAttnBackwardParams& params, const std::vector<Sequence>& seqs,
+                         const Executor& executor, Isa isa);
+
+}  // namespace opmesh::core::attention
