@@ -1,10 +1,11 @@
 // What autograd does with each operator, registered on the operators themselves, so the Python
 // functions, torch.ops.opmesh.* and compiled graphs behave alike:
-// - flash_attn has no backward yet. Outputs computed from inputs that require a gradient get a
-//   gradient function whose backward calls opmesh::_no_gradient, an op that raises when it runs
-//   (its shape function only allocates). Asking for a gradient fails loudly, eagerly and in
-//   compiled graphs, while a compiled forward with grad-requiring inputs still traces and runs:
-//   a gradient is never dropped silently.
+// - flash_attn's gradients come from opmesh::flash_attn_backward (flash_attn_backward.cpp), an
+//   operator with its own schema and shape function, so compiled graphs (AOTAutograd) contain
+//   it as an ordinary node. The forward always computes the log-sum-exp when a gradient may be
+//   asked (the backward needs it) and returns it only when requested; the lse output is
+//   differentiable too. Paged keys and values (PA_BBND) have no backward: the backward operator
+//   refuses them when it runs.
 // - dense_lightning_indexer_softmax_lse returns softmax statistics, which are not
 //   differentiable: its outputs never require a gradient.
 // - kv_cache_write_ refuses grad-requiring arguments (kv_cache_cpu.cpp).
@@ -22,21 +23,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// `grad` ties the op to the incoming gradient, so a compiled graph can only place it in the
-// backward pass.
-std::vector<at::Tensor> no_gradient_cpu(const at::Tensor& grad, at::TensorList like,
-                                        c10::string_view op) {
-  TORCH_CHECK(false, op,
-              ": has no backward, so no gradient can be computed for its inputs; call it under "
-              "torch.no_grad() or on detached tensors");
-}
-
-std::vector<at::Tensor> no_gradient_meta(const at::Tensor&, at::TensorList like, c10::string_view) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& t : like) out.push_back(at::empty_like(t));
-  return out;
-}
-
 // Everything flash_attn takes besides q, k, v and sinks, carried through the autograd Function.
 struct Rest {
   std::optional<at::Tensor> block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv,
@@ -48,6 +34,53 @@ struct Rest {
   bool return_softmax_lse;
 };
 
+// What the backward needs of Rest, kept in the autograd context as IValues.
+void save_rest(AutogradContext* ctx, const Rest& r) {
+  auto& d = ctx->saved_data;
+  d["cu_seqlens_q"] = r.cu_seqlens_q;
+  d["cu_seqlens_kv"] = r.cu_seqlens_kv;
+  d["seqused_q"] = r.seqused_q;
+  d["seqused_kv"] = r.seqused_kv;
+  d["softmax_scale"] = r.softmax_scale;
+  d["mask_mode"] = r.mask_mode;
+  d["win_left"] = r.win_left;
+  d["win_right"] = r.win_right;
+  d["max_seqlen_q"] = r.max_seqlen_q.has_value() ? c10::IValue(*r.max_seqlen_q) : c10::IValue();
+  d["max_seqlen_kv"] = r.max_seqlen_kv.has_value() ? c10::IValue(*r.max_seqlen_kv) : c10::IValue();
+  d["layout_q"] = r.layout_q;
+  d["layout_kv"] = r.layout_kv;
+  d["layout_out"] = r.layout_out;
+}
+
+Rest load_rest(AutogradContext* ctx) {
+  auto& d = ctx->saved_data;
+  auto tensor = [&](const char* key) -> std::optional<at::Tensor> {
+    const c10::IValue& v = d[key];
+    return v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
+  };
+  auto symint = [&](const char* key) -> std::optional<c10::SymInt> {
+    const c10::IValue& v = d[key];
+    return v.isNone() ? std::nullopt : std::optional<c10::SymInt>(v.toSymInt());
+  };
+  Rest r;
+  r.cu_seqlens_q = tensor("cu_seqlens_q");
+  r.cu_seqlens_kv = tensor("cu_seqlens_kv");
+  r.seqused_q = tensor("seqused_q");
+  r.seqused_kv = tensor("seqused_kv");
+  r.softmax_scale = d["softmax_scale"].isNone()
+                        ? std::nullopt
+                        : std::optional<double>(d["softmax_scale"].toDouble());
+  r.mask_mode = d["mask_mode"].toInt();
+  r.win_left = d["win_left"].toInt();
+  r.win_right = d["win_right"].toInt();
+  r.max_seqlen_q = symint("max_seqlen_q");
+  r.max_seqlen_kv = symint("max_seqlen_kv");
+  r.layout_q = d["layout_q"].toStringRef();
+  r.layout_kv = d["layout_kv"].toStringRef();
+  r.layout_out = d["layout_out"].toStringRef();
+  return r;
+}
+
 using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
@@ -56,7 +89,15 @@ using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
     int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
     c10::string_view, c10::string_view, c10::string_view, bool);
 
-class FlashAttnWithoutBackward : public torch::autograd::Function<FlashAttnWithoutBackward> {
+using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
+    int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
+    c10::string_view, c10::string_view, c10::string_view);
+
+class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& sinks,
@@ -65,26 +106,42 @@ class FlashAttnWithoutBackward : public torch::autograd::Function<FlashAttnWitho
                                .findSchemaOrThrow("opmesh::flash_attn", "")
                                .typed<FlashAttnSig>();
     at::AutoDispatchBelowADInplaceOrView guard;
+    // The backward needs the log-sum-exp whether or not the caller asked for it.
     auto [out, lse] = op.call(q, k, v, r.block_table, r.cu_seqlens_q, r.cu_seqlens_kv, r.seqused_q,
                               r.seqused_kv, sinks, r.metadata, r.softmax_scale, r.mask_mode,
                               r.win_left, r.win_right, r.max_seqlen_q, r.max_seqlen_kv, r.layout_q,
-                              r.layout_kv, r.layout_out, r.return_softmax_lse);
+                              r.layout_kv, r.layout_out, /*return_softmax_lse=*/true);
     ctx->saved_data["has_sinks"] = sinks.has_value();
-    ctx->save_for_backward(sinks.has_value() ? variable_list{q, k, v, *sinks}
-                                             : variable_list{q, k, v});
-    return {out, lse};
+    ctx->saved_data["returns_lse"] = r.return_softmax_lse;
+    save_rest(ctx, r);
+    variable_list saved{q, k, v, out, lse};
+    if (sinks.has_value()) saved.push_back(*sinks);
+    ctx->save_for_backward(saved);
+    at::Tensor lse_out = r.return_softmax_lse ? lse : at::empty({0}, lse.options());
+    if (!r.return_softmax_lse) ctx->mark_non_differentiable({lse_out});
+    return {out, lse_out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    static const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("opmesh::_no_gradient", "")
-            .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList, c10::string_view)>();
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("opmesh::flash_attn_backward", "")
+                               .typed<BackwardSig>();
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& grad = grad_outputs[0].defined() ? grad_outputs[0] : grad_outputs[1];
-    std::vector<at::Tensor> grads = op.call(grad, saved, "flash_attn");
     const bool has_sinks = ctx->saved_data["has_sinks"].toBool();
-    return {grads[0], grads[1], grads[2], has_sinks ? grads[3] : at::Tensor(), at::Tensor()};
+    const bool returns_lse = ctx->saved_data["returns_lse"].toBool();
+    const Rest r = load_rest(ctx);
+    const at::Tensor& out = saved[3];
+    const at::Tensor& lse = saved[4];
+    const at::Tensor dout = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(out);
+    std::optional<at::Tensor> dlse;
+    if (returns_lse && grad_outputs[1].defined()) dlse = grad_outputs[1];
+    std::optional<at::Tensor> sinks;
+    if (has_sinks) sinks = saved[5];
+    auto [dq, dk, dv, dsinks] = op.call(
+        dout, saved[0], saved[1], saved[2], out, lse, dlse, r.cu_seqlens_q, r.cu_seqlens_kv,
+        r.seqused_q, r.seqused_kv, sinks, r.softmax_scale, r.mask_mode, r.win_left, r.win_right,
+        r.max_seqlen_q, r.max_seqlen_kv, r.layout_q, r.layout_kv, r.layout_out);
+    return {dq, dk, dv, has_sinks ? dsinks : at::Tensor(), at::Tensor()};
   }
 };
 
@@ -113,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_autograd(
                   std::string(layout_kv),
                   std::string(layout_out),
                   return_softmax_lse};
-  const variable_list out = FlashAttnWithoutBackward::apply(q, k, v, sinks, rest);
+  const variable_list out = FlashAttnFunction::apply(q, k, v, sinks, rest);
   return {out[0], out[1]};
 }
 
@@ -138,11 +195,6 @@ std::tuple<at::Tensor, at::Tensor> indexer_autograd(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(opmesh, m) {
-  m.def("_no_gradient(Tensor grad, Tensor[] like, str op) -> Tensor[]");
-}
-TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("_no_gradient", &no_gradient_cpu); }
-TORCH_LIBRARY_IMPL(opmesh, Meta, m) { m.impl("_no_gradient", &no_gradient_meta); }
 TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
   m.impl("flash_attn", &flash_attn_autograd);
   m.impl("dense_lightning_indexer_softmax_lse", &indexer_autograd);

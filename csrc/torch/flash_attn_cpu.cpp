@@ -11,6 +11,7 @@
 #include "aten_executor.h"
 #include "attention/flash_attn.h"
 #include "attention/metadata.h"
+#include "core_calls.h"
 #include "dtypes.h"
 #include "errors.h"
 #include "flash_attn_args.h"
@@ -20,27 +21,6 @@ namespace opmesh::binding {
 namespace {
 
 using core::ArgumentError;
-
-// A host copy of an optional int32 length array with `count` entries.
-struct HostInts {
-  at::Tensor tensor;  // contiguous int32 on the CPU, or undefined
-  const int32_t* data() const { return tensor.defined() ? tensor.data_ptr<int32_t>() : nullptr; }
-};
-
-// Lengths were checked (dtype, rank, entries, device) before: this only brings them to the host.
-HostInts host_ints(const std::optional<at::Tensor>& t) {
-  if (!t.has_value()) return {};
-  return {t->to(at::kCPU).contiguous()};
-}
-
-template <class F>
-auto rethrow(F&& f) {
-  try {
-    return f();
-  } catch (const ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-}
 
 int64_t default_workers(std::optional<int64_t> n) {
   return n.has_value() ? *n : std::max(1, at::get_num_threads());
@@ -88,17 +68,6 @@ at::Tensor metadata_cpu(
     return 0;
   });
   return out;
-}
-
-attn::View view_of(const at::Tensor& t, attn::Layout layout) {
-  const Axes a = axes_of(layout);
-  attn::View v;
-  v.data = t.data_ptr();
-  v.sb = a.b >= 0 ? t.stride(a.b) : 0;
-  v.ss = t.stride(a.s);
-  v.sn = t.stride(a.n);
-  v.sd = t.stride(a.d);
-  return v;
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(

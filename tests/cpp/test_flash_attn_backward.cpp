@@ -23,7 +23,7 @@ constexpr int64_t kHq = 4, kHkv = 2, kD = 40, kDv = 24;
 struct Problem {
   PlanConfig c;
   std::vector<int32_t> cu;
-  std::vector<float> q, k, v, dout, sinks;
+  std::vector<float> q, k, v, dout, sinks, dlse;  // dlse [Hq][T] or empty
 };
 
 Problem make(MaskMode mode, int64_t left, int64_t right, const std::vector<int32_t>& lengths,
@@ -98,6 +98,7 @@ void reference(const Problem& x, float scale, std::vector<double>& dq, std::vect
         const float* go = x.dout.data() + ((t0 + i) * kHq + h) * kDv;
         double delta = 0;
         for (int64_t e = 0; e < kDv; ++e) delta += go[e] * out[e];
+        if (!x.dlse.empty()) delta -= x.dlse[h * x.cu.back() + t0 + i];
         if (!x.sinks.empty()) dsinks[h] -= std::exp(x.sinks[h] - top) / total * delta;
         for (int64_t j = vr.begin; j < vr.end; ++j) {
           double dp = 0;
@@ -157,6 +158,11 @@ void check(const Problem& x, int threads) {
   p.lse_sn = t;
   p.lse_ss = 1;
   p.sinks = f.sinks;
+  if (!x.dlse.empty()) {
+    p.dlse = x.dlse.data();
+    p.dlse_sn = t;
+    p.dlse_ss = 1;
+  }
   p.softmax_scale = scale;
   p.dq = {dq.data(), 0, kHq * kD, kD, 1};
   p.dk = {dk.data(), 0, kHkv * kD, kD, 1};
@@ -187,6 +193,17 @@ TEST(FlashAttnBackward, MatchesDoubleGradientsOnEveryMask) {
   check(make(MaskMode::kWindow, 20, 3, lengths, false, 3), 2);
   check(make(MaskMode::kCausal, -1, -1, lengths, true, 4), 4);
   check(make(MaskMode::kWindow, -1, 0, {200}, true, 5), 2);
+}
+
+TEST(FlashAttnBackward, GradientOfTheLogSumExpToo) {
+  for (bool sinks : {false, true}) {
+    Problem x = make(MaskMode::kCausal, -1, -1, {90, 0, 33}, sinks, 11);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    x.dlse.resize(kHq * x.cu.back());
+    for (auto& e : x.dlse) e = nd(rng);
+    check(x, 2);
+  }
 }
 
 TEST(FlashAttnBackward, SameBitsWhateverTheThreadCount) {

@@ -22,9 +22,16 @@ def samples():
     w = torch.randn(2, 40, 8, generator=g)
     cu = torch.tensor([0, 30, 70], dtype=torch.int32)
     kc, vc = torch.randn(5, 16, 2, 16, generator=g), torch.randn(5, 16, 2, 16, generator=g)
+    sinks = torch.randn(8, generator=g)
+    v = torch.randn(2, 50, 2, 16, generator=g)
+    out, lse = opmesh.flash_attn(q, k, v, sinks=sinks, mask_mode=3, return_softmax_lse=True)
     return {
         "dense_lightning_indexer_softmax_lse": ((q, k, w), dict(sparse_mode=3)),
-        "flash_attn": ((q, k, k.clone()), dict(mask_mode=3, return_softmax_lse=True)),
+        "flash_attn": ((q, k, v), dict(sinks=sinks, mask_mode=3, return_softmax_lse=True)),
+        "flash_attn_backward": (
+            (torch.randn_like(out), q, k, v, out, lse),
+            dict(dlse=torch.randn_like(lse), sinks=sinks, mask_mode=3),
+        ),
         "flash_attn_metadata": (
             (8, 2, 16),
             dict(
@@ -60,24 +67,9 @@ def test_opcheck_every_op():
         if name.startswith("opmesh::")
     }
     cases = samples()
-    # _no_gradient stands for the gradients of an op without a backward and raises whenever it
-    # runs, so opcheck cannot run it; test_no_gradient_op_raises_and_its_fake_allocates covers it.
-    ops -= {"_no_gradient"}
     assert ops == set(cases), f"ops without an opcheck sample: {ops - set(cases)}"
     for name, (args, kwargs) in cases.items():
         torch.library.opcheck(getattr(torch.ops.opmesh, name).default, args, kwargs)
-
-
-def test_no_gradient_op_raises_and_its_fake_allocates():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    like = [torch.randn(2, 3), torch.randn(4, dtype=torch.bfloat16)]
-    with pytest.raises(RuntimeError, match=r"^flash_attn: has no backward"):
-        torch.ops.opmesh._no_gradient(torch.ones(1), like, "flash_attn")
-    with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(t) for t in like]
-        out = torch.ops.opmesh._no_gradient(mode.from_tensor(torch.ones(1)), fakes, "flash_attn")
-    assert [(t.shape, t.dtype) for t in out] == [(t.shape, t.dtype) for t in like]
 
 
 class SmallAttention(torch.nn.Module):

@@ -208,6 +208,9 @@ class Backward {
       load_row(o.data, p_.dtype, b * o.sb + pos * o.ss + head * o.sn, o.sd, dv_, sc.row.data());
       double delta = 0.0;
       for (int64_t e = 0; e < dv_; ++e) delta += static_cast<double>(g[e]) * sc.row.data()[e];
+      if (p_.dlse != nullptr) {
+        delta -= p_.dlse[b * p_.dlse_sb + head * p_.dlse_sn + pos * p_.dlse_ss];
+      }
       sc.delta.data()[r] = static_cast<float>(delta);
       sc.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
     }

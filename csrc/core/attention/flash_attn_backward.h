@@ -7,6 +7,8 @@
 //   dV_j = sum_i P_ij dO_i        dP_ij = dO_i . v_j        dS_ij = P_ij (dP_ij - D_i)
 //   dK_j = scale sum_i dS_ij q_i  dQ_i = scale sum_j dS_ij k_j
 //   dsink_h = -sum_i exp(sink_h - lse_i) D_i   (over every query row of head h)
+// When the log-sum-exp itself has a gradient dL_i (it is an output of the forward too), D_i
+// becomes D_i - dL_i, since d lse_i / d s_ij = P_ij and d lse_i / d sink_h = exp(sink_h - lse_i).
 // summed over the query heads of a key head (GQA). Two passes, each over units a single task
 // owns: key tiles (dK, dV) and query tiles (dQ, the sinks' partial sums), so no two tasks write
 // the same element and the result is bitwise independent of the thread count.
@@ -35,6 +37,8 @@ struct FlashAttnBackwardParams {
   View out, dout;                 // the forward's output and its gradient, layout_out
   const float* lse = nullptr;     // the forward's log-sum-exp, strides for (b, head, position)
   int64_t lse_sb = 0, lse_sn = 0, lse_ss = 0;
+  const float* dlse = nullptr;  // the log-sum-exp's gradient (lse's strides below), or nullptr
+  int64_t dlse_sb = 0, dlse_sn = 0, dlse_ss = 0;
   const float* sinks = nullptr;  // [num_heads_q] or nullptr
   float softmax_scale = 1.0f;
   // Gradients in the layouts of q, k and v. Rows outside the sequences' used lengths are not

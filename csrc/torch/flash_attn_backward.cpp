@@ -1,0 +1,209 @@
+// flash_attn_backward: the gradients of flash_attn with respect to q, k, v and sinks, as an
+// operator of its own (schema, CPU kernel, shape function), so that flash_attn's autograd
+// formula (autograd.cpp) is an ordinary graph node for AOTAutograd and torch.export.
+#include "attention/flash_attn_backward.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "aten_executor.h"
+#include "core_calls.h"
+#include "dtypes.h"
+#include "flash_attn_args.h"
+
+namespace opmesh::binding {
+namespace {
+
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The forward's checks, plus those of the saved output, its gradient and the log-sum-exp.
+FlashAttnArgs check_backward_args(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
+    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
+    const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
+    int64_t win_left, int64_t win_right, const std::optional<c10::SymInt>& max_seqlen_q,
+    const std::optional<c10::SymInt>& max_seqlen_kv, c10::string_view layout_q,
+    c10::string_view layout_kv, c10::string_view layout_out) {
+  TORCH_CHECK_VALUE(layout_kv != "PA_BBND",
+                    "layout_kv: PA_BBND (paged keys and values) has no backward; train with "
+                    "BSND, BNSD or TND keys and values");
+  const FlashAttnArgs args = check_flash_attn_args(
+      q, k, v, std::nullopt, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks,
+      std::nullopt, softmax_scale, mask_mode, win_left, win_right, max_seqlen_q, max_seqlen_kv,
+      layout_q, layout_kv, layout_out);
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{dout, "dout"}, {out, "out"}}) {
+    TORCH_CHECK_VALUE(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
+                      " like q, got ", t.device());
+    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
+                     " like q, got ", t.scalar_type());
+  }
+  TORCH_CHECK_VALUE(holds(dout.sym_sizes().equals(out.sym_sizes())), "dout: expected shape ",
+                    out.sym_sizes(), " (the output's), got ", dout.sym_sizes());
+  const Axes qa = args.qa;
+  const Axes oa = axes_of(args.config.layout_out);
+  TORCH_CHECK_VALUE(out.dim() == qa.rank, "out: expected ", qa.rank, " dims, got ", out.dim());
+  const c10::SymInt nq = q.sym_size(qa.n);
+  std::vector<c10::SymInt> lse_shape;
+  if (args.q_tnd) {
+    lse_shape = {nq, q.sym_size(0)};
+  } else {
+    lse_shape = {q.sym_size(qa.b), nq, q.sym_size(qa.s)};
+  }
+  const std::vector<c10::SymInt> out_shape =
+      args.q_tnd ? std::vector<c10::SymInt>{q.sym_size(0), nq, v.sym_size(args.ka.d)}
+      : args.config.layout_out == attn::Layout::kBNSD
+          ? std::vector<c10::SymInt>{q.sym_size(qa.b), nq, q.sym_size(qa.s), v.sym_size(args.ka.d)}
+          : std::vector<c10::SymInt>{q.sym_size(qa.b), q.sym_size(qa.s), nq, v.sym_size(args.ka.d)};
+  (void)oa;
+  TORCH_CHECK_VALUE(holds(out.sym_sizes().equals(out_shape)), "out: expected shape ",
+                    c10::SymIntArrayRef(out_shape), ", got ", out.sym_sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&lse, "lse"},
+                                {dlse.has_value() ? &*dlse : nullptr, "dlse"}}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, ": expected float32, got ",
+                     t->scalar_type());
+    TORCH_CHECK_VALUE(t->device() == q.device(), name, ": expected a tensor on ", q.device());
+    TORCH_CHECK_VALUE(holds(t->sym_sizes().equals(lse_shape)), name, ": expected shape ",
+                      c10::SymIntArrayRef(lse_shape), ", got ", t->sym_sizes());
+  }
+  return args;
+}
+
+Grads empty_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& sinks, bool zero) {
+  auto make = [&](const at::Tensor& t) {
+    return zero ? at::zeros_symint(t.sym_sizes(), t.options())
+                : at::empty_symint(t.sym_sizes(), t.options());
+  };
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dsinks = sinks.has_value() ? (zero ? at::zeros_symint(sinks->sym_sizes(), f32)
+                                                : at::empty_symint(sinks->sym_sizes(), f32))
+                                        : at::empty({0}, f32);
+  return {make(q), make(k), make(v), dsinks};
+}
+
+Grads flash_attn_backward_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
+    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
+    const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
+    int64_t win_left, int64_t win_right, std::optional<int64_t> max_seqlen_q,
+    std::optional<int64_t> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
+    c10::string_view layout_out) {
+  TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
+  const auto as_sym = [](std::optional<int64_t> x) {
+    return x.has_value() ? std::optional<c10::SymInt>(c10::SymInt(*x)) : std::nullopt;
+  };
+  const FlashAttnArgs args = check_backward_args(
+      dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks,
+      softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
+      layout_q, layout_kv, layout_out);
+  attn::PlanConfig c = args.config;
+  c.batch_size = args.batch.expect_int();
+  const auto cq = host_ints(cu_seqlens_q);
+  const auto ck = host_ints(cu_seqlens_kv);
+  const auto uq = host_ints(seqused_q);
+  const auto uk = host_ints(seqused_kv);
+  const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
+  auto longest = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
+    int64_t m = 0;
+    for (int64_t b = 0; b < c.batch_size; ++b) {
+      int64_t len = cu ? cu[b + 1] - cu[b] : fallback;
+      if (used) len = std::min<int64_t>(len, used[b]);
+      m = std::max(m, len);
+    }
+    return m;
+  };
+  c.max_seqlen_q =
+      args.q_tnd ? max_seqlen_q.value_or(longest(cq.data(), uq.data(), 0)) : q.size(args.qa.s);
+  c.max_seqlen_kv =
+      args.kv_tnd ? max_seqlen_kv.value_or(longest(ck.data(), uk.data(), 0)) : k.size(args.ka.s);
+  rethrow([&] {
+    attn::validate_config(c);
+    return 0;
+  });
+  const std::vector<attn::Sequence> seqs =
+      rethrow([&] { return attn::resolve_sequences(c, lengths); });
+
+  Grads grads = empty_grads(q, k, v, sinks, /*zero=*/true);
+  auto& [dq, dk, dv, dsinks] = grads;
+  attn::FlashAttnBackwardParams p;
+  p.config = c;
+  p.dtype = to_core_dtype(q.scalar_type(), "q");
+  p.q = view_of(q, c.layout_q);
+  p.k = view_of(k, c.layout_kv);
+  p.v = view_of(v, c.layout_kv);
+  p.out = view_of(out, c.layout_out);
+  p.dout = view_of(dout, c.layout_out);
+  const bool tnd = args.q_tnd;
+  const at::Tensor lse_c = lse.contiguous();
+  p.lse = lse_c.data_ptr<float>();
+  p.lse_sb = tnd ? 0 : lse_c.stride(0);
+  p.lse_sn = lse_c.stride(tnd ? 0 : 1);
+  p.lse_ss = lse_c.stride(tnd ? 1 : 2);
+  at::Tensor dlse_c;
+  if (dlse.has_value()) {
+    dlse_c = dlse->contiguous();
+    p.dlse = dlse_c.data_ptr<float>();
+    p.dlse_sb = p.lse_sb;
+    p.dlse_sn = p.lse_sn;
+    p.dlse_ss = p.lse_ss;
+  }
+  at::Tensor sink_values;
+  if (sinks.has_value()) {
+    sink_values = sinks->contiguous();
+    p.sinks = sink_values.data_ptr<float>();
+    p.dsinks = dsinks.data_ptr<float>();
+  }
+  p.softmax_scale = args.softmax_scale;
+  auto mutable_view = [](at::Tensor& t, attn::Layout layout) {
+    const attn::View view = view_of(t, layout);
+    return attn::MutableView{t.data_ptr(), view.sb, view.ss, view.sn, view.sd};
+  };
+  p.dq = mutable_view(dq, c.layout_q);
+  p.dk = mutable_view(dk, c.layout_kv);
+  p.dv = mutable_view(dv, c.layout_kv);
+  rethrow([&] {
+    attn::flash_attn_backward(p, seqs, AtenExecutor(), core::active_isa());
+    return 0;
+  });
+  return grads;
+}
+
+Grads flash_attn_backward_meta(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
+    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
+    const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
+    int64_t win_left, int64_t win_right, std::optional<c10::SymInt> max_seqlen_q,
+    std::optional<c10::SymInt> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
+    c10::string_view layout_out) {
+  check_backward_args(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q,
+                      seqused_kv, sinks, softmax_scale, mask_mode, win_left, win_right,
+                      max_seqlen_q, max_seqlen_kv, layout_q, layout_kv, layout_out);
+  return empty_grads(q, k, v, sinks, /*zero=*/false);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(opmesh, m) {
+  m.def(
+      "flash_attn_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, *, "
+      "Tensor? dlse=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
+      "Tensor? seqused_q=None, Tensor? seqused_kv=None, Tensor? sinks=None, "
+      "float? softmax_scale=None, int mask_mode=0, int win_left=-1, int win_right=-1, "
+      "SymInt? max_seqlen_q=None, SymInt? max_seqlen_kv=None, str layout_q=\"BSND\", "
+      "str layout_kv=\"BSND\", str layout_out=\"BSND\") "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+}
+TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("flash_attn_backward", &flash_attn_backward_cpu); }
+TORCH_LIBRARY_IMPL(opmesh, Meta, m) { m.impl("flash_attn_backward", &flash_attn_backward_meta); }
+
+}  // namespace opmesh::binding
