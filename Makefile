@@ -59,3 +59,4 @@ bench: build
 	$(PY) benchmarks/bench_flash_attn.py
 	$(PY) benchmarks/bench_dispatch.py
 	$(PY) benchmarks/bench_bf16_kernels.py
+	$(PY) benchmarks/bench_flash_attn_backward.py

@@ -45,7 +45,6 @@ FlashAttnArgs check_backward_args(
   TORCH_CHECK_VALUE(holds(dout.sym_sizes().equals(out.sym_sizes())), "dout: expected shape ",
                     out.sym_sizes(), " (the output's), got ", dout.sym_sizes());
   const Axes qa = args.qa;
-  const Axes oa = axes_of(args.config.layout_out);
   TORCH_CHECK_VALUE(out.dim() == qa.rank, "out: expected ", qa.rank, " dims, got ", out.dim());
   const c10::SymInt nq = q.sym_size(qa.n);
   std::vector<c10::SymInt> lse_shape;
@@ -59,7 +58,6 @@ FlashAttnArgs check_backward_args(
       : args.config.layout_out == attn::Layout::kBNSD
           ? std::vector<c10::SymInt>{q.sym_size(qa.b), nq, q.sym_size(qa.s), v.sym_size(args.ka.d)}
           : std::vector<c10::SymInt>{q.sym_size(qa.b), q.sym_size(qa.s), nq, v.sym_size(args.ka.d)};
-  (void)oa;
   TORCH_CHECK_VALUE(holds(out.sym_sizes().equals(out_shape)), "out: expected shape ",
                     c10::SymIntArrayRef(out_shape), ", got ", out.sym_sizes());
   for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&lse, "lse"},
@@ -112,13 +110,7 @@ Grads flash_attn_backward_cpu(
   const auto uk = host_ints(seqused_kv);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
   auto longest = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
-    int64_t m = 0;
-    for (int64_t b = 0; b < c.batch_size; ++b) {
-      int64_t len = cu ? cu[b + 1] - cu[b] : fallback;
-      if (used) len = std::min<int64_t>(len, used[b]);
-      m = std::max(m, len);
-    }
-    return m;
+    return longest_length(cu, used, c.batch_size, fallback);
   };
   c.max_seqlen_q =
       args.q_tnd ? max_seqlen_q.value_or(longest(cq.data(), uq.data(), 0)) : q.size(args.qa.s);

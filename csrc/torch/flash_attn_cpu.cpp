@@ -123,13 +123,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     bt_sj = block_table->stride(1);
   }
   auto max_of = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
-    int64_t m = 0;
-    for (int64_t b = 0; b < c.batch_size; ++b) {
-      int64_t len = cu ? cu[b + 1] - cu[b] : fallback;
-      if (used) len = std::min<int64_t>(len, used[b]);
-      m = std::max(m, len);
-    }
-    return m;
+    return longest_length(cu, used, c.batch_size, fallback);
   };
   const bool use_metadata = metadata.has_value();
   // The shape's where the layout has a sequence axis, else the caller's, else -1 (left to the

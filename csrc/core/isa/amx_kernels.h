@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../kernels/kernel_set.h"
+#include "sets.h"
 
 namespace opmesh::core::kernels {
 
@@ -151,5 +152,27 @@ struct AmxKernels {
     }
   }
 };
+
+// The amx_bf16 kernel set on a tile backend: the two products and the score tile on tiles, the
+// rest borrowed from the AVX-512 sets.
+template <class Tiles>
+KernelSet amx_kernel_set(const char* name) {
+  using K = AmxKernels<Tiles>;
+  return {name,
+          Isa::kAmxBf16,
+          Word::kBf16Pair,
+          /*depth_align=*/16,
+          /*row_align=*/16,
+          /*row_block=*/16,
+          /*block_tiles=*/4,
+          &K::begin_worker,
+          &K::end_worker,
+          &K::gemm,
+          &avx512::softmax,
+          &avx512_bf16::to_bf16,
+          &avx512::pack_keys,
+          &K::score_tile,
+          &avx512::widen};
+}
 
 }  // namespace opmesh::core::kernels
