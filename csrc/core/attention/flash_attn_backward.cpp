@@ -37,7 +37,10 @@ class Backward {
         dv_(p.config.head_dim_v),
         dp_(round_up(d_, 16)),
         dvp_(round_up(dv_, 16)),
-        mask_(mask_of(p.config)) {}
+        mask_(mask_of(p.config)),
+        elem_(p.dtype == DType::kFloat64   ? 8
+              : p.dtype == DType::kFloat32 ? 4
+                                           : 2) {}
 
   struct Scratch {
     explicit Scratch(const Backward& r)
@@ -199,13 +202,12 @@ class Backward {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = seq.q_begin + i0 + r;
       const View& q = p_.q;
-      load_row(q.data, p_.dtype, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_,
-               sc.q.data() + r * dp_);
+      load(q.data, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_, sc.q.data() + r * dp_);
       const View& go = p_.dout;
       const View& o = p_.out;
       float* g = sc.dout.data() + r * dvp_;
-      load_row(go.data, p_.dtype, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, g);
-      load_row(o.data, p_.dtype, b * o.sb + pos * o.ss + head * o.sn, o.sd, dv_, sc.row.data());
+      load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, g);
+      load(o.data, b * o.sb + pos * o.ss + head * o.sn, o.sd, dv_, sc.row.data());
       double delta = 0.0;
       for (int64_t e = 0; e < dv_; ++e) delta += static_cast<double>(g[e]) * sc.row.data()[e];
       if (p_.dlse != nullptr) {
@@ -228,9 +230,9 @@ class Backward {
       const View& k = p_.k;
       const View& v = p_.v;
       float* kr = sc.krows.data() + n * dp_;
-      load_row(k.data, p_.dtype, b * k.sb + key * k.ss + h * k.sn, k.sd, d_, kr);
+      load(k.data, b * k.sb + key * k.ss + h * k.sn, k.sd, d_, kr);
       for (int64_t e = 0; e < d_; ++e) sc.kt.data()[e * kTile + n] = kr[e];
-      load_row(v.data, p_.dtype, b * v.sb + key * v.ss + h * v.sn, v.sd, dv_, sc.row.data());
+      load(v.data, b * v.sb + key * v.ss + h * v.sn, v.sd, dv_, sc.row.data());
       for (int64_t e = 0; e < dv_; ++e) sc.vt.data()[e * kTile + n] = sc.row.data()[e];
     }
   }
@@ -245,6 +247,7 @@ class Backward {
              p_.softmax_scale});
     k_.gemm(
         {sc.dout.data(), dvp_, sc.vt.data(), kTile, dp, kTile, rows, kTile, dv_, nullptr, 1.0f});
+    k_.exp_rows(s, rows, kTile, sc.lse.data());  // P, masked below
     for (int64_t r = 0; r < rows; ++r) {
       const KeyRange vr = visible_keys(mask_, seq, i0 + r);
       const int64_t lo = std::clamp<int64_t>(vr.begin - k0, 0, kTile);
@@ -254,7 +257,7 @@ class Backward {
       float* sr = s + r * kTile;
       float* dr = dp + r * kTile;
       for (int64_t c = 0; c < kTile; ++c) {
-        const float pr = (c >= lo && c < hi && lse != kInf) ? std::exp(sr[c] - lse) : 0.0f;
+        const float pr = (c >= lo && c < hi && lse != kInf) ? sr[c] : 0.0f;
         sr[c] = pr * (dr[c] - delta);  // dS
         dr[c] = pr;                    // P
       }
@@ -262,6 +265,15 @@ class Backward {
     for (int64_t r = rows; r < kTile; ++r) {
       std::fill(s + r * kTile, s + (r + 1) * kTile, 0.0f);
       std::fill(dp + r * kTile, dp + (r + 1) * kTile, 0.0f);
+    }
+  }
+
+  // n elements of a row at element `offset` of `base` with stride sd, widened to float.
+  void load(const void* base, int64_t offset, int64_t sd, int64_t n, float* dst) const {
+    if (sd == 1) {
+      k_.widen(static_cast<const char*>(base) + offset * elem_, p_.dtype, n, dst);
+    } else {
+      load_row(base, p_.dtype, offset, sd, n, dst);
     }
   }
 
@@ -276,6 +288,7 @@ class Backward {
   const KernelSet& k_;
   int64_t group_, d_, dv_, dp_, dvp_;
   Mask mask_;
+  int64_t elem_;  // bytes per input element
 };
 
 }  // namespace

@@ -169,6 +169,7 @@ KernelSet amx_kernel_set(const char* name) {
           &K::end_worker,
           &K::gemm,
           &avx512::softmax,
+          &avx512::exp_rows,
           &avx512_bf16::to_bf16,
           &avx512::pack_keys,
           &K::score_tile,

@@ -112,6 +112,16 @@ void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* co
   }
 }
 
+void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 m = _mm256_set1_ps(shift[r]);
+    for (int64_t c = 0; c < cols; c += 8) {
+      float* x = s + r * cols + c;
+      _mm256_storeu_ps(x, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x), m)));
+    }
+  }
+}
+
 constexpr int kTile = kKeyTile;
 constexpr int kCols = 2;  // ymm registers of 8 keys per row
 
@@ -161,21 +171,10 @@ void score_tile(const ScoreTileArgs& args) {
 }  // namespace
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx2",
-                             Isa::kAvx2,
-                             Word::kFloat32,
-                             1,
-                             1,
-                             6,
-                             1,
-                             nullptr,
-                             nullptr,
-                             &gemm,
-                             &softmax,
-                             nullptr,
-                             &scalar::pack_keys,
-                             &score_tile,
-                             &scalar::widen};
+  static const KernelSet set{
+      "avx2",      Isa::kAvx2,    Word::kFloat32, 1,        1,         6,       1,
+      nullptr,     nullptr,       &gemm,          &softmax, &exp_rows, nullptr, &scalar::pack_keys,
+      &score_tile, &scalar::widen};
   return set;
 }
 

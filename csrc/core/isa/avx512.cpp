@@ -154,10 +154,20 @@ void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* co
   }
 }
 
+void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 m = _mm512_set1_ps(shift[r]);
+    for (int64_t c = 0; c < cols; c += 16) {
+      float* x = s + r * cols + c;
+      _mm512_storeu_ps(x, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x), m)));
+    }
+  }
+}
+
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx512",   Isa::kAvx512, Word::kFloat32, 1,     1,        6,
-                             1,          nullptr,      nullptr,        &gemm, &softmax, nullptr,
-                             &pack_keys, &score_tile,  &widen};
+  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,     1,        6,
+                             1,        nullptr,      nullptr,        &gemm, &softmax, &exp_rows,
+                             nullptr,  &pack_keys,   &score_tile,    &widen};
   return set;
 }
 

@@ -41,6 +41,7 @@ const KernelSet& kernel_set() {
                              nullptr,
                              &gemm,
                              &avx512::softmax,
+                             &avx512::exp_rows,
                              &to_bf16,
                              &avx512::pack_keys,
                              &score_tile,

@@ -56,6 +56,12 @@ void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* co
   }
 }
 
+void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) s[r * cols + c] = std::exp(s[r * cols + c] - shift[r]);
+  }
+}
+
 void score_tile(const ScoreTileArgs& args) {
   const float* query = static_cast<const float*>(args.query);
   const float* key = static_cast<const float*>(args.key);
@@ -93,9 +99,9 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"scalar",   Isa::kScalar, Word::kFloat32, 1,     1,        1,
-                             1,          nullptr,      nullptr,        &gemm, &softmax, nullptr,
-                             &pack_keys, &score_tile,  &widen};
+  static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,     1,        1,
+                             1,        nullptr,      nullptr,        &gemm, &softmax, &exp_rows,
+                             nullptr,  &pack_keys,   &score_tile,    &widen};
   return set;
 }
 

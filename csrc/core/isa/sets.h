@@ -23,6 +23,7 @@ const KernelSet& kernel_set();
 namespace avx512 {
 const KernelSet& kernel_set();
 void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction);
+void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift);
 void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
 void widen(const void* src, DType dtype, int64_t n, float* dst);
 }  // namespace avx512

@@ -82,6 +82,10 @@ struct KernelSet {
   // A row whose m_new is -inf (nothing visible yet) gets s = 0 and correction = 1. A NaN score
   // makes the row's m, l and s NaN.
   void (*softmax)(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction);
+  // s[r][c] <- exp(s[r][c] - shift[r]) for `rows` rows of `cols` (a multiple of 16) scores, the
+  // probabilities of flash attention's backward (shift: the log-sum-exp, s <= shift up to
+  // rounding; -inf scores and a +inf shift give 0).
+  void (*exp_rows)(float* s, int64_t rows, int64_t cols, const float* shift);
   // float -> bf16 with round-to-nearest-even; set for bf16-pair sets only.
   void (*to_bf16)(const float* src, uint16_t* dst, int64_t n);
   // Key-tile packing, a transpose of 4-byte words: kp[d][n] = word d of rows[n] for the first
