@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -213,6 +214,33 @@ TEST(KernelSets, WidenIsExactForEveryTypeAndLength) {
           }
         }
         ASSERT_EQ(got[n], 42.0f) << set->name << " wrote past n";
+      }
+    }
+  }
+}
+
+TEST(KernelSets, ExpRowsMatchesDoubleReference) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const KernelSet* set : sets_under_test()) {
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> u(-30.0f, 0.0f);
+    const int64_t rows = 5, cols = 48;
+    std::vector<float> s(rows * cols), shift{0.0f, 3.5f, -2.0f, inf, 80.0f};
+    for (auto& x : s) x = u(rng);
+    s[3] = -inf;                     // a masked score
+    s[cols + 7] = shift[1] + 1e-6f;  // rounding may put a score just above its log-sum-exp
+    std::vector<float> got = s;
+    set->exp_rows(got.data(), rows, cols, shift.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const double x = double(s[r * cols + c]) - double(shift[r]);
+        const double want = std::exp(x);
+        // The kernels subtract in float32: |x| * 2^-24 of relative error before the exponential.
+        const double rel = std::isinf(x) ? 0.0 : 1e-6 + std::abs(x) * 6e-8;
+        // Results near float32's smallest normal may flush to 0 (the AVX2 exp does below -87).
+        const double tiny = 2.0 * std::numeric_limits<float>::min();
+        ASSERT_NEAR(got[r * cols + c], want, rel * want + tiny)
+            << set->name << " row " << r << " col " << c;
       }
     }
   }
