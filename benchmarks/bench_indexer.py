@@ -112,7 +112,7 @@ def main():
             f"B=1, S1=S2=S, N1={args.heads}, N2=1, D={args.dim}, causal (sparse_mode=3).",
             "'vs eager' / 'vs compiled': that method's time over this row's (higher is faster).",
             "Peak extra memory: resident-set high-water mark during one call minus before it, in a"
-            " warm process. opmesh needs about 0.6 MiB of scratch per worker (N1=64, D=128), reused"
+            " warm process. opmesh needs about 1.1 MiB of scratch per worker (N1=64, D=128), reused"
             " from the allocator's free lists after the first call, so it rounds to 0 here.",
         ],
     )
