@@ -18,6 +18,8 @@ using kernels::KernelSet;
 using kernels::round_up;
 
 constexpr int64_t kTile = kKeyTile;  // keys per key tile, query positions per query tile
+// Key tiles per pass-1 unit: each packed query tile serves this many key tiles.
+constexpr int64_t kKeyBlock = 4;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // A unit of one pass: (sequence b, head h, tile t). Pass 1: key head, key tile; pass 2: query
@@ -40,20 +42,27 @@ class Backward {
         mask_(mask_of(p.config)),
         elem_(p.dtype == DType::kFloat64   ? 8
               : p.dtype == DType::kFloat32 ? 4
-                                           : 2) {}
+                                           : 2) {
+    int64_t total = 0;
+    for (const Sequence& s : seqs) {
+      delta_base_.push_back(total);
+      total += s.q_len * p.config.num_heads_q;
+    }
+    delta_.assign(total, 0.0f);
+  }
 
   struct Scratch {
     explicit Scratch(const Backward& r)
         : q(kTile * r.dp_),
           dout(kTile * r.dvp_),
-          kt(r.d_ * kTile),
-          vt(r.dv_ * kTile),
+          kt(kKeyBlock * r.d_ * kTile),
+          vt(kKeyBlock * r.dv_ * kTile),
           krows(kTile * r.dp_),
           s(kTile * kTile),
           dp(kTile * kTile),
           trans(kTile * kTile),
-          acc(kTile * std::max(r.dp_, r.dvp_)),
-          acc2(kTile * r.dvp_),
+          acc(kKeyBlock * kTile * std::max(r.dp_, r.dvp_)),
+          acc2(kKeyBlock * kTile * r.dvp_),
           row(std::max(r.dp_, r.dvp_)),
           ones(kTile),
           lse(kTile),
@@ -62,8 +71,8 @@ class Backward {
     }
     AlignedBuffer<float> q;      // [positions][dp] query rows
     AlignedBuffer<float> dout;   // [positions][dvp] output-gradient rows
-    AlignedBuffer<float> kt;     // [d][64] keys, transposed
-    AlignedBuffer<float> vt;     // [dv][64] values, transposed
+    AlignedBuffer<float> kt;     // per key tile of a block: [d][64] keys, transposed
+    AlignedBuffer<float> vt;     // per key tile of a block: [dv][64] values, transposed
     AlignedBuffer<float> krows;  // [64][dp] key rows
     AlignedBuffer<float> s;      // [positions][64] probabilities, then dS
     AlignedBuffer<float> dp;     // [positions][64] dP
@@ -79,7 +88,7 @@ class Backward {
   std::vector<Unit> key_units() const {
     std::vector<Unit> units;
     for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
-      const int64_t tiles = (seqs_[b].k_len + kTile - 1) / kTile;
+      const int64_t tiles = (seqs_[b].k_len + kTile * kKeyBlock - 1) / (kTile * kKeyBlock);
       if (seqs_[b].q_len == 0) continue;
       for (int64_t h = 0; h < p_.config.num_heads_kv; ++h)
         for (int64_t t = 0; t < tiles; ++t) units.push_back(unit(b, h, t));
@@ -97,41 +106,73 @@ class Backward {
     return units;
   }
 
-  // Pass 1: dK and dV of key tile u.t of key head u.h, over every query head of its group and
-  // every query tile that sees the tile.
-  void key_tile(Scratch& sc, const Unit& u) const {
+  // Pass 1: dK and dV of the key tiles of block u.t of key head u.h, over every query head of
+  // its group and every query tile that sees them; each query tile is packed once per block.
+  void key_block(Scratch& sc, const Unit& u) const {
     const Sequence& seq = seqs_[u.b];
-    const int64_t k0 = u.t * kTile;
-    const int64_t keys = std::min(kTile, seq.k_len - k0);
-    pack_keys(sc, u.b, u.h, k0, keys);
+    const int64_t first = u.t * kKeyBlock * kTile;
+    const int64_t tiles = std::min(kKeyBlock, (seq.k_len - first + kTile - 1) / kTile);
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t k0 = first + i * kTile;
+      pack_keys(sc, u.b, u.h, k0, std::min(kTile, seq.k_len - k0), i);
+    }
     float* dk = sc.acc.data();
     float* dv = sc.acc2.data();
-    std::fill(dk, dk + kTile * dp_, 0.0f);
-    std::fill(dv, dv + kTile * dvp_, 0.0f);
+    std::fill(dk, dk + tiles * kTile * dp_, 0.0f);
+    std::fill(dv, dv + tiles * kTile * dvp_, 0.0f);
     for (int64_t g = 0; g < group_; ++g) {
       const int64_t head = u.h * group_ + g;
       for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
         const int64_t rows = std::min(kTile, seq.q_len - i0);
-        if (!sees_tile(seq, i0, rows, k0, keys)) continue;
+        if (!sees_keys(seq, i0, rows, first, std::min(tiles * kTile, seq.k_len - first))) continue;
         pack_queries(sc, u.b, head, i0, rows);
-        probabilities_and_ds(sc, seq, i0, rows, k0);
-        // dV += P^T dO, dK += scale dS^T Q (sc.trans holds P^T, then dS^T).
-        transpose(sc.dp.data(), rows, sc.trans.data());
-        k_.gemm({sc.trans.data(), rows, sc.dout.data(), dvp_, dv, dvp_, kTile, dvp_, rows,
-                 sc.ones.data(), 1.0f});
-        transpose(sc.s.data(), rows, sc.trans.data());
-        k_.gemm({sc.trans.data(), rows, sc.q.data(), dp_, dk, dp_, kTile, dp_, rows, sc.ones.data(),
-                 p_.softmax_scale});
+        for (int64_t i = 0; i < tiles; ++i) {
+          const int64_t k0 = first + i * kTile;
+          if (!sees_keys(seq, i0, rows, k0, std::min(kTile, seq.k_len - k0))) continue;
+          probabilities_and_ds(sc, seq, i0, rows, k0, i);
+          // dV += P^T dO, dK += scale dS^T Q (sc.trans holds P^T, then dS^T).
+          float* dvi = dv + i * kTile * dvp_;
+          float* dki = dk + i * kTile * dp_;
+          transpose(sc.dp.data(), rows, sc.trans.data());
+          k_.gemm({sc.trans.data(), rows, sc.dout.data(), dvp_, dvi, dvp_, kTile, dvp_, rows,
+                   sc.ones.data(), 1.0f});
+          transpose(sc.s.data(), rows, sc.trans.data());
+          k_.gemm({sc.trans.data(), rows, sc.q.data(), dp_, dki, dp_, kTile, dp_, rows,
+                   sc.ones.data(), p_.softmax_scale});
+        }
       }
     }
+    const int64_t keys = std::min(tiles * kTile, seq.k_len - first);
     for (int64_t n = 0; n < keys; ++n) {
-      const int64_t key = seq.k_begin + k0 + n;
+      const int64_t key = seq.k_begin + first + n;
       const MutableView& gk = p_.dk;
       const MutableView& gv = p_.dv;
       store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_, dk + n * dp_,
                 1.0f);
       store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
                 dv + n * dvp_, 1.0f);
+    }
+  }
+
+  // D_i = dO_i . O_i (minus the lse's gradient) for query tile u.t of query head u.h, computed
+  // once before the two passes.
+  void deltas(Scratch& sc, const Unit& u) {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t i0 = u.t * kTile;
+    const int64_t rows = std::min(kTile, seq.q_len - i0);
+    float* g = sc.dout.data();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seq.q_begin + i0 + r;
+      const View& go = p_.dout;
+      const View& o = p_.out;
+      load(go.data, u.b * go.sb + pos * go.ss + u.h * go.sn, go.sd, dv_, g);
+      load(o.data, u.b * o.sb + pos * o.ss + u.h * o.sn, o.sd, dv_, sc.row.data());
+      double delta = 0.0;
+      for (int64_t e = 0; e < dv_; ++e) delta += static_cast<double>(g[e]) * sc.row.data()[e];
+      if (p_.dlse != nullptr) {
+        delta -= p_.dlse[u.b * p_.dlse_sb + u.h * p_.dlse_sn + pos * p_.dlse_ss];
+      }
+      delta_[delta_index(u.b, u.h, i0 + r)] = static_cast<float>(delta);
     }
   }
 
@@ -155,8 +196,8 @@ class Backward {
     }
     for (int64_t k0 = lo / kTile * kTile; k0 < hi; k0 += kTile) {
       const int64_t keys = std::min(kTile, seq.k_len - k0);
-      pack_keys(sc, u.b, kv_head, k0, keys);
-      probabilities_and_ds(sc, seq, i0, rows, k0);
+      pack_keys(sc, u.b, kv_head, k0, keys, 0);
+      probabilities_and_ds(sc, seq, i0, rows, k0, 0);
       // dQ += scale dS K.
       k_.gemm({sc.s.data(), kTile, sc.krows.data(), dp_, dq, dp_, rows, dp_, kTile, sc.ones.data(),
                p_.softmax_scale});
@@ -184,7 +225,7 @@ class Backward {
   }
 
   // Whether any of query rows [i0, i0 + rows) sees a key of [k0, k0 + keys).
-  bool sees_tile(const Sequence& seq, int64_t i0, int64_t rows, int64_t k0, int64_t keys) const {
+  bool sees_keys(const Sequence& seq, int64_t i0, int64_t rows, int64_t k0, int64_t keys) const {
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) {
       const KeyRange vr = visible_keys(mask_, seq, i0 + r);
@@ -194,7 +235,7 @@ class Backward {
   }
 
   // Widened query rows and output-gradient rows [i0, i0 + rows) of query head `head`, with their
-  // log-sum-exp and D_i = dO_i . O_i.
+  // log-sum-exp and D_i.
   void pack_queries(Scratch& sc, int64_t b, int64_t head, int64_t i0, int64_t rows) const {
     const Sequence& seq = seqs_[b];
     std::fill(sc.q.data(), sc.q.data() + kTile * dp_, 0.0f);
@@ -204,26 +245,20 @@ class Backward {
       const View& q = p_.q;
       load(q.data, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_, sc.q.data() + r * dp_);
       const View& go = p_.dout;
-      const View& o = p_.out;
-      float* g = sc.dout.data() + r * dvp_;
-      load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, g);
-      load(o.data, b * o.sb + pos * o.ss + head * o.sn, o.sd, dv_, sc.row.data());
-      double delta = 0.0;
-      for (int64_t e = 0; e < dv_; ++e) delta += static_cast<double>(g[e]) * sc.row.data()[e];
-      if (p_.dlse != nullptr) {
-        delta -= p_.dlse[b * p_.dlse_sb + head * p_.dlse_sn + pos * p_.dlse_ss];
-      }
-      sc.delta.data()[r] = static_cast<float>(delta);
+      load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, sc.dout.data() + r * dvp_);
+      sc.delta.data()[r] = delta_[delta_index(b, head, i0 + r)];
       sc.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
     }
   }
 
   // Key tile [k0, k0 + keys) of key head h: transposed keys and values for the two products
   // with 64 columns, and key rows for dQ. Keys past the sequence are zero.
-  void pack_keys(Scratch& sc, int64_t b, int64_t h, int64_t k0, int64_t keys) const {
+  void pack_keys(Scratch& sc, int64_t b, int64_t h, int64_t k0, int64_t keys, int64_t slot) const {
     const Sequence& seq = seqs_[b];
-    std::fill(sc.kt.data(), sc.kt.data() + d_ * kTile, 0.0f);
-    std::fill(sc.vt.data(), sc.vt.data() + dv_ * kTile, 0.0f);
+    float* kt = sc.kt.data() + slot * d_ * kTile;
+    float* vt = sc.vt.data() + slot * dv_ * kTile;
+    std::fill(kt, kt + d_ * kTile, 0.0f);
+    std::fill(vt, vt + dv_ * kTile, 0.0f);
     std::fill(sc.krows.data(), sc.krows.data() + kTile * dp_, 0.0f);
     for (int64_t n = 0; n < keys; ++n) {
       const int64_t key = seq.k_begin + k0 + n;
@@ -231,22 +266,22 @@ class Backward {
       const View& v = p_.v;
       float* kr = sc.krows.data() + n * dp_;
       load(k.data, b * k.sb + key * k.ss + h * k.sn, k.sd, d_, kr);
-      for (int64_t e = 0; e < d_; ++e) sc.kt.data()[e * kTile + n] = kr[e];
+      for (int64_t e = 0; e < d_; ++e) kt[e * kTile + n] = kr[e];
       load(v.data, b * v.sb + key * v.ss + h * v.sn, v.sd, dv_, sc.row.data());
-      for (int64_t e = 0; e < dv_; ++e) sc.vt.data()[e * kTile + n] = sc.row.data()[e];
+      for (int64_t e = 0; e < dv_; ++e) vt[e * kTile + n] = sc.row.data()[e];
     }
   }
 
   // For the packed query rows against the packed key tile at k0: P (in sc.dp) and dS (in sc.s),
   // both [rows][64], zero where a key is not visible or past the sequence.
-  void probabilities_and_ds(Scratch& sc, const Sequence& seq, int64_t i0, int64_t rows,
-                            int64_t k0) const {
+  void probabilities_and_ds(Scratch& sc, const Sequence& seq, int64_t i0, int64_t rows, int64_t k0,
+                            int64_t slot) const {
     float* s = sc.s.data();
     float* dp = sc.dp.data();
-    k_.gemm({sc.q.data(), dp_, sc.kt.data(), kTile, s, kTile, rows, kTile, d_, nullptr,
-             p_.softmax_scale});
-    k_.gemm(
-        {sc.dout.data(), dvp_, sc.vt.data(), kTile, dp, kTile, rows, kTile, dv_, nullptr, 1.0f});
+    k_.gemm({sc.q.data(), dp_, sc.kt.data() + slot * d_ * kTile, kTile, s, kTile, rows, kTile, d_,
+             nullptr, p_.softmax_scale});
+    k_.gemm({sc.dout.data(), dvp_, sc.vt.data() + slot * dv_ * kTile, kTile, dp, kTile, rows, kTile,
+             dv_, nullptr, 1.0f});
     k_.exp_rows(s, rows, kTile, sc.lse.data());  // P, masked below
     for (int64_t r = 0; r < rows; ++r) {
       const KeyRange vr = visible_keys(mask_, seq, i0 + r);
@@ -288,7 +323,13 @@ class Backward {
   const KernelSet& k_;
   int64_t group_, d_, dv_, dp_, dvp_;
   Mask mask_;
-  int64_t elem_;  // bytes per input element
+  int64_t elem_;                     // bytes per input element
+  std::vector<int64_t> delta_base_;  // first entry of sequence b in delta_
+  std::vector<float> delta_;         // D_i for every (sequence, query head, position)
+
+  int64_t delta_index(int64_t b, int64_t head, int64_t i) const {
+    return delta_base_[b] + head * seqs_[b].q_len + i;
+  }
 };
 
 }  // namespace
@@ -328,16 +369,18 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
 void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Sequence>& seqs,
                          const Executor& executor, Isa isa) {
   validate_backward(p, seqs, isa);
-  const Backward run(p, seqs, isa);
+  Backward run(p, seqs, isa);
   std::vector<std::unique_ptr<Backward::Scratch>> scratch(std::max(1, executor.num_workers()));
   auto scratch_of = [&](int thread) -> Backward::Scratch& {
     if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
     return *scratch[thread];
   };
+  const std::vector<Unit> queries = run.query_units();
+  run_dynamic(executor, static_cast<int64_t>(queries.size()),
+              [&](int64_t i, int thread) { run.deltas(scratch_of(thread), queries[i]); });
   const std::vector<Unit> keys = run.key_units();
   run_dynamic(executor, static_cast<int64_t>(keys.size()),
-              [&](int64_t i, int thread) { run.key_tile(scratch_of(thread), keys[i]); });
-  const std::vector<Unit> queries = run.query_units();
+              [&](int64_t i, int thread) { run.key_block(scratch_of(thread), keys[i]); });
   std::vector<double> sink_parts(queries.size(), 0.0);
   run_dynamic(executor, static_cast<int64_t>(queries.size()), [&](int64_t i, int thread) {
     sink_parts[i] = run.query_tile(scratch_of(thread), queries[i]);

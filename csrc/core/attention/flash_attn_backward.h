@@ -9,9 +9,11 @@
 //   dsink_h = -sum_i exp(sink_h - lse_i) D_i   (over every query row of head h)
 // When the log-sum-exp itself has a gradient dL_i (it is an output of the forward too), D_i
 // becomes D_i - dL_i, since d lse_i / d s_ij = P_ij and d lse_i / d sink_h = exp(sink_h - lse_i).
-// summed over the query heads of a key head (GQA). Two passes, each over units a single task
-// owns: key tiles (dK, dV) and query tiles (dQ, the sinks' partial sums), so no two tasks write
-// the same element and the result is bitwise independent of the thread count.
+// summed over the query heads of a key head (GQA). A first step computes every D_i (one float per
+// query row and head, the size of the lse); then two passes, each over units a single task owns:
+// blocks of four key tiles (dK, dV; each packed query tile serves the whole block) and query
+// tiles (dQ, the sinks' partial sums), so no two tasks write the same element and the result is
+// bitwise independent of the thread count.
 #pragma once
 
 #include <cstdint>
