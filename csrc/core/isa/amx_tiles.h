@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -22,6 +23,11 @@ struct AmxTiles {
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   };
+  // LDTILECFG reads palette at byte 0, start_row at 1, colsb at 16..47 and rows at 48..63.
+  static_assert(sizeof(Config) == 64, "the tile configuration is 64 bytes");
+  static_assert(offsetof(Config, colsb) == 16 && offsetof(Config, rows) == 48,
+                "tile configuration layout");
+
   static bool& configured_flag() {
     static thread_local bool flag = false;
     return flag;
