@@ -65,13 +65,22 @@ def test_snippets_run(name):
     assert proc.returncode == 0, f"{name}:\n{out[-4000:]}"
 
 
+# Every rank waits for the others and closes the process group before exiting, as a script under
+# torchrun should: a rank that exits while its gloo peers still talk to it can abort at shutdown.
+TEARDOWN = """
+import torch.distributed as _dist
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()
+"""
+
 MESH_CASES = [(name, i) for name, p in sorted(FILES.items()) for i in range(len(snippets(p)[2]))]
 
 
 @pytest.mark.parametrize(("name", "index"), MESH_CASES)
 def test_mesh_snippets_run_on_a_multi_process_mesh(name, index):
     setup, _, mesh = snippets(FILES[name])
-    code = "\n\n".join([setup, mesh[index]])
+    code = "\n\n".join([setup, mesh[index], TEARDOWN])
     shape = [int(x) for x in MESH.search(code).group("shape").split(",") if x.strip()]
     world = math.prod(shape)
     with socket.socket() as s:
