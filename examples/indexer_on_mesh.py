@@ -35,6 +35,7 @@ def main():
         print(
             f"placements {softmax_max.placements}, equal to one device: {torch.equal(full, want)}"
         )
+    dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()
 
 
