@@ -97,20 +97,28 @@ using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
     c10::string_view, c10::string_view, c10::string_view);
 
+// flash_attn itself, below the autograd key.
+std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v,
+                                                       const std::optional<at::Tensor>& sinks,
+                                                       const Rest& r, bool return_softmax_lse) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("opmesh::flash_attn", "")
+                             .typed<FlashAttnSig>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(q, k, v, r.block_table, r.cu_seqlens_q, r.cu_seqlens_kv, r.seqused_q, r.seqused_kv,
+                 sinks, r.metadata, r.softmax_scale, r.mask_mode, r.win_left, r.win_right,
+                 r.max_seqlen_q, r.max_seqlen_kv, r.layout_q, r.layout_kv, r.layout_out,
+                 return_softmax_lse);
+}
+
 class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& sinks,
                                const Rest& r) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("opmesh::flash_attn", "")
-                               .typed<FlashAttnSig>();
-    at::AutoDispatchBelowADInplaceOrView guard;
     // The backward needs the log-sum-exp whether or not the caller asked for it.
-    auto [out, lse] = op.call(q, k, v, r.block_table, r.cu_seqlens_q, r.cu_seqlens_kv, r.seqused_q,
-                              r.seqused_kv, sinks, r.metadata, r.softmax_scale, r.mask_mode,
-                              r.win_left, r.win_right, r.max_seqlen_q, r.max_seqlen_kv, r.layout_q,
-                              r.layout_kv, r.layout_out, /*return_softmax_lse=*/true);
+    auto [out, lse] = call_below_autograd(q, k, v, sinks, r, /*return_softmax_lse=*/true);
     ctx->saved_data["has_sinks"] = sinks.has_value();
     ctx->saved_data["returns_lse"] = r.return_softmax_lse;
     save_rest(ctx, r);
@@ -170,6 +178,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_autograd(
                   std::string(layout_kv),
                   std::string(layout_out),
                   return_softmax_lse};
+  // Inference (nothing requires a gradient): no autograd node, and no lse unless asked for.
+  const bool needs_grad =
+      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                     (sinks && sinks->requires_grad()));
+  if (!needs_grad) return call_below_autograd(q, k, v, sinks, rest, return_softmax_lse);
   const variable_list out = FlashAttnFunction::apply(q, k, v, sinks, rest);
   return {out[0], out[1]};
 }

@@ -1,4 +1,3 @@
-#include <algorithm>
 
 #include "../isa/sets.h"
 #include "../kernel_choice.h"
