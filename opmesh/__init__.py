@@ -48,10 +48,12 @@ from .distributed import (  # noqa: E402
     to_head_tail,
 )
 from .ops import (  # noqa: E402
+    dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
     describe_metadata,
     flash_attn,
     flash_attn_metadata,
+    indexer_kl_loss,
     kv_cache_write_,
 )
 
@@ -69,6 +71,8 @@ __all__ = [
     "init_device_mesh",
     "to_head_tail",
     "dense_lightning_indexer_softmax_lse",
+    "dense_lightning_indexer_grad_kl_loss",
+    "indexer_kl_loss",
     "flash_attn",
     "flash_attn_metadata",
     "describe_metadata",

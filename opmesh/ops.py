@@ -12,6 +12,8 @@ import torch
 from .distributed import DFunction
 
 LengthsLike = torch.Tensor | Sequence[int] | None
+# pre_tokens / next_tokens default: an unbounded band.
+UNBOUNDED = 2**63 - 1
 
 
 def _int_list(value, name: str) -> list[int]:
@@ -51,6 +53,8 @@ def dense_lightning_indexer_softmax_lse(
     actual_seq_klen: LengthsLike = None,
     layout: str = "BSND",
     sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Softmax statistics of the lightning-indexer score, without materialising the scores.
 
@@ -76,6 +80,9 @@ def dense_lightning_indexer_softmax_lse(
         layout: ``"BSND"`` or ``"TND"``.
         sparse_mode: 0 = every key visible; 3 = causal aligned to the bottom-right corner of each
             sequence: key ``j`` is visible to query ``i`` iff ``j <= i + s2 - s1``.
+        pre_tokens, next_tokens: a band around that diagonal ``d = i + s2 - s1``: key ``j`` is
+            visible only if ``d - pre_tokens <= j <= d + next_tokens`` (both ``>= 0``; the
+            defaults are unbounded; with ``sparse_mode=3`` keys right of ``d`` stay hidden).
 
     Returns:
         ``(softmax_max, softmax_sum)``, float32, ``[B, N2, S1]`` (BSND) or ``[N2, T1]`` (TND).
@@ -96,6 +103,8 @@ def dense_lightning_indexer_softmax_lse(
         actual_seq_klen=_as_lengths(actual_seq_klen, "actual_seq_klen"),
         layout=layout,
         sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
     )
 
 
@@ -115,6 +124,8 @@ class _IndexerFunction(DFunction):
         actual_seq_klen=None,
         layout="BSND",
         sparse_mode=3,
+        pre_tokens=UNBOUNDED,
+        next_tokens=UNBOUNDED,
     ):
         out = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
             query_index,
@@ -124,6 +135,8 @@ class _IndexerFunction(DFunction):
             actual_seq_klen=actual_seq_klen,
             layout=layout,
             sparse_mode=sparse_mode,
+            pre_tokens=pre_tokens,
+            next_tokens=next_tokens,
         )
         ctx.mark_non_differentiable(*out)
         return out
@@ -132,7 +145,209 @@ class _IndexerFunction(DFunction):
     def backward(ctx, *grads):
         # Never reached (the outputs are non-differentiable statistics); one entry per input of
         # forward, as autograd requires.
-        return (None,) * 7
+        return (None,) * 9
+
+
+def dense_lightning_indexer_grad_kl_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    softmax_max_index: torch.Tensor,
+    softmax_sum_index: torch.Tensor,
+    scale_value: float = 1.0,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_qlen: LengthsLike = None,
+    actual_seq_klen: LengthsLike = None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The KL loss that trains the lightning indexer against the main attention, and its
+    gradients with respect to the indexer's inputs, fused (no S1 x S2 matrix is formed).
+
+    For each query token ``t`` and the keys ``j`` it sees::
+
+        p[h, t, j] = exp(scale_value * (q[t, h] . k[j, h // G]) - softmax_max[h, t])
+                     / softmax_sum[h, t]          (q, k with their rope parts concatenated)
+        P[t, j]    = sum_h p[h, t, j], normalised to sum 1 over j (the target)
+        I[g, t, j] = sum_{h in g} weights[t, h] * relu(query_index[t, h] . key_index[j, g])
+        loss       = sum_t sum_g KL(P[t] || softmax_j(I[g, t]))
+
+    where ``softmax_j(I[g, t])`` uses the given ``softmax_max_index`` / ``softmax_sum_index``.
+
+    Args:
+        query, key: the main attention's ``[B, S1, N1, D]`` / ``[B, S2, N2, D]`` (BSND) or
+            ``[T1, N1, D]`` / ``[T2, N2, D]`` (TND); ``N1 % N2 == 0``.
+        query_index, key_index, weights: the indexer's inputs, as for
+            :func:`dense_lightning_indexer_softmax_lse`.
+        softmax_max, softmax_sum: the main attention's statistics, float32 ``[B, N2, S1, G]`` /
+            ``[N2, T1, G]`` with ``G = N1 // N2``. flash_attn's log-sum-exp as the max with a
+            sum of ones is equivalent.
+        softmax_max_index, softmax_sum_index: the indexer's, from
+            :func:`dense_lightning_indexer_softmax_lse` with the same arguments.
+        scale_value: the main attention's softmax scale.
+        query_rope, key_rope: optional ``[.., N1, Dr]`` and ``[.., N2, Dr]`` parts concatenated
+            to ``query`` and ``key`` along the head dim (MLA).
+        actual_seq_qlen, actual_seq_klen, layout, sparse_mode, pre_tokens, next_tokens: as for
+            :func:`dense_lightning_indexer_softmax_lse`.
+
+    Returns:
+        ``(d_query_index, d_key_index, d_weights, loss)``: the gradients in the dtypes and
+        shapes of their inputs, and the loss as float32 ``[1]``. The loss is differentiable in
+        ``query_index``, ``key_index`` and ``weights`` (its backward scales these gradients);
+        the main attention and the statistics are a fixed target and may not require a
+        gradient.
+    """
+    return torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
+        query,
+        key,
+        query_index,
+        key_index,
+        weights,
+        softmax_max,
+        softmax_sum,
+        softmax_max_index,
+        softmax_sum_index,
+        scale_value,
+        query_rope=query_rope,
+        key_rope=key_rope,
+        actual_seq_qlen=_as_lengths(actual_seq_qlen, "actual_seq_qlen"),
+        actual_seq_klen=_as_lengths(actual_seq_klen, "actual_seq_klen"),
+        layout=layout,
+        sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+    )
+
+
+def indexer_kl_loss(
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    scale_value: float = 1.0,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_qlen: LengthsLike = None,
+    actual_seq_klen: LengthsLike = None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
+) -> torch.Tensor:
+    """The indexer's training loss as one differentiable call: computes the indexer's softmax
+    statistics, then :func:`dense_lightning_indexer_grad_kl_loss`, and returns the loss (float32
+    ``[1]``), whose backward delivers the fused gradients to ``query_index``, ``key_index`` and
+    ``weights``. The main attention (``query``, ``key``, the rope parts and its statistics) is
+    the fixed target: pass it detached.
+
+    A ``DFunction``: with plain tensors it is ordinary autograd, eagerly and under
+    ``torch.compile``."""
+    if torch.is_grad_enabled():
+        fixed = dict(query=query, key=key, query_rope=query_rope, key_rope=key_rope)
+        fixed.update(softmax_max=softmax_max, softmax_sum=softmax_sum)
+        for name, t in fixed.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(
+                    f"{name}: requires a gradient, but the KL loss treats the main attention as "
+                    f"a fixed target and has no gradient for it; pass {name}.detach()"
+                )
+    return _KlLossFunction.apply(
+        query_index,
+        key_index,
+        weights,
+        query,
+        key,
+        softmax_max,
+        softmax_sum,
+        scale_value,
+        query_rope,
+        key_rope,
+        _as_lengths(actual_seq_qlen, "actual_seq_qlen"),
+        _as_lengths(actual_seq_klen, "actual_seq_klen"),
+        layout,
+        sparse_mode,
+        pre_tokens,
+        next_tokens,
+    )
+
+
+class _KlLossFunction(DFunction):
+    """The indexer's KL loss: forward on local tensors runs the two operators; backward scales
+    the gradients the fused operator returned."""
+
+    _op_name = "dense_lightning_indexer_grad_kl_loss"
+
+    @staticmethod
+    def forward(
+        ctx,
+        query_index,
+        key_index,
+        weights,
+        query,
+        key,
+        softmax_max,
+        softmax_sum,
+        scale_value,
+        query_rope,
+        key_rope,
+        actual_seq_qlen,
+        actual_seq_klen,
+        layout,
+        sparse_mode,
+        pre_tokens,
+        next_tokens,
+    ):
+        mask = dict(
+            actual_seq_qlen=actual_seq_qlen,
+            actual_seq_klen=actual_seq_klen,
+            layout=layout,
+            sparse_mode=sparse_mode,
+            pre_tokens=pre_tokens,
+            next_tokens=next_tokens,
+        )
+        max_index, sum_index = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
+            query_index, key_index, weights, **mask
+        )
+        d_query_index, d_key_index, d_weights, loss = (
+            torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
+                query,
+                key,
+                query_index,
+                key_index,
+                weights,
+                softmax_max,
+                softmax_sum,
+                max_index,
+                sum_index,
+                scale_value,
+                query_rope=query_rope,
+                key_rope=key_rope,
+                **mask,
+            )
+        )
+        ctx.save_for_backward(d_query_index, d_key_index, d_weights)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        d_query_index, d_key_index, d_weights = ctx.saved_tensors
+        grads = tuple(
+            (d.float() * grad_loss).to(d.dtype) for d in (d_query_index, d_key_index, d_weights)
+        )
+        # The main attention and the rest are a fixed target (no gradient).
+        return grads + (None,) * 13
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:

@@ -49,7 +49,9 @@ void check_lengths(const int64_t* lens, int64_t batch, int64_t total, Layout lay
   }
 }
 
-std::vector<Sequence> make_sequences(const IndexerParams& p) {
+}  // namespace
+
+std::vector<Sequence> indexer_sequences(const IndexerParams& p) {
   std::vector<Sequence> out(p.batch);
   for (int64_t b = 0; b < p.batch; ++b) {
     Sequence& s = out[b];
@@ -66,6 +68,8 @@ std::vector<Sequence> make_sequences(const IndexerParams& p) {
   }
   return out;
 }
+
+namespace {
 
 constexpr int64_t kMaxUnitPositions = 64;
 
@@ -112,7 +116,10 @@ attention::PlanConfig plan_config(const IndexerParams& p, const std::vector<Sequ
     c.max_seqlen_q = std::max(c.max_seqlen_q, s.q_len);
     c.max_seqlen_kv = std::max(c.max_seqlen_kv, s.k_len);
   }
-  c.mask_mode = p.sparse_mode;
+  const Mask mask = indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
+  c.mask_mode = mask.mode;
+  c.win_left = mask.left;
+  c.win_right = mask.right;
   c.layout_q = c.layout_kv = c.layout_out = p.layout;
   c.num_workers = workers;
   // Units split only at fixed key chunks, whose statistics merge in a fixed order: the result
@@ -143,11 +150,12 @@ class IndexerRun {
         elem_(p.qk_dtype == DType::kFloat64   ? 8
               : p.qk_dtype == DType::kFloat32 ? 4
                                               : 2),
-        sequences_(make_sequences(p)),
+        sequences_(indexer_sequences(p)),
         config_(plan_config(p, sequences_, workers, depth_)),
         plan_(attention::make_plan(config_, sequences_, cost_model(p, set_))),
         walker_(config_, sequences_),
-        rows_(kernels::round_up(plan_.geometry.positions, set_.row_align)) {}
+        rows_(kernels::round_up(plan_.geometry.positions, set_.row_align)),
+        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)) {}
 
   const attention::Plan& plan() const { return plan_; }
   const attention::UnitWalker& walker() const { return walker_; }
@@ -183,27 +191,31 @@ class IndexerRun {
       pending = false;
     };
     if (k_to > k_from) {
-      int64_t row_key_end[kMaxUnitPositions];
-      for (int r = 0; r < rows; ++r) {
-        row_key_end[r] = indexer::visible_key_end(p_.sparse_mode, seq, p0 + r);
-      }
+      KeyRange row_keys[kMaxUnitPositions];
+      for (int r = 0; r < rows; ++r) row_keys[r] = visible_keys(mask_, seq, p0 + r);
       pack_queries(seq, p0, rows, g, sc);
       int row_begin = 0;
       for (int64_t j = k_from; j < k_to; ++j) {
         if (pending && j % plan_.chunk_tiles == 0) flush();
         pending = true;
         const int64_t j0 = j * kKeyTile;
-        // Rows are ordered by visible range: skip the prefix that sees none of this tile.
-        while (row_begin < rows && row_key_end[row_begin] <= j0) ++row_begin;
-        if (row_begin == rows) continue;
+        // Rows are ordered by visible range (both ends non-decreasing, empty rows first): skip
+        // the prefix that sees none of this tile, and the suffix whose range starts after it.
+        while (row_begin < rows && row_keys[row_begin].end <= j0) ++row_begin;
+        int row_end = rows;
+        while (row_end > row_begin && row_keys[row_end - 1].begin >= j0 + kKeyTile) --row_end;
+        if (row_begin == row_end) continue;
         pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), sc);
-        std::fill(sc.scores.data() + row_begin * kKeyTile, sc.scores.data() + rows * kKeyTile,
+        std::fill(sc.scores.data() + row_begin * kKeyTile, sc.scores.data() + row_end * kKeyTile,
                   0.0f);
         set_.score_tile({sc.query.data(), rows_, sc.key.data(), sc.weights.data(), sc.scores.data(),
-                         row_begin, rows, static_cast<int>(groups_), depth_});
-        for (int r = row_begin; r < rows; ++r) {
-          const int64_t n = std::min<int64_t>(kKeyTile, row_key_end[r] - j0);
-          absorb(cur[r], sc.scores.data() + r * kKeyTile, static_cast<int>(n));
+                         row_begin, row_end, static_cast<int>(groups_), depth_});
+        for (int r = row_begin; r < row_end; ++r) {
+          const int64_t lo = std::max<int64_t>(row_keys[r].begin - j0, 0);
+          const int64_t hi = std::min<int64_t>(kKeyTile, row_keys[r].end - j0);
+          if (hi > lo) {
+            absorb(cur[r], sc.scores.data() + r * kKeyTile + lo, static_cast<int>(hi - lo));
+          }
         }
       }
     }
@@ -324,18 +336,33 @@ class IndexerRun {
   attention::Plan plan_;
   attention::UnitWalker walker_;
   int64_t rows_;  // query positions per unit, padded to the set's row_align
+  Mask mask_;
 };
 
 }  // namespace
+
+Mask indexer_mask(MaskMode sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
+  if (sparse_mode != MaskMode::kNone && sparse_mode != MaskMode::kCausal) {
+    throw ArgumentError("sparse_mode", "expected 0 (no mask) or 3 (causal), got " +
+                                           str(static_cast<int>(sparse_mode)));
+  }
+  if (pre_tokens < 0) throw ArgumentError("pre_tokens", "must be >= 0, got " + str(pre_tokens));
+  if (next_tokens < 0) {
+    throw ArgumentError("next_tokens", "must be >= 0, got " + str(next_tokens));
+  }
+  const int64_t left = attention::normalize_window(pre_tokens);
+  const int64_t right =
+      sparse_mode == MaskMode::kCausal ? 0 : attention::normalize_window(next_tokens);
+  if (left < 0 && right < 0) return {MaskMode::kNone, -1, -1};
+  if (left < 0 && right == 0) return {MaskMode::kCausal, -1, -1};
+  return {MaskMode::kWindow, left, right};
+}
 
 void validate(const IndexerParams& p) {
   if (p.layout != Layout::kBSND && p.layout != Layout::kTND) {
     throw ArgumentError("layout", "expected BSND or TND");
   }
-  if (p.sparse_mode != MaskMode::kNone && p.sparse_mode != MaskMode::kCausal) {
-    throw ArgumentError("sparse_mode", "expected 0 (no mask) or 3 (causal), got " +
-                                           str(static_cast<int>(p.sparse_mode)));
-  }
+  indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
   if (p.batch < 0) throw ArgumentError("batch", "must be >= 0, got " + str(p.batch));
   if (p.seq_q < 0 || p.seq_k < 0) throw ArgumentError("query_index", "negative sequence size");
   // The same head and head-dim limits as flash attention: they bound every scratch size.

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "cpu_features.h"
 #include "dtype.h"
@@ -17,6 +19,11 @@ struct IndexerParams {
   // The operator's sparse_mode: kNone, or kCausal (key j visible to query i iff
   // j <= i + s2 - s1, aligned to the bottom-right corner of each sequence).
   MaskMode sparse_mode = MaskMode::kCausal;
+  // A band around that diagonal (Ascend's convention): key j is visible to query i only if
+  // d - pre_tokens <= j <= d + next_tokens, d = i + s2 - s1. Both >= 0; kMaxTokens or more is
+  // unbounded (the defaults). With sparse_mode kCausal, next_tokens cannot widen the mask.
+  int64_t pre_tokens = std::numeric_limits<int64_t>::max();
+  int64_t next_tokens = std::numeric_limits<int64_t>::max();
 
   int64_t batch = 0;     // B; for TND the number of sequences (length of the seqlen arrays)
   int64_t seq_q = 0;     // BSND: S1; TND: T1 (total query tokens)
@@ -50,8 +57,15 @@ struct IndexerParams {
   int bf16_pairs = -1;
 };
 
+// The mask sparse_mode, pre_tokens and next_tokens describe (kNone, kCausal or kWindow); throws
+// ArgumentError naming the argument that is out of range.
+Mask indexer_mask(MaskMode sparse_mode, int64_t pre_tokens, int64_t next_tokens);
+
 // Throws ArgumentError naming the first argument that is wrong.
 void validate(const IndexerParams& params);
+
+// The sequences of a validated call, in token coordinates of the inputs.
+std::vector<Sequence> indexer_sequences(const IndexerParams& params);
 
 // Validates, then computes both outputs. Rows with no visible key (and BSND rows past their
 // sequence's length) get max = -inf, sum = 0.

@@ -8,6 +8,11 @@
 //   refuses them when it runs.
 // - dense_lightning_indexer_softmax_lse returns softmax statistics, which are not
 //   differentiable: its outputs never require a gradient.
+// - dense_lightning_indexer_grad_kl_loss returns a loss and its gradients with respect to
+//   query_index, key_index and weights: the loss is differentiable in those three (its backward
+//   scales the returned gradients by the loss's gradient), the returned gradients are not (no
+//   second order), and the main attention's tensors and the statistics, which the loss treats
+//   as a fixed target, refuse to require a gradient.
 // - kv_cache_write_ refuses grad-requiring arguments (kv_cache_cpu.cpp).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -191,24 +196,113 @@ using IndexerSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
                                                       const at::Tensor&,
                                                       const std::optional<at::Tensor>&,
                                                       const std::optional<at::Tensor>&,
-                                                      c10::string_view, int64_t);
+                                                      c10::string_view, int64_t, int64_t, int64_t);
 
 std::tuple<at::Tensor, at::Tensor> indexer_autograd(
     const at::Tensor& query_index, const at::Tensor& key_index, const at::Tensor& weights,
     const std::optional<at::Tensor>& actual_seq_qlen,
-    const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout,
-    int64_t sparse_mode) {
+    const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout, int64_t sparse_mode,
+    int64_t pre_tokens, int64_t next_tokens) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("opmesh::dense_lightning_indexer_softmax_lse", "")
                              .typed<IndexerSig>();
   at::AutoDispatchBelowADInplaceOrView guard;  // outputs carry no gradient function
   return op.call(query_index, key_index, weights, actual_seq_qlen, actual_seq_klen, layout,
-                 sparse_mode);
+                 sparse_mode, pre_tokens, next_tokens);
+}
+
+// Everything dense_lightning_indexer_grad_kl_loss takes besides query_index, key_index, weights.
+struct KlRest {
+  at::Tensor query, key, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index;
+  double scale_value;
+  std::optional<at::Tensor> query_rope, key_rope, actual_seq_qlen, actual_seq_klen;
+  std::string layout;
+  int64_t sparse_mode, pre_tokens, next_tokens;
+};
+
+using KlResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using KlSig = KlResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor&, double, const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&, c10::string_view, int64_t, int64_t,
+                       int64_t);
+
+KlResult kl_below_autograd(const at::Tensor& qi, const at::Tensor& ki, const at::Tensor& w,
+                           const KlRest& r) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("opmesh::dense_lightning_indexer_grad_kl_loss", "")
+                             .typed<KlSig>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(r.query, r.key, qi, ki, w, r.softmax_max, r.softmax_sum, r.softmax_max_index,
+                 r.softmax_sum_index, r.scale_value, r.query_rope, r.key_rope, r.actual_seq_qlen,
+                 r.actual_seq_klen, r.layout, r.sparse_mode, r.pre_tokens, r.next_tokens);
+}
+
+class KlLossFunction : public torch::autograd::Function<KlLossFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& qi, const at::Tensor& ki,
+                               const at::Tensor& w, const KlRest& r) {
+    auto [dqi, dki, dw, loss] = kl_below_autograd(qi, ki, w, r);
+    ctx->save_for_backward({dqi, dki, dw});
+    ctx->mark_non_differentiable({dqi, dki, dw});
+    return {dqi, dki, dw, loss};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& g = grad_outputs[3];
+    variable_list out;
+    for (const at::Tensor& d : saved) {
+      out.push_back(g.defined() ? (d.to(at::kFloat) * g).to(d.scalar_type()) : at::zeros_like(d));
+    }
+    out.push_back(at::Tensor());  // KlRest
+    return out;
+  }
+};
+
+KlResult kl_loss_autograd(const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& query_index, const at::Tensor& key_index,
+                          const at::Tensor& weights, const at::Tensor& softmax_max,
+                          const at::Tensor& softmax_sum, const at::Tensor& softmax_max_index,
+                          const at::Tensor& softmax_sum_index, double scale_value,
+                          const std::optional<at::Tensor>& query_rope,
+                          const std::optional<at::Tensor>& key_rope,
+                          const std::optional<at::Tensor>& actual_seq_qlen,
+                          const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout,
+                          int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
+  const KlRest rest{
+      query,       key,        softmax_max, softmax_sum,     softmax_max_index, softmax_sum_index,
+      scale_value, query_rope, key_rope,    actual_seq_qlen, actual_seq_klen,   std::string(layout),
+      sparse_mode, pre_tokens, next_tokens};
+  if (!at::GradMode::is_enabled()) return kl_below_autograd(query_index, key_index, weights, rest);
+  const std::pair<const at::Tensor*, const char*> fixed[] = {
+      {&query, "query"},
+      {&key, "key"},
+      {query_rope ? &*query_rope : nullptr, "query_rope"},
+      {key_rope ? &*key_rope : nullptr, "key_rope"},
+      {&softmax_max, "softmax_max"},
+      {&softmax_sum, "softmax_sum"},
+      {&softmax_max_index, "softmax_max_index"},
+      {&softmax_sum_index, "softmax_sum_index"},
+  };
+  for (const auto& [t, name] : fixed) {
+    TORCH_CHECK_VALUE(t == nullptr || !t->requires_grad(), name,
+                      ": requires a gradient, but the KL loss treats the main attention and the "
+                      "statistics as a fixed target and has no gradient for them; pass ",
+                      name, ".detach()");
+  }
+  if (!query_index.requires_grad() && !key_index.requires_grad() && !weights.requires_grad()) {
+    return kl_below_autograd(query_index, key_index, weights, rest);
+  }
+  const variable_list out = KlLossFunction::apply(query_index, key_index, weights, rest);
+  return {out[0], out[1], out[2], out[3]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
+  m.impl("dense_lightning_indexer_grad_kl_loss", &kl_loss_autograd);
   m.impl("flash_attn", &flash_attn_autograd);
   m.impl("dense_lightning_indexer_softmax_lse", &indexer_autograd);
 }

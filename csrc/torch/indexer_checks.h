@@ -7,12 +7,17 @@
 
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "dtypes.h"
 #include "flash_attn_args.h"
 #include "indexer.h"
 
 namespace opmesh::binding {
+
+// A length tensor's values on the host (its dtype, rank and entries were checked before); empty
+// when absent.
+std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens);
 
 inline core::Layout indexer_layout(std::string_view layout) {
   if (layout == "BSND") return core::Layout::kBSND;
@@ -24,6 +29,14 @@ inline core::MaskMode indexer_sparse_mode(int64_t mode) {
   TORCH_CHECK_VALUE(mode == 0 || mode == 3,
                     "sparse_mode: expected 0 (no mask) or 3 (causal, bottom-right), got ", mode);
   return static_cast<core::MaskMode>(mode);
+}
+
+// sparse_mode, pre_tokens and next_tokens as the core's mask (a ValueError naming the argument).
+inline core::Mask indexer_mask(int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
+  indexer_sparse_mode(sparse_mode);
+  TORCH_CHECK_VALUE(pre_tokens >= 0, "pre_tokens: must be >= 0, got ", pre_tokens);
+  TORCH_CHECK_VALUE(next_tokens >= 0, "next_tokens: must be >= 0, got ", next_tokens);
+  return core::indexer_mask(static_cast<core::MaskMode>(sparse_mode), pre_tokens, next_tokens);
 }
 
 inline void check_indexer_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w) {
@@ -52,7 +65,8 @@ inline void check_indexer_ranks(const at::Tensor& q, const at::Tensor& k, const 
 inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
                                const std::optional<at::Tensor>& actual_seq_qlen,
                                const std::optional<at::Tensor>& actual_seq_klen,
-                               std::string_view layout, int64_t sparse_mode) {
+                               std::string_view layout, int64_t sparse_mode, int64_t pre_tokens,
+                               int64_t next_tokens) {
   check_indexer_devices(q, k, w);
   for (const auto& [t, name] :
        {std::pair{&actual_seq_qlen, "actual_seq_qlen"}, {&actual_seq_klen, "actual_seq_klen"}}) {
@@ -68,7 +82,7 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const a
                    "weights: expected dtype ", q.scalar_type(), " or float32, got ",
                    w.scalar_type());
   const core::Layout parsed = indexer_layout(layout);
-  indexer_sparse_mode(sparse_mode);
+  indexer_mask(sparse_mode, pre_tokens, next_tokens);
   check_indexer_ranks(q, k, w, parsed);
   const bool tnd = parsed == core::Layout::kTND;
   const int off = tnd ? -1 : 0;  // TND has no batch dim

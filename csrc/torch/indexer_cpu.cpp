@@ -11,26 +11,28 @@
 #include "indexer_checks.h"
 
 namespace opmesh::binding {
-namespace {
 
-// A length tensor's values on the host (its dtype, rank and entries were checked before).
 std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens) {
   if (!lens.has_value()) return {};
   const at::Tensor host = lens->to(at::kCPU, at::kLong).contiguous();
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
 }
 
+namespace {
+
 std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
                                                const at::Tensor& key_index,
                                                const at::Tensor& weights,
                                                const std::optional<at::Tensor>& actual_seq_qlen,
                                                const std::optional<at::Tensor>& actual_seq_klen,
-                                               c10::string_view layout, int64_t sparse_mode) {
+                                               c10::string_view layout, int64_t sparse_mode,
+                                               int64_t pre_tokens, int64_t next_tokens) {
   const at::Tensor& q = query_index;
   const at::Tensor& k = key_index;
   const at::Tensor& w = weights;
   TORCH_CHECK_VALUE(q.device().is_cpu(), "query_index: expected a CPU tensor, got ", q.device());
-  check_indexer_args(q, k, w, actual_seq_qlen, actual_seq_klen, layout, sparse_mode);
+  check_indexer_args(q, k, w, actual_seq_qlen, actual_seq_klen, layout, sparse_mode, pre_tokens,
+                     next_tokens);
   const core::DType qk_dtype = to_core_dtype(q.scalar_type(), "query_index");
   const core::Layout parsed = indexer_layout(layout);
   const core::MaskMode mode = indexer_sparse_mode(sparse_mode);
@@ -43,6 +45,8 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
   core::IndexerParams p;
   p.layout = parsed;
   p.sparse_mode = mode;
+  p.pre_tokens = pre_tokens;
+  p.next_tokens = next_tokens;
   p.batch = tnd ? static_cast<int64_t>(qlens.size()) : q.size(0);
   p.seq_q = q.size(1 + off);
   p.seq_k = k.size(1 + off);

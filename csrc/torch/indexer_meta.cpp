@@ -13,9 +13,10 @@ std::tuple<at::Tensor, at::Tensor> indexer_meta(const at::Tensor& query_index,
                                                 const at::Tensor& weights,
                                                 const std::optional<at::Tensor>& actual_seq_qlen,
                                                 const std::optional<at::Tensor>& actual_seq_klen,
-                                                c10::string_view layout, int64_t sparse_mode) {
+                                                c10::string_view layout, int64_t sparse_mode,
+                                                int64_t pre_tokens, int64_t next_tokens) {
   check_indexer_args(query_index, key_index, weights, actual_seq_qlen, actual_seq_klen, layout,
-                     sparse_mode);
+                     sparse_mode, pre_tokens, next_tokens);
   const core::Layout parsed = indexer_layout(layout);
   const auto options = query_index.options().dtype(at::kFloat);
   std::vector<c10::SymInt> shape;

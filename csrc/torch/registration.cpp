@@ -6,7 +6,16 @@ TORCH_LIBRARY(opmesh, m) {
       "dense_lightning_indexer_softmax_lse(Tensor query_index, Tensor key_index, Tensor weights, "
       "*, "
       "Tensor? actual_seq_qlen=None, Tensor? actual_seq_klen=None, str layout=\"BSND\", "
-      "int sparse_mode=3) -> (Tensor softmax_max, Tensor softmax_sum)");
+      "int sparse_mode=3, int pre_tokens=9223372036854775807, "
+      "int next_tokens=9223372036854775807) -> (Tensor softmax_max, Tensor softmax_sum)");
+  m.def(
+      "dense_lightning_indexer_grad_kl_loss(Tensor query, Tensor key, Tensor query_index, "
+      "Tensor key_index, Tensor weights, Tensor softmax_max, Tensor softmax_sum, "
+      "Tensor softmax_max_index, Tensor softmax_sum_index, float scale_value=1.0, *, "
+      "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? actual_seq_qlen=None, "
+      "Tensor? actual_seq_klen=None, str layout=\"BSND\", int sparse_mode=3, "
+      "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
+      "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)");
   m.def(
       "flash_attn_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
       "int? head_dim_v=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "

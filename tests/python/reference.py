@@ -22,8 +22,32 @@ def sequence_bounds(batch, total_q, total_k, qlen, klen, layout):
     return out
 
 
+UNBOUNDED = 2**63 - 1
+
+
+def indexer_visible(s1, s2, sparse_mode, pre_tokens=UNBOUNDED, next_tokens=UNBOUNDED):
+    """``[s1, s2]`` bool: key ``j`` visible to query ``i`` with diagonal ``d = i + s2 - s1``:
+    ``d - pre_tokens <= j <= d + next_tokens``, and ``j <= d`` when ``sparse_mode == 3``."""
+    i = torch.arange(s1)[:, None]
+    j = torch.arange(s2)[None, :]
+    d = i + s2 - s1
+    visible = (j >= d - min(pre_tokens, 2**40)) & (j <= d + min(next_tokens, 2**40))
+    if sparse_mode == 3:
+        visible &= j <= d
+    return visible
+
+
 def indexer_softmax_lse(
-    q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, layout="BSND", sparse_mode=3
+    q,
+    k,
+    w,
+    *,
+    actual_seq_qlen=None,
+    actual_seq_klen=None,
+    layout="BSND",
+    sparse_mode=3,
+    pre_tokens=UNBOUNDED,
+    next_tokens=UNBOUNDED,
 ):
     """Reference for ``dense_lightning_indexer_softmax_lse``.
 
@@ -55,11 +79,10 @@ def indexer_softmax_lse(
             heads = slice(g * group, (g + 1) * group)
             dots = torch.einsum("ihd,jd->ihj", qs[:, heads], ks[:, g])
             scores = torch.einsum("ih,ihj->ij", ws[:, heads], dots.clamp_min(0))
-            i = torch.arange(s1)[:, None]
-            j = torch.arange(s2)[None, :]
-            visible = (j <= i + s2 - s1) if sparse_mode == 3 else torch.ones(s1, s2, dtype=bool)
+            visible = indexer_visible(s1, s2, sparse_mode, pre_tokens, next_tokens)
             scores = scores.masked_fill(~visible, float("-inf"))
             m = scores.amax(dim=1) if s2 > 0 else torch.full((s1,), float("-inf"))
+            m = torch.where(visible.any(dim=1), m, torch.full_like(m, float("-inf")))
             safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
             s = torch.exp(scores - safe[:, None]).sum(dim=1) if s2 > 0 else torch.zeros(s1)
             if layout == "TND":
@@ -69,3 +92,70 @@ def indexer_softmax_lse(
                 out_max[b, g, :s1] = m
                 out_sum[b, g, :s1] = s
     return out_max, out_sum
+
+
+def main_attention_stats(query, key, scale, *, query_rope=None, key_rope=None, visible):
+    """float64 ``(max, sum)`` of the main attention's scaled logits over the visible keys of one
+    sequence: query ``[s1, N1, D]``, key ``[s2, N2, D]``; returns ``[N2, s1, G]`` each."""
+    q, k = _with_rope(query, key, query_rope, key_rope)
+    n1, n2 = q.shape[1], k.shape[1]
+    group = n1 // n2
+    logits = scale * torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1))
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if logits.shape[2] == 0:
+        logits = torch.full((n1, q.shape[0], 1), float("-inf"), dtype=torch.float64)
+    m = logits.amax(dim=2)
+    safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    s = torch.exp(logits - safe[..., None]).sum(dim=2)
+    return (m.reshape(n2, group, -1).transpose(1, 2), s.reshape(n2, group, -1).transpose(1, 2))
+
+
+def _with_rope(query, key, query_rope, key_rope):
+    q, k = query.double(), key.double()
+    if query_rope is not None:
+        q = torch.cat([q, query_rope.double()], dim=-1)
+        k = torch.cat([k, key_rope.double()], dim=-1)
+    return q, k
+
+
+def indexer_kl_loss(
+    query,
+    key,
+    query_index,
+    key_index,
+    weights,
+    softmax_max,
+    softmax_sum,
+    scale,
+    *,
+    query_rope=None,
+    key_rope=None,
+    visible,
+):
+    """Reference loss of ``dense_lightning_indexer_grad_kl_loss`` for one sequence, written with
+    materialised scores and ``torch.nn.functional.kl_div`` so float64 autograd gives the
+    gradients. query ``[s1, N1, D]``, key ``[s2, N2, D]``, query_index ``[s1, N1i, Di]``,
+    key_index ``[s2, N2i, Di]``, weights ``[s1, N1i]``, the main statistics ``[N2, s1, G]``.
+    The target is the head-summed main attention L1-normalised over the keys; rows whose
+    target mass is zero are left out. The indexer's softmax is computed from the scores."""
+    q, k = _with_rope(query, key, query_rope, key_rope)
+    n1, n2 = q.shape[1], k.shape[1]
+    group = n1 // n2
+    logits = scale * torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1))
+    shift = (softmax_max.double() + softmax_sum.double().log()).transpose(1, 2).reshape(n1, -1)
+    p = torch.where(visible, torch.exp(logits - shift[..., None]), 0.0)
+    target = p.sum(dim=0)  # [s1, s2]
+    mass = target.sum(dim=1)
+    rows = mass > 0
+    target = target[rows] / mass[rows, None]
+    n1i, n2i = query_index.shape[1], key_index.shape[1]
+    igroup = n1i // n2i
+    dots = torch.einsum("ihd,jhd->hij", query_index, key_index.repeat_interleave(igroup, dim=1))
+    scores = torch.einsum("ih,hij->hij", weights, dots.clamp_min(0))
+    scores = scores.reshape(n2i, igroup, *scores.shape[1:]).sum(dim=1)  # [N2i, s1, s2]
+    log_q = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    log_q = log_q.masked_fill(~visible, 0.0)[:, rows]
+    loss = torch.zeros((), dtype=torch.float64)
+    for g in range(n2i):
+        loss = loss + torch.nn.functional.kl_div(log_q[g], target, reduction="sum")
+    return loss

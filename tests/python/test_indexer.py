@@ -4,8 +4,9 @@ every SIMD path of this machine."""
 import pytest
 import torch
 from comparators import assert_close
+from conftest import assert_raises_named
 from indexer_cases import CASES, DTYPES, TOLERANCES, make_inputs
-from reference import indexer_softmax_lse
+from reference import UNBOUNDED, indexer_softmax_lse
 
 import opmesh
 
@@ -117,3 +118,31 @@ def test_unknown_simd_cap_is_rejected(monkeypatch):
     q, k, w, kwargs = make_inputs(CASES[0], torch.float32)
     with pytest.raises(ValueError, match="OPMESH_SIMD_MAX"):
         opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "sparse_mode, pre_tokens, next_tokens",
+    [(3, 0, UNBOUNDED), (3, 40, UNBOUNDED), (3, 5, 9), (0, 13, 0), (0, 70, 3), (0, UNBOUNDED, 21)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5], CASES[7]], ids=lambda c: c.name)
+def test_band_pre_next_tokens(case, dtype, sparse_mode, pre_tokens, next_tokens, simd_level):
+    """A band around the diagonal: d - pre_tokens <= j <= d + next_tokens (and j <= d when
+    causal), every row's own range, tiles skipped and split where the band ends."""
+    q, k, w, kwargs = make_inputs(case, dtype)
+    band = dict(sparse_mode=sparse_mode, pre_tokens=pre_tokens, next_tokens=next_tokens)
+    got_max, got_sum = opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **band, **kwargs)
+    want_max, want_sum = indexer_softmax_lse(q, k, w, **band, **kwargs)
+    atol, rtol, sum_rtol = TOLERANCES[dtype]
+    assert_close(got_max, want_max, atol=atol, rtol=rtol, name="softmax_max")
+    assert_close(got_sum, want_sum, atol=0.0, rtol=sum_rtol, name="softmax_sum")
+
+
+@pytest.mark.parametrize("name", ["pre_tokens", "next_tokens"])
+def test_negative_band_is_named(name):
+    q, k, w, kwargs = make_inputs(CASES[1], torch.float32)
+    assert_raises_named(
+        ValueError,
+        name,
+        lambda: opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **{name: -1}, **kwargs),
+    )

@@ -9,7 +9,9 @@ The output [N2, T1] takes T1 from q.
 Context parallel: when q's query sequence is sharded, each rank computes its own query rows
 against the replicated keys. The lengths the kernel receives are rewritten so that each local
 row keeps its global key range: it sees the key prefix its rows can see and no more. With
-opmesh.head_tail_cp() the query shards are in head-tail order (context_parallel.py).
+opmesh.head_tail_cp() the query shards are in head-tail order (context_parallel.py). A band
+(pre_tokens / next_tokens) stays exact with sparse_mode=3, whose rewritten lengths keep every
+row's diagonal; with sparse_mode=0 it is refused when the query sequence is sharded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ DIM_NAMES = {
 }
 
 
+UNBOUNDED = 2**63 - 1
+# A band side this long or longer covers every key (the kernels' token limit).
+MAX_TOKENS = 2**31 - 256
 RANKS = {"BSND": (4, 4, 3), "TND": (3, 3, 2)}
 LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
 
@@ -130,6 +135,15 @@ class IndexerDistributedOp(DistributedOp):
                 "head_tail_cp: needs layout BSND with query_index's S1 sharded for context "
                 "parallelism"
             )
+        cp = q_map[1] if layout == "BSND" else q_map[0]
+        if cp and kwargs.get("sparse_mode", 3) == 0:
+            for name in ("pre_tokens", "next_tokens"):
+                if kwargs.get(name, UNBOUNDED) < MAX_TOKENS:
+                    raise ValueError(
+                        f"{name}: a band with sparse_mode=0 cannot be split over the query "
+                        "sequence (context parallel); use sparse_mode=3 or replicate the "
+                        "query sequence"
+                    )
         local_args = tuple(p.to_local(x) for x in args)
         cache_values = (
             layout,

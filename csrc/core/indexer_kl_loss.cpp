@@ -1,0 +1,571 @@
+#include "indexer_kl_loss.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "aligned_buffer.h"
+#include "attention/config.h"
+#include "errors.h"
+#include "indexer.h"
+#include "kernels/kernel_set.h"
+#include "row_loads.h"
+
+namespace opmesh::core {
+namespace {
+
+using kernels::round_up;
+
+constexpr int64_t kTile = kernels::kKeyTile;  // query positions per query tile, keys per key tile
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// The indexer's half of a call, as the softmax-statistics operator sees it: validating it checks
+// the index tensors, the layout, the mask and the lengths with that operator's messages.
+IndexerParams index_params(const IndexerKlLossParams& p) {
+  IndexerParams q;
+  q.layout = p.layout;
+  q.sparse_mode = p.sparse_mode;
+  q.pre_tokens = p.pre_tokens;
+  q.next_tokens = p.next_tokens;
+  q.batch = p.batch;
+  q.seq_q = p.seq_q;
+  q.seq_k = p.seq_k;
+  q.heads_q = p.index_heads_q;
+  q.heads_k = p.index_heads_k;
+  q.head_dim = p.index_dim;
+  q.qk_dtype = p.query_index.dtype;
+  q.weights_dtype = p.weights.dtype;
+  q.seq_q_lens = p.seq_q_lens;
+  q.seq_k_lens = p.seq_k_lens;
+  return q;
+}
+
+// A unit of one pass: sequence b, tile t (query positions in pass 1, keys in pass 2).
+struct Unit {
+  int32_t b, t;
+  double cost;  // visible (query, key) pairs, for the order in which tasks are handed out
+};
+
+class KlLoss {
+ public:
+  KlLoss(const IndexerKlLossParams& p, Isa isa)
+      : p_(p),
+        k_(kernels::float32_set(isa)),
+        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
+        seqs_(indexer_sequences(index_params(p))),
+        group_(p.heads_q / p.heads_k),
+        igroup_(p.index_heads_q / p.index_heads_k),
+        dm_(p.head_dim + p.rope_dim),
+        dmp_(round_up(dm_, 16)),
+        di_(p.index_dim),
+        dip_(round_up(di_, 16)) {
+    int64_t total = 0;
+    for (const Sequence& s : seqs_) {
+      z_base_.push_back(total);
+      total += s.q_len;
+    }
+    z_.assign(total, 0.0f);
+  }
+
+  struct Scratch {
+    explicit Scratch(const KlLoss& r)
+        : mq(r.p_.heads_q * kTile * r.dmp_),
+          mk(r.p_.heads_k * r.dm_ * kTile),
+          qi(r.p_.index_heads_q * kTile * r.dip_),
+          kit(r.p_.index_heads_k * r.di_ * kTile),
+          kir(r.p_.index_heads_k * kTile * r.dip_),
+          w(kTile * r.p_.index_heads_q),
+          shift(r.p_.heads_q * kTile),
+          ishift(r.p_.index_heads_k * kTile),
+          s(kTile * kTile),
+          prob(kTile * kTile),
+          si(r.igroup_ * kTile * kTile),
+          score(kTile * kTile),
+          coef(2 * kTile * r.igroup_ * kTile),
+          acc(std::max(r.p_.index_heads_q * 2 * kTile, r.p_.index_heads_k * kTile) * r.dip_),
+          row(std::max(r.dmp_, r.dip_)),
+          ones(2 * kTile),
+          dw(2 * kTile * r.p_.index_heads_q),
+          stats((2 + r.p_.index_heads_k) * kTile) {
+      std::fill(ones.data(), ones.data() + 2 * kTile, 1.0f);
+    }
+    AlignedBuffer<float> mq;      // [N1][64][dmp] main query rows (query and rope parts)
+    AlignedBuffer<float> mk;      // [N2][dm][64] main keys, transposed
+    AlignedBuffer<float> qi;      // [N1index][64][dip] index query rows, zero-padded
+    AlignedBuffer<float> kit;     // [N2index][di][64] index keys, transposed
+    AlignedBuffer<float> kir;     // [N2index][64][dip] index key rows
+    AlignedBuffer<float> w;       // [64][N1index] weights
+    AlignedBuffer<float> shift;   // [N1][64] the main log-sum-exp (+inf: the row has no mass)
+    AlignedBuffer<float> ishift;  // [N2index][64] the indexer's log-sum-exp
+    AlignedBuffer<float> s;       // [64][64] one head's scores
+    AlignedBuffer<float> prob;    // [64][64] P, the head-summed main probabilities
+    AlignedBuffer<float> si;      // [group][64][64] index scores of one key head's query heads
+    AlignedBuffer<float> score;   // [64][64] I, then the indexer's softmax, then dI
+    AlignedBuffer<float> coef;    // products' left operands
+    AlignedBuffer<float> acc;     // pass 1: [N1index][2][64][dip]; pass 2: [N2index][64][dip]
+    AlignedBuffer<float> row;
+    AlignedBuffer<float> ones;
+    std::vector<double> dw;     // [2][64][N1index] the two parts of d_weights
+    std::vector<double> stats;  // Z, sum P log P, and per index key head sum P I: [2 + N2i][64]
+  };
+
+  std::vector<Unit> units(bool queries) const {
+    std::vector<Unit> out;
+    for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
+      const Sequence& seq = seqs_[b];
+      const int64_t len = queries ? seq.q_len : seq.k_len;
+      if (seq.q_len == 0 || seq.k_len == 0) continue;
+      for (int64_t t = 0; t * kTile < len; ++t) {
+        double cost = 0.0;
+        if (queries) {
+          for (int64_t i = t * kTile; i < std::min(len, (t + 1) * kTile); ++i) {
+            const KeyRange r = visible_keys(mask_, seq, i);
+            cost += static_cast<double>(r.end - r.begin);
+          }
+        } else {
+          for (int64_t i = 0; i < seq.q_len; ++i) {
+            const KeyRange r = visible_keys(mask_, seq, i);
+            cost += static_cast<double>(std::max<int64_t>(
+                0, std::min(r.end, (t + 1) * kTile) - std::max(r.begin, t * kTile)));
+          }
+        }
+        if (cost > 0) out.push_back({static_cast<int32_t>(b), static_cast<int32_t>(t), cost});
+      }
+    }
+    return out;
+  }
+
+  // Pass 1: query tile u.t of sequence u.b against every key tile it sees. Writes the tile's
+  // d_query_index and d_weights rows and its Z; returns its share of the loss.
+  double query_tile(Scratch& sc, const Unit& u) {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t i0 = u.t * kTile;
+    const int64_t rows = std::min(kTile, seq.q_len - i0);
+    const int64_t n1i = p_.index_heads_q, n2i = p_.index_heads_k;
+    pack_queries(sc, u.b, i0, rows);
+    std::fill(sc.acc.data(), sc.acc.data() + n1i * 2 * kTile * dip_, 0.0f);
+    std::fill(sc.dw.begin(), sc.dw.end(), 0.0);
+    std::fill(sc.stats.begin(), sc.stats.end(), 0.0);
+    double* z = sc.stats.data();
+    double* plogp = z + kTile;
+    double* pi = plogp + kTile;  // [N2index][64]
+    const KeyRange span = key_span(seq, i0, rows);
+    for (int64_t k0 = span.begin / kTile * kTile; k0 < span.end; k0 += kTile) {
+      pack_keys(sc, u.b, k0, std::min(kTile, seq.k_len - k0));
+      target(sc, seq, i0, rows, k0);
+      const float* prob = sc.prob.data();
+      for (int64_t r = 0; r < rows; ++r) {
+        double zr = 0.0, pl = 0.0;
+        for (int64_t c = 0; c < kTile; ++c) {
+          const float v = prob[r * kTile + c];
+          if (v > 0.0f) {
+            zr += v;
+            pl += static_cast<double>(v) * std::log(v);
+          }
+        }
+        z[r] += zr;
+        plogp[r] += pl;
+      }
+      for (int64_t g = 0; g < n2i; ++g) {
+        index_scores(sc, seq, g, i0, rows, k0);
+        const float* score = sc.score.data();  // I, before the softmax below
+        for (int64_t r = 0; r < rows; ++r) {
+          double acc = 0.0;
+          for (int64_t c = 0; c < kTile; ++c) {
+            acc += static_cast<double>(prob[r * kTile + c]) * score[r * kTile + c];
+          }
+          pi[g * kTile + r] += acc;
+        }
+        index_softmax(sc, seq, g, i0, rows, k0);
+        // Per query head of the group: the indexer's part (rows 0..63 of coef) and the target's
+        // part (rows 64..127) of d_query_index, accumulated apart until Z is known.
+        for (int64_t hl = 0; hl < igroup_; ++hl) {
+          const int64_t h = g * igroup_ + hl;
+          const float* sh = sc.si.data() + hl * kTile * kTile;
+          float* c1 = sc.coef.data();
+          float* c2 = c1 + kTile * kTile;
+          double* dw1 = sc.dw.data();
+          double* dw2 = dw1 + kTile * n1i;
+          for (int64_t r = 0; r < kTile; ++r) {
+            const float wr = r < rows ? sc.w.data()[r * n1i + h] : 0.0f;
+            double a1 = 0.0, a2 = 0.0;
+            for (int64_t c = 0; c < kTile; ++c) {
+              const float sv = sh[r * kTile + c];
+              const float relu = sv > 0.0f ? sv : 0.0f;
+              const float q = score[r * kTile + c];
+              const float pv = prob[r * kTile + c];
+              a1 += static_cast<double>(q) * relu;
+              a2 += static_cast<double>(pv) * relu;
+              c1[r * kTile + c] = sv > 0.0f ? q * wr : 0.0f;
+              c2[r * kTile + c] = sv > 0.0f ? pv * wr : 0.0f;
+            }
+            if (r < rows) {
+              dw1[r * n1i + h] += a1;
+              dw2[r * n1i + h] += a2;
+            }
+          }
+          k_.gemm({sc.coef.data(), kTile, sc.kir.data() + g * kTile * dip_, dip_,
+                   sc.acc.data() + h * 2 * kTile * dip_, dip_, 2 * kTile, dip_, kTile,
+                   sc.ones.data(), 1.0f});
+        }
+      }
+    }
+    // Combine the parts now that Z is known, and write the tile's rows.
+    double loss = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float zr = static_cast<float>(z[r]);
+      z_[z_base_[u.b] + i0 + r] = zr;
+      const float inv = zr > 0.0f ? 1.0f / zr : 0.0f;
+      const int64_t pos = seq.q_begin + i0 + r;
+      for (int64_t h = 0; h < n1i; ++h) {
+        float* a = sc.acc.data() + h * 2 * kTile * dip_;
+        float* out = sc.row.data();
+        for (int64_t e = 0; e < di_; ++e) {
+          out[e] = zr > 0.0f ? a[r * dip_ + e] - a[(kTile + r) * dip_ + e] * inv : 0.0f;
+        }
+        const KlGradient& dq = p_.d_query_index;
+        store_row(dq.data, dq.dtype, offset(dq.stride, u.b, pos, h), dq.stride[3], di_, out, 1.0f);
+        const double* dw1 = sc.dw.data();
+        const double* dw2 = dw1 + kTile * n1i;
+        const float dw =
+            zr > 0.0f ? static_cast<float>(dw1[r * n1i + h] - dw2[r * n1i + h] / z[r]) : 0.0f;
+        const KlGradient& gw = p_.d_weights;
+        store_row(gw.data, gw.dtype, offset(gw.stride, u.b, pos, h), 1, 1, &dw, 1.0f);
+      }
+      if (zr > 0.0f) {
+        for (int64_t g = 0; g < n2i; ++g) {
+          // KL(phat || q) = sum_j phat (log phat - I + lse_index)
+          //              = (sum P log P - sum P I) / Z - log Z + lse_index.
+          const double lse = sc.ishift.data()[g * kTile + r];
+          loss += (plogp[r] - pi[g * kTile + r]) / z[r] - std::log(z[r]) + lse;
+        }
+      }
+    }
+    return loss;
+  }
+
+  // Pass 2: key tile u.t of sequence u.b against every query tile that sees it; writes its
+  // d_key_index rows. Needs Z from pass 1.
+  void key_tile(Scratch& sc, const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t k0 = u.t * kTile;
+    const int64_t keys = std::min(kTile, seq.k_len - k0);
+    const int64_t n2i = p_.index_heads_k;
+    pack_keys(sc, u.b, k0, keys);
+    std::fill(sc.acc.data(), sc.acc.data() + n2i * kTile * dip_, 0.0f);
+    for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+      const int64_t rows = std::min(kTile, seq.q_len - i0);
+      const KeyRange span = key_span(seq, i0, rows);
+      if (span.end <= k0 || span.begin >= k0 + keys) continue;
+      pack_queries(sc, u.b, i0, rows);
+      target(sc, seq, i0, rows, k0);
+      for (int64_t g = 0; g < n2i; ++g) {
+        index_scores(sc, seq, g, i0, rows, k0);
+        index_softmax(sc, seq, g, i0, rows, k0);
+        // dI = q - P / Z in sc.score; then coef = [64 keys][group x 64 rows], the transpose of
+        // dI w [S > 0] for each query head of the group.
+        float* di = sc.score.data();
+        for (int64_t r = 0; r < rows; ++r) {
+          const float zr = z_[z_base_[u.b] + i0 + r];
+          const float inv = zr > 0.0f ? 1.0f / zr : 0.0f;
+          for (int64_t c = 0; c < kTile; ++c) {
+            const float v = di[r * kTile + c] - sc.prob.data()[r * kTile + c] * inv;
+            di[r * kTile + c] = zr > 0.0f ? v : 0.0f;
+          }
+        }
+        const int64_t depth = igroup_ * kTile;
+        float* ct = sc.coef.data();
+        for (int64_t hl = 0; hl < igroup_; ++hl) {
+          const int64_t h = g * igroup_ + hl;
+          const float* sh = sc.si.data() + hl * kTile * kTile;
+          for (int64_t r = 0; r < kTile; ++r) {
+            const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
+            for (int64_t c = 0; c < kTile; ++c) {
+              const float v = r < rows && sh[r * kTile + c] > 0.0f ? di[r * kTile + c] * wr : 0.0f;
+              ct[c * depth + hl * kTile + r] = v;
+            }
+          }
+        }
+        // d_key_index[key] += sum over the group's heads and rows of coef * query_index rows.
+        k_.gemm({ct, depth, sc.qi.data() + g * igroup_ * kTile * dip_, dip_,
+                 sc.acc.data() + g * kTile * dip_, dip_, kTile, dip_, depth, sc.ones.data(), 1.0f});
+      }
+    }
+    for (int64_t n = 0; n < keys; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      for (int64_t g = 0; g < n2i; ++g) {
+        const KlGradient& dk = p_.d_key_index;
+        store_row(dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_,
+                  sc.acc.data() + (g * kTile + n) * dip_, 1.0f);
+      }
+    }
+  }
+
+ private:
+  int64_t offset(const int64_t* stride, int64_t b, int64_t token, int64_t head) const {
+    return (p_.layout == Layout::kBSND ? b * stride[0] : 0) + token * stride[1] + head * stride[2];
+  }
+
+  void load(const KlOperand& t, int64_t b, int64_t token, int64_t head, int64_t n,
+            float* dst) const {
+    const int64_t off = offset(t.stride, b, token, head);
+    if (t.stride[3] == 1) {
+      const int64_t elem = t.dtype == DType::kFloat64 ? 8 : t.dtype == DType::kFloat32 ? 4 : 2;
+      k_.widen(static_cast<const char*>(t.data) + off * elem, t.dtype, n, dst);
+    } else {
+      load_row(t.data, t.dtype, off, t.stride[3], n, dst);
+    }
+  }
+
+  // The union of the keys rows [i0, i0 + rows) see; empty when none sees any.
+  KeyRange key_span(const Sequence& seq, int64_t i0, int64_t rows) const {
+    KeyRange span{seq.k_len, 0};
+    for (int64_t r = 0; r < rows; ++r) {
+      const KeyRange v = visible_keys(mask_, seq, i0 + r);
+      if (v.end > v.begin) {
+        span.begin = std::min(span.begin, v.begin);
+        span.end = std::max(span.end, v.end);
+      }
+    }
+    if (span.end <= span.begin) return {0, 0};
+    return span;
+  }
+
+  // Query rows [i0, i0 + rows) of sequence b: main queries (with rope), index queries, weights
+  // and both log-sum-exps; rows past `rows` are zero.
+  void pack_queries(Scratch& sc, int64_t b, int64_t i0, int64_t rows) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(sc.mq.data(), sc.mq.data() + p_.heads_q * kTile * dmp_, 0.0f);
+    std::fill(sc.qi.data(), sc.qi.data() + p_.index_heads_q * kTile * dip_, 0.0f);
+    std::fill(sc.w.data(), sc.w.data() + kTile * p_.index_heads_q, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seq.q_begin + i0 + r;
+      const int64_t srow = i0 + r + (p_.layout == Layout::kTND ? seq.q_begin : 0);
+      for (int64_t h = 0; h < p_.heads_q; ++h) {
+        float* dst = sc.mq.data() + (h * kTile + r) * dmp_;
+        load(p_.query, b, pos, h, p_.head_dim, dst);
+        if (p_.rope_dim > 0) load(p_.query_rope, b, pos, h, p_.rope_dim, dst + p_.head_dim);
+        // The main statistics: [B, N2, S1, G] / [N2, T1, G].
+        const int64_t n2 = h / group_, gg = h % group_;
+        const int64_t at = ((p_.layout == Layout::kBSND ? b * p_.heads_k : 0) + n2) * p_.seq_q;
+        const int64_t idx = (at + srow) * group_ + gg;
+        const float m = p_.softmax_max[idx];
+        const float l = p_.softmax_sum[idx];
+        sc.shift.data()[h * kTile + r] = l > 0.0f ? m + std::log(l) : kInf;
+      }
+      for (int64_t h = 0; h < p_.index_heads_q; ++h) {
+        load(p_.query_index, b, pos, h, di_, sc.qi.data() + (h * kTile + r) * dip_);
+        const int64_t off = offset(p_.weights.stride, b, pos, h);
+        load_row(p_.weights.data, p_.weights.dtype, off, 1, 1,
+                 sc.w.data() + r * p_.index_heads_q + h);
+      }
+      for (int64_t g = 0; g < p_.index_heads_k; ++g) {
+        const int64_t at = ((p_.layout == Layout::kBSND ? b * p_.index_heads_k : 0) + g) * p_.seq_q;
+        const float m = p_.softmax_max_index[at + srow];
+        const float l = p_.softmax_sum_index[at + srow];
+        sc.ishift.data()[g * kTile + r] = l > 0.0f ? m + std::log(l) : kInf;
+      }
+    }
+  }
+
+  // Key tile [k0, k0 + keys) of sequence b, every key head of both attentions; keys past the
+  // tile's end are zero.
+  void pack_keys(Scratch& sc, int64_t b, int64_t k0, int64_t keys) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(sc.mk.data(), sc.mk.data() + p_.heads_k * dm_ * kTile, 0.0f);
+    std::fill(sc.kit.data(), sc.kit.data() + p_.index_heads_k * di_ * kTile, 0.0f);
+    std::fill(sc.kir.data(), sc.kir.data() + p_.index_heads_k * kTile * dip_, 0.0f);
+    float* row = sc.row.data();
+    for (int64_t n = 0; n < keys; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      for (int64_t h = 0; h < p_.heads_k; ++h) {
+        load(p_.key, b, key, h, p_.head_dim, row);
+        if (p_.rope_dim > 0) load(p_.key_rope, b, key, h, p_.rope_dim, row + p_.head_dim);
+        float* kt = sc.mk.data() + h * dm_ * kTile;
+        for (int64_t e = 0; e < dm_; ++e) kt[e * kTile + n] = row[e];
+      }
+      for (int64_t g = 0; g < p_.index_heads_k; ++g) {
+        float* kr = sc.kir.data() + (g * kTile + n) * dip_;
+        load(p_.key_index, b, key, g, di_, kr);
+        float* kt = sc.kit.data() + g * di_ * kTile;
+        for (int64_t e = 0; e < di_; ++e) kt[e * kTile + n] = kr[e];
+      }
+    }
+  }
+
+  // P = sum over main query heads of their probabilities, [64][64] in sc.prob, zero where a key
+  // is not visible (or past the sequence) and on rows past `rows`.
+  void target(Scratch& sc, const Sequence& seq, int64_t i0, int64_t rows, int64_t k0) const {
+    float* prob = sc.prob.data();
+    float* s = sc.s.data();
+    std::fill(prob, prob + kTile * kTile, 0.0f);
+    for (int64_t h = 0; h < p_.heads_q; ++h) {
+      k_.gemm({sc.mq.data() + h * kTile * dmp_, dmp_, sc.mk.data() + (h / group_) * dm_ * kTile,
+               kTile, s, kTile, rows, kTile, dm_, nullptr, p_.scale});
+      k_.exp_rows(s, rows, kTile, sc.shift.data() + h * kTile);
+      for (int64_t e = 0; e < rows * kTile; ++e) prob[e] += s[e];
+    }
+    apply_mask(prob, seq, i0, rows, k0);
+  }
+
+  // The index scores of key head g's query heads (sc.si, raw dot products) and I (sc.score),
+  // masked to 0 where not visible.
+  void index_scores(Scratch& sc, const Sequence& seq, int64_t g, int64_t i0, int64_t rows,
+                    int64_t k0) const {
+    float* score = sc.score.data();
+    std::fill(score, score + kTile * kTile, 0.0f);
+    for (int64_t hl = 0; hl < igroup_; ++hl) {
+      const int64_t h = g * igroup_ + hl;
+      float* sh = sc.si.data() + hl * kTile * kTile;
+      k_.gemm({sc.qi.data() + h * kTile * dip_, dip_, sc.kit.data() + g * di_ * kTile, kTile, sh,
+               kTile, rows, kTile, di_, nullptr, 1.0f});
+      std::fill(sh + rows * kTile, sh + kTile * kTile, 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float wr = sc.w.data()[r * p_.index_heads_q + h];
+        for (int64_t c = 0; c < kTile; ++c) {
+          const float v = sh[r * kTile + c];
+          score[r * kTile + c] += v > 0.0f ? wr * v : 0.0f;
+        }
+      }
+    }
+    apply_mask(score, seq, i0, rows, k0);
+  }
+
+  // sc.score <- the indexer's softmax exp(I - lse_index), 0 where not visible.
+  void index_softmax(Scratch& sc, const Sequence& seq, int64_t g, int64_t i0, int64_t rows,
+                     int64_t k0) const {
+    k_.exp_rows(sc.score.data(), rows, kTile, sc.ishift.data() + g * kTile);
+    apply_mask(sc.score.data(), seq, i0, rows, k0);
+  }
+
+  // Zeroes the entries of a [64][64] tile that query rows [i0, i0 + rows) do not see, and rows
+  // past `rows`.
+  void apply_mask(float* tile, const Sequence& seq, int64_t i0, int64_t rows, int64_t k0) const {
+    for (int64_t r = 0; r < kTile; ++r) {
+      float* t = tile + r * kTile;
+      if (r >= rows) {
+        std::fill(t, t + kTile, 0.0f);
+        continue;
+      }
+      const KeyRange v = visible_keys(mask_, seq, i0 + r);
+      const int64_t lo = std::clamp<int64_t>(v.begin - k0, 0, kTile);
+      const int64_t hi = v.end > v.begin ? std::clamp<int64_t>(v.end - k0, 0, kTile) : 0;
+      std::fill(t, t + std::min(lo, kTile), 0.0f);
+      std::fill(t + std::max(hi, lo), t + kTile, 0.0f);
+      if (hi <= lo) std::fill(t, t + kTile, 0.0f);
+    }
+  }
+
+  const IndexerKlLossParams& p_;
+  const kernels::KernelSet& k_;
+  Mask mask_;
+  std::vector<Sequence> seqs_;
+  int64_t group_, igroup_;
+  int64_t dm_, dmp_, di_, dip_;
+  std::vector<int64_t> z_base_;  // first entry of sequence b in z_
+  std::vector<float> z_;         // Z for every query row
+};
+
+void check_operand(const KlOperand& t, const char* name, bool needed) {
+  if (needed && t.data == nullptr) throw ArgumentError(name, "is null");
+}
+
+}  // namespace
+
+void validate(const IndexerKlLossParams& p) {
+  validate(index_params(p));
+  if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
+    throw ArgumentError(
+        "query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_q));
+  }
+  if (p.heads_k < 1 || p.heads_k > attention::kMaxHeads) {
+    throw ArgumentError(
+        "key", "N2 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_k));
+  }
+  if (p.heads_q % p.heads_k != 0) {
+    throw ArgumentError("key", "query heads N1=" + str(p.heads_q) +
+                                   " must be a multiple of key heads N2=" + str(p.heads_k));
+  }
+  if (p.head_dim < 1 || p.head_dim > attention::kMaxHeadDim) {
+    throw ArgumentError("query", "head dim D must be in [1, " + str(attention::kMaxHeadDim) +
+                                     "], got " + str(p.head_dim));
+  }
+  if (p.rope_dim < 0 || p.head_dim + p.rope_dim > attention::kMaxHeadDim) {
+    throw ArgumentError("query_rope", "D + Dr must be <= " + str(attention::kMaxHeadDim) +
+                                          ", got Dr = " + str(p.rope_dim));
+  }
+  if (!std::isfinite(p.scale)) throw ArgumentError("scale_value", "must be finite");
+  bool work = false;
+  for (const Sequence& s : indexer_sequences(index_params(p))) {
+    work = work || (s.q_len > 0 && s.k_len > 0);
+  }
+  if (work) {
+    check_operand(p.query, "query", true);
+    check_operand(p.key, "key", true);
+    check_operand(p.query_rope, "query_rope", p.rope_dim > 0);
+    check_operand(p.key_rope, "key_rope", p.rope_dim > 0);
+    check_operand(p.query_index, "query_index", true);
+    check_operand(p.key_index, "key_index", true);
+    check_operand(p.weights, "weights", true);
+    const std::pair<const void*, const char*> needed[] = {
+        {p.softmax_max, "softmax_max"},
+        {p.softmax_sum, "softmax_sum"},
+        {p.softmax_max_index, "softmax_max_index"},
+        {p.softmax_sum_index, "softmax_sum_index"},
+        {p.d_query_index.data, "d_query_index"},
+        {p.d_key_index.data, "d_key_index"},
+        {p.d_weights.data, "d_weights"},
+    };
+    for (const auto& [ptr, name] : needed) {
+      if (ptr == nullptr) throw ArgumentError(name, "is null");
+    }
+  }
+  if (p.loss == nullptr) throw ArgumentError("loss", "is null");
+}
+
+void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& p, const Executor& executor,
+                                          Isa isa) {
+  validate(p);
+  if (!isa_supported(isa)) {
+    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
+  }
+  KlLoss run(p, isa);
+  std::vector<std::unique_ptr<KlLoss::Scratch>> scratch(std::max(1, executor.num_workers()));
+  auto scratch_of = [&](int thread) -> KlLoss::Scratch& {
+    if (!scratch[thread]) scratch[thread] = std::make_unique<KlLoss::Scratch>(run);
+    return *scratch[thread];
+  };
+  // Units are handed out most expensive first (causal tiles differ up to the sequence length);
+  // each writes only its own rows, and the loss adds the units' shares in a fixed order.
+  auto by_cost = [](const std::vector<Unit>& units) {
+    std::vector<int64_t> order(units.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
+    return order;
+  };
+  const std::vector<Unit> queries = run.units(true);
+  const std::vector<int64_t> query_order = by_cost(queries);
+  std::vector<double> loss(queries.size(), 0.0);
+  run_dynamic(executor, static_cast<int64_t>(queries.size()), [&](int64_t i, int thread) {
+    const int64_t u = query_order[i];
+    const kernels::WorkerScope scope(kernels::float32_set(isa));
+    loss[u] = run.query_tile(scratch_of(thread), queries[u]);
+  });
+  const std::vector<Unit> keys = run.units(false);
+  const std::vector<int64_t> key_order = by_cost(keys);
+  run_dynamic(executor, static_cast<int64_t>(keys.size()), [&](int64_t i, int thread) {
+    const kernels::WorkerScope scope(kernels::float32_set(isa));
+    run.key_tile(scratch_of(thread), keys[key_order[i]]);
+  });
+  double total = 0.0;
+  for (double l : loss) total += l;
+  *p.loss = static_cast<float>(total);
+}
+
+}  // namespace opmesh::core
