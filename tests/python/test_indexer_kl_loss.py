@@ -163,7 +163,10 @@ def reference(case, t, scale):
             **rope,
         )
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, leaves.values())]
+    grads = [
+        torch.zeros_like(x) if gr is None else gr
+        for gr, x in zip(grads, leaves.values(), strict=True)
+    ]
     return loss, grads
 
 
