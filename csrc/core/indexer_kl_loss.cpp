@@ -24,6 +24,81 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 std::string str(int64_t v) { return std::to_string(v); }
 
+// Element-wise work on 64-wide rows, written so the compiler vectorizes it (the products go
+// through the kernel set; these loops would otherwise rival them).
+void add_into(float* dst, const float* src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// dst += w relu(s) over one row.
+void relu_axpy(float w, const float* s, float* dst) {
+#pragma omp simd
+  for (int64_t c = 0; c < kTile; ++c) {
+    const float v = s[c];
+    const float relu = v > 0.0f ? v : 0.0f;  // selects of values only: vectorizable
+    dst[c] += w * relu;
+  }
+}
+
+// One row of one index query head: c1 = [s > 0] q w and c2 = [s > 0] p w (the two parts of
+// dI w [s > 0]), and their d_weights parts a1 += sum q relu(s), a2 += sum p relu(s).
+void split_coefficients(const float* s, const float* q, const float* p, float w, float* c1,
+                        float* c2, float* a1, float* a2) {
+  float x1 = 0.0f, x2 = 0.0f;
+#pragma omp simd reduction(+ : x1, x2)
+  for (int64_t c = 0; c < kTile; ++c) {
+    const float v = s[c];
+    const float relu = v > 0.0f ? v : 0.0f;
+    const float on = v > 0.0f ? w : 0.0f;
+    x1 += q[c] * relu;
+    x2 += p[c] * relu;
+    c1[c] = q[c] * on;
+    c2[c] = p[c] * on;
+  }
+  *a1 += x1;
+  *a2 += x2;
+}
+
+// d = keep (d - p inv): the indexer's softmax minus the normalised target, one row.
+void target_gradient(float* d, const float* p, float inv, float keep) {
+#pragma omp simd
+  for (int64_t c = 0; c < kTile; ++c) d[c] = keep * (d[c] - p[c] * inv);
+}
+
+// out = [s > 0] d w, one row.
+void masked_scale(const float* s, const float* d, float w, float* out) {
+#pragma omp simd
+  for (int64_t c = 0; c < kTile; ++c) {
+    const float on = s[c] > 0.0f ? w : 0.0f;
+    out[c] = d[c] * on;
+  }
+}
+
+// Row sums of a [rows][64] tile: z += sum p, plogp += sum p log p (p > 0).
+void entropy_terms(const float* p, int64_t rows, double* z, double* plogp) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float zr = 0.0f, pl = 0.0f;
+    for (int64_t c = 0; c < kTile; ++c) {
+      const float v = p[r * kTile + c];
+      zr += v;
+      if (v > 0.0f) pl += v * std::log(v);
+    }
+    z[r] += zr;
+    plogp[r] += pl;
+  }
+}
+
+// Row dot products of two [rows][64] tiles added to out.
+void row_dots(const float* a, const float* b, int64_t rows, double* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < kTile; ++c) acc += a[r * kTile + c] * b[r * kTile + c];
+    out[r] += acc;
+  }
+}
+
 // The indexer's half of a call, as the softmax-statistics operator sees it: validating it checks
 // the index tensors, the layout, the mask and the lengths with that operator's messages.
 IndexerParams index_params(const IndexerKlLossParams& p) {
@@ -82,17 +157,17 @@ class KlLoss {
           w(kTile * r.p_.index_heads_q),
           shift(r.p_.heads_q * kTile),
           ishift(r.p_.index_heads_k * kTile),
-          s(kTile * kTile),
+          s(r.group_ * kTile * kTile),
           prob(kTile * kTile),
           si(r.igroup_ * kTile * kTile),
           score(kTile * kTile),
           coef(2 * kTile * r.igroup_ * kTile),
           acc(std::max(r.p_.index_heads_q * 2 * kTile, r.p_.index_heads_k * kTile) * r.dip_),
-          row(std::max(r.dmp_, r.dip_)),
-          ones(2 * kTile),
+          row(std::max({r.dmp_, r.dip_, kTile})),
+          ones(2 * kTile * r.igroup_),
           dw(2 * kTile * r.p_.index_heads_q),
           stats((2 + r.p_.index_heads_k) * kTile) {
-      std::fill(ones.data(), ones.data() + 2 * kTile, 1.0f);
+      std::fill(ones.data(), ones.data() + 2 * kTile * r.igroup_, 1.0f);
     }
     AlignedBuffer<float> mq;      // [N1][64][dmp] main query rows (query and rope parts)
     AlignedBuffer<float> mk;      // [N2][dm][64] main keys, transposed
@@ -102,7 +177,7 @@ class KlLoss {
     AlignedBuffer<float> w;       // [64][N1index] weights
     AlignedBuffer<float> shift;   // [N1][64] the main log-sum-exp (+inf: the row has no mass)
     AlignedBuffer<float> ishift;  // [N2index][64] the indexer's log-sum-exp
-    AlignedBuffer<float> s;       // [64][64] one head's scores
+    AlignedBuffer<float> s;       // [G][64][64] the scores of one main key head's query heads
     AlignedBuffer<float> prob;    // [64][64] P, the head-summed main probabilities
     AlignedBuffer<float> si;      // [group][64][64] index scores of one key head's query heads
     AlignedBuffer<float> score;   // [64][64] I, then the indexer's softmax, then dI
@@ -159,60 +234,36 @@ class KlLoss {
       pack_keys(sc, u.b, k0, std::min(kTile, seq.k_len - k0));
       target(sc, seq, i0, rows, k0);
       const float* prob = sc.prob.data();
-      for (int64_t r = 0; r < rows; ++r) {
-        double zr = 0.0, pl = 0.0;
-        for (int64_t c = 0; c < kTile; ++c) {
-          const float v = prob[r * kTile + c];
-          if (v > 0.0f) {
-            zr += v;
-            pl += static_cast<double>(v) * std::log(v);
-          }
-        }
-        z[r] += zr;
-        plogp[r] += pl;
-      }
+      entropy_terms(prob, rows, z, plogp);
       for (int64_t g = 0; g < n2i; ++g) {
         index_scores(sc, seq, g, i0, rows, k0);
         const float* score = sc.score.data();  // I, before the softmax below
-        for (int64_t r = 0; r < rows; ++r) {
-          double acc = 0.0;
-          for (int64_t c = 0; c < kTile; ++c) {
-            acc += static_cast<double>(prob[r * kTile + c]) * score[r * kTile + c];
-          }
-          pi[g * kTile + r] += acc;
-        }
+        row_dots(prob, score, rows, pi + g * kTile);
         index_softmax(sc, seq, g, i0, rows, k0);
-        // Per query head of the group: the indexer's part (rows 0..63 of coef) and the target's
-        // part (rows 64..127) of d_query_index, accumulated apart until Z is known.
+        // Per query head of the group: the indexer's part (rows 0..63 of the head's block of
+        // coef) and the target's part (rows 64..127) of d_query_index, accumulated apart until
+        // Z is known; one product for the whole group.
+        double* dw1 = sc.dw.data();
+        double* dw2 = dw1 + kTile * n1i;
         for (int64_t hl = 0; hl < igroup_; ++hl) {
           const int64_t h = g * igroup_ + hl;
           const float* sh = sc.si.data() + hl * kTile * kTile;
-          float* c1 = sc.coef.data();
+          float* c1 = sc.coef.data() + hl * 2 * kTile * kTile;
           float* c2 = c1 + kTile * kTile;
-          double* dw1 = sc.dw.data();
-          double* dw2 = dw1 + kTile * n1i;
           for (int64_t r = 0; r < kTile; ++r) {
             const float wr = r < rows ? sc.w.data()[r * n1i + h] : 0.0f;
-            double a1 = 0.0, a2 = 0.0;
-            for (int64_t c = 0; c < kTile; ++c) {
-              const float sv = sh[r * kTile + c];
-              const float relu = sv > 0.0f ? sv : 0.0f;
-              const float q = score[r * kTile + c];
-              const float pv = prob[r * kTile + c];
-              a1 += static_cast<double>(q) * relu;
-              a2 += static_cast<double>(pv) * relu;
-              c1[r * kTile + c] = sv > 0.0f ? q * wr : 0.0f;
-              c2[r * kTile + c] = sv > 0.0f ? pv * wr : 0.0f;
-            }
+            float a1 = 0.0f, a2 = 0.0f;
+            split_coefficients(sh + r * kTile, score + r * kTile, prob + r * kTile, wr,
+                               c1 + r * kTile, c2 + r * kTile, &a1, &a2);
             if (r < rows) {
               dw1[r * n1i + h] += a1;
               dw2[r * n1i + h] += a2;
             }
           }
-          k_.gemm({sc.coef.data(), kTile, sc.kir.data() + g * kTile * dip_, dip_,
-                   sc.acc.data() + h * 2 * kTile * dip_, dip_, 2 * kTile, dip_, kTile,
-                   sc.ones.data(), 1.0f});
         }
+        k_.gemm({sc.coef.data(), kTile, sc.kir.data() + g * kTile * dip_, dip_,
+                 sc.acc.data() + g * igroup_ * 2 * kTile * dip_, dip_, igroup_ * 2 * kTile, dip_,
+                 kTile, sc.ones.data(), 1.0f});
       }
     }
     // Combine the parts now that Z is known, and write the tile's rows.
@@ -273,22 +324,19 @@ class KlLoss {
         for (int64_t r = 0; r < rows; ++r) {
           const float zr = z_[z_base_[u.b] + i0 + r];
           const float inv = zr > 0.0f ? 1.0f / zr : 0.0f;
-          for (int64_t c = 0; c < kTile; ++c) {
-            const float v = di[r * kTile + c] - sc.prob.data()[r * kTile + c] * inv;
-            di[r * kTile + c] = zr > 0.0f ? v : 0.0f;
-          }
+          const float keep = zr > 0.0f ? 1.0f : 0.0f;
+          target_gradient(di + r * kTile, sc.prob.data() + r * kTile, inv, keep);
         }
         const int64_t depth = igroup_ * kTile;
         float* ct = sc.coef.data();
+        float* tmp = sc.row.data();
         for (int64_t hl = 0; hl < igroup_; ++hl) {
           const int64_t h = g * igroup_ + hl;
           const float* sh = sc.si.data() + hl * kTile * kTile;
           for (int64_t r = 0; r < kTile; ++r) {
             const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
-            for (int64_t c = 0; c < kTile; ++c) {
-              const float v = r < rows && sh[r * kTile + c] > 0.0f ? di[r * kTile + c] * wr : 0.0f;
-              ct[c * depth + hl * kTile + r] = v;
-            }
+            masked_scale(sh + r * kTile, di + r * kTile, wr, tmp);
+            for (int64_t c = 0; c < kTile; ++c) ct[c * depth + hl * kTile + r] = tmp[c];
           }
         }
         // d_key_index[key] += sum over the group's heads and rows of coef * query_index rows.
@@ -404,11 +452,13 @@ class KlLoss {
     float* prob = sc.prob.data();
     float* s = sc.s.data();
     std::fill(prob, prob + kTile * kTile, 0.0f);
-    for (int64_t h = 0; h < p_.heads_q; ++h) {
-      k_.gemm({sc.mq.data() + h * kTile * dmp_, dmp_, sc.mk.data() + (h / group_) * dm_ * kTile,
-               kTile, s, kTile, rows, kTile, dm_, nullptr, p_.scale});
-      k_.exp_rows(s, rows, kTile, sc.shift.data() + h * kTile);
-      for (int64_t e = 0; e < rows * kTile; ++e) prob[e] += s[e];
+    // The G query heads of a key head are consecutive 64-row blocks of mq: one product each.
+    // Rows past `rows` are zero queries; whatever they give is masked below.
+    for (int64_t n2 = 0; n2 < p_.heads_k; ++n2) {
+      k_.gemm({sc.mq.data() + n2 * group_ * kTile * dmp_, dmp_, sc.mk.data() + n2 * dm_ * kTile,
+               kTile, s, kTile, group_ * kTile, kTile, dm_, nullptr, p_.scale});
+      k_.exp_rows(s, group_ * kTile, kTile, sc.shift.data() + n2 * group_ * kTile);
+      for (int64_t h = 0; h < group_; ++h) add_into(prob, s + h * kTile * kTile, rows * kTile);
     }
     apply_mask(prob, seq, i0, rows, k0);
   }
@@ -419,18 +469,13 @@ class KlLoss {
                     int64_t k0) const {
     float* score = sc.score.data();
     std::fill(score, score + kTile * kTile, 0.0f);
+    k_.gemm({sc.qi.data() + g * igroup_ * kTile * dip_, dip_, sc.kit.data() + g * di_ * kTile,
+             kTile, sc.si.data(), kTile, igroup_ * kTile, kTile, di_, nullptr, 1.0f});
     for (int64_t hl = 0; hl < igroup_; ++hl) {
       const int64_t h = g * igroup_ + hl;
-      float* sh = sc.si.data() + hl * kTile * kTile;
-      k_.gemm({sc.qi.data() + h * kTile * dip_, dip_, sc.kit.data() + g * di_ * kTile, kTile, sh,
-               kTile, rows, kTile, di_, nullptr, 1.0f});
-      std::fill(sh + rows * kTile, sh + kTile * kTile, 0.0f);
+      const float* sh = sc.si.data() + hl * kTile * kTile;
       for (int64_t r = 0; r < rows; ++r) {
-        const float wr = sc.w.data()[r * p_.index_heads_q + h];
-        for (int64_t c = 0; c < kTile; ++c) {
-          const float v = sh[r * kTile + c];
-          score[r * kTile + c] += v > 0.0f ? wr * v : 0.0f;
-        }
+        relu_axpy(sc.w.data()[r * p_.index_heads_q + h], sh + r * kTile, score + r * kTile);
       }
     }
     apply_mask(score, seq, i0, rows, k0);
