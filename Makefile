@@ -11,6 +11,7 @@ CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=O
 demo: build
 	$(PY) -m opmesh demo
 	$(PY) -m opmesh mesh-demo
+	$(PY) examples/train_indexer_warmup.py --steps 40
 
 test: build test-cpp test-asan check-core-free-of-torch lint test-py test-packaging
 
