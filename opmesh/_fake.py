@@ -63,6 +63,7 @@ def _flash_attn_metadata_fake(
     layout_out="BSND",
     num_workers=None,
     deterministic=False,
+    backward=False,
 ):
     _check_lengths(
         batch_size,

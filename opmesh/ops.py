@@ -385,19 +385,24 @@ def flash_attn_metadata(
     layout_out: str = "BSND",
     num_workers: int | None = None,
     deterministic: bool = False,
+    backward: bool = False,
 ) -> torch.Tensor:
     """Plans a :func:`flash_attn` call: returns the int32 CPU metadata tensor that describes how
     its work is cut into tasks and spread over ``num_workers`` logical workers.
 
     Takes the non-tensor arguments of the call it plans (see :func:`flash_attn` for their
     meaning) and the sequence-length arrays, whose values it reads. ``num_workers`` defaults to
-    ``torch.get_num_threads()``. The tensor holds ``42 + 16 * num_workers`` words and records every
+    ``torch.get_num_threads()``. The tensor holds ``45 + 16 * num_workers`` words and records every
     argument and a hash of every length array; ``flash_attn`` refuses it for a call that differs.
     One metadata serves every layer that shares these arguments.
 
     ``deterministic=True`` splits key ranges only at fixed multiples of 1024 keys and merges the
     parts in a fixed order, so each sequence's result is bitwise identical whatever the rest of
     the batch and whatever ``num_workers``. See docs/ops/flash_attn.md.
+
+    ``backward=True`` plans the call's backward instead (``torch.ops.opmesh.flash_attn_backward``
+    takes it as ``metadata``): key blocks and query tiles cut into balanced contiguous ranges,
+    one pair per worker; its gradients are bitwise the same for any plan and thread count.
     """
     return torch.ops.opmesh.flash_attn_metadata(
         num_heads_q,
@@ -419,6 +424,7 @@ def flash_attn_metadata(
         layout_out=layout_out,
         num_workers=num_workers,
         deterministic=deterministic,
+        backward=backward,
     )
 
 

@@ -100,7 +100,7 @@ using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
     int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
-    c10::string_view, c10::string_view, c10::string_view);
+    c10::string_view, c10::string_view, c10::string_view, const std::optional<at::Tensor>&);
 
 // flash_attn itself, below the autograd key.
 std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& q, const at::Tensor& k,
@@ -150,10 +150,11 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     if (returns_lse && grad_outputs[1].defined()) dlse = grad_outputs[1];
     std::optional<at::Tensor> sinks;
     if (has_sinks) sinks = saved[5];
-    auto [dq, dk, dv, dsinks] = op.call(
-        dout, saved[0], saved[1], saved[2], out, lse, dlse, r.cu_seqlens_q, r.cu_seqlens_kv,
-        r.seqused_q, r.seqused_kv, sinks, r.softmax_scale, r.mask_mode, r.win_left, r.win_right,
-        r.max_seqlen_q, r.max_seqlen_kv, r.layout_q, r.layout_kv, r.layout_out);
+    auto [dq, dk, dv, dsinks] =
+        op.call(dout, saved[0], saved[1], saved[2], out, lse, dlse, r.cu_seqlens_q, r.cu_seqlens_kv,
+                r.seqused_q, r.seqused_kv, sinks, r.softmax_scale, r.mask_mode, r.win_left,
+                r.win_right, r.max_seqlen_q, r.max_seqlen_kv, r.layout_q, r.layout_kv, r.layout_out,
+                /*metadata=*/std::nullopt);  // planned by the kernel for this process's threads
     return {dq, dk, dv, has_sinks ? dsinks : at::Tensor(), at::Tensor()};
   }
 };

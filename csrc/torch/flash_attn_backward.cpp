@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "aten_executor.h"
+#include "attention/metadata.h"
 #include "core_calls.h"
 #include "dtypes.h"
 #include "flash_attn_args.h"
@@ -27,14 +28,15 @@ FlashAttnArgs check_backward_args(
     const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
     int64_t win_left, int64_t win_right, const std::optional<c10::SymInt>& max_seqlen_q,
     const std::optional<c10::SymInt>& max_seqlen_kv, c10::string_view layout_q,
-    c10::string_view layout_kv, c10::string_view layout_out) {
+    c10::string_view layout_kv, c10::string_view layout_out,
+    const std::optional<at::Tensor>& metadata) {
   TORCH_CHECK_VALUE(layout_kv != "PA_BBND",
                     "layout_kv: PA_BBND (paged keys and values) has no backward; train with "
                     "BSND, BNSD or TND keys and values");
   const FlashAttnArgs args = check_flash_attn_args(
-      q, k, v, std::nullopt, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks,
-      std::nullopt, softmax_scale, mask_mode, win_left, win_right, max_seqlen_q, max_seqlen_kv,
-      layout_q, layout_kv, layout_out);
+      q, k, v, std::nullopt, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks, metadata,
+      softmax_scale, mask_mode, win_left, win_right, max_seqlen_q, max_seqlen_kv, layout_q,
+      layout_kv, layout_out);
   for (const auto& [t, name] :
        {std::pair<const at::Tensor&, const char*>{dout, "dout"}, {out, "out"}}) {
     TORCH_CHECK_VALUE(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
@@ -93,7 +95,7 @@ Grads flash_attn_backward_cpu(
     const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
     int64_t win_left, int64_t win_right, std::optional<int64_t> max_seqlen_q,
     std::optional<int64_t> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out) {
+    c10::string_view layout_out, const std::optional<at::Tensor>& metadata) {
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
   const auto as_sym = [](std::optional<int64_t> x) {
     return x.has_value() ? std::optional<c10::SymInt>(c10::SymInt(*x)) : std::nullopt;
@@ -101,7 +103,7 @@ Grads flash_attn_backward_cpu(
   const FlashAttnArgs args = check_backward_args(
       dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks,
       softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
-      layout_q, layout_kv, layout_out);
+      layout_q, layout_kv, layout_out, metadata);
   attn::PlanConfig c = args.config;
   c.batch_size = args.batch.expect_int();
   const auto cq = host_ints(cu_seqlens_q);
@@ -116,6 +118,21 @@ Grads flash_attn_backward_cpu(
       args.q_tnd ? max_seqlen_q.value_or(longest(cq.data(), uq.data(), 0)) : q.size(args.qa.s);
   c.max_seqlen_kv =
       args.kv_tnd ? max_seqlen_kv.value_or(longest(ck.data(), uk.data(), 0)) : k.size(args.ka.s);
+  // A backward plan, checked against this call (or one made by the core when none is given).
+  std::optional<attn::metadata::Decoded> decoded;
+  if (metadata.has_value()) {
+    const at::Tensor words = metadata->to(at::kCPU).contiguous();
+    decoded =
+        rethrow([&] { return attn::metadata::read(words.data_ptr<int32_t>(), words.numel()); });
+    attn::PlanConfig call = c;
+    call.backward = true;
+    rethrow([&] {
+      attn::metadata::verify(*decoded, call, lengths);
+      return 0;
+    });
+    c.max_seqlen_q = decoded->config.max_seqlen_q;
+    c.max_seqlen_kv = decoded->config.max_seqlen_kv;
+  }
   rethrow([&] {
     attn::validate_config(c);
     return 0;
@@ -162,7 +179,8 @@ Grads flash_attn_backward_cpu(
   p.dk = mutable_view(dk, c.layout_kv);
   p.dv = mutable_view(dv, c.layout_kv);
   rethrow([&] {
-    attn::flash_attn_backward(p, seqs, AtenExecutor(), core::active_isa());
+    attn::flash_attn_backward(p, seqs, AtenExecutor(), core::active_isa(),
+                              decoded ? &decoded->backward : nullptr);
     return 0;
   });
   return grads;
@@ -176,10 +194,10 @@ Grads flash_attn_backward_meta(
     const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
     int64_t win_left, int64_t win_right, std::optional<c10::SymInt> max_seqlen_q,
     std::optional<c10::SymInt> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out) {
+    c10::string_view layout_out, const std::optional<at::Tensor>& metadata) {
   check_backward_args(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q,
                       seqused_kv, sinks, softmax_scale, mask_mode, win_left, win_right,
-                      max_seqlen_q, max_seqlen_kv, layout_q, layout_kv, layout_out);
+                      max_seqlen_q, max_seqlen_kv, layout_q, layout_kv, layout_out, metadata);
   return empty_grads(q, k, v, sinks, /*zero=*/false);
 }
 
@@ -192,7 +210,7 @@ TORCH_LIBRARY_FRAGMENT(opmesh, m) {
       "Tensor? seqused_q=None, Tensor? seqused_kv=None, Tensor? sinks=None, "
       "float? softmax_scale=None, int mask_mode=0, int win_left=-1, int win_right=-1, "
       "SymInt? max_seqlen_q=None, SymInt? max_seqlen_kv=None, str layout_q=\"BSND\", "
-      "str layout_kv=\"BSND\", str layout_out=\"BSND\") "
+      "str layout_kv=\"BSND\", str layout_out=\"BSND\", Tensor? metadata=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
 }
 TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("flash_attn_backward", &flash_attn_backward_cpu); }

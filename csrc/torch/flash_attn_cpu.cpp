@@ -26,13 +26,16 @@ int64_t default_workers(std::optional<int64_t> n) {
   return n.has_value() ? *n : std::max(1, at::get_num_threads());
 }
 
-at::Tensor metadata_cpu(
-    int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim, std::optional<int64_t> head_dim_v,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
-    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
-    int64_t batch_size, int64_t max_seqlen_q, int64_t max_seqlen_kv, int64_t mask_mode,
-    int64_t win_left, int64_t win_right, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out, std::optional<int64_t> num_workers, bool deterministic) {
+at::Tensor metadata_cpu(int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
+                        std::optional<int64_t> head_dim_v,
+                        const std::optional<at::Tensor>& cu_seqlens_q,
+                        const std::optional<at::Tensor>& cu_seqlens_kv,
+                        const std::optional<at::Tensor>& seqused_q,
+                        const std::optional<at::Tensor>& seqused_kv, int64_t batch_size,
+                        int64_t max_seqlen_q, int64_t max_seqlen_kv, int64_t mask_mode,
+                        int64_t win_left, int64_t win_right, c10::string_view layout_q,
+                        c10::string_view layout_kv, c10::string_view layout_out,
+                        std::optional<int64_t> num_workers, bool deterministic, bool backward) {
   attn::PlanConfig c;
   c.num_heads_q = num_heads_q;
   c.num_heads_kv = num_heads_kv;
@@ -49,6 +52,7 @@ at::Tensor metadata_cpu(
   c.layout_out = parse_layout(layout_out, "layout_out");
   c.num_workers = default_workers(num_workers);
   c.deterministic = deterministic;
+  c.backward = backward;
   rethrow([&] {
     attn::validate_config(c);
     return 0;

@@ -142,9 +142,19 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
   const attn::Plan& p = d.plan;
   PyObject* dict = PyDict_New();
   if (dict == nullptr) return nullptr;
-  PyObject* costs = PyList_New(static_cast<Py_ssize_t>(p.workers.size()));
-  PyObject* ranges = PyList_New(static_cast<Py_ssize_t>(p.workers.size()));
-  for (size_t i = 0; costs && ranges && i < p.workers.size(); ++i) {
+  const attn::BackwardPlan& bp = d.backward;
+  const size_t workers = c.backward ? bp.cost.size() : p.workers.size();
+  PyObject* costs = PyList_New(static_cast<Py_ssize_t>(workers));
+  PyObject* ranges = PyList_New(static_cast<Py_ssize_t>(workers));
+  for (size_t i = 0; costs && ranges && i < workers; ++i) {
+    if (c.backward) {
+      // Unit index ranges into the key pass's and the query pass's canonical unit lists.
+      PyList_SET_ITEM(costs, i, PyFloat_FromDouble(bp.cost[i]));
+      PyList_SET_ITEM(ranges, i,
+                      Py_BuildValue("{s:(ii),s:(ii)}", "key_units", bp.key_begin[i], bp.key_end[i],
+                                    "query_units", bp.query_begin[i], bp.query_end[i]));
+      continue;
+    }
     PyList_SET_ITEM(costs, i, PyFloat_FromDouble(p.workers[i].cost));
     PyList_SET_ITEM(ranges, i,
                     Py_BuildValue("{s:N,s:N,s:i,s:i}", "begin", position(p.workers[i].begin), "end",
@@ -166,6 +176,7 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
   }
   const bool ok =
       set_item(dict, "version", PyLong_FromLong(attn::metadata::kVersion)) &&
+      set_item(dict, "direction", PyUnicode_FromString(c.backward ? "backward" : "forward")) &&
       set_item(dict, "num_workers", PyLong_FromLongLong(c.num_workers)) &&
       set_item(dict, "worker_cost", costs) && set_item(dict, "workers", ranges) &&
       set_item(dict, "combines", combines) &&

@@ -22,7 +22,7 @@ TORCH_LIBRARY(opmesh, m) {
       "Tensor? seqused_q=None, Tensor? seqused_kv=None, SymInt batch_size, SymInt max_seqlen_q, "
       "SymInt max_seqlen_kv, int mask_mode=0, int win_left=-1, int win_right=-1, "
       "str layout_q=\"BSND\", str layout_kv=\"BSND\", str layout_out=\"BSND\", "
-      "int? num_workers=None, bool deterministic=False) -> Tensor");
+      "int? num_workers=None, bool deterministic=False, bool backward=False) -> Tensor");
   m.def(
       "flash_attn(Tensor q, Tensor k, Tensor v, *, Tensor? block_table=None, "
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, Tensor? seqused_q=None, "

@@ -206,11 +206,12 @@ TEST(FlashAttnBackward, GradientOfTheLogSumExpToo) {
   }
 }
 
-TEST(FlashAttnBackward, SameBitsWhateverTheThreadCount) {
-  // Run through check() for correctness above; here only the determinism of the result.
-  const Problem x = make(MaskMode::kCausal, -1, -1, {150, 77}, true, 9);
+TEST(FlashAttnBackward, SameBitsWhateverTheThreadCountAndPlan) {
+  // Run through check() for correctness above; here only the determinism of the result, with
+  // the kernel's own plan (workers = 0) and with explicit plans of 1, 3 and 40 workers.
+  const Problem x = make(MaskMode::kCausal, -1, -1, {150, 0, 77}, true, 9);
   std::vector<std::vector<float>> seen;
-  for (int threads : {1, 2, 5}) {
+  for (auto [threads, workers] : {std::pair{1, 0}, {2, 0}, {5, 0}, {2, 1}, {3, 3}, {2, 40}}) {
     const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
     PlanConfig c = x.c;
     const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
@@ -234,7 +235,23 @@ TEST(FlashAttnBackward, SameBitsWhateverTheThreadCount) {
     p.dk = {g + t * kHq * kD, 0, kHkv * kD, kD, 1};
     p.dv = {g + t * (kHq * kD + kHkv * kD), 0, kHkv * kDv, kDv, 1};
     p.dsinks = g + t * (kHq * kD + kHkv * kD + kHkv * kDv);
-    flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa());
+    if (workers == 0) {
+      flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa());
+    } else {
+      c.num_workers = workers;
+      const BackwardPlan plan = plan_backward(c, seqs);
+      // The ranges tile both unit lists in order, one pair per worker.
+      ASSERT_EQ(static_cast<int64_t>(plan.cost.size()), workers);
+      EXPECT_EQ(plan.key_begin.front(), 0);
+      EXPECT_EQ(plan.key_end.back(), plan.num_key_units);
+      EXPECT_EQ(plan.query_end.back(), plan.num_query_units);
+      for (int64_t w = 1; w < workers; ++w) {
+        EXPECT_EQ(plan.key_begin[w], plan.key_end[w - 1]);
+        EXPECT_EQ(plan.query_begin[w], plan.query_end[w - 1]);
+      }
+      EXPECT_GE(plan.makespan, plan.lower_bound * 0.999);
+      flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa(), &plan);
+    }
     seen.push_back(grads);
   }
   for (size_t i = 1; i < seen.size(); ++i) {

@@ -161,3 +161,116 @@ def test_backward_operator_checks_its_arguments():
     assert_raises_named(TypeError, "dout", lambda: op(out.double(), q, k, k, out, lse))
     assert_raises_named(ValueError, "lse", lambda: op(out, q, k, k, out, lse[:, :1]))
     assert_raises_named(TypeError, "lse", lambda: op(out, q, k, k, out, lse.double()))
+
+
+def _backward_call(case_name):
+    case = next(c for c in TRAINABLE if c.name == case_name)
+    q, k, v, kw = make_inputs(case, torch.float32)
+    out, lse = opmesh.flash_attn(q, k, v, return_softmax_lse=True, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    plan_kw = {n: kw[n] for n in ("mask_mode", "win_left", "win_right") if n in kw}
+    for n in ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv"):
+        if kw.get(n) is not None:
+            plan_kw[n] = kw[n]
+    layouts = {n: kw.get(n, "BSND") for n in ("layout_q", "layout_kv", "layout_out")}
+    call_kw = {n: x for n, x in kw.items() if n not in ("max_seqlen_q", "max_seqlen_kv")}
+    return q, k, v, out, lse, dout, call_kw, plan_kw, layouts
+
+
+def _plan(q, k, v, plan_kw, layouts, **extra):
+    tnd = layouts["layout_q"] == "TND"
+    cu = plan_kw.get("cu_seqlens_q")
+    batch = len(cu) - 1 if tnd else q.shape[0]
+    seq_q = (
+        int((cu[1:] - cu[:-1]).max()) if tnd else q.shape[1 if layouts["layout_q"] == "BSND" else 2]
+    )
+    cu_k = plan_kw.get("cu_seqlens_kv")
+    seq_k = (
+        int((cu_k[1:] - cu_k[:-1]).max())
+        if tnd
+        else k.shape[1 if layouts["layout_kv"] == "BSND" else 2]
+    )
+    heads_q = q.shape[-2] if layouts["layout_q"] != "BNSD" else q.shape[1]
+    heads_k = k.shape[-2] if layouts["layout_kv"] != "BNSD" else k.shape[1]
+    return opmesh.flash_attn_metadata(
+        heads_q, heads_k, q.shape[-1], head_dim_v=v.shape[-1], batch_size=batch,
+        max_seqlen_q=seq_q, max_seqlen_kv=seq_k, **plan_kw, **layouts, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["sinks_window_tnd", "tnd_varlen_empty"])
+def test_a_backward_plan_gives_the_same_bits_for_any_worker_count(name):
+    q, k, v, out, lse, dout, call_kw, plan_kw, layouts = _backward_call(name)
+    backward = torch.ops.opmesh.flash_attn_backward
+    unplanned = backward(dout, q, k, v, out, lse, **call_kw)
+    for workers in (1, 3, 7, 64):
+        plan = _plan(q, k, v, plan_kw, layouts, num_workers=workers, backward=True)
+        info = opmesh.describe_metadata(plan)
+        assert info["direction"] == "backward" and info["num_workers"] == workers
+        assert len(info["worker_cost"]) == workers
+        got = backward(dout, q, k, v, out, lse, metadata=plan, **call_kw)
+        for a, b in zip(got, unplanned, strict=True):
+            assert torch.equal(a, b), workers
+
+
+def test_plans_are_refused_in_the_wrong_direction():
+    q, k, v, out, lse, dout, call_kw, plan_kw, layouts = _backward_call("sinks_window_tnd")
+    forward_plan = _plan(q, k, v, plan_kw, layouts, num_workers=2)
+    backward_plan = _plan(q, k, v, plan_kw, layouts, num_workers=2, backward=True)
+    err = assert_raises_named(
+        ValueError,
+        "metadata",
+        lambda: torch.ops.opmesh.flash_attn_backward(
+            dout, q, k, v, out, lse, metadata=forward_plan, **call_kw
+        ),
+    )
+    assert "forward plan" in str(err)
+    err = assert_raises_named(
+        ValueError,
+        "metadata",
+        lambda: opmesh.flash_attn(q, k, v, metadata=backward_plan, **call_kw),
+    )
+    assert "backward plan" in str(err)
+    old = backward_plan.clone()
+    old[1] = 1  # a plan of format version 1
+    err = assert_raises_named(
+        ValueError,
+        "metadata",
+        lambda: torch.ops.opmesh.flash_attn_backward(
+            dout, q, k, v, out, lse, metadata=old, **call_kw
+        ),
+    )
+    assert "version 1" in str(err)
+
+
+def test_a_backward_plan_for_other_lengths_is_refused():
+    q, k, v, out, lse, dout, call_kw, plan_kw, layouts = _backward_call("tnd_varlen_empty")
+    other = dict(plan_kw)
+    cu = other["cu_seqlens_q"].clone()
+    cu[-1] += 1  # one more query token in the last sequence
+    other["cu_seqlens_q"] = cu
+    plan = _plan(q, k, v, other, layouts, num_workers=2, backward=True)
+    assert_raises_named(
+        ValueError,
+        "metadata",
+        lambda: torch.ops.opmesh.flash_attn_backward(
+            dout, q, k, v, out, lse, metadata=plan, **call_kw
+        ),
+    )
+
+
+def test_a_paged_backward_plan_is_refused():
+    assert_raises_named(
+        ValueError,
+        "layout_kv",
+        lambda: opmesh.flash_attn_metadata(
+            4,
+            2,
+            16,
+            batch_size=1,
+            max_seqlen_q=4,
+            max_seqlen_kv=32,
+            layout_kv="PA_BBND",
+            backward=True,
+        ),  # fmt: skip
+    )

@@ -25,7 +25,15 @@ def samples():
     sinks = torch.randn(8, generator=g)
     v = torch.randn(2, 50, 2, 16, generator=g)
     out, lse = opmesh.flash_attn(q, k, v, sinks=sinks, mask_mode=3, return_softmax_lse=True)
+    qi, ki = torch.randn(2, 40, 4, 8, generator=g), torch.randn(2, 50, 1, 8, generator=g)
+    wi = torch.randn(2, 40, 4, generator=g) * 0.2
+    m_i, s_i = opmesh.dense_lightning_indexer_softmax_lse(qi, ki, wi)
+    stats = lse.reshape(2, 2, 4, 40).transpose(2, 3).contiguous()  # [B, N2, S1, G]
     return {
+        "dense_lightning_indexer_grad_kl_loss": (
+            (q, k, qi, ki, wi, stats, torch.ones_like(stats), m_i, s_i, 0.25),
+            dict(sparse_mode=3, pre_tokens=30),
+        ),
         "dense_lightning_indexer_softmax_lse": ((q, k, w), dict(sparse_mode=3)),
         "flash_attn": ((q, k, v), dict(sinks=sinks, mask_mode=3, return_softmax_lse=True)),
         "flash_attn_backward": (
@@ -44,6 +52,21 @@ def samples():
                 layout_kv="TND",
                 layout_out="TND",
                 num_workers=3,
+            ),
+        ),
+        "flash_attn_metadata_backward": (
+            (8, 2, 16),
+            dict(
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                batch_size=2,
+                max_seqlen_q=40,
+                max_seqlen_kv=40,
+                layout_q="TND",
+                layout_kv="TND",
+                layout_out="TND",
+                num_workers=3,
+                backward=True,
             ),
         ),
         "kv_cache_write_": (
@@ -67,9 +90,11 @@ def test_opcheck_every_op():
         if name.startswith("opmesh::")
     }
     cases = samples()
-    assert ops == set(cases), f"ops without an opcheck sample: {ops - set(cases)}"
+    names = {name.removesuffix("_backward") if "metadata" in name else name for name in cases}
+    assert ops == names, f"ops without an opcheck sample: {ops - names}"
     for name, (args, kwargs) in cases.items():
-        torch.library.opcheck(getattr(torch.ops.opmesh, name).default, args, kwargs)
+        op = name.removesuffix("_backward") if "metadata" in name else name
+        torch.library.opcheck(getattr(torch.ops.opmesh, op).default, args, kwargs)
 
 
 class SmallAttention(torch.nn.Module):

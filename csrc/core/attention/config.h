@@ -36,6 +36,8 @@ struct PlanConfig {
   Layout layout_out = Layout::kBSND;
   int64_t num_workers = 1;
   bool deterministic = false;
+  // A plan for flash_attn_backward rather than for the forward (metadata only).
+  bool backward = false;
   // Query positions per tile; 0 chooses kTargetRows / group (flash attention). Not part of the
   // metadata format: a plan decoded from metadata always has 0 here.
   int64_t tile_positions = 0;

@@ -21,6 +21,10 @@ constexpr int64_t kTile = kKeyTile;  // keys per key tile, query positions per q
 // Key tiles per pass-1 unit: each packed query tile serves this many key tiles.
 constexpr int64_t kKeyBlock = 4;
 constexpr float kInf = std::numeric_limits<float>::infinity();
+// The cost model's constants (ns): one multiply-add of a product, one element packed. Only their
+// ratio matters for the balance.
+constexpr double kMacNs = 0.01;
+constexpr double kPackNs = 0.5;
 
 // A unit of one pass: (sequence b, head h, tile t). Pass 1: key head, key tile; pass 2: query
 // head, query tile.
@@ -84,6 +88,37 @@ class Backward {
     AlignedBuffer<float> lse;
     AlignedBuffer<float> delta;  // D_i = dO_i . O_i
   };
+
+  // Predicted cost of a unit: visible (query, key) pairs times the per-pair work (five products
+  // of depth D or Dv per pair in pass 1, three in pass 2) plus the packing of its rows.
+  double key_unit_cost(const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t a = u.t * kKeyBlock * kTile;
+    const int64_t e = std::min(seq.k_len, a + kKeyBlock * kTile);
+    double pairs = 0.0, packed_tiles = 0.0;
+    for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+      const int64_t rows = std::min(kTile, seq.q_len - i0);
+      const int64_t n = overlap(seq, i0, a, e) + overlap(seq, i0 + rows - 1, a, e);
+      pairs += 0.5 * static_cast<double>(n) * static_cast<double>(rows);
+      packed_tiles += n > 0 ? 1.0 : 0.0;
+    }
+    const double depth = 3.0 * d_ + 2.0 * dv_;
+    return static_cast<double>(group_) *
+           (pairs * depth * kMacNs + packed_tiles * kTile * (d_ + dv_) * kPackNs);
+  }
+
+  double query_unit_cost(const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t i0 = u.t * kTile;
+    const int64_t rows = std::min(kTile, seq.q_len - i0);
+    const KeyRange first = visible_keys(mask_, seq, i0);
+    const KeyRange last = visible_keys(mask_, seq, i0 + rows - 1);
+    const double pairs = 0.5 * static_cast<double>(rows) *
+                         static_cast<double>((first.end - first.begin) + (last.end - last.begin));
+    const double keys =
+        static_cast<double>(std::max(last.end, first.end) - std::min(first.begin, last.begin));
+    return pairs * (2.0 * d_ + dv_) * kMacNs + std::max(0.0, keys) * (d_ + dv_) * kPackNs;
+  }
 
   std::vector<Unit> key_units() const {
     std::vector<Unit> units;
@@ -220,6 +255,12 @@ class Backward {
   }
 
  private:
+  // Keys of [a, e) that query row i sees.
+  int64_t overlap(const Sequence& seq, int64_t i, int64_t a, int64_t e) const {
+    const KeyRange r = visible_keys(mask_, seq, i);
+    return std::max<int64_t>(0, std::min(r.end, e) - std::max(r.begin, a));
+  }
+
   Unit unit(int64_t b, int64_t h, int64_t t) const {
     return {static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(t)};
   }
@@ -366,24 +407,93 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
   }
 }
 
+namespace {
+
+// Cuts units (costs in canonical order) into `workers` contiguous ranges: each range ends once
+// its cost reaches an equal share of what is left, so no worker starves and none runs long.
+void cut(const std::vector<double>& costs, int64_t workers, std::vector<int32_t>& begin,
+         std::vector<int32_t>& end, std::vector<float>& worker_cost) {
+  double left = 0.0;
+  for (double c : costs) left += c;
+  int64_t u = 0;
+  const int64_t n = static_cast<int64_t>(costs.size());
+  for (int64_t w = 0; w < workers; ++w) {
+    const double share = left / static_cast<double>(workers - w);
+    double acc = 0.0;
+    begin.push_back(static_cast<int32_t>(u));
+    while (u < n && (w == workers - 1 || acc + 0.5 * costs[u] <= share || acc == 0.0)) {
+      acc += costs[u++];
+    }
+    end.push_back(static_cast<int32_t>(u));
+    worker_cost[w] += static_cast<float>(acc);
+    left -= acc;
+  }
+}
+
+}  // namespace
+
+BackwardPlan plan_backward(const PlanConfig& c, const std::vector<Sequence>& seqs) {
+  FlashAttnBackwardParams p;
+  p.config = c;
+  const Backward run(p, seqs, Isa::kScalar);
+  BackwardPlan plan;
+  const int64_t workers = std::max<int64_t>(1, c.num_workers);
+  plan.cost.assign(workers, 0.0f);
+  const std::vector<Unit> keys = run.key_units();
+  const std::vector<Unit> queries = run.query_units();
+  std::vector<double> key_costs, query_costs;
+  double largest = 0.0;
+  for (const Unit& u : keys) key_costs.push_back(run.key_unit_cost(u));
+  for (const Unit& u : queries) query_costs.push_back(run.query_unit_cost(u));
+  for (double x : key_costs) largest = std::max(largest, x), plan.total_cost += x;
+  for (double x : query_costs) largest = std::max(largest, x), plan.total_cost += x;
+  cut(key_costs, workers, plan.key_begin, plan.key_end, plan.cost);
+  cut(query_costs, workers, plan.query_begin, plan.query_end, plan.cost);
+  plan.num_key_units = static_cast<int64_t>(keys.size());
+  plan.num_query_units = static_cast<int64_t>(queries.size());
+  for (float x : plan.cost) plan.makespan = std::max(plan.makespan, static_cast<double>(x));
+  plan.lower_bound = std::max(plan.total_cost / static_cast<double>(workers), largest);
+  return plan;
+}
+
 void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Sequence>& seqs,
-                         const Executor& executor, Isa isa) {
+                         const Executor& executor, Isa isa, const BackwardPlan* given) {
   validate_backward(p, seqs, isa);
   Backward run(p, seqs, isa);
-  std::vector<std::unique_ptr<Backward::Scratch>> scratch(std::max(1, executor.num_workers()));
+  const int threads = std::max(1, executor.num_workers());
+  BackwardPlan own;
+  if (given == nullptr) {
+    PlanConfig c = p.config;
+    c.num_workers = int64_t{4} * threads;  // pulled dynamically, they absorb the model's errors
+    own = plan_backward(c, seqs);
+  }
+  const BackwardPlan& plan = given != nullptr ? *given : own;
+  const std::vector<Unit> queries = run.query_units();
+  const std::vector<Unit> keys = run.key_units();
+  if (static_cast<int64_t>(queries.size()) != plan.num_query_units ||
+      static_cast<int64_t>(keys.size()) != plan.num_key_units) {
+    throw ArgumentError("metadata", "was planned for other sequences than this call's");
+  }
+  std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
   auto scratch_of = [&](int thread) -> Backward::Scratch& {
     if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
     return *scratch[thread];
   };
-  const std::vector<Unit> queries = run.query_units();
-  run_dynamic(executor, static_cast<int64_t>(queries.size()),
-              [&](int64_t i, int thread) { run.deltas(scratch_of(thread), queries[i]); });
-  const std::vector<Unit> keys = run.key_units();
-  run_dynamic(executor, static_cast<int64_t>(keys.size()),
-              [&](int64_t i, int thread) { run.key_block(scratch_of(thread), keys[i]); });
+  const int64_t workers = static_cast<int64_t>(plan.cost.size());
+  // D_i first (both passes read it), then each worker's key units and query units.
+  run_dynamic(executor, workers, [&](int64_t w, int thread) {
+    for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
+      run.deltas(scratch_of(thread), queries[i]);
+    }
+  });
   std::vector<double> sink_parts(queries.size(), 0.0);
-  run_dynamic(executor, static_cast<int64_t>(queries.size()), [&](int64_t i, int thread) {
-    sink_parts[i] = run.query_tile(scratch_of(thread), queries[i]);
+  run_dynamic(executor, workers, [&](int64_t w, int thread) {
+    for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
+      run.key_block(scratch_of(thread), keys[i]);
+    }
+    for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
+      sink_parts[i] = run.query_tile(scratch_of(thread), queries[i]);
+    }
   });
   if (p.sinks != nullptr) {
     std::vector<double> total(p.config.num_heads_q, 0.0);

@@ -49,12 +49,30 @@ struct FlashAttnBackwardParams {
   float* dsinks = nullptr;  // [num_heads_q], required with sinks
 };
 
+// A backward plan: the two passes' units in their canonical order (key blocks: sequence, key
+// head, block of four key tiles; query tiles: sequence, query head, tile; sequences without
+// work are left out), each cut into num_workers contiguous ranges of about equal predicted cost.
+// Worker w runs key units [key_begin[w], key_end[w]) and query units [query_begin[w],
+// query_end[w]) once the D_i pre-pass has run. Which worker runs a unit never changes a bit of
+// the result: every unit owns the rows it writes.
+struct BackwardPlan {
+  std::vector<int32_t> key_begin, key_end, query_begin, query_end;
+  std::vector<float> cost;  // predicted ns per worker
+  int64_t num_key_units = 0, num_query_units = 0;
+  double makespan = 0, lower_bound = 0, total_cost = 0;
+};
+
+// Plans the backward of a validated configuration over config.num_workers workers.
+BackwardPlan plan_backward(const PlanConfig& config, const std::vector<Sequence>& seqs);
+
 // Throws ArgumentError naming the first offending argument.
 void validate_backward(const FlashAttnBackwardParams& params, const std::vector<Sequence>& seqs,
                        Isa isa);
 
-// Validates, then computes dq, dk, dv (and dsinks) on the float32 kernels of `isa`.
+// Validates, then computes dq, dk, dv (and dsinks) on the float32 kernels of `isa`, following
+// `plan` (from plan_backward for this call's configuration and sequences), or a plan made here
+// for 4 logical workers per thread when it is null.
 void flash_attn_backward(const FlashAttnBackwardParams& params, const std::vector<Sequence>& seqs,
-                         const Executor& executor, Isa isa);
+                         const Executor& executor, Isa isa, const BackwardPlan* plan = nullptr);
 
 }  // namespace opmesh::core::attention

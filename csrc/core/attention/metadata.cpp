@@ -70,8 +70,12 @@ int64_t size_words(int64_t num_workers) {
 
 void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
   validate_config(c);
+  const bool backward = c.backward;
+  if (backward && c.layout_kv == Layout::kPagedBBND) {
+    throw ArgumentError("layout_kv", "PA_BBND (paged keys and values) has no backward to plan");
+  }
   const std::vector<Sequence> seqs = resolve_sequences(c, l);
-  const Plan plan = make_plan(c, seqs);
+  const Plan plan = backward ? Plan{} : make_plan(c, seqs);
   const int64_t total = size_words(c.num_workers);
   std::memset(out, 0, static_cast<size_t>(total) * sizeof(int32_t));
   int32_t* h = out;
@@ -81,9 +85,10 @@ void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
   h[kFieldNumWorkers] = static_cast<int32_t>(c.num_workers);
   h[kFieldNumCombines] = static_cast<int32_t>(plan.combines.size());
   h[kFieldNumSlots] = static_cast<int32_t>(plan.num_slots);
-  h[kFieldGroup] = static_cast<int32_t>(plan.geometry.group);
-  h[kFieldPositions] = static_cast<int32_t>(plan.geometry.positions);
-  h[kFieldRows] = static_cast<int32_t>(plan.geometry.rows);
+  const Geometry g = geometry(c);
+  h[kFieldGroup] = static_cast<int32_t>(g.group);
+  h[kFieldPositions] = static_cast<int32_t>(g.positions);
+  h[kFieldRows] = static_cast<int32_t>(g.rows);
   h[kFieldKeyTile] = static_cast<int32_t>(kKeyTile);
   h[kFieldChunkTiles] = static_cast<int32_t>(plan.chunk_tiles);
   h[kFieldDeterministic] = c.deterministic ? 1 : 0;
@@ -106,6 +111,25 @@ void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
     h[kFieldLengthHashes + 3 * i] = prints[i].present;
     h[kFieldLengthHashes + 3 * i + 1] = prints[i].low;
     h[kFieldLengthHashes + 3 * i + 2] = prints[i].high;
+  }
+  h[kFieldDirection] = backward ? 1 : 0;
+  if (backward) {
+    const BackwardPlan bp = plan_backward(c, seqs);
+    h[kFieldMakespan] = float_bits(static_cast<float>(bp.makespan));
+    h[kFieldLowerBound] = float_bits(static_cast<float>(bp.lower_bound));
+    h[kFieldTotalCost] = float_bits(static_cast<float>(bp.total_cost));
+    h[kFieldNumTasks] = static_cast<int32_t>(bp.num_key_units + bp.num_query_units);
+    h[kFieldKeyUnits] = static_cast<int32_t>(bp.num_key_units);
+    h[kFieldQueryUnits] = static_cast<int32_t>(bp.num_query_units);
+    int32_t* w = out + kHeaderWords;
+    for (int64_t i = 0; i < c.num_workers; ++i, w += kWorkerWords) {
+      w[0] = bp.key_begin[i];
+      w[1] = bp.key_end[i];
+      w[2] = bp.query_begin[i];
+      w[3] = bp.query_end[i];
+      w[10] = float_bits(bp.cost[i]);
+    }
+    return;
   }
   h[kFieldMakespan] = float_bits(static_cast<float>(plan.makespan));
   h[kFieldLowerBound] = float_bits(static_cast<float>(plan.lower_bound));
@@ -162,6 +186,8 @@ Decoded read(const int32_t* words, int64_t size) {
   c.layout_out = static_cast<Layout>(h[kFieldLayoutOut]);
   c.num_workers = workers;
   c.deterministic = h[kFieldDeterministic] != 0;
+  if (h[kFieldDirection] != 0 && h[kFieldDirection] != 1) corrupt("unknown direction");
+  c.backward = h[kFieldDirection] == 1;
   if (h[kFieldLayoutQ] < 0 || h[kFieldLayoutQ] > 3 || h[kFieldLayoutKv] < 0 ||
       h[kFieldLayoutKv] > 3 || h[kFieldLayoutOut] < 0 || h[kFieldLayoutOut] > 3) {
     corrupt("unknown layout code");
@@ -176,6 +202,41 @@ Decoded read(const int32_t* words, int64_t size) {
   if (h[kFieldGroup] != p.geometry.group || h[kFieldPositions] != p.geometry.positions ||
       h[kFieldRows] != p.geometry.rows || h[kFieldKeyTile] != kKeyTile) {
     corrupt("tile sizes differ from this build's");
+  }
+  if (c.backward) {
+    BackwardPlan& bp = d.backward;
+    bp.num_key_units = h[kFieldKeyUnits];
+    bp.num_query_units = h[kFieldQueryUnits];
+    bp.makespan = bits_float(h[kFieldMakespan]);
+    bp.lower_bound = bits_float(h[kFieldLowerBound]);
+    bp.total_cost = bits_float(h[kFieldTotalCost]);
+    p.makespan = bp.makespan;
+    p.lower_bound = bp.lower_bound;
+    p.total_cost = bp.total_cost;
+    p.num_tasks = h[kFieldNumTasks];
+    int32_t next_key = 0, next_query = 0;
+    const int32_t* w = words + kHeaderWords;
+    for (int64_t i = 0; i < workers; ++i, w += kWorkerWords) {
+      // Ranges tile both unit lists in order: anything else is not a plan of this format.
+      if (w[0] != next_key || w[1] < w[0] || w[2] != next_query || w[3] < w[2]) {
+        corrupt("backward ranges do not tile the units");
+      }
+      next_key = w[1];
+      next_query = w[3];
+      bp.key_begin.push_back(w[0]);
+      bp.key_end.push_back(w[1]);
+      bp.query_begin.push_back(w[2]);
+      bp.query_end.push_back(w[3]);
+      bp.cost.push_back(bits_float(w[10]));
+    }
+    if (next_key != bp.num_key_units || next_query != bp.num_query_units) {
+      corrupt("backward ranges do not cover the units");
+    }
+    for (int i = 0; i < 4; ++i) {
+      d.length_prints[i] = {h[kFieldLengthHashes + 3 * i], h[kFieldLengthHashes + 3 * i + 1],
+                            h[kFieldLengthHashes + 3 * i + 2]};
+    }
+    return d;
   }
   p.chunk_tiles = h[kFieldChunkTiles];
   if (p.chunk_tiles != (c.deterministic ? kDeterministicChunkTiles : 0)) corrupt("chunk size");
@@ -224,6 +285,13 @@ void same_layout(const char* name, Layout planned, Layout call) {
 
 void verify(const Decoded& d, const PlanConfig& call, const LengthArrays& lengths) {
   const PlanConfig& p = d.config;
+  if (p.backward != call.backward) {
+    throw ArgumentError("metadata", p.backward
+                                        ? "is a backward plan (flash_attn_metadata(..., "
+                                          "backward=True)); flash_attn needs a forward plan"
+                                        : "is a forward plan; flash_attn_backward needs one made "
+                                          "with flash_attn_metadata(..., backward=True)");
+  }
   same("num_heads_q", p.num_heads_q, call.num_heads_q);
   same("num_heads_kv", p.num_heads_kv, call.num_heads_kv);
   same("head_dim", p.head_dim, call.head_dim);

@@ -5,6 +5,9 @@
 //   kWorkerWords words per worker         begin b,h,t,k | end b,h,t,k | begin_slot | end_slot |
 //                                         cost (float32 bits)
 //   kCombineWords words per worker        b, h, t, first_slot, num_slots (unused rows are zero)
+// A backward plan (header field kFieldDirection = 1) uses the worker rows for its ranges:
+// key_begin, key_end, query_begin, query_end, 0 x 6, cost; it has no combine tasks.
+// Version 2 added the direction; plans of version 1 are refused.
 #pragma once
 
 #include <cstdint>
@@ -12,12 +15,13 @@
 #include <vector>
 
 #include "config.h"
+#include "flash_attn_backward.h"
 #include "planner.h"
 
 namespace opmesh::core::attention::metadata {
 
 inline constexpr int32_t kMagic = 0x414d4f46;  // "FOMA" read as little-endian bytes
-inline constexpr int32_t kVersion = 1;
+inline constexpr int32_t kVersion = 2;
 
 enum Field : int {
   kFieldMagic = 0,
@@ -51,6 +55,9 @@ enum Field : int {
   kFieldTotalCost,
   kFieldNumTasks,
   kFieldNumSplits,
+  kFieldDirection,  // 0: forward (flash_attn), 1: backward (flash_attn_backward)
+  kFieldKeyUnits,   // backward plans: units of the key pass and of the query pass
+  kFieldQueryUnits,
   kHeaderWords
 };
 inline constexpr int64_t kWorkerWords = 11;
@@ -74,8 +81,9 @@ struct ArrayPrint {
 
 // A decoded metadata tensor.
 struct Decoded {
-  PlanConfig config;
+  PlanConfig config;  // config.backward tells which of the two plans below is set
   Plan plan;
+  BackwardPlan backward;
   ArrayPrint length_prints[4];
 };
 
