@@ -392,7 +392,7 @@ def flash_attn_metadata(
 
     Takes the non-tensor arguments of the call it plans (see :func:`flash_attn` for their
     meaning) and the sequence-length arrays, whose values it reads. ``num_workers`` defaults to
-    ``torch.get_num_threads()``. The tensor holds ``45 + 16 * num_workers`` words and records every
+    ``torch.get_num_threads()``. The tensor holds ``46 + 16 * num_workers`` words and records every
     argument and a hash of every length array; ``flash_attn`` refuses it for a call that differs.
     One metadata serves every layer that shares these arguments.
 

@@ -177,6 +177,7 @@ PyObject* describe_metadata(PyObject*, PyObject* args) {
   const bool ok =
       set_item(dict, "version", PyLong_FromLong(attn::metadata::kVersion)) &&
       set_item(dict, "direction", PyUnicode_FromString(c.backward ? "backward" : "forward")) &&
+      set_item(dict, "fused", PyBool_FromLong(c.backward && bp.fused)) &&
       set_item(dict, "num_workers", PyLong_FromLongLong(c.num_workers)) &&
       set_item(dict, "worker_cost", costs) && set_item(dict, "workers", ranges) &&
       set_item(dict, "combines", combines) &&

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -186,13 +187,24 @@ void check(const Problem& x, int threads) {
   }
 }
 
+// Sets OPMESH_BACKWARD for a scope: both schedules run on every case.
+class BackwardMode {
+ public:
+  explicit BackwardMode(const char* mode) { setenv("OPMESH_BACKWARD", mode, 1); }
+  ~BackwardMode() { unsetenv("OPMESH_BACKWARD"); }
+};
+
 TEST(FlashAttnBackward, MatchesDoubleGradientsOnEveryMask) {
   const std::vector<int32_t> lengths{70, 0, 1, 130, 5};
-  check(make(MaskMode::kNone, -1, -1, lengths, false, 1), 1);
-  check(make(MaskMode::kCausal, -1, -1, lengths, false, 2), 3);
-  check(make(MaskMode::kWindow, 20, 3, lengths, false, 3), 2);
-  check(make(MaskMode::kCausal, -1, -1, lengths, true, 4), 4);
-  check(make(MaskMode::kWindow, -1, 0, {200}, true, 5), 2);
+  for (const char* mode : {"fused", "two_pass"}) {
+    SCOPED_TRACE(mode);
+    const BackwardMode scope(mode);
+    check(make(MaskMode::kNone, -1, -1, lengths, false, 1), 1);
+    check(make(MaskMode::kCausal, -1, -1, lengths, false, 2), 3);
+    check(make(MaskMode::kWindow, 20, 3, lengths, false, 3), 2);
+    check(make(MaskMode::kCausal, -1, -1, lengths, true, 4), 4);
+    check(make(MaskMode::kWindow, -1, 0, {300}, true, 5), 2);
+  }
 }
 
 TEST(FlashAttnBackward, GradientOfTheLogSumExpToo) {
@@ -210,52 +222,56 @@ TEST(FlashAttnBackward, SameBitsWhateverTheThreadCountAndPlan) {
   // Run through check() for correctness above; here only the determinism of the result, with
   // the kernel's own plan (workers = 0) and with explicit plans of 1, 3 and 40 workers.
   const Problem x = make(MaskMode::kCausal, -1, -1, {150, 0, 77}, true, 9);
-  std::vector<std::vector<float>> seen;
-  for (auto [threads, workers] : {std::pair{1, 0}, {2, 0}, {5, 0}, {2, 1}, {3, 3}, {2, 40}}) {
-    const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
-    PlanConfig c = x.c;
-    const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
-    const int64_t t = x.cu.back();
-    std::vector<float> out(t * kHq * kDv, 0.5f), lse(kHq * t, 3.0f);
-    std::vector<float> grads(t * (kHq * kD + kHkv * kD + kHkv * kDv) + kHq, 0.0f);
-    FlashAttnBackwardParams p;
-    p.config = c;
-    p.q = {x.q.data(), 0, kHq * kD, kD, 1};
-    p.k = {x.k.data(), 0, kHkv * kD, kD, 1};
-    p.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
-    p.out = {out.data(), 0, kHq * kDv, kDv, 1};
-    p.dout = {x.dout.data(), 0, kHq * kDv, kDv, 1};
-    p.lse = lse.data();
-    p.lse_sn = t;
-    p.lse_ss = 1;
-    p.sinks = x.sinks.data();
-    p.softmax_scale = 0.3f;
-    float* g = grads.data();
-    p.dq = {g, 0, kHq * kD, kD, 1};
-    p.dk = {g + t * kHq * kD, 0, kHkv * kD, kD, 1};
-    p.dv = {g + t * (kHq * kD + kHkv * kD), 0, kHkv * kDv, kDv, 1};
-    p.dsinks = g + t * (kHq * kD + kHkv * kD + kHkv * kDv);
-    if (workers == 0) {
-      flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa());
-    } else {
-      c.num_workers = workers;
-      const BackwardPlan plan = plan_backward(c, seqs);
-      // The ranges tile both unit lists in order, one pair per worker.
-      ASSERT_EQ(static_cast<int64_t>(plan.cost.size()), workers);
-      EXPECT_EQ(plan.key_begin.front(), 0);
-      EXPECT_EQ(plan.key_end.back(), plan.num_key_units);
-      EXPECT_EQ(plan.query_end.back(), plan.num_query_units);
-      for (int64_t w = 1; w < workers; ++w) {
-        EXPECT_EQ(plan.key_begin[w], plan.key_end[w - 1]);
-        EXPECT_EQ(plan.query_begin[w], plan.query_end[w - 1]);
+  for (const char* mode : {"fused", "two_pass"}) {
+    SCOPED_TRACE(mode);
+    const BackwardMode scope(mode);
+    std::vector<std::vector<float>> seen;
+    for (auto [threads, workers] : {std::pair{1, 0}, {2, 0}, {5, 0}, {2, 1}, {3, 3}, {2, 40}}) {
+      const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
+      PlanConfig c = x.c;
+      const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
+      const int64_t t = x.cu.back();
+      std::vector<float> out(t * kHq * kDv, 0.5f), lse(kHq * t, 3.0f);
+      std::vector<float> grads(t * (kHq * kD + kHkv * kD + kHkv * kDv) + kHq, 0.0f);
+      FlashAttnBackwardParams p;
+      p.config = c;
+      p.q = {x.q.data(), 0, kHq * kD, kD, 1};
+      p.k = {x.k.data(), 0, kHkv * kD, kD, 1};
+      p.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
+      p.out = {out.data(), 0, kHq * kDv, kDv, 1};
+      p.dout = {x.dout.data(), 0, kHq * kDv, kDv, 1};
+      p.lse = lse.data();
+      p.lse_sn = t;
+      p.lse_ss = 1;
+      p.sinks = x.sinks.data();
+      p.softmax_scale = 0.3f;
+      float* g = grads.data();
+      p.dq = {g, 0, kHq * kD, kD, 1};
+      p.dk = {g + t * kHq * kD, 0, kHkv * kD, kD, 1};
+      p.dv = {g + t * (kHq * kD + kHkv * kD), 0, kHkv * kDv, kDv, 1};
+      p.dsinks = g + t * (kHq * kD + kHkv * kD + kHkv * kDv);
+      if (workers == 0) {
+        flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa());
+      } else {
+        c.num_workers = workers;
+        const BackwardPlan plan = plan_backward(c, seqs);
+        // The ranges tile both unit lists in order, one pair per worker.
+        ASSERT_EQ(static_cast<int64_t>(plan.cost.size()), workers);
+        EXPECT_EQ(plan.key_begin.front(), 0);
+        EXPECT_EQ(plan.key_end.back(), plan.num_key_units);
+        EXPECT_EQ(plan.query_end.back(), plan.num_query_units);
+        for (int64_t w = 1; w < workers; ++w) {
+          EXPECT_EQ(plan.key_begin[w], plan.key_end[w - 1]);
+          EXPECT_EQ(plan.query_begin[w], plan.query_end[w - 1]);
+        }
+        EXPECT_GE(plan.makespan, plan.lower_bound * 0.999);
+        flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa(), &plan);
       }
-      EXPECT_GE(plan.makespan, plan.lower_bound * 0.999);
-      flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa(), &plan);
+      seen.push_back(grads);
     }
-    seen.push_back(grads);
-  }
-  for (size_t i = 1; i < seen.size(); ++i) {
-    EXPECT_EQ(std::memcmp(seen[0].data(), seen[i].data(), seen[0].size() * 4), 0) << i;
+    for (size_t i = 1; i < seen.size(); ++i) {
+      EXPECT_EQ(std::memcmp(seen[0].data(), seen[i].data(), seen[0].size() * 4), 0) << i;
+    }
   }
 }
 

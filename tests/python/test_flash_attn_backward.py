@@ -52,8 +52,16 @@ def assert_grads_close(got, want, dtype, what=""):
         assert err <= TOL[dtype] * scale, f"{what} {name}: max error {err:.3g} (scale {scale:.3g})"
 
 
+@pytest.fixture(params=["fused", "two_pass"])
+def backward_mode(request, monkeypatch):
+    """Runs a test with each of the backward's two schedules (one fused pass over (sequence,
+    key head) units, or a key pass and a query pass)."""
+    monkeypatch.setenv("OPMESH_BACKWARD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", TRAINABLE, ids=lambda c: c.name)
-def test_grid_float32(case):
+def test_grid_float32(case, backward_mode):
     q, k, v, kw = make_inputs(case, torch.float32)
     gen = torch.Generator().manual_seed(1)
     out = opmesh.flash_attn(q, k, v, **kw)[0]
@@ -65,7 +73,7 @@ def test_grid_float32(case):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", ["causal_more_keys", "sinks_window_tnd", "tnd_varlen_empty"])
-def test_half_inputs(name, dtype):
+def test_half_inputs(name, dtype, backward_mode):
     case = next(c for c in TRAINABLE if c.name == name)
     q, k, v, kw = make_inputs(case, dtype)
     out = opmesh.flash_attn(q, k, v, **kw)[0]
@@ -75,7 +83,7 @@ def test_half_inputs(name, dtype):
     assert_grads_close(got, reference_gradients(q, k, v, kw, dout), dtype, name)
 
 
-def test_every_kernel_path_and_the_lse_gradient(simd_level):
+def test_every_kernel_path_and_the_lse_gradient(simd_level, backward_mode):
     case = next(c for c in TRAINABLE if c.name == "sinks_window_tnd")
     q, k, v, kw = make_inputs(case, torch.float32)
     out, lse = opmesh.flash_attn(q, k, v, return_softmax_lse=True, **kw)
@@ -199,7 +207,7 @@ def _plan(q, k, v, plan_kw, layouts, **extra):
 
 
 @pytest.mark.parametrize("name", ["sinks_window_tnd", "tnd_varlen_empty"])
-def test_a_backward_plan_gives_the_same_bits_for_any_worker_count(name):
+def test_a_backward_plan_gives_the_same_bits_for_any_worker_count(name, backward_mode):
     q, k, v, out, lse, dout, call_kw, plan_kw, layouts = _backward_call(name)
     backward = torch.ops.opmesh.flash_attn_backward
     unplanned = backward(dout, q, k, v, out, lse, **call_kw)
@@ -207,6 +215,7 @@ def test_a_backward_plan_gives_the_same_bits_for_any_worker_count(name):
         plan = _plan(q, k, v, plan_kw, layouts, num_workers=workers, backward=True)
         info = opmesh.describe_metadata(plan)
         assert info["direction"] == "backward" and info["num_workers"] == workers
+        assert info["fused"] == (backward_mode == "fused")
         assert len(info["worker_cost"]) == workers
         got = backward(dout, q, k, v, out, lse, metadata=plan, **call_kw)
         for a, b in zip(got, unplanned, strict=True):

@@ -47,7 +47,7 @@ def test_fake_shapes():
             8, 2, 64, batch_size=2, max_seqlen_q=65, max_seqlen_kv=65, num_workers=7
         )
     assert out.shape == (2, 8, 65, 64) and lse.shape == (2, 8, 65)
-    assert md.shape == (45 + 16 * 7,) and md.dtype == torch.int32
+    assert md.shape == (46 + 16 * 7,) and md.dtype == torch.int32
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k):

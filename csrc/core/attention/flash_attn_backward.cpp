@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -25,6 +27,29 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // ratio matters for the balance.
 constexpr double kMacNs = 0.01;
 constexpr double kPackNs = 0.5;
+
+// Keys per block of the key pass and of the fused pass.
+constexpr int64_t kBlockKeys = kKeyBlock * kTile;
+// (sequence, key head) units from which the backward runs as one fused pass (five products per
+// tile pair instead of seven); fewer units would leave threads idle.
+constexpr int64_t kFusedMinUnits = 8;
+
+// One row of S^T (key `key`, every query row r of a tile): s - lse_r where the row sees the key,
+// -inf elsewhere (then exp gives P^T).
+void shift_and_mask(float* s, const float* lse, const int64_t* lo, const int64_t* hi, int64_t key) {
+#pragma omp simd
+  for (int64_t r = 0; r < kTile; ++r) {
+    const bool on = key >= lo[r] && key < hi[r];
+    const float v = s[r] - lse[r];
+    s[r] = on ? v : -kInf;
+  }
+}
+
+// dS^T = P^T (dP^T - D), one key row; dp is overwritten.
+void probability_gradient(const float* p, float* dp, const float* delta) {
+#pragma omp simd
+  for (int64_t r = 0; r < kTile; ++r) dp[r] = p[r] * (dp[r] - delta[r]);
+}
 
 // A unit of one pass: (sequence b, head h, tile t). Pass 1: key head, key tile; pass 2: query
 // head, query tile.
@@ -105,6 +130,10 @@ class Backward {
     const double depth = 3.0 * d_ + 2.0 * dv_;
     return static_cast<double>(group_) *
            (pairs * depth * kMacNs + packed_tiles * kTile * (d_ + dv_) * kPackNs);
+  }
+
+  int64_t query_rows(const Unit& u) const {
+    return std::min(kTile, seqs_[u.b].q_len - u.t * kTile);
   }
 
   double query_unit_cost(const Unit& u) const {
@@ -190,12 +219,14 @@ class Backward {
   }
 
   // D_i = dO_i . O_i (minus the lse's gradient) for query tile u.t of query head u.h, computed
-  // once before the two passes.
-  void deltas(Scratch& sc, const Unit& u) {
+  // once before the passes that need it. Returns the tile's share of -dsink (the sum of
+  // exp(sink - lse_i) D_i), 0 without sinks.
+  double deltas(Scratch& sc, const Unit& u) {
     const Sequence& seq = seqs_[u.b];
     const int64_t i0 = u.t * kTile;
     const int64_t rows = std::min(kTile, seq.q_len - i0);
     float* g = sc.dout.data();
+    double part = 0.0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = seq.q_begin + i0 + r;
       const View& go = p_.dout;
@@ -207,13 +238,19 @@ class Backward {
       if (p_.dlse != nullptr) {
         delta -= p_.dlse[u.b * p_.dlse_sb + u.h * p_.dlse_sn + pos * p_.dlse_ss];
       }
-      delta_[delta_index(u.b, u.h, i0 + r)] = static_cast<float>(delta);
+      const float d = static_cast<float>(delta);
+      delta_[delta_index(u.b, u.h, i0 + r)] = d;
+      if (p_.sinks != nullptr) {
+        const float lse = p_.lse[u.b * p_.lse_sb + u.h * p_.lse_sn + pos * p_.lse_ss];
+        // A row nothing reached (or an infinite sink) has no term.
+        if (lse != kInf) part += std::exp(static_cast<double>(p_.sinks[u.h]) - lse) * d;
+      }
     }
+    return part;
   }
 
-  // Pass 2: dQ of query tile u.t of query head u.h over every key tile it sees; returns the
-  // tile's share of -dsink (sum of exp(sink - lse_i) D_i), 0 without sinks.
-  double query_tile(Scratch& sc, const Unit& u) const {
+  // Pass 2: dQ of query tile u.t of query head u.h over every key tile it sees.
+  void query_tile(Scratch& sc, const Unit& u) const {
     const Sequence& seq = seqs_[u.b];
     const int64_t i0 = u.t * kTile;
     const int64_t rows = std::min(kTile, seq.q_len - i0);
@@ -243,15 +280,138 @@ class Backward {
       store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_, dq + r * dp_,
                 1.0f);
     }
-    if (p_.sinks == nullptr) return 0.0;
-    const float sink = p_.sinks[u.h];
-    double part = 0.0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float lse = sc.lse.data()[r];
-      if (lse == kInf) continue;  // nothing reached the output (or an infinite sink): no term
-      part += std::exp(static_cast<double>(sink) - lse) * sc.delta.data()[r];
+  }
+
+  // The fused single pass over one (sequence, key head) unit: for each block of four key tiles
+  // and each query tile of the group's heads that sees it, the five products with the keys as
+  // rows (S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T feed dV += P^T dO and
+  // dK += dS^T Q without a transpose, and dQ^T += K^T dS^T). dQ^T accumulates in float32 per
+  // query tile of the group's heads for the whole unit, which owns those rows: no race.
+  struct FusedScratch {
+    FusedScratch(const Backward& r, int64_t tiles)
+        : krows(kBlockKeys * r.dp_),
+          vrows(kBlockKeys * r.dvp_),
+          kt(kKeyBlock * r.d_ * kTile),
+          qrows(kTile * r.dp_),
+          qt(r.d_ * kTile),
+          orows(kTile * r.dvp_),
+          ot(r.dv_ * kTile),
+          st(kBlockKeys * kTile),
+          dpt(kBlockKeys * kTile),
+          dk(kBlockKeys * r.dp_),
+          dv(kBlockKeys * r.dvp_),
+          dq(r.group_ * tiles * r.d_ * kTile),
+          row(std::max(r.dp_, r.dvp_)),
+          ones(std::max(kBlockKeys, r.d_)),
+          zeros(kBlockKeys),
+          lse(kTile),
+          delta(kTile),
+          lo(kTile),
+          hi(kTile),
+          capacity(tiles) {
+      std::fill(ones.data(), ones.data() + std::max(kBlockKeys, r.d_), 1.0f);
+      std::fill(zeros.data(), zeros.data() + kBlockKeys, 0.0f);
     }
-    return part;
+    AlignedBuffer<float> krows, vrows;  // [256][dp], [256][dvp] key and value rows of a block
+    AlignedBuffer<float> kt;            // per key tile of the block: [d][64] keys, transposed
+    AlignedBuffer<float> qrows, qt;     // [64][dp] query rows, [d][64] transposed
+    AlignedBuffer<float> orows, ot;     // [64][dvp] output-gradient rows, [dv][64] transposed
+    AlignedBuffer<float> st, dpt;       // [256][64] S^T then P^T, dP^T then dS^T
+    AlignedBuffer<float> dk, dv;        // [256][dp], [256][dvp] accumulators of the block
+    AlignedBuffer<float> dq;            // [group][tile][d][64] dQ^T of the unit's query rows
+    AlignedBuffer<float> row, ones, zeros, lse, delta;
+    std::vector<int64_t> lo, hi;  // visible keys of each query row of a tile
+    int64_t capacity;             // query tiles dq holds
+  };
+
+  int64_t max_query_tiles() const {
+    int64_t most = 0;
+    for (const Sequence& s : seqs_) most = std::max(most, (s.q_len + kTile - 1) / kTile);
+    return most;
+  }
+
+  std::vector<Unit> fused_units() const {
+    std::vector<Unit> units;
+    for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
+      if (seqs_[b].q_len == 0 || seqs_[b].k_len == 0) continue;
+      for (int64_t h = 0; h < p_.config.num_heads_kv; ++h) units.push_back(unit(b, h, 0));
+    }
+    return units;
+  }
+
+  double fused_unit_cost(const Unit& u) const {
+    double cost = 0.0;
+    const int64_t blocks = (seqs_[u.b].k_len + kBlockKeys - 1) / kBlockKeys;
+    for (int64_t t = 0; t < blocks; ++t) cost += key_unit_cost(unit(u.b, u.h, t));
+    return cost;
+  }
+
+  void fused_unit(FusedScratch& fs, const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
+    std::fill(fs.dq.data(), fs.dq.data() + group_ * tiles * d_ * kTile, 0.0f);
+    for (int64_t k0 = 0; k0 < seq.k_len; k0 += kBlockKeys) {
+      const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
+      if (!sees_keys(seq, 0, seq.q_len, k0, nk)) continue;
+      fused_pack_keys(fs, u.b, u.h, k0, nk);
+      std::fill(fs.dk.data(), fs.dk.data() + nk * dp_, 0.0f);
+      std::fill(fs.dv.data(), fs.dv.data() + nk * dvp_, 0.0f);
+      for (int64_t g = 0; g < group_; ++g) {
+        const int64_t head = u.h * group_ + g;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t i0 = t * kTile;
+          const int64_t rows = std::min(kTile, seq.q_len - i0);
+          if (!sees_keys(seq, i0, rows, k0, nk)) continue;
+          fused_pack_queries(fs, u.b, head, i0, rows);
+          float* st = fs.st.data();
+          float* dpt = fs.dpt.data();
+          k_.gemm({fs.krows.data(), dp_, fs.qt.data(), kTile, st, kTile, nk, kTile, d_, nullptr,
+                   p_.softmax_scale});
+          k_.gemm({fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, nk, kTile, dv_, nullptr,
+                   1.0f});
+          for (int64_t k = 0; k < nk; ++k) {
+            shift_and_mask(st + k * kTile, fs.lse.data(), fs.lo.data(), fs.hi.data(), k0 + k);
+          }
+          k_.exp_rows(st, nk, kTile, fs.zeros.data());  // P^T
+          for (int64_t k = 0; k < nk; ++k) {
+            probability_gradient(st + k * kTile, dpt + k * kTile, fs.delta.data());  // dS^T
+          }
+          // dV += P^T dO, dK += scale dS^T Q, dQ^T += scale K^T dS^T (per key tile).
+          k_.gemm({st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, nk, dvp_, rows,
+                   fs.ones.data(), 1.0f});
+          k_.gemm({dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, nk, dp_, rows,
+                   fs.ones.data(), p_.softmax_scale});
+          float* dq = fs.dq.data() + (g * tiles + t) * d_ * kTile;
+          for (int64_t c = 0; c * kTile < nk; ++c) {
+            k_.gemm({fs.kt.data() + c * d_ * kTile, kTile, dpt + c * kTile * kTile, kTile, dq,
+                     kTile, d_, kTile, std::min(kTile, nk - c * kTile), fs.ones.data(),
+                     p_.softmax_scale});
+          }
+        }
+      }
+      for (int64_t n = 0; n < nk; ++n) {
+        const int64_t key = seq.k_begin + k0 + n;
+        const MutableView& gk = p_.dk;
+        const MutableView& gv = p_.dv;
+        store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_,
+                  fs.dk.data() + n * dp_, 1.0f);
+        store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
+                  fs.dv.data() + n * dvp_, 1.0f);
+      }
+    }
+    // dQ^T -> dq rows.
+    float* row = fs.row.data();
+    for (int64_t g = 0; g < group_; ++g) {
+      const int64_t head = u.h * group_ + g;
+      for (int64_t i = 0; i < seq.q_len; ++i) {
+        const float* col = fs.dq.data() + ((g * tiles + i / kTile) * d_) * kTile + i % kTile;
+        for (int64_t e = 0; e < d_; ++e) row[e] = col[e * kTile];
+        const int64_t pos = seq.q_begin + i;
+        const MutableView& gq = p_.dq;
+        store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + head * gq.sn, gq.sd, d_, row,
+                  1.0f);
+      }
+    }
   }
 
  private:
@@ -273,6 +433,61 @@ class Backward {
       any = any || (vr.end > k0 && vr.begin < k0 + keys && vr.end > vr.begin);
     }
     return any;
+  }
+
+  // Key and value rows [k0, k0 + nk) of key head h (zero past nk), and the keys transposed per
+  // tile for dQ^T.
+  void fused_pack_keys(FusedScratch& fs, int64_t b, int64_t h, int64_t k0, int64_t nk) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(fs.krows.data(), fs.krows.data() + kBlockKeys * dp_, 0.0f);
+    std::fill(fs.vrows.data(), fs.vrows.data() + kBlockKeys * dvp_, 0.0f);
+    for (int64_t n = 0; n < nk; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      const View& k = p_.k;
+      const View& v = p_.v;
+      load(k.data, b * k.sb + key * k.ss + h * k.sn, k.sd, d_, fs.krows.data() + n * dp_);
+      load(v.data, b * v.sb + key * v.ss + h * v.sn, v.sd, dv_, fs.vrows.data() + n * dvp_);
+    }
+    for (int64_t c = 0; c * kTile < nk; ++c) {
+      const char* rows[kTile];
+      for (int64_t n = 0; n < kTile; ++n) {
+        rows[n] = reinterpret_cast<const char*>(fs.krows.data() + (c * kTile + n) * dp_);
+      }
+      k_.pack_keys(rows, std::min(kTile, nk - c * kTile), d_,
+                   reinterpret_cast<uint32_t*>(fs.kt.data() + c * d_ * kTile));
+    }
+  }
+
+  // Query rows [i0, i0 + rows) of query head `head` and their output-gradient rows, each also
+  // transposed, with their log-sum-exp, D_i and visible key ranges (empty past `rows`).
+  void fused_pack_queries(FusedScratch& fs, int64_t b, int64_t head, int64_t i0,
+                          int64_t rows) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(fs.qrows.data(), fs.qrows.data() + kTile * dp_, 0.0f);
+    std::fill(fs.orows.data(), fs.orows.data() + kTile * dvp_, 0.0f);
+    const char* qr[kTile];
+    const char* orr[kTile];
+    for (int64_t r = 0; r < kTile; ++r) {
+      qr[r] = reinterpret_cast<const char*>(fs.qrows.data() + r * dp_);
+      orr[r] = reinterpret_cast<const char*>(fs.orows.data() + r * dvp_);
+      fs.lo[r] = fs.hi[r] = 0;
+      fs.lse.data()[r] = kInf;
+      fs.delta.data()[r] = 0.0f;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seq.q_begin + i0 + r;
+      const View& q = p_.q;
+      load(q.data, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_, fs.qrows.data() + r * dp_);
+      const View& go = p_.dout;
+      load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, fs.orows.data() + r * dvp_);
+      fs.delta.data()[r] = delta_[delta_index(b, head, i0 + r)];
+      fs.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
+      const KeyRange vr = visible_keys(mask_, seq, i0 + r);
+      fs.lo[r] = vr.begin;
+      fs.hi[r] = vr.end;
+    }
+    k_.pack_keys(qr, rows, d_, reinterpret_cast<uint32_t*>(fs.qt.data()));
+    k_.pack_keys(orr, rows, dv_, reinterpret_cast<uint32_t*>(fs.ot.data()));
   }
 
   // Widened query rows and output-gradient rows [i0, i0 + rows) of query head `head`, with their
@@ -409,6 +624,20 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
 
 namespace {
 
+// Whether a problem with `units` (sequence, key head) units runs fused: OPMESH_BACKWARD=fused
+// or two_pass decides for the process (tests run both on every case), auto (the default) by
+// the unit count.
+bool fused_mode(int64_t units) {
+  const char* env = std::getenv("OPMESH_BACKWARD");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
+    return units >= kFusedMinUnits;
+  }
+  if (std::strcmp(env, "fused") == 0) return true;
+  if (std::strcmp(env, "two_pass") == 0) return false;
+  throw ArgumentError("OPMESH_BACKWARD",
+                      std::string("expected auto, fused or two_pass, got '") + env + "'");
+}
+
 // Cuts units (costs in canonical order) into `workers` contiguous ranges: each range ends once
 // its cost reaches an equal share of what is left, so no worker starves and none runs long.
 void cut(const std::vector<double>& costs, int64_t workers, std::vector<int32_t>& begin,
@@ -439,12 +668,21 @@ BackwardPlan plan_backward(const PlanConfig& c, const std::vector<Sequence>& seq
   BackwardPlan plan;
   const int64_t workers = std::max<int64_t>(1, c.num_workers);
   plan.cost.assign(workers, 0.0f);
-  const std::vector<Unit> keys = run.key_units();
+  const std::vector<Unit> fused = run.fused_units();
+  // The mode depends on the problem (and OPMESH_BACKWARD) alone, never on the worker count, so
+  // every plan of a call gives the same bits.
+  plan.fused = fused_mode(static_cast<int64_t>(fused.size()));
+  const std::vector<Unit> keys = plan.fused ? fused : run.key_units();
   const std::vector<Unit> queries = run.query_units();
   std::vector<double> key_costs, query_costs;
   double largest = 0.0;
-  for (const Unit& u : keys) key_costs.push_back(run.key_unit_cost(u));
-  for (const Unit& u : queries) query_costs.push_back(run.query_unit_cost(u));
+  for (const Unit& u : keys) {
+    key_costs.push_back(plan.fused ? run.fused_unit_cost(u) : run.key_unit_cost(u));
+  }
+  // In fused mode the query units only compute D_i: a row's worth of work each.
+  for (const Unit& u : queries) {
+    query_costs.push_back(plan.fused ? 1.0 + run.query_rows(u) * kPackNs : run.query_unit_cost(u));
+  }
   for (double x : key_costs) largest = std::max(largest, x), plan.total_cost += x;
   for (double x : query_costs) largest = std::max(largest, x), plan.total_cost += x;
   cut(key_costs, workers, plan.key_begin, plan.key_end, plan.cost);
@@ -470,8 +708,11 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   const BackwardPlan& plan = given != nullptr ? *given : own;
   const std::vector<Unit> queries = run.query_units();
   const std::vector<Unit> keys = run.key_units();
+  const std::vector<Unit> fused = run.fused_units();
+  const int64_t key_count = static_cast<int64_t>(plan.fused ? fused.size() : keys.size());
   if (static_cast<int64_t>(queries.size()) != plan.num_query_units ||
-      static_cast<int64_t>(keys.size()) != plan.num_key_units) {
+      key_count != plan.num_key_units ||
+      plan.fused != fused_mode(static_cast<int64_t>(fused.size()))) {
     throw ArgumentError("metadata", "was planned for other sequences than this call's");
   }
   std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
@@ -479,22 +720,37 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
     if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
     return *scratch[thread];
   };
-  const int64_t workers = static_cast<int64_t>(plan.cost.size());
-  // D_i first (both passes read it), then each worker's key units and query units.
-  run_dynamic(executor, workers, [&](int64_t w, int thread) {
-    for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
-      run.deltas(scratch_of(thread), queries[i]);
+  std::vector<std::unique_ptr<Backward::FusedScratch>> fused_scratch(threads);
+  auto fused_scratch_of = [&](int thread) -> Backward::FusedScratch& {
+    if (!fused_scratch[thread]) {
+      fused_scratch[thread] = std::make_unique<Backward::FusedScratch>(run, run.max_query_tiles());
     }
-  });
+    return *fused_scratch[thread];
+  };
+  const int64_t workers = static_cast<int64_t>(plan.cost.size());
+  // D_i (and the sinks' parts) first, since every product reads it; then each worker's units.
   std::vector<double> sink_parts(queries.size(), 0.0);
   run_dynamic(executor, workers, [&](int64_t w, int thread) {
-    for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
-      run.key_block(scratch_of(thread), keys[i]);
-    }
     for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
-      sink_parts[i] = run.query_tile(scratch_of(thread), queries[i]);
+      sink_parts[i] = run.deltas(scratch_of(thread), queries[i]);
     }
   });
+  if (plan.fused) {
+    run_dynamic(executor, workers, [&](int64_t w, int thread) {
+      for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
+        run.fused_unit(fused_scratch_of(thread), fused[i]);
+      }
+    });
+  } else {
+    run_dynamic(executor, workers, [&](int64_t w, int thread) {
+      for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
+        run.key_block(scratch_of(thread), keys[i]);
+      }
+      for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
+        run.query_tile(scratch_of(thread), queries[i]);
+      }
+    });
+  }
   if (p.sinks != nullptr) {
     std::vector<double> total(p.config.num_heads_q, 0.0);
     for (size_t i = 0; i < queries.size(); ++i) total[queries[i].h] += sink_parts[i];

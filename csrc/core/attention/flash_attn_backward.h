@@ -49,13 +49,16 @@ struct FlashAttnBackwardParams {
   float* dsinks = nullptr;  // [num_heads_q], required with sinks
 };
 
-// A backward plan: the two passes' units in their canonical order (key blocks: sequence, key
+// A backward plan: the passes' units in their canonical order (key blocks: sequence, key
 // head, block of four key tiles; query tiles: sequence, query head, tile; sequences without
 // work are left out), each cut into num_workers contiguous ranges of about equal predicted cost.
 // Worker w runs key units [key_begin[w], key_end[w]) and query units [query_begin[w],
 // query_end[w]) once the D_i pre-pass has run. Which worker runs a unit never changes a bit of
 // the result: every unit owns the rows it writes.
 struct BackwardPlan {
+  // Fused: one pass over (sequence, key head) units (the key ranges index those), computing dq,
+  // dk and dv together; chosen from the problem alone when it has enough such units.
+  bool fused = false;
   std::vector<int32_t> key_begin, key_end, query_begin, query_end;
   std::vector<float> cost;  // predicted ns per worker
   int64_t num_key_units = 0, num_query_units = 0;

@@ -121,6 +121,7 @@ void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
     h[kFieldNumTasks] = static_cast<int32_t>(bp.num_key_units + bp.num_query_units);
     h[kFieldKeyUnits] = static_cast<int32_t>(bp.num_key_units);
     h[kFieldQueryUnits] = static_cast<int32_t>(bp.num_query_units);
+    h[kFieldFused] = bp.fused ? 1 : 0;
     int32_t* w = out + kHeaderWords;
     for (int64_t i = 0; i < c.num_workers; ++i, w += kWorkerWords) {
       w[0] = bp.key_begin[i];
@@ -207,6 +208,8 @@ Decoded read(const int32_t* words, int64_t size) {
     BackwardPlan& bp = d.backward;
     bp.num_key_units = h[kFieldKeyUnits];
     bp.num_query_units = h[kFieldQueryUnits];
+    if (h[kFieldFused] != 0 && h[kFieldFused] != 1) corrupt("unknown backward mode");
+    bp.fused = h[kFieldFused] == 1;
     bp.makespan = bits_float(h[kFieldMakespan]);
     bp.lower_bound = bits_float(h[kFieldLowerBound]);
     bp.total_cost = bits_float(h[kFieldTotalCost]);

@@ -58,6 +58,7 @@ enum Field : int {
   kFieldDirection,  // 0: forward (flash_attn), 1: backward (flash_attn_backward)
   kFieldKeyUnits,   // backward plans: units of the key pass and of the query pass
   kFieldQueryUnits,
+  kFieldFused,  // backward plans: 1 when the backward runs as one fused pass
   kHeaderWords
 };
 inline constexpr int64_t kWorkerWords = 11;
