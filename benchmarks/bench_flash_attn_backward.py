@@ -1,13 +1,17 @@
 """flash_attn forward + backward against scaled_dot_product_attention's forward + backward (the
-CPU flash kernels of PyTorch, with enable_gqa and with repeated key/value heads), in one run.
+CPU flash kernels of PyTorch, with enable_gqa and with repeated key/value heads), in one run,
+with the peak extra memory of each.
 
-Causal, B = 1, S in {1024, 2048}, 32 query / 8 key heads, D = 128. A training step's attention:
-the forward, then the gradients of q, k and v for a random output gradient. GFLOP/s count the
-forward's 4 * D and the backward's 10 * D flops per visible query-key pair and head (the
-backward recomputes the scores: five products of the forward's size), so ratios are time
-ratios.
+Causal, 32 query / 8 key heads, D = 128. A training step's attention: the forward, then the
+gradients of q, k and v for a random output gradient.
+1. Dense: B = 1, S in {2048, 4096}.
+2. Heavy-tailed varlen: 32 sequences of lognormal lengths (mean 1000, the flash_attn benchmark's
+   batch) in TND, against a loop of SDPA calls, one per sequence.
+GFLOP/s count the forward's 4 * D and the backward's 10 * D flops per visible query-key pair and
+head (the backward recomputes the scores: five products of the forward's size), so ratios are
+time ratios. Peak extra memory: the rise of the process's resident size during one step.
 
-    python benchmarks/bench_flash_attn_backward.py [--seqs 1024 2048] [--dtypes bf16 fp32]
+    python benchmarks/bench_flash_attn_backward.py [--seqs 2048 4096] [--dtypes bf16 fp32]
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_call, write_results  # noqa: E402
+from bench_flash_attn import sdpa_loop, varlen_inputs, varlen_lengths  # noqa: E402
+from common import peak_extra_bytes, time_call, write_results  # noqa: E402
 
 import opmesh  # noqa: E402
 
@@ -45,9 +50,44 @@ def step_sdpa(q, k, v, dout, repeat):
     return torch.autograd.grad(out.transpose(1, 2), (q, k, v), dout)
 
 
+def step_opmesh_varlen(q, k, v, dout, cu):
+    out = opmesh.flash_attn(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, mask_mode=3, layout_q="TND",
+        layout_kv="TND", layout_out="TND",
+    )[0]  # fmt: skip
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def step_sdpa_varlen(q, k, v, dout, cu, lengths):
+    out = sdpa_loop(q, k, v, cu, lengths)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def measure(rows, name, label, flops, methods, budget):
+    """Times each method (the first is opmesh), measures its peak extra memory, and appends the
+    rows with ratios to the best of the others."""
+    times = {m: time_call(fn, budget_s=budget) for m, fn in methods.items()}
+    memory = {m: peak_extra_bytes(fn) for m, fn in methods.items()}
+    ours = next(iter(methods))
+    best = min(t for m, t in times.items() if m != ours)
+    for method, t in times.items():
+        rows.append(
+            {
+                "dtype": name,
+                "case": label,
+                "method": method,
+                "ms": f"{t * 1e3:.1f}",
+                "GFLOP/s": f"{flops / t / 1e9:.1f}",
+                "vs best SDPA": f"{best / t:.2f}x",
+                "peak extra MiB": f"{memory[method] / 2**20:.1f}",
+            }
+        )
+    print(rows[-len(methods) :], flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per method")
     args = parser.parse_args()
@@ -66,38 +106,43 @@ def main():
             err = max(
                 (a.float() - b.float()).abs().max().item() for a, b in zip(ours, ref, strict=True)
             )
-            flops = 14 * NQ * D * seq * (seq + 1) // 2
-            times = {
-                "opmesh": time_call(partial(step_opmesh, q, k, v, dout), budget_s=args.budget),
-                "sdpa (enable_gqa)": time_call(
-                    partial(step_sdpa, q, k, v, dout, False), budget_s=args.budget
-                ),
-                "sdpa (repeated kv)": time_call(
-                    partial(step_sdpa, q, k, v, dout, True), budget_s=args.budget
-                ),
-            }
-            best = min(t for m, t in times.items() if m != "opmesh")
-            for method, t in times.items():
-                rows.append(
-                    {
-                        "dtype": name,
-                        "S": seq,
-                        "method": method,
-                        "ms": f"{t * 1e3:.1f}",
-                        "GFLOP/s": f"{flops / t / 1e9:.1f}",
-                        "vs best SDPA": f"{best / t:.2f}x",
-                        "max |grad - sdpa grad|": f"{err:.1e}" if method == "opmesh" else "",
-                    }
-                )
-            print(rows[-3:], flush=True)
+            print(f"{name} S={seq}: max |grad - sdpa grad| = {err:.1e}", flush=True)
+            measure(
+                rows,
+                name,
+                f"dense S={seq}",
+                14 * NQ * D * seq * (seq + 1) // 2,
+                {
+                    "opmesh": partial(step_opmesh, q, k, v, dout),
+                    "sdpa (enable_gqa)": partial(step_sdpa, q, k, v, dout, False),
+                    "sdpa (repeated kv)": partial(step_sdpa, q, k, v, dout, True),
+                },
+                args.budget,
+            )
+        lengths = varlen_lengths()
+        q, k, v, cu = varlen_inputs(lengths, dtype)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        measure(
+            rows,
+            name,
+            f"varlen {len(lengths)} seqs, {sum(lengths)} tokens",
+            sum(14 * NQ * D * n * (n + 1) // 2 for n in lengths),
+            {
+                "opmesh": partial(step_opmesh_varlen, q, k, v, dout, cu),
+                "sdpa loop": partial(step_sdpa_varlen, q, k, v, dout, cu, lengths),
+            },
+            args.budget,
+        )
     print(
         write_results(
             "flash_attn_backward",
             rows,
-            ["dtype", "S", "method", "ms", "GFLOP/s", "vs best SDPA", "max |grad - sdpa grad|"],
+            ["dtype", "case", "method", "ms", "GFLOP/s", "vs best SDPA", "peak extra MiB"],
             [
-                f"Causal, B = 1, {NQ} query / {NKV} key heads, D = {D}: forward + backward of "
-                "q, k, v.",
+                f"Causal, {NQ} query / {NKV} key heads, D = {D}: forward + backward of q, k, v. "
+                "Dense: B = 1. Varlen: TND, heavy-tailed lengths, against one SDPA call per "
+                "sequence.",
                 "",
                 "`.venv/bin/python benchmarks/bench_flash_attn_backward.py`",
             ],

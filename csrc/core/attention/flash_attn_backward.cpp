@@ -33,6 +33,9 @@ constexpr int64_t kBlockKeys = kKeyBlock * kTile;
 // (sequence, key head) units from which the backward runs as one fused pass (five products per
 // tile pair instead of seven); fewer units would leave threads idle.
 constexpr int64_t kFusedMinUnits = 8;
+// The fused schedule's float32 dQ accumulator (one key head's query heads over the longest
+// sequence) per worker thread is kept within this; longer sequences run the two passes.
+constexpr int64_t kFusedMaxBytes = int64_t{32} << 20;
 
 // One row of S^T (key `key`, every query row r of a tile): s - lse_r where the row sees the key,
 // -inf elsewhere (then exp gives P^T).
@@ -313,7 +316,7 @@ class Backward {
       std::fill(zeros.data(), zeros.data() + kBlockKeys, 0.0f);
     }
     AlignedBuffer<float> krows, vrows;  // [256][dp], [256][dvp] key and value rows of a block
-    AlignedBuffer<float> kt;            // per key tile of the block: [d][64] keys, transposed
+    AlignedBuffer<float> kt;            // [d][256] the block's keys, transposed
     AlignedBuffer<float> qrows, qt;     // [64][dp] query rows, [d][64] transposed
     AlignedBuffer<float> orows, ot;     // [64][dvp] output-gradient rows, [dv][64] transposed
     AlignedBuffer<float> st, dpt;       // [256][64] S^T then P^T, dP^T then dS^T
@@ -323,6 +326,10 @@ class Backward {
     std::vector<int64_t> lo, hi;  // visible keys of each query row of a tile
     int64_t capacity;             // query tiles dq holds
   };
+
+  int64_t fused_accumulator_bytes() const {
+    return group_ * max_query_tiles() * kTile * d_ * static_cast<int64_t>(sizeof(float));
+  }
 
   int64_t max_query_tiles() const {
     int64_t most = 0;
@@ -382,11 +389,8 @@ class Backward {
           k_.gemm({dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, nk, dp_, rows,
                    fs.ones.data(), p_.softmax_scale});
           float* dq = fs.dq.data() + (g * tiles + t) * d_ * kTile;
-          for (int64_t c = 0; c * kTile < nk; ++c) {
-            k_.gemm({fs.kt.data() + c * d_ * kTile, kTile, dpt + c * kTile * kTile, kTile, dq,
-                     kTile, d_, kTile, std::min(kTile, nk - c * kTile), fs.ones.data(),
-                     p_.softmax_scale});
-          }
+          k_.gemm({fs.kt.data(), kBlockKeys, dpt, kTile, dq, kTile, d_, kTile, nk, fs.ones.data(),
+                   p_.softmax_scale});
         }
       }
       for (int64_t n = 0; n < nk; ++n) {
@@ -435,8 +439,8 @@ class Backward {
     return any;
   }
 
-  // Key and value rows [k0, k0 + nk) of key head h (zero past nk), and the keys transposed per
-  // tile for dQ^T.
+  // Key and value rows [k0, k0 + nk) of key head h (zero past nk), and the keys transposed for
+  // dQ^T.
   void fused_pack_keys(FusedScratch& fs, int64_t b, int64_t h, int64_t k0, int64_t nk) const {
     const Sequence& seq = seqs_[b];
     std::fill(fs.krows.data(), fs.krows.data() + kBlockKeys * dp_, 0.0f);
@@ -448,13 +452,11 @@ class Backward {
       load(k.data, b * k.sb + key * k.ss + h * k.sn, k.sd, d_, fs.krows.data() + n * dp_);
       load(v.data, b * v.sb + key * v.ss + h * v.sn, v.sd, dv_, fs.vrows.data() + n * dvp_);
     }
-    for (int64_t c = 0; c * kTile < nk; ++c) {
-      const char* rows[kTile];
-      for (int64_t n = 0; n < kTile; ++n) {
-        rows[n] = reinterpret_cast<const char*>(fs.krows.data() + (c * kTile + n) * dp_);
-      }
-      k_.pack_keys(rows, std::min(kTile, nk - c * kTile), d_,
-                   reinterpret_cast<uint32_t*>(fs.kt.data() + c * d_ * kTile));
+    // K^T [d][256] (zero past nk), once per block: it serves every query tile of the block.
+    float* kt = fs.kt.data();
+    for (int64_t e = 0; e < d_; ++e) {
+      for (int64_t n = 0; n < kBlockKeys; ++n)
+        kt[e * kBlockKeys + n] = fs.krows.data()[n * dp_ + e];
     }
   }
 
@@ -624,13 +626,14 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
 
 namespace {
 
-// Whether a problem with `units` (sequence, key head) units runs fused: OPMESH_BACKWARD=fused
-// or two_pass decides for the process (tests run both on every case), auto (the default) by
-// the unit count.
-bool fused_mode(int64_t units) {
+// Whether a problem with `units` (sequence, key head) units and a fused dQ accumulator of
+// `accumulator_bytes` per worker runs fused: OPMESH_BACKWARD=fused or two_pass decides for the
+// process (tests run both on every case); auto (the default) when there are enough units to keep
+// the threads busy and the accumulator stays within kFusedMaxBytes.
+bool fused_mode(int64_t units, int64_t accumulator_bytes) {
   const char* env = std::getenv("OPMESH_BACKWARD");
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
-    return units >= kFusedMinUnits;
+    return units >= kFusedMinUnits && accumulator_bytes <= kFusedMaxBytes;
   }
   if (std::strcmp(env, "fused") == 0) return true;
   if (std::strcmp(env, "two_pass") == 0) return false;
@@ -671,7 +674,7 @@ BackwardPlan plan_backward(const PlanConfig& c, const std::vector<Sequence>& seq
   const std::vector<Unit> fused = run.fused_units();
   // The mode depends on the problem (and OPMESH_BACKWARD) alone, never on the worker count, so
   // every plan of a call gives the same bits.
-  plan.fused = fused_mode(static_cast<int64_t>(fused.size()));
+  plan.fused = fused_mode(static_cast<int64_t>(fused.size()), run.fused_accumulator_bytes());
   const std::vector<Unit> keys = plan.fused ? fused : run.key_units();
   const std::vector<Unit> queries = run.query_units();
   std::vector<double> key_costs, query_costs;
@@ -712,7 +715,7 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   const int64_t key_count = static_cast<int64_t>(plan.fused ? fused.size() : keys.size());
   if (static_cast<int64_t>(queries.size()) != plan.num_query_units ||
       key_count != plan.num_key_units ||
-      plan.fused != fused_mode(static_cast<int64_t>(fused.size()))) {
+      plan.fused != fused_mode(static_cast<int64_t>(fused.size()), run.fused_accumulator_bytes())) {
     throw ArgumentError("metadata", "was planned for other sequences than this call's");
   }
   std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
