@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
+from . import platform as _platform
 from .distributed import DFunction
+from .distributed.dispatcher import DISPATCHER
 
 LengthsLike = torch.Tensor | Sequence[int] | None
 # pre_tokens / next_tokens default: an unbounded band.
@@ -490,10 +492,7 @@ def flash_attn(
     Returns:
         ``(attn_out, softmax_lse)``; ``attn_out`` has q's dtype and head dim ``Dv``.
     """
-    return torch.ops.opmesh.flash_attn(
-        q,
-        k,
-        v,
+    kwargs = dict(
         block_table=block_table,
         cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
         cu_seqlens_kv=_as_int32(cu_seqlens_kv, "cu_seqlens_kv"),
@@ -512,6 +511,15 @@ def flash_attn(
         layout_out=layout_out,
         return_softmax_lse=return_softmax_lse,
     )
+    if any(_platform.current().is_dtensor(x) for x in (q, k, v)):
+        # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
+        # operator (and its autograd) on each rank's local tensors.
+        return DISPATCHER.dispatch("flash_attn", _flash_attn_local, (q, k, v), kwargs)
+    return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
+
+
+def _flash_attn_local(q, k, v, **kwargs):
+    return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
 
 
 def describe_metadata(metadata: torch.Tensor) -> dict:

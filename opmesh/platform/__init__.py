@@ -44,8 +44,10 @@ class Platform(abc.ABC):
         """The registry name of an op callable (a DFunction's local call carries ``_op_name``)."""
 
     @abc.abstractmethod
-    def to_local(self, dtensor: Any) -> Any:
-        """This rank's shard, differentiably (gradients flow back to the DTensor)."""
+    def to_local(self, dtensor: Any, grad_placements: tuple | None = None) -> Any:
+        """This rank's shard, differentiably (gradients flow back to the DTensor).
+        ``grad_placements`` says how the local gradient relates to the global one when it is not
+        laid out as the DTensor is (Partial on an axis where each rank holds a partial sum)."""
 
     @abc.abstractmethod
     def from_local(
@@ -53,6 +55,15 @@ class Platform(abc.ABC):
     ) -> Any:
         """Wraps a local shard as a DTensor with these placements, differentiably. ``shape`` is
         the global shape (contiguous strides); without it the shards must all be equal."""
+
+    def partial(self) -> Any:
+        """A sum-reduction pending placement."""
+        raise NotImplementedError(f"{type(self).__qualname__}.partial")
+
+    def redistribute(self, dtensor: Any, mesh: Any, placements: tuple) -> Any:
+        """The DTensor laid out by new placements (gathering shards where a placement becomes
+        Replicate), differentiably: the gradient comes back in the old layout."""
+        raise NotImplementedError(f"{type(self).__qualname__}.redistribute")
 
     @abc.abstractmethod
     def local_shape_and_offset(

@@ -49,10 +49,12 @@ class TorchPlatform(Platform):
         self._specs = BoundedCache()
         self._offsets = BoundedCache()
 
-    def to_local(self, dtensor):
+    def to_local(self, dtensor, grad_placements=None):
         # The differentiable view only when a gradient can flow; otherwise the shard itself
         # (DTensor.to_local costs an autograd Function call).
         if dtensor.requires_grad and torch.is_grad_enabled():
+            if grad_placements is not None:
+                return dtensor.to_local(grad_placements=tuple(grad_placements))
             return dtensor.to_local()
         return dtensor._local_tensor
 
@@ -68,6 +70,9 @@ class TorchPlatform(Platform):
             self._specs.put(key, out._spec)
             return out
         return DTensor(local, spec, requires_grad=False)
+
+    def redistribute(self, dtensor, mesh, placements):
+        return dtensor.redistribute(mesh, placements)
 
     def local_shape_and_offset(self, mesh, placements, shape):
         key = (mesh, placements, shape)
@@ -108,3 +113,6 @@ class TorchPlatform(Platform):
 
     def replicate(self):
         return Replicate()
+
+    def partial(self):
+        return Partial()

@@ -1,0 +1,255 @@
+"""flash_attn on DTensors: data, head and context parallel (all-gather of keys and values).
+
+Layouts BSND ``[B, S, N, D]`` and BNSD ``[B, N, S, D]`` for q, k and v (TND and paged caches are
+refused on a mesh). Per mesh axis, each of q, k, v may shard:
+
+* the batch dim (data parallel): q, k and v alike;
+* the head dim (tensor parallel): q, k and v alike, over one mesh axis, and only where every
+  rank's query heads are exactly the query heads of its key heads (a split that would cut a
+  GQA group is refused); sinks are replicated or sharded with the query heads;
+* q's sequence dim (context parallel), over one mesh axis: k and v are replicated on that axis
+  or sharded along their sequence dim on it, in which case they are all-gathered (DTensor's
+  redistribute, whose backward reduce-scatters their gradients). Each rank's query rows
+  [start, start + L) keep their global key range: the local call's ``seqused_kv`` is
+  ``start + L + S2 - S1``, so the bottom-right diagonal stays where the global call has it.
+  Masks 0 and 3 are supported, and 4 with ``win_right=0`` (a causal sliding window).
+
+D is never sharded, no input may be Partial. The outputs take q's sharding: attn_out's batch,
+sequence and head dims follow q's, the lse ``[B, Nq, S1]`` likewise. Gradients flow through the
+DTensor conversions and the operator's own backward, so they come back with the inputs'
+placements.
+"""
+
+from __future__ import annotations
+
+from ... import platform as _platform
+from ..._bounded_cache import BoundedCache
+from ..distributed_op import DistributedOp
+from ..layout import Layout
+
+NAMES = ("q", "k", "v")
+# (batch, sequence, heads, head dim) positions per layout.
+DIMS = {"BSND": (0, 1, 2, 3), "BNSD": (0, 2, 1, 3)}
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+class FlashAttnDistributedOp(DistributedOp):
+    def __init__(self):
+        super().__init__("flash_attn")
+        self._checked = BoundedCache()
+
+    def preprocess(self, args, kwargs):
+        p = _platform.current()
+        if len(args) != 3:
+            raise ValueError(
+                f"flash_attn: expected q, k and v as positional arguments, got {len(args)}"
+            )
+        for name, x in zip(NAMES, args, strict=True):
+            if not p.is_dtensor(x):
+                raise ValueError(
+                    f"{name}: expected a DTensor like the other inputs, got {type(x).__name__}"
+                )
+        layout_q = kwargs.get("layout_q", "BSND")
+        for name in ("layout_q", "layout_kv"):
+            value = kwargs.get(name, "BSND")
+            if value not in DIMS or value != layout_q:
+                raise ValueError(
+                    f"{name}: on a mesh q, k and v must share layout BSND or BNSD, got {value!r}"
+                )
+        if kwargs.get("layout_out", "BSND") not in DIMS:
+            raise ValueError(
+                f"layout_out: expected 'BSND' or 'BNSD' on a mesh, got {kwargs['layout_out']!r}"
+            )
+        for name in ("block_table", "cu_seqlens_q", "cu_seqlens_kv", "metadata"):
+            if kwargs.get(name) is not None:
+                why = (
+                    "each rank plans its own local problem inside the call"
+                    if name == "metadata"
+                    else "paged caches and TND are not supported on a mesh"
+                )
+                raise ValueError(f"{name}: not supported with DTensor inputs ({why})")
+        layouts = [Layout.of(x) for x in args]
+        mesh = layouts[0].mesh
+        for name, lay in zip(NAMES, layouts, strict=True):
+            if lay.mesh != mesh:
+                raise ValueError(f"{name}: must be on the same device mesh as q")
+            if lay.ndim != 4:
+                raise ValueError(f"{name}: expected a 4-D DTensor ({layout_q}), got {lay.ndim}-D")
+            partial = lay.partial_axes()
+            if partial:
+                raise ValueError(
+                    f"{name}: Partial placement on mesh axis {lay.axis_names[partial[0]]!r} is "
+                    "not supported; reduce it (redistribute to Replicate or Shard) first"
+                )
+        b, s, n, d = DIMS[layout_q]
+        qm, km, vm = (lay.tensor_map for lay in layouts)
+        mode = kwargs.get("mask_mode", 0)
+
+        def fail(name, lay, dim, why):
+            raise ValueError(
+                f"{name}: dim {dim} is sharded over mesh axes {lay.axes_text(dim)}; {why}"
+            )
+
+        for name, lay, tm in zip(NAMES, layouts, (qm, km, vm), strict=True):
+            if tm[d]:
+                fail(name, lay, d, "the head dim D must be replicated")
+        for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
+            if tm[b] != qm[b]:
+                fail(
+                    name,
+                    lay,
+                    b,
+                    f"the batch dim must be sharded as q's ({layouts[0].axes_text(b)})",
+                )
+            if tm[n] != qm[n]:
+                fail(
+                    name, lay, n, f"the head dim must be sharded as q's ({layouts[0].axes_text(n)})"
+                )
+        if qm[n]:
+            if len(qm[n]) > 1:
+                fail("q", layouts[0], n, "heads may be sharded over one mesh axis only")
+            shards = layouts[0].num_shards(n)
+            nq, nkv = layouts[0].shape[n], layouts[1].shape[n]
+            group = nq // nkv if nkv and nq % nkv == 0 else 0
+            if group == 0 or _ceil_div(nq, shards) != group * _ceil_div(nkv, shards):
+                fail(
+                    "q",
+                    layouts[0],
+                    n,
+                    f"splitting {nq} query heads and {nkv} key heads {shards} ways would cut a "
+                    "group of query heads from its key head",
+                )
+        args = list(args)
+        if qm[s]:
+            if len(qm[s]) > 1:
+                fail(
+                    "q", layouts[0], s, "the query sequence may be sharded over one mesh axis only"
+                )
+            if mode not in (0, 3) and not (mode == 4 and kwargs.get("win_right", -1) == 0):
+                raise ValueError(
+                    "win_right: context parallel (q's sequence sharded) supports mask_mode 0, 3 "
+                    "and 4 with win_right=0"
+                )
+            for name in ("seqused_q", "seqused_kv"):
+                if kwargs.get(name) is not None:
+                    raise ValueError(f"{name}: not supported with the query sequence sharded")
+            for i, (name, lay, tm) in enumerate(zip(NAMES[1:], layouts[1:], (km, vm), strict=True)):
+                if tm[s] and tm[s] != qm[s]:
+                    fail(
+                        name,
+                        lay,
+                        s,
+                        "the key sequence must be replicated or sharded as q's "
+                        f"({layouts[0].axes_text(s)})",
+                    )
+                if tm[s]:
+                    # All-gather keys and values over the context-parallel axis (differentiable).
+                    placements = list(p.placements_of(args[i + 1]))
+                    placements[qm[s][0]] = p.replicate()
+                    args[i + 1] = p.redistribute(args[i + 1], mesh, tuple(placements))
+        else:
+            for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
+                if tm[s]:
+                    fail(name, lay, s, "the key sequence may be sharded only when q's is")
+        # Where q's rows (batch or sequence) are split over a mesh axis on which an input is
+        # replicated, each rank's gradient of that input is a partial sum: say so, and DTensor
+        # sums it (and reduce-scatters it back for gathered keys and values).
+        # Replicated sinks are also sliced to the rank's query heads, so their gradient is a
+        # partial sum over the head axis too.
+        row_axes = set(qm[b]) | set(qm[s])
+
+        def grad_placements(x, axes=row_axes):
+            return tuple(
+                p.partial() if axis in axes and p.shard_dim(pl) is None else pl
+                for axis, pl in enumerate(p.placements_of(x))
+            )
+
+        sinks = kwargs.get("sinks")
+        kwargs = dict(kwargs)
+        if p.is_dtensor(sinks):
+            sl = Layout.of(sinks)
+            if sl.tensor_map[0] not in ((), qm[n]):
+                fail(
+                    "sinks",
+                    sl,
+                    0,
+                    f"sinks must be replicated or sharded as q's heads ({layouts[0].axes_text(n)})",
+                )
+            kwargs["sinks"] = p.to_local(sinks, grad_placements(sinks, row_axes | set(qm[n])))
+            sinks_sharded = bool(sl.tensor_map[0])
+        else:
+            sinks_sharded = False
+        local_args = (p.to_local(args[0]),) + tuple(
+            p.to_local(x, grad_placements(x)) for x in args[1:]
+        )
+        cache_values = (
+            layout_q,
+            kwargs.get("layout_out", "BSND"),
+            mesh,
+            tuple(lay.placements for lay in layouts),
+            tuple(lay.shape for lay in layouts),
+            tuple(Layout.of(a).placements for a in args[1:]),
+            bool(kwargs.get("return_softmax_lse", False)),
+            sinks is not None and not sinks_sharded,
+        )
+        return local_args, kwargs, cache_values
+
+    def infer_layout(self, cache_values):
+        layout_q, layout_out, mesh, placements, shapes, _kv, return_lse, _s = cache_values
+        p = _platform.current()
+        b, s, n, _d = DIMS[layout_q]
+        ob, os_, on, _ = DIMS[layout_out]
+        q_shape, v_shape = shapes[0], shapes[2]
+        out, lse = [], []
+        for placement in placements[0]:
+            dim = p.shard_dim(placement)
+            target = {b: (ob, 0), s: (os_, 2), n: (on, 1)}.get(dim)
+            out.append(p.shard(target[0]) if target else p.replicate())
+            lse.append(p.shard(target[1]) if target else p.replicate())
+        out_shape = [0, 0, 0, 0]
+        out_shape[ob], out_shape[os_], out_shape[on] = q_shape[b], q_shape[s], q_shape[n]
+        out_shape[3] = v_shape[3]
+        out_spec = (mesh, tuple(out), tuple(out_shape))
+        if return_lse:
+            lse_spec = (mesh, tuple(lse), (q_shape[b], q_shape[n], q_shape[s]))
+        else:
+            lse_spec = (mesh, tuple(p.replicate() for _ in placements[0]), (0,))
+        return (out_spec, lse_spec), None
+
+    def get_expand_impl(self, func, infer_result, cache_values):
+        layout_q, _out, mesh, placements, shapes, kv_placements, _lse, slice_sinks = cache_values
+        q_layout = Layout(mesh, placements[0], shapes[0])
+        return _Local(func, layout_q, q_layout, shapes[1], slice_sinks)
+
+
+class _Local:
+    """The local call: the batch slice of the lengths, the head slice of replicated sinks, and
+    for context parallel the key range each rank's query rows keep."""
+
+    def __init__(self, func, layout, q_layout, k_shape, slice_sinks):
+        b, s, n, _ = DIMS[layout]
+        self.func = func
+        self.batch = q_layout.shard_range(b)
+        self.heads = q_layout.shard_range(n)
+        self.rows = q_layout.shard_range(s)
+        self.cp = bool(q_layout.tensor_map[s])
+        self.s1, self.s2 = q_layout.shape[s], k_shape[s]
+        self.slice_sinks = slice_sinks
+
+    def __call__(self, q, k, v, **kwargs):
+        import torch
+
+        b0, b1 = self.batch
+        for name in ("seqused_q", "seqused_kv"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = kwargs[name][b0:b1]
+        if self.slice_sinks and kwargs.get("sinks") is not None:
+            kwargs["sinks"] = kwargs["sinks"][self.heads[0] : self.heads[1]]
+        if self.cp and kwargs.get("mask_mode", 0) != 0:
+            start, end = self.rows
+            used = max(0, min(self.s2, end + self.s2 - self.s1))
+            kwargs["seqused_kv"] = torch.full((b1 - b0,), used, dtype=torch.int32)
+        return self.func(q, k, v, **kwargs)

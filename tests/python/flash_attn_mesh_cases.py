@@ -1,0 +1,226 @@
+"""flash_attn on real process groups (gloo, spawned processes), run by test_flash_attn_mesh.py.
+
+Every case distributes the same inputs as the single-device call that every rank computes
+itself, runs forward and backward on DTensors, and compares the output, the lse and the
+gradients of q, k, v (and sinks) with the single-device ones (float32, within 1e-5 of the
+largest entry). Sizes that do not divide the mesh are included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import opmesh
+from opmesh import Partial, Replicate, Shard
+
+R = Replicate()
+
+
+def _inputs(b, s1, s2, nq, nkv, d=16, dv=16, layout="BSND", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def make(s, n, dim):
+        shape = (b, s, n, dim) if layout == "BSND" else (b, n, s, dim)
+        return torch.randn(*shape, generator=g)
+
+    return make(s1, nq, d), make(s2, nkv, d), make(s2, nkv, dv)
+
+
+def _close(got, want, what):
+    full = got.full_tensor() if isinstance(got, DTensor) else got
+    assert full.shape == want.shape, f"{what}: shape {tuple(full.shape)}, want {tuple(want.shape)}"
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(full), finite), f"{what}: infinities differ"
+    scale = want[finite].abs().max().clamp_min(1e-6) if finite.any() else 1.0
+    err = (full - want)[finite].abs().max().item() if finite.any() else 0.0
+    assert err <= 1e-5 * scale, f"{what}: error {err:.2e} (largest entry {float(scale):.2e})"
+
+
+def _check(mesh, placements, b=2, s1=9, s2=9, nq=4, nkv=2, sinks=None, layout="BSND", **kw):
+    """placements: (q, k, v[, sinks]) per-tensor placements; kw: flash_attn's options."""
+    q, k, v = _inputs(b, s1, s2, nq, nkv, layout=layout)
+    options = dict(layout_q=layout, layout_kv=layout, layout_out=layout, **kw)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    sink_leaf = None
+    if sinks is not None:
+        sink_leaf = torch.linspace(-1.0, 1.0, nq).requires_grad_()
+        options["sinks"] = sink_leaf
+    out, lse = opmesh.flash_attn(*leaves, return_softmax_lse=True, **options)
+    gen = torch.Generator().manual_seed(9)
+    dout = torch.randn(out.shape, generator=gen)
+    dlse = torch.randn(lse.shape, generator=gen)
+    ((out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()).backward()
+    want = [out.detach(), lse.detach()] + [x.grad for x in leaves]
+
+    dist_leaves = [
+        opmesh.distribute_tensor(x.detach(), mesh, pl).requires_grad_()
+        for x, pl in zip((q, k, v), placements[:3], strict=True)
+    ]
+    dist_options = dict(options)
+    dsink = None
+    if sinks is not None:
+        dsink = opmesh.distribute_tensor(sink_leaf.detach(), mesh, sinks).requires_grad_()
+        dist_options["sinks"] = dsink
+    got_out, got_lse = opmesh.flash_attn(*dist_leaves, return_softmax_lse=True, **dist_options)
+    assert isinstance(got_out, DTensor) and isinstance(got_lse, DTensor)
+    d_dout = opmesh.distribute_tensor(dout, mesh, got_out.placements)
+    d_dlse = opmesh.distribute_tensor(dlse, mesh, got_lse.placements)
+    finite = torch.isfinite(got_lse.to_local())
+    lse_term = opmesh.distribute_tensor(
+        torch.zeros(()), mesh, [R] * mesh.ndim
+    )  # a scalar DTensor to add the two sums on
+    loss = (got_out * d_dout).sum() + lse_term
+    loss = loss + (
+        DTensor.from_local(
+            torch.where(finite, got_lse.to_local(), 0), mesh, got_lse.placements,
+            shape=got_lse.shape, stride=got_lse.stride(),
+        ) * d_dlse
+    ).sum()  # fmt: skip
+    loss.backward()
+    names = ["out", "lse", "dq", "dk", "dv"]
+    got = [got_out, got_lse] + [x.grad for x in dist_leaves]
+    for name, g, w in zip(names, got, want, strict=True):
+        _close(g, w, name)
+    if sinks is not None:
+        _close(dsink.grad, sink_leaf.grad, "dsinks")
+
+
+def _expect(exc, prefix, fn):
+    try:
+        fn()
+    except exc as e:
+        assert str(e).startswith(prefix), f"message {str(e)!r} does not start with {prefix!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__} starting with {prefix!r}")
+
+
+def case_errors(mesh):
+    m = mesh.size(0)
+    q, k, v = _inputs(2, 8, 8, 4, 2)
+
+    def dt(x, pl):
+        return opmesh.distribute_tensor(x, mesh, [pl])
+
+    _expect(
+        ValueError,
+        "q: dim 3 is sharded",
+        lambda: opmesh.flash_attn(dt(q, Shard(3)), dt(k, R), dt(v, R)),
+    )
+    _expect(
+        ValueError,
+        "k: dim 0 is sharded",
+        lambda: opmesh.flash_attn(dt(q, R), dt(k, Shard(0)), dt(v, R)),
+    )
+    _expect(
+        ValueError,
+        "win_right: context parallel",
+        lambda: opmesh.flash_attn(
+            dt(q, Shard(1)), dt(k, R), dt(v, R), mask_mode=4, win_left=2, win_right=1
+        ),
+    )
+    _expect(
+        ValueError,
+        "layout_q: on a mesh",
+        lambda: opmesh.flash_attn(
+            dt(q[0], R), dt(k[0], R), dt(v[0], R), layout_q="TND", layout_kv="TND",
+            layout_out="TND", cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0, 8], dtype=torch.int32),
+        ),
+    )  # fmt: skip
+    partial = DTensor.from_local(k / m, mesh, [Partial()])
+    _expect(
+        ValueError, "k: Partial placement", lambda: opmesh.flash_attn(dt(q, R), partial, dt(v, R))
+    )
+    # Heads that would cut a query group from its key head: N2 = m + 1, N1 = 2 (m + 1).
+    q2, k2, v2 = _inputs(1, 4, 4, 2 * (m + 1), m + 1)
+    _expect(
+        ValueError,
+        "q: dim 2 is sharded",
+        lambda: opmesh.flash_attn(dt(q2, Shard(2)), dt(k2, Shard(2)), dt(v2, Shard(2))),
+    )
+
+
+def cases(mesh):
+    m = mesh.size(0)
+    S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+    return {
+        "replicated": lambda: _check(mesh, ([R], [R], [R]), mask_mode=3),
+        "dp_uneven_batch_3": lambda: _check(mesh, ([S0], [S0], [S0]), b=3, mask_mode=3),
+        "tp_heads": lambda: _check(mesh, ([S2], [S2], [S2]), nq=2 * m, nkv=m, mask_mode=3),
+        "tp_heads_sinks_sharded": lambda: _check(
+            mesh, ([S2], [S2], [S2]), nq=2 * m, nkv=m, mask_mode=3, sinks=[S0]
+        ),
+        "tp_heads_sinks_replicated": lambda: _check(
+            mesh, ([S2], [S2], [S2]), nq=4 * m, nkv=2 * m, sinks=[R]
+        ),
+        "dp_sinks_replicated": lambda: _check(
+            mesh, ([S0], [S0], [S0]), b=3, sinks=[R], mask_mode=3
+        ),
+        "cp_causal_gathered_s9": lambda: _check(mesh, ([S1], [S1], [S1]), mask_mode=3),
+        "cp_causal_replicated_kv": lambda: _check(
+            mesh, ([S1], [R], [R]), mask_mode=3, s1=11, s2=11
+        ),
+        "cp_causal_more_keys": lambda: _check(mesh, ([S1], [R], [R]), mask_mode=3, s1=9, s2=20),
+        "cp_no_mask_more_keys_gathered": lambda: _check(mesh, ([S1], [S1], [S1]), s1=7, s2=13),
+        "cp_sliding_window": lambda: _check(
+            mesh, ([S1], [S1], [S1]), mask_mode=4, win_left=3, win_right=0, s1=17, s2=17
+        ),
+        "cp_sinks": lambda: _check(mesh, ([S1], [S1], [S1]), mask_mode=3, sinks=[R], s1=10, s2=10),
+        "cp_bnsd": lambda: _check(
+            mesh, ([S2], [S2], [S2]), mask_mode=3, layout="BNSD", s1=10, s2=10
+        ),
+        "errors": lambda: case_errors(mesh),
+    }
+
+
+CASE_NAMES = [
+    "replicated",
+    "dp_uneven_batch_3",
+    "tp_heads",
+    "tp_heads_sinks_sharded",
+    "tp_heads_sinks_replicated",
+    "dp_sinks_replicated",
+    "cp_causal_gathered_s9",
+    "cp_causal_replicated_kv",
+    "cp_causal_more_keys",
+    "cp_no_mask_more_keys_gathered",
+    "cp_sliding_window",
+    "cp_sinks",
+    "cp_bnsd",
+    "errors",
+]
+
+
+def worker(rank, world, port, shape, names, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = opmesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
+        results = {}
+        for name, fn in cases(mesh).items():
+            try:
+                fn()
+                results[name] = "ok"
+            except Exception:  # reported per case by the parent test
+                results[name] = f"rank {rank}: {traceback.format_exc()}"
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            merged = {}
+            for per_rank in gathered:
+                for name, status in per_rank.items():
+                    if merged.get(name, "ok") == "ok":
+                        merged[name] = status
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump(merged, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
