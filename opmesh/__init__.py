@@ -45,6 +45,7 @@ from .distributed import (  # noqa: E402
     Layout,
     from_head_tail,
     head_tail_cp,
+    set_head_tail_cp,
     to_head_tail,
 )
 from .ops import (  # noqa: E402
@@ -68,6 +69,7 @@ __all__ = [
     "distribute_tensor",
     "from_head_tail",
     "head_tail_cp",
+    "set_head_tail_cp",
     "init_device_mesh",
     "to_head_tail",
     "dense_lightning_indexer_softmax_lse",

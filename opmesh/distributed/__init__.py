@@ -1,7 +1,7 @@
 """Ops on sharded tensors: DFunction, the dispatcher, DistributedOp and its registry, Layout,
 and context-parallel helpers (docs/distributed.md)."""
 
-from .context_parallel import from_head_tail, head_tail_cp, to_head_tail
+from .context_parallel import from_head_tail, head_tail_cp, set_head_tail_cp, to_head_tail
 from .dfunction import DFunction
 from .dispatcher import DISPATCHER, OpDispatcher
 from .distributed_op import DistributedOp, get_distributed_op
@@ -16,5 +16,6 @@ __all__ = [
     "from_head_tail",
     "get_distributed_op",
     "head_tail_cp",
+    "set_head_tail_cp",
     "to_head_tail",
 ]

@@ -2,8 +2,20 @@
 
 Causal attention gives later query rows more keys, so cutting a sequence into cp contiguous
 shards leaves the last rank with most of the work. In head-tail order the sequence is cut into
-2 * cp chunks and rank r holds chunks r and 2 * cp - 1 - r: one cheap and one expensive chunk
-each.
+2 * cp chunks and each rank holds one cheap and one expensive chunk. Two orders exist:
+
+* ``"opmesh"``: rank r holds chunks r and 2 * cp - 1 - r (in that order);
+* ``"hyperparallel"``: rank r holds chunks 2 * r and 2 * cp - 2 * r - 1 (in that order), the
+  fold HyperParallel's context parallel uses.
+
+For cp = 4 (chunks 0..7)::
+
+    rank        0      1      2      3
+    opmesh     0, 7   1, 6   2, 5   3, 4
+    hyperpar.  0, 7   2, 5   4, 3   6, 1
+
+``head_tail_cp(order)`` turns the order on for a block of code, ``set_head_tail_cp(order)``
+for the whole process (None turns it off); the block's setting wins inside it.
 """
 
 from __future__ import annotations
@@ -14,13 +26,28 @@ import threading
 import torch
 
 _state = threading.local()
+_process_order: str | None = None
+ORDERS = ("opmesh", "hyperparallel")
 
 
-def _order(cp_size: int) -> list[int]:
-    order = []
-    for r in range(cp_size):
-        order += [r, 2 * cp_size - 1 - r]
+def _check_order(order: str) -> str:
+    if order not in ORDERS:
+        raise ValueError(f"order: expected 'opmesh' or 'hyperparallel', got {order!r}")
     return order
+
+
+def chunk_pair(rank: int, cp_size: int, order: str = "opmesh") -> tuple[int, int]:
+    """The two chunks (of 2 * cp_size) rank `rank` holds, in its local order."""
+    if _check_order(order) == "opmesh":
+        return rank, 2 * cp_size - 1 - rank
+    return 2 * rank, 2 * cp_size - 2 * rank - 1
+
+
+def _order(cp_size: int, order: str = "opmesh") -> list[int]:
+    chunks = []
+    for r in range(cp_size):
+        chunks += list(chunk_pair(r, cp_size, order))
+    return chunks
 
 
 def _chunks(x: torch.Tensor, dim: int, cp_size: int) -> list[torch.Tensor]:
@@ -34,36 +61,55 @@ def _chunks(x: torch.Tensor, dim: int, cp_size: int) -> list[torch.Tensor]:
     return list(torch.chunk(x, 2 * cp_size, dim=dim))
 
 
-def to_head_tail(x: torch.Tensor, dim: int, cp_size: int) -> torch.Tensor:
-    """Reorders dim of x so that sharding it over cp_size ranks gives rank r the chunks r and
-    2 * cp_size - 1 - r of the original order."""
+def to_head_tail(x: torch.Tensor, dim: int, cp_size: int, order: str = "opmesh") -> torch.Tensor:
+    """Reorders dim of x so that sharding it over cp_size ranks gives each rank its two chunks
+    of the original order (see the module's table for the two orders)."""
     chunks = _chunks(x, dim, cp_size)
-    return torch.cat([chunks[i] for i in _order(cp_size)], dim=dim)
+    return torch.cat([chunks[i] for i in _order(cp_size, order)], dim=dim)
 
 
-def from_head_tail(x: torch.Tensor, dim: int, cp_size: int) -> torch.Tensor:
+def from_head_tail(x: torch.Tensor, dim: int, cp_size: int, order: str = "opmesh") -> torch.Tensor:
     """Inverse of to_head_tail."""
     chunks = _chunks(x, dim, cp_size)
     inverse = [0] * (2 * cp_size)
-    for position, chunk in enumerate(_order(cp_size)):
+    for position, chunk in enumerate(_order(cp_size, order)):
         inverse[chunk] = position
     return torch.cat([chunks[inverse[i]] for i in range(2 * cp_size)], dim=dim)
 
 
+_UNSET = object()
+
+
 @contextlib.contextmanager
-def head_tail_cp():
+def head_tail_cp(order: str = "opmesh"):
     """Within this block, ops whose query sequence is sharded for context parallelism take their
-    sequence-sharded inputs (and give their outputs) in head-tail order."""
-    previous = getattr(_state, "head_tail", False)
-    _state.head_tail = True
+    sequence-sharded inputs (and give their outputs) in head-tail order `order`."""
+    _check_order(order)
+    previous = getattr(_state, "order", _UNSET)
+    _state.order = order
     try:
         yield
     finally:
-        _state.head_tail = previous
+        if previous is _UNSET:
+            del _state.order
+        else:
+            _state.order = previous
+
+
+def set_head_tail_cp(order: str | None) -> None:
+    """Turns head-tail order on for the whole process (`order`), or off (None). A
+    ``head_tail_cp`` block overrides it inside the block."""
+    global _process_order
+    _process_order = None if order is None else _check_order(order)
+
+
+def head_tail_order() -> str | None:
+    """The head-tail order in force here, or None."""
+    return getattr(_state, "order", _process_order)
 
 
 def head_tail_enabled() -> bool:
-    return getattr(_state, "head_tail", False)
+    return head_tail_order() is not None
 
 
 def causal_work_per_rank(s1: int, s2: int, cp_size: int, head_tail: bool) -> list[int]:

@@ -91,6 +91,40 @@ def _check(mesh, placements, b=2, s1=9, s2=9, nq=4, nkv=2, sinks=None, layout="B
         _close(dsink.grad, sink_leaf.grad, "dsinks")
 
 
+def _check_head_tail(mesh, order, kv_sharded, b=1, s1=None, nq=4, nkv=2, mask_mode=3, **kw):
+    """Inputs in head-tail order `order` (keys and values too when sharded), outputs converted
+    back, gradients compared in natural order."""
+    cp = mesh.size(0)
+    s1 = s1 or 4 * cp
+    q, k, v = _inputs(b, s1, s1, nq, nkv)
+    options = dict(mask_mode=mask_mode, **kw)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = opmesh.flash_attn(*leaves, return_softmax_lse=True, **options)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * dout).sum().backward()
+    S1 = [Shard(1)]
+
+    def ht(x, dim=1):
+        return opmesh.to_head_tail(x, dim, cp, order=order)
+
+    dq = opmesh.distribute_tensor(ht(q), mesh, S1).requires_grad_()
+    kv_place = S1 if kv_sharded else [R]
+    dk = opmesh.distribute_tensor(ht(k) if kv_sharded else k, mesh, kv_place).requires_grad_()
+    dv = opmesh.distribute_tensor(ht(v) if kv_sharded else v, mesh, kv_place).requires_grad_()
+    with opmesh.head_tail_cp(order):
+        got, got_lse = opmesh.flash_attn(dq, dk, dv, return_softmax_lse=True, **options)
+    (got * opmesh.distribute_tensor(ht(dout), mesh, got.placements)).sum().backward()
+
+    def back(x, dim=1):
+        return opmesh.from_head_tail(x.full_tensor(), dim, cp, order=order)
+
+    _close(back(got), out.detach(), "out")
+    _close(back(got_lse, 2), lse.detach(), "lse")
+    _close(back(dq.grad), leaves[0].grad, "dq")
+    for name, g, leaf in (("dk", dk.grad, leaves[1]), ("dv", dv.grad, leaves[2])):
+        _close(back(g) if kv_sharded else g, leaf.grad, name)
+
+
 def _expect(exc, prefix, fn):
     try:
         fn()
@@ -175,8 +209,46 @@ def cases(mesh):
         "cp_bnsd": lambda: _check(
             mesh, ([S2], [S2], [S2]), mask_mode=3, layout="BNSD", s1=10, s2=10
         ),
+        "head_tail_opmesh_gathered": lambda: _check_head_tail(mesh, "opmesh", True),
+        "head_tail_hyperparallel_gathered": lambda: _check_head_tail(mesh, "hyperparallel", True),
+        "head_tail_hyperparallel_replicated_kv": lambda: _check_head_tail(
+            mesh, "hyperparallel", False, b=2
+        ),
+        "head_tail_sliding_window": lambda: _check_head_tail(
+            mesh, "opmesh", True, mask_mode=4, win_left=5, win_right=0
+        ),
+        "head_tail_process_switch": lambda: case_process_switch(mesh),
         "errors": lambda: case_errors(mesh),
     }
+
+
+def case_process_switch(mesh):
+    """set_head_tail_cp turns the order on for the process; a block's order wins inside it."""
+    from opmesh.distributed.context_parallel import head_tail_order
+
+    opmesh.set_head_tail_cp("hyperparallel")
+    try:
+        assert head_tail_order() == "hyperparallel"
+        with opmesh.head_tail_cp("opmesh"):
+            assert head_tail_order() == "opmesh"
+        assert head_tail_order() == "hyperparallel"
+        cp = mesh.size(0)
+        q, k, v = _inputs(1, 4 * cp, 4 * cp, 4, 2)
+        want, _ = opmesh.flash_attn(q, k, v, mask_mode=3)
+        dq = opmesh.distribute_tensor(
+            opmesh.to_head_tail(q, 1, cp, order="hyperparallel"), mesh, [Shard(1)]
+        )
+        got, _ = opmesh.flash_attn(
+            dq,
+            opmesh.distribute_tensor(k, mesh, [R]),
+            opmesh.distribute_tensor(v, mesh, [R]),
+            mask_mode=3,
+        )
+        _close(opmesh.from_head_tail(got.full_tensor(), 1, cp, order="hyperparallel"), want, "out")
+    finally:
+        opmesh.set_head_tail_cp(None)
+    assert head_tail_order() is None
+    _expect(ValueError, "order: expected", lambda: opmesh.set_head_tail_cp("zigzag"))
 
 
 CASE_NAMES = [
@@ -193,6 +265,11 @@ CASE_NAMES = [
     "cp_sliding_window",
     "cp_sinks",
     "cp_bnsd",
+    "head_tail_opmesh_gathered",
+    "head_tail_hyperparallel_gathered",
+    "head_tail_hyperparallel_replicated_kv",
+    "head_tail_sliding_window",
+    "head_tail_process_switch",
     "errors",
 ]
 

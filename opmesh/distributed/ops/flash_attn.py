@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
+from ..context_parallel import chunk_pair, from_head_tail, head_tail_order
 from ..distributed_op import DistributedOp
 from ..layout import Layout
 
@@ -123,6 +124,20 @@ class FlashAttnDistributedOp(DistributedOp):
                     "group of query heads from its key head",
                 )
         args = list(args)
+        order = head_tail_order()
+        if order is not None and not qm[s]:
+            raise ValueError(
+                "head_tail_cp: needs q's sequence sharded for context parallelism (over one "
+                "mesh axis)"
+            )
+        if order is not None:
+            cp = layouts[0].num_shards(s)
+            for name, lay, tm in zip(NAMES, layouts, (qm, km, vm), strict=True):
+                if (name == "q" or tm[s]) and lay.shape[s] % (2 * cp) != 0:
+                    raise ValueError(
+                        f"{name}: dim {s} has size {lay.shape[s]}, not a multiple of 2 * cp = "
+                        f"{2 * cp}, as head_tail_cp needs"
+                    )
         if qm[s]:
             if len(qm[s]) > 1:
                 fail(
@@ -194,11 +209,12 @@ class FlashAttnDistributedOp(DistributedOp):
             tuple(Layout.of(a).placements for a in args[1:]),
             bool(kwargs.get("return_softmax_lse", False)),
             sinks is not None and not sinks_sharded,
+            order,
         )
         return local_args, kwargs, cache_values
 
     def infer_layout(self, cache_values):
-        layout_q, layout_out, mesh, placements, shapes, _kv, return_lse, _s = cache_values
+        layout_q, layout_out, mesh, placements, shapes, _kv, return_lse, _s, _order = cache_values
         p = _platform.current()
         b, s, n, _d = DIMS[layout_q]
         ob, os_, on, _ = DIMS[layout_out]
@@ -220,24 +236,34 @@ class FlashAttnDistributedOp(DistributedOp):
         return (out_spec, lse_spec), None
 
     def get_expand_impl(self, func, infer_result, cache_values):
-        layout_q, _out, mesh, placements, shapes, kv_placements, _lse, slice_sinks = cache_values
+        layout_q, layout_out, mesh, placements, shapes, _kv, _lse, slice_sinks, order = cache_values
         q_layout = Layout(mesh, placements[0], shapes[0])
-        return _Local(func, layout_q, q_layout, shapes[1], slice_sinks)
+        # Keys and values sharded along their sequence arrive gathered in head-tail order.
+        kv_gathered = bool(Layout(mesh, placements[1], shapes[1]).tensor_map[DIMS[layout_q][1]])
+        return _Local(
+            func, layout_q, layout_out, q_layout, shapes[1], slice_sinks, order, kv_gathered
+        )
 
 
 class _Local:
     """The local call: the batch slice of the lengths, the head slice of replicated sinks, and
-    for context parallel the key range each rank's query rows keep."""
+    for context parallel the key range each rank's query rows keep (per chunk in head-tail
+    order, whose two chunks are computed apart and joined)."""
 
-    def __init__(self, func, layout, q_layout, k_shape, slice_sinks):
+    def __init__(self, func, layout, layout_out, q_layout, k_shape, slice_sinks, order, gathered):
         b, s, n, _ = DIMS[layout]
         self.func = func
+        self.s_dim, self.out_s_dim = s, DIMS[layout_out][1]
         self.batch = q_layout.shard_range(b)
         self.heads = q_layout.shard_range(n)
         self.rows = q_layout.shard_range(s)
         self.cp = bool(q_layout.tensor_map[s])
+        self.cp_size = q_layout.num_shards(s)
+        self.rank = q_layout.shard_index(s)
         self.s1, self.s2 = q_layout.shape[s], k_shape[s]
         self.slice_sinks = slice_sinks
+        self.order = order
+        self.gathered = gathered
 
     def __call__(self, q, k, v, **kwargs):
         import torch
@@ -248,8 +274,31 @@ class _Local:
                 kwargs[name] = kwargs[name][b0:b1]
         if self.slice_sinks and kwargs.get("sinks") is not None:
             kwargs["sinks"] = kwargs["sinks"][self.heads[0] : self.heads[1]]
-        if self.cp and kwargs.get("mask_mode", 0) != 0:
-            start, end = self.rows
-            used = max(0, min(self.s2, end + self.s2 - self.s1))
-            kwargs["seqused_kv"] = torch.full((b1 - b0,), used, dtype=torch.int32)
-        return self.func(q, k, v, **kwargs)
+        if not self.cp or kwargs.get("mask_mode", 0) == 0:
+            if self.order is not None and self.gathered:
+                k = from_head_tail(k, self.s_dim, self.cp_size, self.order)
+                v = from_head_tail(v, self.s_dim, self.cp_size, self.order)
+            return self.func(q, k, v, **kwargs)
+
+        def keys_seen(end):
+            return torch.full(
+                (b1 - b0,), max(0, min(self.s2, end + self.s2 - self.s1)), dtype=torch.int32
+            )
+
+        if self.order is None:
+            return self.func(q, k, v, **dict(kwargs, seqused_kv=keys_seen(self.rows[1])))
+        if self.gathered:
+            k = from_head_tail(k, self.s_dim, self.cp_size, self.order)
+            v = from_head_tail(v, self.s_dim, self.cp_size, self.order)
+        chunk = self.s1 // (2 * self.cp_size)
+        halves = []
+        for half, c in enumerate(chunk_pair(self.rank, self.cp_size, self.order)):
+            rows = q.narrow(self.s_dim, half * chunk, chunk)
+            halves.append(
+                self.func(rows, k, v, **dict(kwargs, seqused_kv=keys_seen((c + 1) * chunk)))
+            )
+        out = torch.cat([h[0] for h in halves], dim=self.out_s_dim)
+        lse = (
+            halves[0][1] if halves[0][1].numel() == 0 else torch.cat([h[1] for h in halves], dim=2)
+        )
+        return out, lse

@@ -20,7 +20,7 @@ import torch
 
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
-from ..context_parallel import head_tail_enabled
+from ..context_parallel import chunk_pair, head_tail_order
 from ..distributed_op import DistributedOp
 from ..layout import Layout
 
@@ -87,7 +87,7 @@ class IndexerDistributedOp(DistributedOp):
                 p.mesh_of(args[0]),
                 tuple(p.placements_of(x) for x in args),
                 tuple(p.global_shape(x) for x in args),
-                head_tail_enabled(),
+                head_tail_order(),
             )
             if self._checked.get(key):
                 return tuple(p.to_local(x) for x in args), kwargs, key
@@ -128,7 +128,7 @@ class IndexerDistributedOp(DistributedOp):
                     "not supported; reduce it (redistribute to Replicate or Shard) first"
                 )
         self._check_rules(layout, layouts)
-        head_tail = head_tail_enabled()
+        head_tail = head_tail_order()
         q_map = layouts[0].tensor_map
         if head_tail and not (layout == "BSND" and q_map[1]):
             raise ValueError(
@@ -273,7 +273,8 @@ class _BsndLocal:
                 "head_tail_cp needs"
             )
         halves = []
-        for half, start in enumerate((self.rank * chunk, (2 * self.cp - 1 - self.rank) * chunk)):
+        pair = chunk_pair(self.rank, self.cp, self.head_tail)
+        for half, start in enumerate(c * chunk for c in pair):
             rows = slice(half * chunk, (half + 1) * chunk)
             halves.append(self._call(q[:, rows], k, w[:, rows], qlen, klen, start, kwargs))
         return tuple(torch.cat([a, b], dim=2) for a, b in zip(*halves, strict=True))
