@@ -56,6 +56,7 @@ from .ops import (  # noqa: E402
     flash_attn_metadata,
     indexer_kl_loss,
     kv_cache_write_,
+    merge_attn_states,
 )
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "flash_attn_metadata",
     "describe_metadata",
     "kv_cache_write_",
+    "merge_attn_states",
     "simd_levels",
     "active_simd_level",
     "bf16_kernels",

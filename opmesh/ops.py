@@ -522,6 +522,24 @@ def _flash_attn_local(q, k, v, **kwargs):
     return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
 
 
+def merge_attn_states(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    layout: str = "BSND",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combines two partial attention results over disjoint key sets into the result over their
+    union: ``lse = log(exp(lse_a) + exp(lse_b))``, ``out = exp(lse_a - lse) out_a +
+    exp(lse_b - lse) out_b``. ``out_*`` and ``lse_*`` are shaped as :func:`flash_attn` returns
+    them for ``layout`` (BSND ``[B, S, N, Dv]`` with ``[B, N, S]``, BNSD ``[B, N, S, Dv]`` with
+    ``[B, N, S]``, TND ``[T, N, Dv]`` with ``[N, T]``); ``lse`` float32. A row whose lse is
+    ``+inf`` (flash_attn's mark of a row that saw no key) counts as empty; a row empty in both
+    stays output 0, lse ``+inf``. Differentiable in all four inputs, and compiled alike."""
+    return torch.ops.opmesh.merge_attn_states(out_a, lse_a, out_b, lse_b, layout=layout)
+
+
 def describe_metadata(metadata: torch.Tensor) -> dict:
     """A plan's summary as a dict.
 

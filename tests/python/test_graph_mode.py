@@ -29,7 +29,9 @@ def samples():
     wi = torch.randn(2, 40, 4, generator=g) * 0.2
     m_i, s_i = opmesh.dense_lightning_indexer_softmax_lse(qi, ki, wi)
     stats = lse.reshape(2, 2, 4, 40).transpose(2, 3).contiguous()  # [B, N2, S1, G]
+    out2, lse2 = opmesh.flash_attn(q, k, v, return_softmax_lse=True)
     return {
+        "merge_attn_states": ((out, lse, out2, lse2), {}),
         "dense_lightning_indexer_grad_kl_loss": (
             (q, k, qi, ki, wi, stats, torch.ones_like(stats), m_i, s_i, 0.25),
             dict(sparse_mode=3, pre_tokens=30),
