@@ -452,6 +452,7 @@ def flash_attn(
     layout_kv: str = "BSND",
     layout_out: str = "BSND",
     return_softmax_lse: bool = False,
+    context_parallel: str = "all_gather",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Attention forward with GQA, variable lengths, paged keys/values, windows and sinks.
 
@@ -488,6 +489,10 @@ def flash_attn(
         layout_out: ``"TND"`` for TND queries, else ``"BSND"`` or ``"BNSD"``.
         return_softmax_lse: also return the float32 lse, ``[B, Nq, S1]`` or ``[Nq, T1]``;
             otherwise the second output is empty.
+        context_parallel: with DTensors whose query sequence is sharded, how keys and values
+            reach every rank: ``"all_gather"`` (gathered once) or ``"ring"`` (passed around the
+            group while each rank computes, partial results merged by log-sum-exp); see
+            docs/distributed.md. No effect on plain tensors.
 
     Returns:
         ``(attn_out, softmax_lse)``; ``attn_out`` has q's dtype and head dim ``Dv``.
@@ -511,9 +516,14 @@ def flash_attn(
         layout_out=layout_out,
         return_softmax_lse=return_softmax_lse,
     )
+    if context_parallel not in ("all_gather", "ring"):
+        raise ValueError(
+            f"context_parallel: expected 'all_gather' or 'ring', got {context_parallel!r}"
+        )
     if any(_platform.current().is_dtensor(x) for x in (q, k, v)):
         # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
         # operator (and its autograd) on each rank's local tensors.
+        kwargs["context_parallel"] = context_parallel
         return DISPATCHER.dispatch("flash_attn", _flash_attn_local, (q, k, v), kwargs)
     return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
 

@@ -56,6 +56,10 @@ class Platform(abc.ABC):
         """Wraps a local shard as a DTensor with these placements, differentiably. ``shape`` is
         the global shape (contiguous strides); without it the shards must all be equal."""
 
+    def axis_group(self, mesh: Any, axis: int) -> Any:
+        """The process group of one mesh axis (for point-to-point transfers)."""
+        raise NotImplementedError(f"{type(self).__qualname__}.axis_group")
+
     def partial(self) -> Any:
         """A sum-reduction pending placement."""
         raise NotImplementedError(f"{type(self).__qualname__}.partial")

@@ -116,3 +116,6 @@ class TorchPlatform(Platform):
 
     def partial(self):
         return Partial()
+
+    def axis_group(self, mesh, axis):
+        return mesh.get_group(axis)

@@ -42,7 +42,19 @@ def _close(got, want, what):
     assert err <= 1e-5 * scale, f"{what}: error {err:.2e} (largest entry {float(scale):.2e})"
 
 
-def _check(mesh, placements, b=2, s1=9, s2=9, nq=4, nkv=2, sinks=None, layout="BSND", **kw):
+def _check(
+    mesh,
+    placements,
+    b=2,
+    s1=9,
+    s2=9,
+    nq=4,
+    nkv=2,
+    sinks=None,
+    layout="BSND",
+    context_parallel="all_gather",
+    **kw,
+):
     """placements: (q, k, v[, sinks]) per-tensor placements; kw: flash_attn's options."""
     q, k, v = _inputs(b, s1, s2, nq, nkv, layout=layout)
     options = dict(layout_q=layout, layout_kv=layout, layout_out=layout, **kw)
@@ -67,7 +79,9 @@ def _check(mesh, placements, b=2, s1=9, s2=9, nq=4, nkv=2, sinks=None, layout="B
     if sinks is not None:
         dsink = opmesh.distribute_tensor(sink_leaf.detach(), mesh, sinks).requires_grad_()
         dist_options["sinks"] = dsink
-    got_out, got_lse = opmesh.flash_attn(*dist_leaves, return_softmax_lse=True, **dist_options)
+    got_out, got_lse = opmesh.flash_attn(
+        *dist_leaves, return_softmax_lse=True, context_parallel=context_parallel, **dist_options
+    )
     assert isinstance(got_out, DTensor) and isinstance(got_lse, DTensor)
     d_dout = opmesh.distribute_tensor(dout, mesh, got_out.placements)
     d_dlse = opmesh.distribute_tensor(dlse, mesh, got_lse.placements)
@@ -209,6 +223,29 @@ def cases(mesh):
         "cp_bnsd": lambda: _check(
             mesh, ([S2], [S2], [S2]), mask_mode=3, layout="BNSD", s1=10, s2=10
         ),
+        "ring_causal_uneven_s9": lambda: _check(
+            mesh, ([S1], [S1], [S1]), mask_mode=3, context_parallel="ring"
+        ),
+        "ring_causal_s17_sinks": lambda: _check(
+            mesh, ([S1], [S1], [S1]), mask_mode=3, s1=17, s2=17, sinks=[R], context_parallel="ring"
+        ),
+        "ring_no_mask_more_keys": lambda: _check(
+            mesh, ([S1], [S1], [S1]), s1=7, s2=13, context_parallel="ring"
+        ),
+        "ring_bnsd_gqa": lambda: _check(
+            mesh,
+            ([S2], [S2], [S2]),
+            mask_mode=3,
+            layout="BNSD",
+            s1=12,
+            s2=12,
+            nq=8,
+            context_parallel="ring",
+        ),  # fmt: skip
+        "ring_dp_and_tiny_shards": lambda: _check(
+            mesh, ([S1], [S1], [S1]), mask_mode=3, b=3, s1=2, s2=2, context_parallel="ring"
+        ),
+        "ring_equals_all_gather": lambda: case_ring_equals_all_gather(mesh),
         "head_tail_opmesh_gathered": lambda: _check_head_tail(mesh, "opmesh", True),
         "head_tail_hyperparallel_gathered": lambda: _check_head_tail(mesh, "hyperparallel", True),
         "head_tail_hyperparallel_replicated_kv": lambda: _check_head_tail(
@@ -220,6 +257,19 @@ def cases(mesh):
         "head_tail_process_switch": lambda: case_process_switch(mesh),
         "errors": lambda: case_errors(mesh),
     }
+
+
+def case_ring_equals_all_gather(mesh):
+    q, k, v = _inputs(2, 21, 21, 4, 2)
+    S1 = [Shard(1)]
+    dq, dk, dv = (opmesh.distribute_tensor(x, mesh, S1) for x in (q, k, v))
+    ring = opmesh.flash_attn(
+        dq, dk, dv, mask_mode=3, return_softmax_lse=True, context_parallel="ring"
+    )
+    gathered = opmesh.flash_attn(dq, dk, dv, mask_mode=3, return_softmax_lse=True)
+    for a, b in zip(ring, gathered, strict=True):
+        assert a.placements == b.placements
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6)
 
 
 def case_process_switch(mesh):
@@ -265,6 +315,12 @@ CASE_NAMES = [
     "cp_sliding_window",
     "cp_sinks",
     "cp_bnsd",
+    "ring_causal_uneven_s9",
+    "ring_causal_s17_sinks",
+    "ring_no_mask_more_keys",
+    "ring_bnsd_gqa",
+    "ring_dp_and_tiny_shards",
+    "ring_equals_all_gather",
     "head_tail_opmesh_gathered",
     "head_tail_hyperparallel_gathered",
     "head_tail_hyperparallel_replicated_kv",

@@ -124,6 +124,8 @@ class FlashAttnDistributedOp(DistributedOp):
                     "group of query heads from its key head",
                 )
         args = list(args)
+        kwargs = dict(kwargs)
+        strategy = kwargs.pop("context_parallel", "all_gather")
         order = head_tail_order()
         if order is not None and not qm[s]:
             raise ValueError(
@@ -151,6 +153,8 @@ class FlashAttnDistributedOp(DistributedOp):
             for name in ("seqused_q", "seqused_kv"):
                 if kwargs.get(name) is not None:
                     raise ValueError(f"{name}: not supported with the query sequence sharded")
+            if strategy == "ring":
+                self._check_ring(layouts, qm, km, vm, s, mode, order)
             for i, (name, lay, tm) in enumerate(zip(NAMES[1:], layouts[1:], (km, vm), strict=True)):
                 if tm[s] and tm[s] != qm[s]:
                     fail(
@@ -160,7 +164,7 @@ class FlashAttnDistributedOp(DistributedOp):
                         "the key sequence must be replicated or sharded as q's "
                         f"({layouts[0].axes_text(s)})",
                     )
-                if tm[s]:
+                if tm[s] and strategy == "all_gather":
                     # All-gather keys and values over the context-parallel axis (differentiable).
                     placements = list(p.placements_of(args[i + 1]))
                     placements[qm[s][0]] = p.replicate()
@@ -210,11 +214,36 @@ class FlashAttnDistributedOp(DistributedOp):
             bool(kwargs.get("return_softmax_lse", False)),
             sinks is not None and not sinks_sharded,
             order,
+            strategy if qm[s] else "all_gather",
         )
         return local_args, kwargs, cache_values
 
+    @staticmethod
+    def _check_ring(layouts, qm, km, vm, s, mode, order):
+        if mode not in (0, 3):
+            raise ValueError(
+                f"mask_mode: the ring strategy supports masks 0 and 3, got {mode}; use "
+                "context_parallel='all_gather' for windows"
+            )
+        for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
+            if tm[s] != qm[s]:
+                raise ValueError(
+                    f"{name}: dim {s} is sharded over mesh axes {lay.axes_text(s)}; the ring "
+                    f"strategy needs it sharded as q's ({layouts[0].axes_text(s)})"
+                )
+        if mode == 3 and layouts[0].shape[s] != layouts[1].shape[s]:
+            raise ValueError(
+                f"k: the ring strategy with a causal mask needs as many keys as queries, got "
+                f"{layouts[1].shape[s]} and {layouts[0].shape[s]}"
+            )
+        if order is not None:
+            raise ValueError(
+                "head_tail_cp: the ring strategy takes contiguous shards; use "
+                "context_parallel='all_gather' with head-tail order"
+            )
+
     def infer_layout(self, cache_values):
-        layout_q, layout_out, mesh, placements, shapes, _kv, return_lse, _s, _order = cache_values
+        layout_q, layout_out, mesh, placements, shapes, _kv, return_lse, _s, _o, _c = cache_values
         p = _platform.current()
         b, s, n, _d = DIMS[layout_q]
         ob, os_, on, _ = DIMS[layout_out]
@@ -236,8 +265,12 @@ class FlashAttnDistributedOp(DistributedOp):
         return (out_spec, lse_spec), None
 
     def get_expand_impl(self, func, infer_result, cache_values):
-        layout_q, layout_out, mesh, placements, shapes, _kv, _lse, slice_sinks, order = cache_values
+        layout_q, layout_out, mesh, placements, shapes, _kv, _lse, slice_sinks, order, strategy = (
+            cache_values
+        )
         q_layout = Layout(mesh, placements[0], shapes[0])
+        if strategy == "ring":
+            return _RingLocal(func, layout_q, layout_out, q_layout, shapes[1], slice_sinks)
         # Keys and values sharded along their sequence arrive gathered in head-tail order.
         kv_gathered = bool(Layout(mesh, placements[1], shapes[1]).tensor_map[DIMS[layout_q][1]])
         return _Local(
@@ -301,4 +334,47 @@ class _Local:
         lse = (
             halves[0][1] if halves[0][1].numel() == 0 else torch.cat([h[1] for h in halves], dim=2)
         )
+        return out, lse
+
+
+class _RingLocal:
+    """The ring strategy's local call (opmesh/distributed/ring.py)."""
+
+    def __init__(self, func, layout, layout_out, q_layout, k_shape, slice_sinks):
+        from ..ring import RingGroup
+
+        b, s, n, _ = DIMS[layout]
+        p = _platform.current()
+        axis = q_layout.tensor_map[s][0]
+        size = p.mesh_shape(q_layout.mesh)[axis]
+        total = k_shape[s]  # the chunks that travel are the keys'
+        chunk = _ceil_div(total, size)
+        lengths = [max(0, min(total, (i + 1) * chunk) - i * chunk) for i in range(size)]
+        self.ring = RingGroup(
+            p.axis_group(q_layout.mesh, axis), p.mesh_coordinate(q_layout.mesh)[axis], size, lengths
+        )
+        self.layout, self.layout_out = layout, layout_out
+        self.batch = q_layout.shard_range(b)
+        self.heads = q_layout.shard_range(n)
+        self.slice_sinks = slice_sinks
+
+    def __call__(self, q, k, v, **kwargs):
+        import torch
+
+        from ..ring import RingAttention
+
+        sinks = kwargs.get("sinks")
+        if self.slice_sinks and sinks is not None:
+            sinks = sinks[self.heads[0] : self.heads[1]]
+        options = dict(
+            layout_q=self.layout,
+            layout_kv=self.layout,
+            layout_out=self.layout_out,
+            softmax_scale=kwargs.get("softmax_scale"),
+        )
+        out, lse = RingAttention.apply(
+            q, k, v, sinks, self.ring, kwargs.get("mask_mode", 0) == 3, options
+        )
+        if not kwargs.get("return_softmax_lse", False):
+            lse = torch.empty(0, device=q.device)
         return out, lse
