@@ -246,6 +246,7 @@ def cases(mesh):
             mesh, ([S1], [S1], [S1]), mask_mode=3, b=3, s1=2, s2=2, context_parallel="ring"
         ),
         "ring_equals_all_gather": lambda: case_ring_equals_all_gather(mesh),
+        "dp_local_plans": lambda: case_local_plans(mesh),
         "head_tail_opmesh_gathered": lambda: _check_head_tail(mesh, "opmesh", True),
         "head_tail_hyperparallel_gathered": lambda: _check_head_tail(mesh, "hyperparallel", True),
         "head_tail_hyperparallel_replicated_kv": lambda: _check_head_tail(
@@ -257,6 +258,30 @@ def cases(mesh):
         "head_tail_process_switch": lambda: case_process_switch(mesh),
         "errors": lambda: case_errors(mesh),
     }
+
+
+def case_local_plans(mesh):
+    """Without context parallel, each rank passes its plan of its local problem."""
+    q, k, v = _inputs(5, 33, 33, 4, 2)
+    want, _ = opmesh.flash_attn(q, k, v, mask_mode=3)
+    S0 = [Shard(0)]
+    dq, dk, dv = (opmesh.distribute_tensor(x, mesh, S0) for x in (q, k, v))
+    local_batch = dq.to_local().shape[0]
+    plan = opmesh.flash_attn_metadata(
+        4, 2, 16, batch_size=local_batch, max_seqlen_q=33, max_seqlen_kv=33, mask_mode=3,
+        num_workers=3,
+    )  # fmt: skip
+    got, _ = opmesh.flash_attn(dq, dk, dv, mask_mode=3, metadata=plan)
+    _close(got, want, "out")
+    wrong = opmesh.flash_attn_metadata(
+        4, 2, 16, batch_size=5, max_seqlen_q=33, max_seqlen_kv=33, mask_mode=3
+    )
+    if local_batch != 5:
+        _expect(
+            ValueError,
+            "metadata:",
+            lambda: opmesh.flash_attn(dq, dk, dv, mask_mode=3, metadata=wrong),
+        )
 
 
 def case_ring_equals_all_gather(mesh):
@@ -321,6 +346,7 @@ CASE_NAMES = [
     "ring_bnsd_gqa",
     "ring_dp_and_tiny_shards",
     "ring_equals_all_gather",
+    "dp_local_plans",
     "head_tail_opmesh_gathered",
     "head_tail_hyperparallel_gathered",
     "head_tail_hyperparallel_replicated_kv",

@@ -14,10 +14,11 @@ refused on a mesh). Per mesh axis, each of q, k, v may shard:
   ``start + L + S2 - S1``, so the bottom-right diagonal stays where the global call has it.
   Masks 0 and 3 are supported, and 4 with ``win_right=0`` (a causal sliding window).
 
-D is never sharded, no input may be Partial. The outputs take q's sharding: attn_out's batch,
-sequence and head dims follow q's, the lse ``[B, Nq, S1]`` likewise. Gradients flow through the
-DTensor conversions and the operator's own backward, so they come back with the inputs'
-placements.
+D is never sharded, no input may be Partial. Without context parallel, ``metadata`` is each
+rank's plan of its local problem (its batch slice and heads), made with flash_attn_metadata
+there. The outputs take q's sharding: attn_out's batch, sequence and head dims follow q's, the
+lse ``[B, Nq, S1]`` likewise. Gradients flow through the DTensor conversions and the operator's
+own backward, so they come back with the inputs' placements.
 """
 
 from __future__ import annotations
@@ -64,14 +65,12 @@ class FlashAttnDistributedOp(DistributedOp):
             raise ValueError(
                 f"layout_out: expected 'BSND' or 'BNSD' on a mesh, got {kwargs['layout_out']!r}"
             )
-        for name in ("block_table", "cu_seqlens_q", "cu_seqlens_kv", "metadata"):
+        for name in ("block_table", "cu_seqlens_q", "cu_seqlens_kv"):
             if kwargs.get(name) is not None:
-                why = (
-                    "each rank plans its own local problem inside the call"
-                    if name == "metadata"
-                    else "paged caches and TND are not supported on a mesh"
+                raise ValueError(
+                    f"{name}: not supported with DTensor inputs (paged caches and TND are not "
+                    "supported on a mesh)"
                 )
-                raise ValueError(f"{name}: not supported with DTensor inputs ({why})")
         layouts = [Layout.of(x) for x in args]
         mesh = layouts[0].mesh
         for name, lay in zip(NAMES, layouts, strict=True):
@@ -140,6 +139,12 @@ class FlashAttnDistributedOp(DistributedOp):
                         f"{name}: dim {s} has size {lay.shape[s]}, not a multiple of 2 * cp = "
                         f"{2 * cp}, as head_tail_cp needs"
                     )
+        if qm[s] and kwargs.get("metadata") is not None:
+            raise ValueError(
+                "metadata: not supported with the query sequence sharded (the local calls' key "
+                "ranges are set inside the op); without context parallel, pass each rank's plan "
+                "of its local problem"
+            )
         if qm[s]:
             if len(qm[s]) > 1:
                 fail(
