@@ -139,6 +139,36 @@ def _check_head_tail(mesh, order, kv_sharded, b=1, s1=None, nq=4, nkv=2, mask_mo
         _close(back(g) if kv_sharded else g, leaf.grad, name)
 
 
+def _check_tnd(mesh, q_lens, k_lens, placements, nq=4, nkv=2, d=16, **kw):
+    """TND varlen: the global cu_seqlens as plain tensors, q's tokens sharded or not."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(q_lens), nq, d, generator=g)
+    k = torch.randn(sum(k_lens), nkv, d, generator=g)
+    v = torch.randn(sum(k_lens), nkv, d, generator=g)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    options = dict(
+        layout_q="TND", layout_kv="TND", layout_out="TND", cu_seqlens_q=cu(q_lens),
+        cu_seqlens_kv=cu(k_lens), **kw,
+    )  # fmt: skip
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = opmesh.flash_attn(*leaves, return_softmax_lse=True, **options)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * dout).sum().backward()
+    dist_leaves = [
+        opmesh.distribute_tensor(x.detach(), mesh, pl).requires_grad_()
+        for x, pl in zip((q, k, v), placements, strict=True)
+    ]
+    got, got_lse = opmesh.flash_attn(*dist_leaves, return_softmax_lse=True, **options)
+    (got * opmesh.distribute_tensor(dout, mesh, got.placements)).sum().backward()
+    _close(got, out.detach(), "out")
+    _close(got_lse, lse.detach(), "lse")
+    for name, x, leaf in zip(("dq", "dk", "dv"), dist_leaves, leaves, strict=True):
+        _close(x.grad, leaf.grad, name)
+
+
 def _expect(exc, prefix, fn):
     try:
         fn()
@@ -174,11 +204,12 @@ def case_errors(mesh):
     )
     _expect(
         ValueError,
-        "layout_q: on a mesh",
+        "layout_q: TND context parallel",
         lambda: opmesh.flash_attn(
-            dt(q[0], R), dt(k[0], R), dt(v[0], R), layout_q="TND", layout_kv="TND",
+            dt(q[0], Shard(0)), dt(k[0], R), dt(v[0], R), layout_q="TND", layout_kv="TND",
             layout_out="TND", cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
-            cu_seqlens_kv=torch.tensor([0, 8], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0, 8], dtype=torch.int32), mask_mode=3,
+            context_parallel="ring",
         ),
     )  # fmt: skip
     partial = DTensor.from_local(k / m, mesh, [Partial()])
@@ -247,6 +278,24 @@ def cases(mesh):
         ),
         "ring_equals_all_gather": lambda: case_ring_equals_all_gather(mesh),
         "dp_local_plans": lambda: case_local_plans(mesh),
+        "tnd_cp_causal_varlen": lambda: _check_tnd(
+            mesh, [5, 0, 13, 1, 9], [5, 3, 13, 0, 12], ([S0], [R], [R]), mask_mode=3
+        ),
+        "tnd_cp_gathered_no_mask": lambda: _check_tnd(
+            mesh, [7, 11, 2], [4, 15, 6], ([S0], [S0], [S0])
+        ),
+        "tnd_cp_gathered_window": lambda: _check_tnd(
+            mesh,
+            [20, 3, 17],
+            [20, 3, 17],
+            ([S0], [S0], [S0]),
+            mask_mode=4,
+            win_left=4,
+            win_right=0,
+        ),  # fmt: skip
+        "tnd_tp_heads": lambda: _check_tnd(
+            mesh, [6, 9], [8, 9], ([S1], [S1], [S1]), nq=2 * m, nkv=m, mask_mode=3
+        ),
         "head_tail_opmesh_gathered": lambda: _check_head_tail(mesh, "opmesh", True),
         "head_tail_hyperparallel_gathered": lambda: _check_head_tail(mesh, "hyperparallel", True),
         "head_tail_hyperparallel_replicated_kv": lambda: _check_head_tail(
@@ -347,6 +396,10 @@ CASE_NAMES = [
     "ring_dp_and_tiny_shards",
     "ring_equals_all_gather",
     "dp_local_plans",
+    "tnd_cp_causal_varlen",
+    "tnd_cp_gathered_no_mask",
+    "tnd_cp_gathered_window",
+    "tnd_tp_heads",
     "head_tail_opmesh_gathered",
     "head_tail_hyperparallel_gathered",
     "head_tail_hyperparallel_replicated_kv",

@@ -1,7 +1,9 @@
 """flash_attn on DTensors: data, head and context parallel (all-gather of keys and values).
 
-Layouts BSND ``[B, S, N, D]`` and BNSD ``[B, N, S, D]`` for q, k and v (TND and paged caches are
-refused on a mesh). Per mesh axis, each of q, k, v may shard:
+Layouts BSND ``[B, S, N, D]`` and BNSD ``[B, N, S, D]`` for q, k and v, and TND ``[T, N, D]``
+with the global cu_seqlens as plain tensors (heads, and q's tokens for context parallel by
+all-gather in sequence order; paged caches are refused). Per mesh axis, each of q, k, v may
+shard:
 
 * the batch dim (data parallel): q, k and v alike;
 * the head dim (tensor parallel): q, k and v alike, over one mesh axis, and only where every
@@ -30,8 +32,8 @@ from ..distributed_op import DistributedOp
 from ..layout import Layout
 
 NAMES = ("q", "k", "v")
-# (batch, sequence, heads, head dim) positions per layout.
-DIMS = {"BSND": (0, 1, 2, 3), "BNSD": (0, 2, 1, 3)}
+# (batch, sequence, heads, head dim) positions per layout; TND has no batch dim.
+DIMS = {"BSND": (0, 1, 2, 3), "BNSD": (0, 2, 1, 3), "TND": (None, 0, 1, 2)}
 
 
 def _ceil_div(a, b):
@@ -59,25 +61,29 @@ class FlashAttnDistributedOp(DistributedOp):
             value = kwargs.get(name, "BSND")
             if value not in DIMS or value != layout_q:
                 raise ValueError(
-                    f"{name}: on a mesh q, k and v must share layout BSND or BNSD, got {value!r}"
+                    f"{name}: on a mesh q, k and v must share layout BSND, BNSD or TND, got "
+                    f"{value!r}"
                 )
         if kwargs.get("layout_out", "BSND") not in DIMS:
             raise ValueError(
-                f"layout_out: expected 'BSND' or 'BNSD' on a mesh, got {kwargs['layout_out']!r}"
+                f"layout_out: expected 'BSND', 'BNSD' or 'TND' on a mesh, got "
+                f"{kwargs['layout_out']!r}"
             )
-        for name in ("block_table", "cu_seqlens_q", "cu_seqlens_kv"):
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"{name}: not supported with DTensor inputs (paged caches and TND are not "
-                    "supported on a mesh)"
-                )
+        if kwargs.get("block_table") is not None:
+            raise ValueError("block_table: paged caches are not supported with DTensor inputs")
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            if p.is_dtensor(kwargs.get(name)):
+                raise ValueError(f"{name}: pass the global lengths as a plain tensor")
         layouts = [Layout.of(x) for x in args]
         mesh = layouts[0].mesh
         for name, lay in zip(NAMES, layouts, strict=True):
             if lay.mesh != mesh:
                 raise ValueError(f"{name}: must be on the same device mesh as q")
-            if lay.ndim != 4:
-                raise ValueError(f"{name}: expected a 4-D DTensor ({layout_q}), got {lay.ndim}-D")
+            rank = 3 if layout_q == "TND" else 4
+            if lay.ndim != rank:
+                raise ValueError(
+                    f"{name}: expected a {rank}-D DTensor ({layout_q}), got {lay.ndim}-D"
+                )
             partial = lay.partial_axes()
             if partial:
                 raise ValueError(
@@ -97,7 +103,7 @@ class FlashAttnDistributedOp(DistributedOp):
             if tm[d]:
                 fail(name, lay, d, "the head dim D must be replicated")
         for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
-            if tm[b] != qm[b]:
+            if b is not None and tm[b] != qm[b]:
                 fail(
                     name,
                     lay,
@@ -158,6 +164,11 @@ class FlashAttnDistributedOp(DistributedOp):
             for name in ("seqused_q", "seqused_kv"):
                 if kwargs.get(name) is not None:
                     raise ValueError(f"{name}: not supported with the query sequence sharded")
+            if layout_q == "TND" and (strategy == "ring" or order is not None):
+                raise ValueError(
+                    "layout_q: TND context parallel uses the all-gather strategy in sequence "
+                    "order (no ring, no head-tail)"
+                )
             if strategy == "ring":
                 self._check_ring(layouts, qm, km, vm, s, mode, order)
             for i, (name, lay, tm) in enumerate(zip(NAMES[1:], layouts[1:], (km, vm), strict=True)):
@@ -183,7 +194,7 @@ class FlashAttnDistributedOp(DistributedOp):
         # sums it (and reduce-scatters it back for gathered keys and values).
         # Replicated sinks are also sliced to the rank's query heads, so their gradient is a
         # partial sum over the head axis too.
-        row_axes = set(qm[b]) | set(qm[s])
+        row_axes = (set(qm[b]) if b is not None else set()) | set(qm[s])
 
         def grad_placements(x, axes=row_axes):
             return tuple(
@@ -254,6 +265,19 @@ class FlashAttnDistributedOp(DistributedOp):
         ob, os_, on, _ = DIMS[layout_out]
         q_shape, v_shape = shapes[0], shapes[2]
         out, lse = [], []
+        if layout_q == "TND":
+            # out [T1, N, Dv] and lse [N, T1] take T1 and the heads from q.
+            for placement in placements[0]:
+                dim = p.shard_dim(placement)
+                target = {s: (0, 1), n: (1, 0)}.get(dim)
+                out.append(p.shard(target[0]) if target else p.replicate())
+                lse.append(p.shard(target[1]) if target else p.replicate())
+            out_spec = (mesh, tuple(out), (q_shape[s], q_shape[n], v_shape[2]))
+            if return_lse:
+                lse_spec = (mesh, tuple(lse), (q_shape[n], q_shape[s]))
+            else:
+                lse_spec = (mesh, tuple(p.replicate() for _ in placements[0]), (0,))
+            return (out_spec, lse_spec), None
         for placement in placements[0]:
             dim = p.shard_dim(placement)
             target = {b: (ob, 0), s: (os_, 2), n: (on, 1)}.get(dim)
@@ -291,8 +315,9 @@ class _Local:
     def __init__(self, func, layout, layout_out, q_layout, k_shape, slice_sinks, order, gathered):
         b, s, n, _ = DIMS[layout]
         self.func = func
+        self.tnd = layout == "TND"
         self.s_dim, self.out_s_dim = s, DIMS[layout_out][1]
-        self.batch = q_layout.shard_range(b)
+        self.batch = q_layout.shard_range(b) if b is not None else (0, 0)
         self.heads = q_layout.shard_range(n)
         self.rows = q_layout.shard_range(s)
         self.cp = bool(q_layout.tensor_map[s])
@@ -303,15 +328,34 @@ class _Local:
         self.order = order
         self.gathered = gathered
 
+    def _tnd_slice(self, kwargs):
+        import torch
+
+        cu_q = [int(x) for x in kwargs["cu_seqlens_q"].tolist()]
+        cu_k = [int(x) for x in kwargs["cu_seqlens_kv"].tolist()]
+        if cu_q[-1] != self.s1:
+            raise ValueError(
+                f"cu_seqlens_q: last entry {cu_q[-1]} must equal the query token count {self.s1}"
+            )
+        local, used = _tnd_slice_lengths(cu_q, cu_k, *self.rows, kwargs.get("mask_mode", 0))
+        kwargs = dict(kwargs)
+        kwargs["cu_seqlens_q"] = torch.tensor(local, dtype=torch.int32)
+        kwargs["seqused_kv"] = torch.tensor(used, dtype=torch.int32)
+        kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
+        return kwargs
+
     def __call__(self, q, k, v, **kwargs):
         import torch
 
         b0, b1 = self.batch
-        for name in ("seqused_q", "seqused_kv"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = kwargs[name][b0:b1]
+        if not self.tnd:
+            for name in ("seqused_q", "seqused_kv"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = kwargs[name][b0:b1]
         if self.slice_sinks and kwargs.get("sinks") is not None:
             kwargs["sinks"] = kwargs["sinks"][self.heads[0] : self.heads[1]]
+        if self.tnd and self.cp:
+            return self.func(q, k, v, **self._tnd_slice(kwargs))
         if not self.cp or kwargs.get("mask_mode", 0) == 0:
             if self.order is not None and self.gathered:
                 k = from_head_tail(k, self.s_dim, self.cp_size, self.order)
@@ -340,6 +384,27 @@ class _Local:
             halves[0][1] if halves[0][1].numel() == 0 else torch.cat([h[1] for h in halves], dim=2)
         )
         return out, lse
+
+
+def _tnd_slice_lengths(cu_q, cu_k, t0, t1, mode):
+    """For the rank's query tokens [t0, t1) of a TND batch: the local cu_seqlens_q, and per
+    sequence the keys its local rows see (seqused_kv against the whole key tensor), so every
+    row keeps its global key range and bottom-right diagonal."""
+    local = [0]
+    used = []
+    for b in range(len(cu_q) - 1):
+        qs, qe = cu_q[b], cu_q[b + 1]
+        lo, hi = max(qs, t0), min(qe, t1)
+        rows = max(0, hi - lo)
+        local.append(local[-1] + rows)
+        k_len = cu_k[b + 1] - cu_k[b]
+        if mode == 0:
+            used.append(k_len)
+        else:
+            # The last local row is row hi - qs - 1 of the sequence; with `rows` rows in use
+            # the diagonal sits where the global call has it.
+            used.append(max(0, min(k_len, (hi - qs) + k_len - (qe - qs))) if rows else 0)
+    return local, used
 
 
 class _RingLocal:
