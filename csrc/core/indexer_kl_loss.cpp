@@ -203,16 +203,42 @@ class KlLoss {
             cost += static_cast<double>(r.end - r.begin);
           }
         } else {
-          for (int64_t i = 0; i < seq.q_len; ++i) {
+          if (!key_tile_seen(seq, t * kTile, (t + 1) * kTile)) continue;
+          // Per query tile, its first and last rows' overlap with the key tile (both ends of
+          // the visible ranges grow with the row): O(query tiles), not O(rows).
+          const int64_t k0 = t * kTile, k1 = (t + 1) * kTile;
+          auto seen = [&](int64_t i) {
             const KeyRange r = visible_keys(mask_, seq, i);
-            cost += static_cast<double>(std::max<int64_t>(
-                0, std::min(r.end, (t + 1) * kTile) - std::max(r.begin, t * kTile)));
+            return static_cast<double>(
+                std::max<int64_t>(0, std::min(r.end, k1) - std::max(r.begin, k0)));
+          };
+          for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+            const int64_t last = std::min(seq.q_len, i0 + kTile) - 1;
+            cost += 0.5 * static_cast<double>(last - i0 + 1) * (seen(i0) + seen(last)) + 1.0;
           }
         }
         if (cost > 0) out.push_back({static_cast<int32_t>(b), static_cast<int32_t>(t), cost});
       }
     }
     return out;
+  }
+
+  // Whether any query row of seq sees a key of [k0, k1). Both ends of the visible ranges are
+  // non-decreasing in the row (rows that see nothing, {0, 0}, come first): the first row whose
+  // range ends after k0 has the smallest start among those that might overlap.
+  bool key_tile_seen(const Sequence& seq, int64_t k0, int64_t k1) const {
+    int64_t lo = 0, hi = seq.q_len;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (visible_keys(mask_, seq, mid).end > k0) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (lo == seq.q_len) return false;
+    const KeyRange r = visible_keys(mask_, seq, lo);
+    return r.end > r.begin && r.begin < k1;
   }
 
   // Pass 1: query tile u.t of sequence u.b against every key tile it sees. Writes the tile's

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "attention/flash_attn.h"
 #include "errors.h"
 #include "flash_attn_args.h"
 

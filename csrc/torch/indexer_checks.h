@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core_calls.h"
 #include "dtypes.h"
 #include "flash_attn_args.h"
 #include "indexer.h"
@@ -34,9 +35,9 @@ inline core::MaskMode indexer_sparse_mode(int64_t mode) {
 // sparse_mode, pre_tokens and next_tokens as the core's mask (a ValueError naming the argument).
 inline core::Mask indexer_mask(int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
   indexer_sparse_mode(sparse_mode);
-  TORCH_CHECK_VALUE(pre_tokens >= 0, "pre_tokens: must be >= 0, got ", pre_tokens);
-  TORCH_CHECK_VALUE(next_tokens >= 0, "next_tokens: must be >= 0, got ", next_tokens);
-  return core::indexer_mask(static_cast<core::MaskMode>(sparse_mode), pre_tokens, next_tokens);
+  return rethrow([&] {
+    return core::indexer_mask(static_cast<core::MaskMode>(sparse_mode), pre_tokens, next_tokens);
+  });
 }
 
 inline void check_indexer_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w) {

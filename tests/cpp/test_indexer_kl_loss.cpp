@@ -224,12 +224,11 @@ IndexerKlLossParams params(const Problem& x, Output& o) {
   o.dqi.assign(x.qi.size(), 0.0f);
   o.dki.assign(x.ki.size(), 0.0f);
   o.dw.assign(x.w.size(), 0.0f);
-  auto grad = [](std::vector<float>& a, int64_t n, int64_t d) {
+  auto grad = [&](std::vector<float>& a, int64_t n, int64_t d) {
+    const KlOperand op = operand(a, n, d);  // the same strides
     KlGradient g;
     g.data = a.data();
-    g.stride[1] = n * d;
-    g.stride[2] = d;
-    g.stride[3] = 1;
+    std::copy(op.stride, op.stride + 4, g.stride);
     return g;
   };
   p.d_query_index = grad(o.dqi, kN1i, kDi);

@@ -6,12 +6,7 @@ single-device call on the same inputs, which every rank computes itself.
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import opmesh
@@ -386,36 +381,9 @@ def _cp_cases(mesh):
     return cases
 
 
-def worker(rank, world, port, shape, names, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = opmesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
-        results = {}
-        for name, fn in _cp_cases(mesh).items():
-            try:
-                fn()
-                results[name] = "ok"
-            except Exception:  # reported per case by the parent test
-                results[name] = f"rank {rank}: {traceback.format_exc()}"
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            # A case passes when it passed on every rank; otherwise keep the first failure.
-            merged = {}
-            for per_rank in gathered:
-                for name, status in per_rank.items():
-                    if merged.get(name, "ok") == "ok":
-                        merged[name] = status
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(merged, f)
-        # Every rank reaches this point before any tears its groups down: a rank that leaves
-        # early takes the store others still talk to.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def cp_cases(mesh):
+    """Every case for this mesh (mesh_runner.py runs them on each rank)."""
+    return _cp_cases(mesh)
 
 
 CASE_NAMES = [

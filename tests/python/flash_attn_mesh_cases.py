@@ -8,12 +8,7 @@ largest entry). Sizes that do not divide the mesh are included.
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import opmesh
@@ -442,31 +437,6 @@ TWO_AXIS_CASE_NAMES = [
 ]
 
 
-def worker(rank, world, port, shape, names, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = opmesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
-        results = {}
-        chosen = two_axis_cases(mesh) if mesh.ndim == 2 else cases(mesh)
-        for name, fn in chosen.items():
-            try:
-                fn()
-                results[name] = "ok"
-            except Exception:  # reported per case by the parent test
-                results[name] = f"rank {rank}: {traceback.format_exc()}"
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            merged = {}
-            for per_rank in gathered:
-                for name, status in per_rank.items():
-                    if merged.get(name, "ok") == "ok":
-                        merged[name] = status
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump(merged, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def mesh_cases(mesh):
+    """The cases written for this mesh's number of axes (mesh_runner.py runs them)."""
+    return two_axis_cases(mesh) if mesh.ndim == 2 else cases(mesh)

@@ -3,15 +3,12 @@ process group per mesh shape shared by all its cases. Meshes (2,) and (4,) named
 (2, 4) named ("dp", "cp"): 8 ranks. Every case compares full_tensor() with the single-device
 call on the same inputs (float32, relative error <= 1e-6)."""
 
-import json
-import os
-import socket
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from distributed_cases import CASE_NAMES, TWO_AXIS_CASES, worker
+from distributed_cases import CASE_NAMES, TWO_AXIS_CASES
+from mesh_runner import run_cases
 
 import opmesh
 
@@ -24,45 +21,11 @@ MESHES = {
 }
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=list(MESHES))
 def mesh_results(request, tmp_path_factory):
     shape, names = MESHES[request.param]
-    world = 1
-    for n in shape:
-        world *= n
     out = tmp_path_factory.mktemp(f"mesh{request.param}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    # Spawned ranks import distributed_cases from this folder.
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, saved]))
-    # A fresh port per attempt; a second attempt only when the first process group could not
-    # be set up or torn down (a crashed rank), never to retry a failing case: case failures are
-    # reported in results.json, not by the exit status.
-    for attempt in range(2):
-        try:
-            mp.start_processes(
-                worker,
-                args=(world, _free_port(), shape, names, str(out)),
-                nprocs=world,
-                join=True,
-                start_method="spawn",
-            )
-            break
-        except mp.ProcessExitedException:
-            if attempt == 1:
-                raise
-    if saved is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = saved
-    with open(out / "results.json") as f:
-        return request.param, json.load(f)
+    return request.param, run_cases(out, shape, names, "distributed_cases", "cp_cases")
 
 
 @pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASES)

@@ -3,49 +3,19 @@ forward and gradients, on meshes (2,), (3,), (4,) and (2, 2) named ("dp", "cp") 
 not divide them included); every case compares with the single-device call
 (flash_attn_mesh_cases.py)."""
 
-import json
-import os
-import socket
-
 import pytest
-import torch.multiprocessing as mp
-from flash_attn_mesh_cases import CASE_NAMES, TWO_AXIS_CASE_NAMES, worker
+from flash_attn_mesh_cases import CASE_NAMES, TWO_AXIS_CASE_NAMES
+from mesh_runner import run_cases
 
 MESHES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2)}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=list(MESHES))
 def mesh_results(request, tmp_path_factory):
     shape = MESHES[request.param]
-    world = 1
-    for n in shape:
-        world *= n
     names = ("dp", "cp") if len(shape) == 2 else ("x",)
     out = tmp_path_factory.mktemp(f"attn_mesh{request.param}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, saved]))
-    try:
-        mp.start_processes(
-            worker,
-            args=(world, _free_port(), shape, names, str(out)),
-            nprocs=world,
-            join=True,
-            start_method="spawn",
-        )
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    with open(out / "results.json") as f:
-        return request.param, json.load(f)
+    return request.param, run_cases(out, shape, names, "flash_attn_mesh_cases", "mesh_cases")
 
 
 @pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASE_NAMES)

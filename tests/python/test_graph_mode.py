@@ -29,6 +29,10 @@ def samples():
     wi = torch.randn(2, 40, 4, generator=g) * 0.2
     m_i, s_i = opmesh.dense_lightning_indexer_softmax_lse(qi, ki, wi)
     stats = lse.reshape(2, 2, 4, 40).transpose(2, 3).contiguous()  # [B, N2, S1, G]
+    plan = dict(
+        cu_seqlens_q=cu, cu_seqlens_kv=cu, batch_size=2, max_seqlen_q=40, max_seqlen_kv=40,
+        layout_q="TND", layout_kv="TND", layout_out="TND", num_workers=3,
+    )  # fmt: skip
     out2, lse2 = opmesh.flash_attn(q, k, v, return_softmax_lse=True)
     return {
         "merge_attn_states": ((out, lse, out2, lse2), {}),
@@ -42,35 +46,8 @@ def samples():
             (torch.randn_like(out), q, k, v, out, lse),
             dict(dlse=torch.randn_like(lse), sinks=sinks, mask_mode=3),
         ),
-        "flash_attn_metadata": (
-            (8, 2, 16),
-            dict(
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                batch_size=2,
-                max_seqlen_q=40,
-                max_seqlen_kv=40,
-                layout_q="TND",
-                layout_kv="TND",
-                layout_out="TND",
-                num_workers=3,
-            ),
-        ),
-        "flash_attn_metadata_backward": (
-            (8, 2, 16),
-            dict(
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                batch_size=2,
-                max_seqlen_q=40,
-                max_seqlen_kv=40,
-                layout_q="TND",
-                layout_kv="TND",
-                layout_out="TND",
-                num_workers=3,
-                backward=True,
-            ),
-        ),
+        "flash_attn_metadata": ((8, 2, 16), plan),
+        "flash_attn_metadata_backward": ((8, 2, 16), dict(plan, backward=True)),
         "kv_cache_write_": (
             (
                 torch.randn(3, 2, 16, generator=g),

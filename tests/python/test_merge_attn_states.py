@@ -66,41 +66,19 @@ def test_tnd_and_empty_rows():
     )
     out, lse = opmesh.merge_attn_states(*none, *none)
     assert (out == 0).all() and torch.isposinf(lse).all()
-    # TND: [T, N, Dv] with [N, T].
+    # TND: [T, N, Dv] with [N, T], one sequence whose keys are split at 30.
     qt, kt, vt = split_keys("TND")
-    o1, l1 = opmesh.flash_attn(
-        qt,
-        kt[:30],
-        vt[:30],
-        return_softmax_lse=True,
-        layout_q="TND",
-        layout_kv="TND",
-        layout_out="TND",
-        cu_seqlens_q=torch.tensor([0, 38], dtype=torch.int32),
-        cu_seqlens_kv=torch.tensor([0, 30], dtype=torch.int32),
-    )
-    o2, l2 = opmesh.flash_attn(
-        qt,
-        kt[30:],
-        vt[30:],
-        return_softmax_lse=True,
-        layout_q="TND",
-        layout_kv="TND",
-        layout_out="TND",
-        cu_seqlens_q=torch.tensor([0, 38], dtype=torch.int32),
-        cu_seqlens_kv=torch.tensor([0, 44], dtype=torch.int32),
-    )
-    wo, wl = opmesh.flash_attn(
-        qt,
-        kt,
-        vt,
-        return_softmax_lse=True,
-        layout_q="TND",
-        layout_kv="TND",
-        layout_out="TND",
-        cu_seqlens_q=torch.tensor([0, 38], dtype=torch.int32),
-        cu_seqlens_kv=torch.tensor([0, 74], dtype=torch.int32),
-    )
+
+    def one_sequence(keys, values):
+        return opmesh.flash_attn(
+            qt, keys, values, return_softmax_lse=True, layout_q="TND", layout_kv="TND",
+            layout_out="TND", cu_seqlens_q=torch.tensor([0, qt.shape[0]], dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor([0, keys.shape[0]], dtype=torch.int32),
+        )  # fmt: skip
+
+    o1, l1 = one_sequence(kt[:30], vt[:30])
+    o2, l2 = one_sequence(kt[30:], vt[30:])
+    wo, wl = one_sequence(kt, vt)
     out, lse = opmesh.merge_attn_states(o1, l1, o2, l2, layout="TND")
     torch.testing.assert_close(out, wo, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, wl, rtol=1e-5, atol=1e-6)

@@ -477,13 +477,8 @@ class Backward {
       fs.delta.data()[r] = 0.0f;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = seq.q_begin + i0 + r;
-      const View& q = p_.q;
-      load(q.data, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_, fs.qrows.data() + r * dp_);
-      const View& go = p_.dout;
-      load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, fs.orows.data() + r * dvp_);
-      fs.delta.data()[r] = delta_[delta_index(b, head, i0 + r)];
-      fs.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
+      load_query_row(b, head, i0 + r, fs.qrows.data() + r * dp_, fs.orows.data() + r * dvp_,
+                     fs.delta.data() + r, fs.lse.data() + r);
       const KeyRange vr = visible_keys(mask_, seq, i0 + r);
       fs.lo[r] = vr.begin;
       fs.hi[r] = vr.end;
@@ -495,18 +490,25 @@ class Backward {
   // Widened query rows and output-gradient rows [i0, i0 + rows) of query head `head`, with their
   // log-sum-exp and D_i.
   void pack_queries(Scratch& sc, int64_t b, int64_t head, int64_t i0, int64_t rows) const {
-    const Sequence& seq = seqs_[b];
     std::fill(sc.q.data(), sc.q.data() + kTile * dp_, 0.0f);
     std::fill(sc.dout.data(), sc.dout.data() + kTile * dvp_, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = seq.q_begin + i0 + r;
-      const View& q = p_.q;
-      load(q.data, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_, sc.q.data() + r * dp_);
-      const View& go = p_.dout;
-      load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, sc.dout.data() + r * dvp_);
-      sc.delta.data()[r] = delta_[delta_index(b, head, i0 + r)];
-      sc.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
+      load_query_row(b, head, i0 + r, sc.q.data() + r * dp_, sc.dout.data() + r * dvp_,
+                     sc.delta.data() + r, sc.lse.data() + r);
     }
+  }
+
+  // Query row i of sequence b and query head `head`, widened, with its output-gradient row,
+  // D_i and log-sum-exp.
+  void load_query_row(int64_t b, int64_t head, int64_t i, float* q_row, float* dout_row,
+                      float* delta, float* lse) const {
+    const int64_t pos = seqs_[b].q_begin + i;
+    const View& q = p_.q;
+    load(q.data, b * q.sb + pos * q.ss + head * q.sn, q.sd, d_, q_row);
+    const View& go = p_.dout;
+    load(go.data, b * go.sb + pos * go.ss + head * go.sn, go.sd, dv_, dout_row);
+    *delta = delta_[delta_index(b, head, i)];
+    *lse = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
   }
 
   // Key tile [k0, k0 + keys) of key head h: transposed keys and values for the two products
