@@ -207,6 +207,49 @@ def dense_lightning_indexer_grad_kl_loss(
         the main attention and the statistics are a fixed target and may not require a
         gradient.
     """
+    args = (
+        query,
+        key,
+        query_index,
+        key_index,
+        weights,
+        softmax_max,
+        softmax_sum,
+        softmax_max_index,
+        softmax_sum_index,
+        scale_value,
+    )
+    kwargs = dict(
+        query_rope=query_rope,
+        key_rope=key_rope,
+        actual_seq_qlen=_as_lengths(actual_seq_qlen, "actual_seq_qlen"),
+        actual_seq_klen=_as_lengths(actual_seq_klen, "actual_seq_klen"),
+        layout=layout,
+        sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+    )
+    if any(_platform.current().is_dtensor(t) for t in (*args, query_rope, key_rope)):
+        return DISPATCHER.dispatch(
+            "dense_lightning_indexer_grad_kl_loss", _grad_kl_loss_local, args, kwargs
+        )
+    return torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(*args, **kwargs)
+
+
+def _grad_kl_loss_local(
+    query,
+    key,
+    query_index,
+    key_index,
+    weights,
+    softmax_max,
+    softmax_sum,
+    softmax_max_index,
+    softmax_sum_index,
+    scale_value,
+    **kwargs,
+):
+    """The fused KL-loss operator on each rank's local tensors (the mesh path)."""
     return torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
         query,
         key,
@@ -218,14 +261,7 @@ def dense_lightning_indexer_grad_kl_loss(
         softmax_max_index,
         softmax_sum_index,
         scale_value,
-        query_rope=query_rope,
-        key_rope=key_rope,
-        actual_seq_qlen=_as_lengths(actual_seq_qlen, "actual_seq_qlen"),
-        actual_seq_klen=_as_lengths(actual_seq_klen, "actual_seq_klen"),
-        layout=layout,
-        sparse_mode=sparse_mode,
-        pre_tokens=pre_tokens,
-        next_tokens=next_tokens,
+        **kwargs,
     )
 
 
@@ -289,7 +325,7 @@ class _KlLossFunction(DFunction):
     """The indexer's KL loss: forward on local tensors runs the two operators; backward scales
     the gradients the fused operator returned."""
 
-    _op_name = "dense_lightning_indexer_grad_kl_loss"
+    _op_name = "indexer_kl_loss"
 
     @staticmethod
     def forward(

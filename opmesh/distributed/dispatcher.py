@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from .. import platform as _platform
 from .._bounded_cache import BoundedCache
 from .distributed_op import get_distributed_op
 
@@ -36,28 +35,7 @@ class OpDispatcher:
             self._cache.put(key, cached)
         (out_layouts, _extra), expand = cached
         outputs = (expand or func)(*local_args, **local_kwargs)
-        return self._wrap(outputs, out_layouts)
-
-    @staticmethod
-    def _wrap(outputs, out_layouts):
-        """Wraps each local output as a DTensor. An output layout is ``(mesh, placements,
-        global_shape)``; the global shape is what makes uneven shards come out right. A
-        two-entry ``(mesh, placements)`` is accepted only for shards of equal size."""
-        p = _platform.current()
-        single = not isinstance(outputs, (tuple, list))
-        items = (outputs,) if single else tuple(outputs)
-        if len(items) != len(out_layouts):
-            raise RuntimeError(
-                f"the op returned {len(items)} outputs but its DistributedOp describes "
-                f"{len(out_layouts)}"
-            )
-        wrapped = tuple(
-            out
-            if layout is None
-            else p.from_local(out, layout[0], tuple(layout[1]), *tuple(layout[2:3]))
-            for out, layout in zip(items, out_layouts, strict=True)
-        )
-        return wrapped[0] if single else wrapped
+        return dist_op.wrap_outputs(outputs, out_layouts)
 
     def cache_size(self) -> int:
         return len(self._cache)

@@ -383,7 +383,7 @@ def _cp_cases(mesh):
 
 def cp_cases(mesh):
     """Every case for this mesh (mesh_runner.py runs them on each rank)."""
-    return _cp_cases(mesh)
+    return {**_cp_cases(mesh), **_kl_cases(mesh)}
 
 
 CASE_NAMES = [
@@ -410,3 +410,289 @@ CASE_NAMES = [
     "no_grad_ctx",
 ]
 TWO_AXIS_CASES = ["one_dim_two_axes_tnd_10", "one_dim_two_axes_batch_3", "one_dim_two_axes_s1_9"]
+
+
+# -- the indexer's KL loss on a mesh ------------------------------------------------------------
+
+
+def _kl_inputs(layout, b=3, s1=9, s2=11, lengths=None, seed=5):
+    """The KL loss's inputs: the indexer's, and a main attention with 4 query / 2 key heads,
+    a rope part, and statistics (any positive sums will do: the target is normalised)."""
+    q, k, w, kw = _inputs(layout, b=b, s1=s1, s2=s2, n1=4, n2=1, d=16, lengths=lengths, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    lead_q, lead_k = q.shape[:-2], k.shape[:-2]
+    main = dict(
+        query=torch.randn(*lead_q, 4, 8, generator=g),
+        key=torch.randn(*lead_k, 2, 8, generator=g),
+        query_rope=torch.randn(*lead_q, 4, 4, generator=g),
+        key_rope=torch.randn(*lead_k, 2, 4, generator=g),
+    )
+    stats_shape = (2, lead_q[0], 2) if layout == "TND" else (b, 2, s1, 2)
+    main["softmax_max"] = torch.randn(*stats_shape, generator=g)
+    main["softmax_sum"] = torch.rand(*stats_shape, generator=g) + 0.5
+    return dict(query_index=q, key_index=k, weights=w), main, kw
+
+
+def _kl_placements(mesh, layout, cp):
+    """Placements per tensor. With ``cp``: the query sequence over the last mesh axis, and in
+    BSND the batch over the first axis of a 2-axis mesh. Without: the batch over every axis
+    (BSND), nothing sharded (TND)."""
+    rest = [R] * (mesh.ndim - 1)
+    if layout == "TND":
+        rows = rest + ([S0] if cp else [R])
+        stats = rest + ([S1] if cp else [R])
+        keys = [R] * mesh.ndim
+    elif not cp:
+        # Data parallel only: the batch over every mesh axis.
+        rows = stats = keys = [S0] * mesh.ndim
+    else:
+        lead = [S0] if mesh.ndim == 2 else []
+        rows = lead + [S1]
+        stats = lead + [Shard(2)]
+        keys = lead + [R]
+    return dict(
+        query_index=rows,
+        weights=rows,
+        query=rows,
+        query_rope=rows,
+        key_index=keys,
+        key=keys,
+        key_rope=keys,
+        softmax_max=stats,
+        softmax_sum=stats,
+        softmax_max_index=stats,
+        softmax_sum_index=stats,
+    )
+
+
+def _kl_close(got, want, what):
+    got = got.full_tensor() if isinstance(got, DTensor) else got
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    scale = want.abs().max().item() + 1e-12
+    worst = (got - want).abs().max().item() / scale
+    assert worst <= 1e-5, f"{what}: error {worst:.2e} of the largest entry > 1e-5"
+
+
+def case_kl_loss(mesh, layout="BSND", cp=True, head_tail=False, **options):
+    """indexer_kl_loss and its gradients on the mesh equal the one-device call."""
+    shape = options.pop("shape", {})
+    index, main, kw = _kl_inputs(layout, **shape)
+    kw.update(options)
+    leaves = {n: x.clone().requires_grad_() for n, x in index.items()}
+    loss = opmesh.indexer_kl_loss(*leaves.values(), **main, scale_value=0.3, **kw)
+    loss.backward()
+    placements = _kl_placements(mesh, layout, cp)
+    cp_size = mesh.size(mesh.ndim - 1)
+    if head_tail:
+        for name in ("query_index", "weights", "query", "query_rope"):
+            index_or_main = index if name in index else main
+            index_or_main[name] = opmesh.to_head_tail(index_or_main[name], 1, cp_size)
+        for name in ("softmax_max", "softmax_sum"):
+            main[name] = opmesh.to_head_tail(main[name], 2, cp_size)
+    dist = {
+        n: opmesh.distribute_tensor(x, mesh, placements[n]) for n, x in {**index, **main}.items()
+    }
+    dleaves = {n: dist[n].requires_grad_() for n in index}
+    dmain = {n: dist[n] for n in main}
+    if head_tail:
+        with opmesh.head_tail_cp():
+            dloss = opmesh.indexer_kl_loss(*dleaves.values(), **dmain, scale_value=0.3, **kw)
+    else:
+        dloss = opmesh.indexer_kl_loss(*dleaves.values(), **dmain, scale_value=0.3, **kw)
+    expect = [p for p in dloss.placements]
+    row_axes = {mesh.ndim - 1} if cp else set()
+    if layout == "BSND" and (mesh.ndim == 2 or not cp):
+        row_axes |= set(range(mesh.ndim))
+    for axis, placement in enumerate(expect):
+        assert isinstance(placement, Partial) == (axis in row_axes), f"loss placements {expect}"
+    _kl_close(dloss, loss.detach(), "loss")
+    dloss.full_tensor().backward()
+    for name, leaf in leaves.items():
+        grad = dleaves[name].grad
+        expect = tuple(dleaves[name].placements)
+        if name == "key_index" and cp:  # a partial sum per rank, summed when read
+            expect = expect[:-1] + (Partial(),)
+        assert tuple(grad.placements) == expect, f"{name}.grad {grad.placements}"
+        want = leaf.grad
+        if head_tail and name != "key_index":
+            want = opmesh.to_head_tail(want, 1, cp_size)
+        _kl_close(grad, want, f"{name}.grad")
+
+
+def case_kl_fused_op(mesh, layout="BSND", **shape):
+    """dense_lightning_indexer_grad_kl_loss on DTensors: d_key_index comes back Partial over the
+    context-parallel axis, and every output equals the one-device call."""
+    index, main, kw = _kl_inputs(layout, **shape)
+    stats = opmesh.dense_lightning_indexer_softmax_lse(*index.values(), **kw)
+    names = ("softmax_max_index", "softmax_sum_index")
+    tensors = {**index, **main, **dict(zip(names, stats, strict=True))}
+    order = ("query", "key", "query_index", "key_index", "weights", "softmax_max", "softmax_sum")
+    order += names
+    rope = dict(query_rope=tensors["query_rope"], key_rope=tensors["key_rope"])
+    want = opmesh.dense_lightning_indexer_grad_kl_loss(
+        *(tensors[n] for n in order), 0.3, **rope, **kw
+    )
+    placements = _kl_placements(mesh, layout, cp=True)
+    dist = {n: opmesh.distribute_tensor(x, mesh, placements[n]) for n, x in tensors.items()}
+    drope = dict(query_rope=dist["query_rope"], key_rope=dist["key_rope"])
+    got = opmesh.dense_lightning_indexer_grad_kl_loss(*(dist[n] for n in order), 0.3, **drope, **kw)
+    assert isinstance(got[1].placements[-1], Partial), f"d_key_index {got[1].placements}"
+    outputs = ("d_query_index", "d_key_index", "d_weights", "loss")
+    for what, g, w in zip(outputs, got, want, strict=True):
+        _kl_close(g, w, what)
+
+
+def case_kl_errors(mesh):
+    index, main, kw = _kl_inputs("BSND")
+    placements = _kl_placements(mesh, "BSND", cp=True)
+    last = mesh.ndim - 1
+    name = mesh.mesh_dim_names[last]
+
+    def call(**changes):
+        p = dict(placements, **changes)
+        dist = {n: opmesh.distribute_tensor(x, mesh, p[n]) for n, x in {**index, **main}.items()}
+        args = [dist.pop(n) for n in ("query_index", "key_index", "weights")]
+        return lambda: opmesh.indexer_kl_loss(*args, **dist, scale_value=0.3, **kw)
+
+    axes = placements["key_index"][:last]
+    _expect(
+        ValueError,
+        f"key_index: dim 1 is sharded over mesh axis '{name}'; keys must be replicated",
+        call(key_index=axes + [S1]),
+    )
+    _expect(
+        ValueError,
+        "softmax_max: dim 2 is not sharded; the query sequence must be sharded like",
+        call(softmax_max=axes + [R]),
+    )
+    _expect(
+        ValueError,
+        f"query: dim 2 is sharded over mesh axis '{name}'; it must be replicated",
+        call(query=axes + [Shard(2)]),
+    )
+    key = opmesh.distribute_tensor(main["key"], mesh, axes + [R])
+    partial_key = DTensor.from_local(
+        key.to_local(),
+        mesh,
+        axes + [Partial()],
+        run_check=False,
+        shape=key.shape,
+        stride=key.stride(),
+    )
+    dist = {
+        n: opmesh.distribute_tensor(x, mesh, placements[n]) for n, x in {**index, **main}.items()
+    }
+    args = [dist.pop(n) for n in ("query_index", "key_index", "weights")]
+    _expect(
+        ValueError,
+        f"key: Partial placement on mesh axis '{name}'",
+        lambda: opmesh.indexer_kl_loss(*args, **dict(dist, key=partial_key), **kw),
+    )
+    _expect(
+        ValueError,
+        "pre_tokens: a band with sparse_mode=0 cannot be split",
+        lambda: opmesh.indexer_kl_loss(*args, **dist, sparse_mode=0, pre_tokens=3),
+    )
+    _expect(
+        ValueError,
+        "query: expected a DTensor like the other inputs",
+        lambda: opmesh.indexer_kl_loss(*args, **dict(dist, query=main["query"])),
+    )
+
+
+# -- the default (element-wise) DistributedOp and the registry's op-name construction -----------
+
+
+class ScaledProduct(DFunction):
+    """x * y * 2 with the DistributedOp's defaults (element-wise)."""
+
+    _op_name = "test_scaled_product"
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return x * y * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * y * 2, grad * x * 2
+
+
+class CountingWrap(DistributedOp):
+    """The element-wise defaults, with the output-wrapping hook overridden to count calls."""
+
+    wrapped = 0
+
+    def wrap_outputs(self, outputs, out_layouts):
+        CountingWrap.wrapped += 1
+        return super().wrap_outputs(outputs, out_layouts)
+
+
+def case_elementwise_default(mesh):
+    from opmesh.distributed import distributed_op as registry
+
+    if "test_scaled_product" not in registry._instances:
+        CountingWrap("test_scaled_product")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 7, generator=g, requires_grad=True)
+    y = torch.randn(5, 7, generator=g)
+    (ScaledProduct.apply(x, y) * torch.arange(7.0)).sum().backward()
+    placements = [S0] + [R] * (mesh.ndim - 1)
+    dx = opmesh.distribute_tensor(x.detach(), mesh, placements).requires_grad_()
+    dy = opmesh.distribute_tensor(y, mesh, placements)
+    before = CountingWrap.wrapped
+    out = ScaledProduct.apply(dx, dy)
+    assert CountingWrap.wrapped == before + 1, "wrap_outputs was not called"
+    assert tuple(out.placements) == tuple(placements), f"output placements {out.placements}"
+    torch.testing.assert_close(out.full_tensor(), (x * y * 2).detach())
+    weight = opmesh.distribute_tensor(torch.arange(7.0), mesh, [R] * mesh.ndim)
+    (out * weight).sum().backward()
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad)
+    other = opmesh.distribute_tensor(y, mesh, [R] * mesh.ndim)
+    _expect(
+        ValueError,
+        "args[1]: an element-wise op needs every input laid out as args[0]",
+        lambda: ScaledProduct.apply(dx.detach(), other),
+    )
+    partial = DTensor.from_local(torch.zeros(5, 7), mesh, [Partial()] * mesh.ndim)
+    _expect(
+        ValueError,
+        f"args[0]: Partial placement on mesh axis '{mesh.mesh_dim_names[0]}'",
+        lambda: ScaledProduct.apply(partial, partial),
+    )
+
+
+def _kl_cases(mesh):
+    return {
+        "kl_bsnd_cp": lambda: case_kl_loss(mesh),
+        "kl_bsnd_dp_only": lambda: case_kl_loss(mesh, cp=False),
+        "kl_bsnd_cp_mode0": lambda: case_kl_loss(mesh, sparse_mode=0),
+        "kl_bsnd_cp_band": lambda: case_kl_loss(mesh, pre_tokens=3, next_tokens=0),
+        "kl_bsnd_head_tail": lambda: case_kl_loss(
+            mesh, head_tail=True, shape=dict(b=2, s1=24, s2=30)
+        ),
+        "kl_tnd_cp": lambda: case_kl_loss(mesh, "TND", shape=dict(lengths=UNEVEN_VARLEN)),
+        "kl_tnd_cp_mode0": lambda: case_kl_loss(
+            mesh, "TND", sparse_mode=0, shape=dict(lengths=UNEVEN_VARLEN)
+        ),
+        "kl_fused_op_bsnd": lambda: case_kl_fused_op(mesh),
+        "kl_fused_op_tnd": lambda: case_kl_fused_op(mesh, "TND", lengths=UNEVEN_VARLEN),
+        "kl_errors": lambda: case_kl_errors(mesh),
+        "elementwise_default": lambda: case_elementwise_default(mesh),
+    }
+
+
+KL_CASE_NAMES = [
+    "kl_bsnd_cp",
+    "kl_bsnd_dp_only",
+    "kl_bsnd_cp_mode0",
+    "kl_bsnd_cp_band",
+    "kl_bsnd_head_tail",
+    "kl_tnd_cp",
+    "kl_tnd_cp_mode0",
+    "kl_fused_op_bsnd",
+    "kl_fused_op_tnd",
+    "kl_errors",
+    "elementwise_default",
+]

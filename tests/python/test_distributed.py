@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from distributed_cases import CASE_NAMES, TWO_AXIS_CASES
+from distributed_cases import CASE_NAMES, KL_CASE_NAMES, TWO_AXIS_CASES
 from mesh_runner import run_cases
 
 import opmesh
@@ -28,7 +28,7 @@ def mesh_results(request, tmp_path_factory):
     return request.param, run_cases(out, shape, names, "distributed_cases", "cp_cases")
 
 
-@pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASES)
+@pytest.mark.parametrize("case", CASE_NAMES + KL_CASE_NAMES + TWO_AXIS_CASES)
 def test_case_on_mesh(mesh_results, case):
     mesh, results = mesh_results
     if case in TWO_AXIS_CASES and "x" not in mesh:
@@ -89,6 +89,48 @@ def test_yaml_registry_user_directory_and_duplicates(tmp_path, monkeypatch):
         assert "again.yaml" in str(info.value) and "mine.yaml" in str(info.value)
         with pytest.raises(ValueError, match="already registered"):
             type(op)()
+    finally:
+        monkeypatch.delenv(registry.YAML_DIR_ENV)
+        registry.reset_registry_for_tests()
+        sys.path.remove(str(module_dir)) if str(module_dir) in sys.path else None
+
+
+def test_yaml_defaults_module_key_and_one_class_for_several_ops(tmp_path, monkeypatch):
+    """A file's __default__ entry fills in every entry; distributed_op_module names the module;
+    a class whose constructor takes the op name is constructed once per op it serves."""
+    from opmesh.distributed import distributed_op as registry
+
+    module_dir = tmp_path / "mods"
+    module_dir.mkdir()
+    (module_dir / "shared_rules.py").write_text(
+        "import opmesh\nclass SharedRules(opmesh.DistributedOp):\n    pass\n"
+    )
+    yaml_dir = tmp_path / "yaml"
+    yaml_dir.mkdir()
+    (yaml_dir / "shared.yaml").write_text(
+        "__default__:\n"
+        "  distributed_op_class: SharedRules\n"
+        "  distributed_op_module: shared_rules\n"
+        "shared_op_a: {}\n"
+        "shared_op_b:\n"
+        "  dist_op_name: _shared_op_b_dist_op\n"
+    )
+    monkeypatch.setenv(registry.YAML_DIR_ENV, str(yaml_dir))
+    monkeypatch.setenv(registry.MODULE_PATH_ENV, str(module_dir))
+    registry.reset_registry_for_tests()
+    try:
+        a = registry.get_distributed_op("shared_op_a")
+        b = registry.get_distributed_op("shared_op_b")
+        assert type(a) is type(b) and type(a).__name__ == "SharedRules"
+        assert (a.op_name, b.op_name) == ("shared_op_a", "shared_op_b")
+        # The packaged KL-loss rules: one class, two ops, declared through __default__.
+        loss = registry.get_distributed_op("indexer_kl_loss")
+        fused = registry.get_distributed_op("dense_lightning_indexer_grad_kl_loss")
+        assert type(loss) is type(fused) and loss is not fused
+        (yaml_dir / "broken.yaml").write_text("__default__:\n  distributed_op_class: X\nop_c: {}\n")
+        registry.reset_registry_for_tests()
+        with pytest.raises(ValueError, match="entry 'op_c' needs 'distributed_op_class' and"):
+            registry.get_distributed_op("op_c")
     finally:
         monkeypatch.delenv(registry.YAML_DIR_ENV)
         registry.reset_registry_for_tests()

@@ -41,8 +41,8 @@ def _ceil_div(a, b):
 
 
 class FlashAttnDistributedOp(DistributedOp):
-    def __init__(self):
-        super().__init__("flash_attn")
+    def __init__(self, op_name: str = "flash_attn"):
+        super().__init__(op_name)
         self._checked = BoundedCache()
 
     def preprocess(self, args, kwargs):

@@ -71,8 +71,8 @@ def _as_tensor(value):
 
 
 class IndexerDistributedOp(DistributedOp):
-    def __init__(self):
-        super().__init__("dense_lightning_indexer_softmax_lse")
+    def __init__(self, op_name: str = "dense_lightning_indexer_softmax_lse"):
+        super().__init__(op_name)
         self._checked = BoundedCache()  # cache values whose layouts passed the rules
 
     # -- preprocess: check the layouts, take the DTensors apart -----------------------------
@@ -237,6 +237,9 @@ class IndexerDistributedOp(DistributedOp):
 
 
 class _BsndLocal:
+    """The local call in BSND: the local batch's lengths and, for context parallel, lengths
+    rewritten so each local row keeps its global key range (``pieces``)."""
+
     def __init__(self, func, q_layout, s2, mode, head_tail):
         self.func, self.mode, self.s2, self.head_tail = func, mode, s2, head_tail
         self.s1 = q_layout.shape[1]
@@ -245,43 +248,38 @@ class _BsndLocal:
         self.cp = q_layout.num_shards(1)
         self.rank = q_layout.shard_index(1)
 
-    def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
+    def pieces(self, actual_seq_qlen, actual_seq_klen):
+        """``[(rows, qlen, klen, keys)]``: each piece of the local query rows (a slice along S1)
+        with the lengths its call takes; ``keys`` is None (every key tensor row stays)."""
         b0, b1 = self.batch
         if self.cp == 1 and not self.head_tail:
             # No context parallel: the local call as it is, with the lengths of the local batch.
             def local(lengths):
                 return lengths if lengths is None else _as_tensor(lengths)[b0:b1]
 
-            return self.func(
-                q,
-                k,
-                w,
-                actual_seq_qlen=local(actual_seq_qlen),
-                actual_seq_klen=local(actual_seq_klen),
-                **kwargs,
-            )
+            return [(slice(None), local(actual_seq_qlen), local(actual_seq_klen), None)]
         qlen = _lengths_list(actual_seq_qlen)
         klen = _lengths_list(actual_seq_klen)
         qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
         klen = [self.s2] * (b1 - b0) if klen is None else klen[b0:b1]
         if not self.head_tail:
-            return self._call(q, k, w, qlen, klen, self.rows[0], kwargs)
+            rows = self.rows[1] - self.rows[0]
+            return [(slice(None), *self._lengths(rows, qlen, klen, self.rows[0]), None)]
         chunk = self.s1 // (2 * self.cp)
         if self.s1 % (2 * self.cp) != 0:
             raise ValueError(
                 f"query_index: S1={self.s1} is not a multiple of 2 * cp = {2 * self.cp}, as "
                 "head_tail_cp needs"
             )
-        halves = []
         pair = chunk_pair(self.rank, self.cp, self.head_tail)
-        for half, start in enumerate(c * chunk for c in pair):
-            rows = slice(half * chunk, (half + 1) * chunk)
-            halves.append(self._call(q[:, rows], k, w[:, rows], qlen, klen, start, kwargs))
-        return tuple(torch.cat([a, b], dim=2) for a, b in zip(*halves, strict=True))
+        return [
+            (slice(half * chunk, (half + 1) * chunk), *self._lengths(chunk, qlen, klen, c * chunk))
+            + (None,)
+            for half, c in enumerate(pair)
+        ]
 
-    def _call(self, q, k, w, qlen, klen, start, kwargs):
-        """Local rows are global rows [start, start + q.shape[1]) of each sequence."""
-        rows = q.shape[1]
+    def _lengths(self, rows, qlen, klen, start):
+        """Local rows are global rows [start, start + rows) of each sequence."""
         q_used = [max(0, min(rows, n - start)) for n in qlen]
         if self.mode == 3:
             # Local row i is global row start + i: it keeps its keys j <= i + start + klen - qlen.
@@ -291,22 +289,29 @@ class _BsndLocal:
             ]
         else:
             k_used = list(klen)
-        return self.func(
-            q,
-            k,
-            w,
-            actual_seq_qlen=torch.tensor(q_used, dtype=torch.int64),
-            actual_seq_klen=torch.tensor(k_used, dtype=torch.int64),
-            **kwargs,
-        )
+        return torch.tensor(q_used, dtype=torch.int64), torch.tensor(k_used, dtype=torch.int64)
+
+    def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
+        outs = [
+            self.func(q[:, rows], k, w[:, rows], actual_seq_qlen=ql, actual_seq_klen=kl, **kwargs)
+            for rows, ql, kl, _keys in self.pieces(actual_seq_qlen, actual_seq_klen)
+        ]
+        if len(outs) == 1:
+            return outs[0]
+        return tuple(torch.cat(parts, dim=2) for parts in zip(*outs, strict=True))
 
 
 class _TndLocal:
+    """The local call in TND: the rank's query tokens with lengths rewritten so each keeps its
+    global key range (``pieces``)."""
+
     def __init__(self, func, q_layout, t2, mode):
         self.func, self.mode, self.t2 = func, mode, t2
         self.tokens = q_layout.shard_range(0)
 
-    def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
+    def pieces(self, actual_seq_qlen, actual_seq_klen):
+        """``[(rows, qlen, klen, keys)]`` with one piece: all local tokens, the cumulative local
+        lengths, and how many key tokens the call keeps (None for all)."""
         q_ends = _lengths_list(actual_seq_qlen)
         k_ends = _lengths_list(actual_seq_klen)
         if q_ends is None or k_ends is None:
@@ -344,7 +349,11 @@ class _TndLocal:
         if deficit and last + 1 < len(k_used):
             k_used[last + 1] += deficit
             deficit = 0
-        keys = k[: self.t2 - deficit] if deficit else k
         q_cum = torch.tensor(q_used, dtype=torch.int64).cumsum(0)
         k_cum = torch.tensor(k_used, dtype=torch.int64).cumsum(0)
-        return self.func(q, keys, w, actual_seq_qlen=q_cum, actual_seq_klen=k_cum, **kwargs)
+        return [(slice(None), q_cum, k_cum, self.t2 - deficit if deficit else None)]
+
+    def __call__(self, q, k, w, *, actual_seq_qlen=None, actual_seq_klen=None, **kwargs):
+        ((_rows, q_cum, k_cum, keys),) = self.pieces(actual_seq_qlen, actual_seq_klen)
+        keys_used = k if keys is None else k[:keys]
+        return self.func(q, keys_used, w, actual_seq_qlen=q_cum, actual_seq_klen=k_cum, **kwargs)
