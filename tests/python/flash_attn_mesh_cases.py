@@ -164,6 +164,49 @@ def _check_tnd(mesh, q_lens, k_lens, placements, nq=4, nkv=2, d=16, **kw):
         _close(x.grad, leaf.grad, name)
 
 
+def _aligned_lengths(m, t1, t2):
+    """Sequence lengths whose query and key tokens, split m ways as DTensor splits them, give
+    every rank whole sequences: two per rank (some empty) plus an empty one between ranks."""
+    q_lens, k_lens = [], []
+    for r in range(m):
+        c1, c2 = -(-t1 // m), -(-t2 // m)
+        lq = max(0, min(t1, (r + 1) * c1) - min(t1, r * c1))
+        lk = max(0, min(t2, (r + 1) * c2) - min(t2, r * c2))
+        q_lens += [lq // 2, lq - lq // 2, 0]
+        k_lens += [lk - lk // 3, lk // 3, 0]
+    return q_lens, k_lens
+
+
+class _NoGather:
+    """Fails any redistribute (all-gather) made inside the block."""
+
+    def __enter__(self):
+        self.platform = opmesh.platform.current()
+        self.saved = self.platform.redistribute
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("keys and values were gathered")
+
+        self.platform.redistribute = refuse
+
+    def __exit__(self, *exc):
+        self.platform.redistribute = self.saved
+
+
+def case_tnd_data_parallel(mesh, **kw):
+    """q's and k/v's tokens sharded alike with whole sequences per rank: each rank attends its
+    own sequences (no gather), any mask."""
+    m = mesh.size(0)
+    q_lens, k_lens = _aligned_lengths(m, 5 * m + 1, 7 * m - 1)
+    placements = [Shard(0)]
+    if mesh.ndim == 2:  # heads over the second axis
+        t = mesh.size(1)
+        placements.append(Shard(1))
+        kw.update(nq=2 * t, nkv=t)
+    with _NoGather():
+        _check_tnd(mesh, q_lens, k_lens, (placements,) * 3, **kw)
+
+
 def _expect(exc, prefix, fn):
     try:
         fn()
@@ -190,13 +233,16 @@ def case_errors(mesh):
         "k: dim 0 is sharded",
         lambda: opmesh.flash_attn(dt(q, R), dt(k, Shard(0)), dt(v, R)),
     )
+    cu = torch.tensor([0, 8], dtype=torch.int32)
     _expect(
         ValueError,
-        "win_right: context parallel",
+        "win_right: TND context parallel supports windows with win_right=0",
         lambda: opmesh.flash_attn(
-            dt(q, Shard(1)), dt(k, R), dt(v, R), mask_mode=4, win_left=2, win_right=1
+            dt(q[0], Shard(0)), dt(k[0], R), dt(v[0], R), layout_q="TND", layout_kv="TND",
+            layout_out="TND", cu_seqlens_q=cu, cu_seqlens_kv=cu, mask_mode=4, win_left=2,
+            win_right=1,
         ),
-    )
+    )  # fmt: skip
     _expect(
         ValueError,
         "layout_q: TND context parallel",
@@ -244,6 +290,15 @@ def cases(mesh):
         "cp_no_mask_more_keys_gathered": lambda: _check(mesh, ([S1], [S1], [S1]), s1=7, s2=13),
         "cp_sliding_window": lambda: _check(
             mesh, ([S1], [S1], [S1]), mask_mode=4, win_left=3, win_right=0, s1=17, s2=17
+        ),
+        "cp_window_both_sides": lambda: _check(
+            mesh, ([S1], [S1], [S1]), mask_mode=4, win_left=3, win_right=2, s1=17, s2=17
+        ),
+        "cp_window_right_only_more_keys": lambda: _check(
+            mesh, ([S1], [R], [R]), mask_mode=4, win_left=-1, win_right=4, s1=13, s2=19
+        ),
+        "cp_window_more_queries": lambda: _check(
+            mesh, ([S1], [S1], [S1]), mask_mode=4, win_left=2, win_right=3, s1=20, s2=9
         ),
         "cp_sinks": lambda: _check(mesh, ([S1], [S1], [S1]), mask_mode=3, sinks=[R], s1=10, s2=10),
         "cp_bnsd": lambda: _check(
@@ -299,7 +354,14 @@ def cases(mesh):
         "head_tail_sliding_window": lambda: _check_head_tail(
             mesh, "opmesh", True, mask_mode=4, win_left=5, win_right=0
         ),
+        "head_tail_window_both_sides": lambda: _check_head_tail(
+            mesh, "hyperparallel", True, mask_mode=4, win_left=4, win_right=3
+        ),
         "head_tail_process_switch": lambda: case_process_switch(mesh),
+        "tnd_dp_whole_sequences_causal": lambda: case_tnd_data_parallel(mesh, mask_mode=3),
+        "tnd_dp_whole_sequences_window": lambda: case_tnd_data_parallel(
+            mesh, mask_mode=4, win_left=2, win_right=3
+        ),
         "errors": lambda: case_errors(mesh),
     }
 
@@ -382,6 +444,9 @@ CASE_NAMES = [
     "cp_causal_more_keys",
     "cp_no_mask_more_keys_gathered",
     "cp_sliding_window",
+    "cp_window_both_sides",
+    "cp_window_right_only_more_keys",
+    "cp_window_more_queries",
     "cp_sinks",
     "cp_bnsd",
     "ring_causal_uneven_s9",
@@ -399,7 +464,10 @@ CASE_NAMES = [
     "head_tail_hyperparallel_gathered",
     "head_tail_hyperparallel_replicated_kv",
     "head_tail_sliding_window",
+    "head_tail_window_both_sides",
     "head_tail_process_switch",
+    "tnd_dp_whole_sequences_causal",
+    "tnd_dp_whole_sequences_window",
     "errors",
 ]
 
@@ -407,6 +475,7 @@ CASE_NAMES = [
 def two_axis_cases(mesh):
     """A (dp, cp) mesh: batch over the first axis, sequence (or heads) over the second."""
     S0, S1, S2 = Shard(0), Shard(1), Shard(2)
+    t = mesh.size(1)
     return {
         "2d_dp_cp_all_gather": lambda: _check(
             mesh, ([S0, S1], [S0, S1], [S0, S1]), b=3, s1=11, s2=11, mask_mode=3, sinks=[R, R]
@@ -421,11 +490,22 @@ def two_axis_cases(mesh):
             context_parallel="ring",
         ),  # fmt: skip
         "2d_dp_tp": lambda: _check(
-            mesh, ([S0, S2], [S0, S2], [S0, S2]), b=3, nq=4, nkv=2, mask_mode=3
+            mesh, ([S0, S2], [S0, S2], [S0, S2]), b=3, nq=2 * t, nkv=t, mask_mode=3
         ),
         "2d_cp_replicated_kv_dp": lambda: _check(
             mesh, ([S0, S1], [S0, R], [S0, R]), b=2, s1=9, s2=14, mask_mode=3
         ),
+        "2d_cp_window_dp": lambda: _check(
+            mesh,
+            ([S0, S1], [S0, S1], [S0, S1]),
+            b=3,
+            s1=13,
+            s2=13,
+            mask_mode=4,
+            win_left=3,
+            win_right=2,
+        ),  # fmt: skip
+        "2d_tnd_dp_tp": lambda: case_tnd_data_parallel(mesh, mask_mode=3),
     }
 
 
@@ -434,6 +514,8 @@ TWO_AXIS_CASE_NAMES = [
     "2d_dp_cp_ring",
     "2d_dp_tp",
     "2d_cp_replicated_kv_dp",
+    "2d_cp_window_dp",
+    "2d_tnd_dp_tp",
 ]
 
 

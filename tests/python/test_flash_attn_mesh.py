@@ -1,13 +1,13 @@
 """flash_attn on real process groups: data, head and context parallel (all-gather and ring),
-forward and gradients, on meshes (2,), (3,), (4,) and (2, 2) named ("dp", "cp") (sizes that do
-not divide them included); every case compares with the single-device call
+forward and gradients, on meshes (2,), (3,), (4,), and (2, 2) and (2, 4) named ("dp", "cp")
+(sizes that do not divide them included); every case compares with the single-device call
 (flash_attn_mesh_cases.py)."""
 
 import pytest
 from flash_attn_mesh_cases import CASE_NAMES, TWO_AXIS_CASE_NAMES
 from mesh_runner import run_cases
 
-MESHES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2)}
+MESHES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2), "2x4": (2, 4)}
 
 
 @pytest.fixture(scope="module", params=list(MESHES))

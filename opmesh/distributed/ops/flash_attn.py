@@ -14,7 +14,7 @@ shard:
   redistribute, whose backward reduce-scatters their gradients). Each rank's query rows
   [start, start + L) keep their global key range: the local call's ``seqused_kv`` is
   ``start + L + S2 - S1``, so the bottom-right diagonal stays where the global call has it.
-  Masks 0 and 3 are supported, and 4 with ``win_right=0`` (a causal sliding window).
+  Masks 0, 3 and 4 (any window; in TND with ``win_right=0``, a causal sliding window).
 
 D is never sharded, no input may be Partial. Without context parallel, ``metadata`` is each
 rank's plan of its local problem (its batch slice and heads), made with flash_attn_metadata
@@ -145,21 +145,33 @@ class FlashAttnDistributedOp(DistributedOp):
                         f"{name}: dim {s} has size {lay.shape[s]}, not a multiple of 2 * cp = "
                         f"{2 * cp}, as head_tail_cp needs"
                     )
-        if qm[s] and kwargs.get("metadata") is not None:
+        # TND data parallel: q's and k/v's tokens sharded alike, every shard holding whole
+        # sequences in both; each rank then attends its own sequences, nothing is gathered.
+        tnd_dp = (
+            layout_q == "TND"
+            and bool(qm[s])
+            and km[s] == qm[s] == vm[s]
+            and strategy == "all_gather"
+            and order is None
+            and _whole_sequence_shards(kwargs, layouts[0], layouts[1]) is not None
+        )
+        if qm[s] and not tnd_dp and kwargs.get("metadata") is not None:
             raise ValueError(
                 "metadata: not supported with the query sequence sharded (the local calls' key "
                 "ranges are set inside the op); without context parallel, pass each rank's plan "
                 "of its local problem"
             )
-        if qm[s]:
+        if tnd_dp:
+            strategy = "tnd_data_parallel"
+        elif qm[s]:
             if len(qm[s]) > 1:
                 fail(
                     "q", layouts[0], s, "the query sequence may be sharded over one mesh axis only"
                 )
-            if mode not in (0, 3) and not (mode == 4 and kwargs.get("win_right", -1) == 0):
+            if layout_q == "TND" and mode == 4 and kwargs.get("win_right", -1) != 0:
                 raise ValueError(
-                    "win_right: context parallel (q's sequence sharded) supports mask_mode 0, 3 "
-                    "and 4 with win_right=0"
+                    "win_right: TND context parallel supports windows with win_right=0 (causal "
+                    "sliding windows); BSND and BNSD take any window"
                 )
             for name in ("seqused_q", "seqused_kv"):
                 if kwargs.get(name) is not None:
@@ -300,6 +312,10 @@ class FlashAttnDistributedOp(DistributedOp):
         q_layout = Layout(mesh, placements[0], shapes[0])
         if strategy == "ring":
             return _RingLocal(func, layout_q, layout_out, q_layout, shapes[1], slice_sinks)
+        if strategy == "tnd_data_parallel":
+            return _TndDataParallel(
+                func, Layout(mesh, placements[0], shapes[0]), Layout(mesh, placements[1], shapes[1])
+            )
         # Keys and values sharded along their sequence arrive gathered in head-tail order.
         kv_gathered = bool(Layout(mesh, placements[1], shapes[1]).tensor_map[DIMS[layout_q][1]])
         return _Local(
@@ -362,13 +378,11 @@ class _Local:
                 v = from_head_tail(v, self.s_dim, self.cp_size, self.order)
             return self.func(q, k, v, **kwargs)
 
-        def keys_seen(end):
-            return torch.full(
-                (b1 - b0,), max(0, min(self.s2, end + self.s2 - self.s1)), dtype=torch.int32
-            )
+        def band(start, rows):
+            return dict(kwargs, **_local_band(start, rows, self.s1, self.s2, b1 - b0, kwargs))
 
         if self.order is None:
-            return self.func(q, k, v, **dict(kwargs, seqused_kv=keys_seen(self.rows[1])))
+            return self.func(q, k, v, **band(self.rows[0], self.rows[1] - self.rows[0]))
         if self.gathered:
             k = from_head_tail(k, self.s_dim, self.cp_size, self.order)
             v = from_head_tail(v, self.s_dim, self.cp_size, self.order)
@@ -376,14 +390,102 @@ class _Local:
         halves = []
         for half, c in enumerate(chunk_pair(self.rank, self.cp_size, self.order)):
             rows = q.narrow(self.s_dim, half * chunk, chunk)
-            halves.append(
-                self.func(rows, k, v, **dict(kwargs, seqused_kv=keys_seen((c + 1) * chunk)))
-            )
+            halves.append(self.func(rows, k, v, **band(c * chunk, chunk)))
         out = torch.cat([h[0] for h in halves], dim=self.out_s_dim)
         lse = (
             halves[0][1] if halves[0][1].numel() == 0 else torch.cat([h[1] for h in halves], dim=2)
         )
         return out, lse
+
+
+def _shard_ranges(total, shards):
+    """[start, end) of each shard of a dim of ``total`` split ``shards`` ways over one mesh axis
+    (DTensor's split: chunks of ceil(total / shards), the last ones short or empty)."""
+    chunk = _ceil_div(total, shards) if shards else 0
+    return [(min(total, i * chunk), min(total, (i + 1) * chunk)) for i in range(shards)]
+
+
+def _whole_sequence_shards(kwargs, q_layout, k_layout):
+    """For TND with q's and k's tokens sharded alike over one mesh axis: per shard, the run of
+    sequences [lo, hi) whose query tokens are exactly the shard's and whose key tokens are
+    exactly the k shard's; None if some shard cuts a sequence (or the lengths are missing)."""
+    cu_q, cu_k = kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_kv")
+    if cu_q is None or cu_k is None or len(q_layout.tensor_map[0]) != 1:
+        return None
+    cu_q = [int(x) for x in cu_q.tolist()]
+    cu_k = [int(x) for x in cu_k.tolist()]
+    if len(cu_q) != len(cu_k) or cu_q[-1] != q_layout.shape[0] or cu_k[-1] != k_layout.shape[0]:
+        return None  # the operator's own checks report it
+    shards = q_layout.num_shards(0)
+    q_ranges = _shard_ranges(q_layout.shape[0], shards)
+    k_ranges = _shard_ranges(k_layout.shape[0], shards)
+    if q_ranges[q_layout.shard_index(0)] != q_layout.shard_range(0):
+        return None  # a split this rule does not know: take the general path
+    runs = []
+    for (q0, q1), (k0, k1) in zip(q_ranges, k_ranges, strict=True):
+        starts = [b for b, (a, c) in enumerate(zip(cu_q, cu_k, strict=True)) if (a, c) == (q0, k0)]
+        ends = [b for b, (a, c) in enumerate(zip(cu_q, cu_k, strict=True)) if (a, c) == (q1, k1)]
+        if not starts or not ends or ends[-1] < starts[0]:
+            return None
+        runs.append((starts[0], ends[-1]))
+    return runs
+
+
+class _TndDataParallel:
+    """TND data parallel: the rank's whole sequences, with their lengths rebased to its shards."""
+
+    def __init__(self, func, q_layout, k_layout):
+        self.func, self.q_layout, self.k_layout = func, q_layout, k_layout
+
+    def __call__(self, q, k, v, **kwargs):
+        import torch
+
+        runs = _whole_sequence_shards(kwargs, self.q_layout, self.k_layout)
+        if runs is None:
+            raise ValueError(
+                "cu_seqlens_q: the lengths changed between calls with the same layouts; every "
+                "shard must hold whole sequences for TND data parallel"
+            )
+        lo, hi = runs[self.q_layout.shard_index(0)]
+        kwargs = dict(kwargs)
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            cu = kwargs[name][lo : hi + 1].to(torch.int32)
+            cu = cu - cu[0]
+            # A shard without sequences runs one empty sequence.
+            kwargs[name] = cu if hi > lo else torch.zeros(2, dtype=torch.int32)
+        for name in ("seqused_q", "seqused_kv"):
+            if kwargs.get(name) is not None:
+                used = kwargs[name][lo:hi]
+                kwargs[name] = used if hi > lo else torch.zeros(1, dtype=torch.int32)
+        if kwargs.get("metadata") is None:
+            kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
+        return self.func(q, k, v, **kwargs)
+
+
+def _local_band(start, rows, s1, s2, batch, kwargs):
+    """The local call's key count and window for global query rows [start, start + rows) of
+    S1 against all S2 keys, so that every row sees exactly the keys it sees in the global call.
+
+    The mask's diagonal is bottom-right aligned: global row i sits at key i + S2 - S1, local
+    row i - start at i - start + u - rows for ``u = seqused_kv``. Cutting the keys at the last
+    row's diagonal plus its right window (u = start + rows + S2 - S1 + win_right, at most S2)
+    keeps every key a row can see; the local diagonal then lies ``shift = u - (start + rows +
+    S2 - S1)`` keys to the right of the global one, which the window's sides absorb (left side
+    wider, right side narrower by ``shift``, never below 0)."""
+    import torch
+
+    mode = kwargs.get("mask_mode", 0)
+    left, right = kwargs.get("win_left", -1), kwargs.get("win_right", -1)
+    if mode == 3:
+        left, right = -1, 0
+    diagonal_end = start + rows + s2 - s1
+    used = s2 if right < 0 else max(0, min(s2, diagonal_end + right))
+    out = {"seqused_kv": torch.full((batch,), used, dtype=torch.int32)}
+    shift = used - diagonal_end
+    if mode == 4 and used > 0 and shift:
+        out["win_left"] = -1 if left < 0 else left + shift
+        out["win_right"] = -1 if right < 0 else right - shift
+    return out
 
 
 def _tnd_slice_lengths(cu_q, cu_k, t0, t1, mode):
