@@ -48,6 +48,7 @@ from .distributed import (  # noqa: E402
     set_head_tail_cp,
     to_head_tail,
 )
+from .distributed import sharding as _sharding  # noqa: E402, F401  (DTensor strategies)
 from .ops import (  # noqa: E402
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,

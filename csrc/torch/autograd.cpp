@@ -124,13 +124,17 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                const Rest& r) {
     // The backward needs the log-sum-exp whether or not the caller asked for it.
     auto [out, lse] = call_below_autograd(q, k, v, sinks, r, /*return_softmax_lse=*/true);
+    // Unused outputs' gradients stay undefined (materialised zeros would be plain tensors even
+    // when the inputs are DTensors); backward handles them.
+    ctx->set_materialize_grads(false);
     ctx->saved_data["has_sinks"] = sinks.has_value();
     ctx->saved_data["returns_lse"] = r.return_softmax_lse;
     save_rest(ctx, r);
     variable_list saved{q, k, v, out, lse};
     if (sinks.has_value()) saved.push_back(*sinks);
     ctx->save_for_backward(saved);
-    at::Tensor lse_out = r.return_softmax_lse ? lse : at::empty({0}, lse.options());
+    // new_empty keeps the tensor kind (a DTensor's empty lse stays a DTensor).
+    at::Tensor lse_out = r.return_softmax_lse ? lse : lse.new_empty({0});
     if (!r.return_softmax_lse) ctx->mark_non_differentiable({lse_out});
     return {out, lse_out};
   }

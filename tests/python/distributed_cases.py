@@ -680,6 +680,7 @@ def _kl_cases(mesh):
         "kl_fused_op_tnd": lambda: case_kl_fused_op(mesh, "TND", lengths=UNEVEN_VARLEN),
         "kl_errors": lambda: case_kl_errors(mesh),
         "elementwise_default": lambda: case_elementwise_default(mesh),
+        "raw_ops": lambda: case_raw_ops(mesh),
     }
 
 
@@ -695,4 +696,57 @@ KL_CASE_NAMES = [
     "kl_fused_op_tnd",
     "kl_errors",
     "elementwise_default",
+    "raw_ops",
 ]
+
+
+def case_raw_ops(mesh):
+    """The indexer and the fused KL-loss operator called as torch.ops.opmesh.* with DTensors:
+    DTensor runs them by their registered strategies (batch shards; rows for sparse_mode=0),
+    with the numbers of the one-device call and of the DFunction path."""
+    S = [S0] * mesh.ndim
+    q, k, w, _ = _inputs("BSND", b=3, s1=9, s2=11)
+    qlen, klen = torch.tensor([9, 4, 0]), torch.tensor([11, 7, 3])
+    want = opmesh.dense_lightning_indexer_softmax_lse(
+        q, k, w, actual_seq_qlen=qlen, actual_seq_klen=klen
+    )
+    dq, dk, dw, dql, dkl = (opmesh.distribute_tensor(x, mesh, S) for x in (q, k, w, qlen, klen))
+    raw = torch.ops.opmesh.dense_lightning_indexer_softmax_lse
+    got = raw(dq, dk, dw, actual_seq_qlen=dql, actual_seq_klen=dkl)
+    via = opmesh.dense_lightning_indexer_softmax_lse(dq, dk, dw, actual_seq_qlen=qlen,
+                                                     actual_seq_klen=klen)  # fmt: skip
+    for g, v_, w_ in zip(got, via, want, strict=True):
+        assert tuple(g.placements) == tuple(S), f"placements {g.placements}"
+        assert torch.equal(g.full_tensor(), v_.full_tensor()), "raw op != DFunction path"
+        _close(g, w_, "raw indexer")
+    # No mask: query rows over the mesh, keys replicated.
+    rows = [S1] * mesh.ndim
+    want = opmesh.dense_lightning_indexer_softmax_lse(q, k, w, sparse_mode=0)
+    got = raw(
+        opmesh.distribute_tensor(q, mesh, rows),
+        opmesh.distribute_tensor(k, mesh, [R] * mesh.ndim),
+        opmesh.distribute_tensor(w, mesh, rows),
+        sparse_mode=0,
+    )
+    for g, w_ in zip(got, want, strict=True):
+        assert tuple(g.placements) == (Shard(2),) * mesh.ndim, f"placements {g.placements}"
+        _close(g, w_, "raw indexer, rows")
+    # The fused KL-loss operator by batch: the loss is Partial, its sum the one-device loss.
+    index, main, kw = _kl_inputs("BSND")
+    stats = opmesh.dense_lightning_indexer_softmax_lse(*index.values(), **kw)
+    tensors = {**index, **main}
+    tensors.update(softmax_max_index=stats[0], softmax_sum_index=stats[1])
+    order = ("query", "key", "query_index", "key_index", "weights", "softmax_max", "softmax_sum")
+    order += ("softmax_max_index", "softmax_sum_index")
+    rope = ("query_rope", "key_rope")
+    want = torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
+        *(tensors[n] for n in order), 0.3, **{n: tensors[n] for n in rope}
+    )
+    dist = {n: opmesh.distribute_tensor(x, mesh, S) for n, x in tensors.items()}
+    got = torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
+        *(dist[n] for n in order), 0.3, **{n: dist[n] for n in rope}
+    )
+    assert all(isinstance(p, Partial) for p in got[3].placements), f"loss {got[3].placements}"
+    for what, g, w_ in zip(("d_query_index", "d_key_index", "d_weights", "loss"), got, want,
+                           strict=True):  # fmt: skip
+        _kl_close(g, w_, f"raw {what}")

@@ -520,5 +520,66 @@ TWO_AXIS_CASE_NAMES = [
 
 
 def mesh_cases(mesh):
-    """The cases written for this mesh's number of axes (mesh_runner.py runs them)."""
-    return two_axis_cases(mesh) if mesh.ndim == 2 else cases(mesh)
+    """The cases written for this mesh's number of axes (mesh_runner.py runs them), and the raw
+    operator cases on every mesh."""
+    chosen = two_axis_cases(mesh) if mesh.ndim == 2 else cases(mesh)
+    for name, kw in RAW_CASES.items():
+        chosen[name] = lambda kw=kw: case_raw_ops(mesh, **kw)
+    return chosen
+
+
+def case_raw_ops(mesh, layout="BSND", by="batch"):
+    """torch.ops.opmesh.flash_attn (and, through its autograd, flash_attn_backward) called
+    directly with DTensors sharded by batch or heads: DTensor runs them by their registered
+    strategies, with the outputs and gradients of the one-device call and of opmesh.flash_attn."""
+    m = mesh.size()
+    nq, nkv = (4 * m, 2 * m) if by == "heads" else (4, 2)
+    b = 2 * m + 1 if by == "batch" else 2  # batch sizes that do not divide the mesh
+    q, k, v = _inputs(b, 9, 11, nq, nkv, layout=layout)
+    dim = {"batch": 0, "heads": 2 if layout == "BSND" else 1}[by]
+    sinks = torch.linspace(-1.0, 1.0, nq)
+    options = dict(mask_mode=3, layout_q=layout, layout_kv=layout, layout_out=layout)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = opmesh.flash_attn(*leaves[:3], sinks=leaves[3], return_softmax_lse=True, **options)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * dout).sum().backward()
+    place = [Shard(dim)] * mesh.ndim
+    sink_place = [Shard(0) if by == "heads" else R] * mesh.ndim
+    if mesh.ndim == 2 and by == "heads":  # data parallel over the first axis, heads the second
+        place, sink_place = [Shard(0), Shard(dim)], [R, Shard(0)]
+    dist = [opmesh.distribute_tensor(x.detach(), mesh, place).requires_grad_() for x in (q, k, v)]
+    dsinks = opmesh.distribute_tensor(sinks, mesh, sink_place).requires_grad_()
+    got, got_lse = torch.ops.opmesh.flash_attn(
+        *dist, sinks=dsinks, return_softmax_lse=True, **options
+    )
+    assert tuple(got.placements) == tuple(place), f"out placements {got.placements}"
+    via_dfunction, _ = opmesh.flash_attn(
+        *(x.detach() for x in dist), sinks=dsinks.detach(), **options
+    )
+    assert torch.equal(got.full_tensor(), via_dfunction.full_tensor()), "raw op != DFunction"
+    (got * opmesh.distribute_tensor(dout, mesh, got.placements)).sum().backward()
+    _close(got, out.detach(), "out")
+    _close(got_lse, lse.detach(), "lse")
+    for name, x, leaf in zip(("dq", "dk", "dv", "dsinks"), (*dist, dsinks), leaves, strict=True):
+        _close(x.grad, leaf.grad, name)
+    # merge_attn_states on DTensors: attention to two halves of the keys, merged, equals
+    # attention to all of them.
+    seq = 1 if layout == "BSND" else 2
+    options = dict(return_softmax_lse=True, layout_q=layout, layout_kv=layout, layout_out=layout)
+    q_, k_, v_ = (x.detach() for x in dist)
+    a = torch.ops.opmesh.flash_attn(q_, k_.narrow(seq, 0, 5), v_.narrow(seq, 0, 5), **options)
+    b_ = torch.ops.opmesh.flash_attn(q_, k_.narrow(seq, 5, 6), v_.narrow(seq, 5, 6), **options)
+    merged, merged_lse = torch.ops.opmesh.merge_attn_states(*a, *b_, layout=layout)
+    whole, whole_lse = opmesh.flash_attn(q, k, v, **options)
+    assert tuple(merged.placements) == tuple(place), f"merged placements {merged.placements}"
+    _close(merged, whole, "merged out")
+    _close(merged_lse, whole_lse, "merged lse")
+
+
+RAW_CASES = {
+    "raw_bsnd_batch": dict(layout="BSND", by="batch"),
+    "raw_bsnd_heads": dict(layout="BSND", by="heads"),
+    "raw_bnsd_batch": dict(layout="BNSD", by="batch"),
+    "raw_bnsd_heads": dict(layout="BNSD", by="heads"),
+}
+RAW_CASE_NAMES = list(RAW_CASES)

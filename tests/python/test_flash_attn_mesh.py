@@ -4,7 +4,7 @@ forward and gradients, on meshes (2,), (3,), (4,), and (2, 2) and (2, 4) named (
 (flash_attn_mesh_cases.py)."""
 
 import pytest
-from flash_attn_mesh_cases import CASE_NAMES, TWO_AXIS_CASE_NAMES
+from flash_attn_mesh_cases import CASE_NAMES, RAW_CASE_NAMES, TWO_AXIS_CASE_NAMES
 from mesh_runner import run_cases
 
 MESHES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2), "2x4": (2, 4)}
@@ -18,10 +18,10 @@ def mesh_results(request, tmp_path_factory):
     return request.param, run_cases(out, shape, names, "flash_attn_mesh_cases", "mesh_cases")
 
 
-@pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASE_NAMES)
+@pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASE_NAMES + RAW_CASE_NAMES)
 def test_flash_attn_case_on_mesh(mesh_results, case):
     mesh, results = mesh_results
-    if (case in TWO_AXIS_CASE_NAMES) != ("x" in mesh):
+    if case not in RAW_CASE_NAMES and (case in TWO_AXIS_CASE_NAMES) != ("x" in mesh):
         pytest.skip("a two-axis case" if case in TWO_AXIS_CASE_NAMES else "a one-axis case")
     status = results.get(case, "not run")
     assert status == "ok", f"mesh {mesh}, case {case}:\n{status}"

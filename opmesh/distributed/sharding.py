@@ -1,0 +1,169 @@
+"""Sharding strategies of the ``torch.ops.opmesh`` operators for DTensor's own dispatch.
+
+Called directly with DTensors, an operator runs wherever a layout rule alone is enough: DTensor
+picks one of the strategies below per mesh axis (redistributing inputs to it if they are laid out
+otherwise) and calls the operator on the local shards. What needs communication inside the op or
+rewritten lengths (context parallel, TND token shards) stays with the ``DFunction`` path of
+``opmesh.flash_attn`` and friends; both paths give the same numbers.
+
+Every strategy is per mesh axis: ``(output placements, input placements)``, the inputs listed in
+the order DTensor sees them (positional tensors, then keyword tensors in call order).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+R = Replicate()
+# (batch, sequence, heads) dims of q/k/v/out, and the lse's (batch, heads, sequence) dims.
+ATTN_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 2, 1), "TND": (None, 0, 1)}
+LSE_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 1, 2), "TND": (None, 0, 1)}
+
+
+def _is_spec(value) -> bool:
+    return hasattr(value, "placements") and hasattr(value, "mesh")
+
+
+def _inputs(names, args, kwargs, placement_of):
+    """The input placement list: positional tensors, then keyword tensors in call order;
+    ``placement_of(name)`` gives each one's placement."""
+    out = [placement_of(n) if _is_spec(a) else None for n, a in zip(names, args, strict=False)]
+    out += [placement_of(n) for n, v in kwargs.items() if _is_spec(v)]
+    return out
+
+
+def _replicated(names, args, kwargs, outputs):
+    return ([R] * outputs, _inputs(names, args, kwargs, lambda _n: R))
+
+
+def _heads_divide(mesh, nq, nkv) -> bool:
+    """Whether splitting the heads over any mesh axis (or all of them) keeps every query head
+    with its key head."""
+    if nkv == 0 or nq % nkv:
+        return False
+    group = nq // nkv
+    sizes = list(mesh.shape) + [mesh.size()]
+    return all(-(-nq // m) == group * -(-nkv // m) for m in sizes)
+
+
+INDEXER = ("query_index", "key_index", "weights")
+
+
+@register_sharding(torch.ops.opmesh.dense_lightning_indexer_softmax_lse.default)
+def _indexer(query_index, key_index, weights, **kwargs):
+    strategies = [_replicated(INDEXER, (query_index, key_index, weights), kwargs, 2)]
+    if kwargs.get("layout", "BSND") != "BSND":
+        return strategies  # TND token shards need rewritten lengths: the DFunction path
+    args = (query_index, key_index, weights)
+    # Data parallel: the batch dim of every tensor, lengths included.
+    strategies.append(([Shard(0), Shard(0)], _inputs(INDEXER, args, kwargs, lambda _n: Shard(0))))
+    unbounded = all(kwargs.get(n, 2**63 - 1) >= 2**31 - 256 for n in ("pre_tokens", "next_tokens"))
+    lengths = any(kwargs.get(n) is not None for n in ("actual_seq_qlen", "actual_seq_klen"))
+    if kwargs.get("sparse_mode", 3) == 0 and unbounded and not lengths:
+        # No mask: query rows are independent and see every key.
+        rows = {"query_index": Shard(1), "weights": Shard(1), "key_index": R}
+        strategies.append(([Shard(2), Shard(2)], _inputs(INDEXER, args, kwargs, rows.get)))
+    return strategies
+
+
+ATTN = ("q", "k", "v")
+ATTN_BACKWARD = ("dout", "q", "k", "v", "out", "lse")
+
+
+def _attn_strategies(mesh, names, args, kwargs, outputs, nq, nkv):
+    """Replicated, batch-sharded and head-sharded strategies of flash_attn (forward: outputs
+    ``out, lse``) or its backward (``dq, dk, dv, dsinks``)."""
+    layout = kwargs.get("layout_q", "BSND")
+    if kwargs.get("layout_kv", "BSND") != layout or kwargs.get("block_table") is not None:
+        return [_replicated(names, args, kwargs, len(outputs))]
+    if kwargs.get("metadata") is not None:
+        return [_replicated(names, args, kwargs, len(outputs))]  # a plan of the global call
+    layout_out = kwargs.get("layout_out", "BSND")
+    b, _s, n = ATTN_DIMS[layout]
+    ob, _os, on = ATTN_DIMS[layout_out]
+    lb, ln, _ls = LSE_DIMS[layout]
+    has_lse = kwargs.get("return_softmax_lse", False) or "dq" in outputs
+    has_sinks = kwargs.get("sinks") is not None
+    strategies = [_replicated(names, args, kwargs, len(outputs))]
+
+    def strategy(tensor_dim, out_dim, lse_dim, lengths, sinks, dsinks):
+        by_name = {n_: Shard(tensor_dim) for n_ in ("q", "k", "v", "dout")}
+        by_name.update(out=Shard(out_dim), lse=Shard(lse_dim), dlse=Shard(lse_dim), sinks=sinks)
+        by_name.update(seqused_q=lengths, seqused_kv=lengths, cu_seqlens_q=R, cu_seqlens_kv=R)
+        inputs = _inputs(names, args, kwargs, by_name.get)
+        if "dq" in outputs:
+            return ([Shard(tensor_dim)] * 3 + [dsinks if has_sinks else R], inputs)
+        return ([Shard(out_dim), Shard(lse_dim) if has_lse else R], inputs)
+
+    if b is not None:
+        # Data parallel: each rank's sequences; sinks' gradient is a sum over the batch.
+        strategies.append(strategy(b, ob, lb, Shard(0), R, Partial()))
+    if _heads_divide(mesh, nq, nkv):
+        strategies.append(strategy(n, on, ln, R, Shard(0), Shard(0)))
+    return strategies
+
+
+@register_sharding(torch.ops.opmesh.flash_attn.default)
+def _flash_attn(q, k, v, **kwargs):
+    n = ATTN_DIMS[kwargs.get("layout_q", "BSND")][2]
+    heads_kv = k.shape[n] if kwargs.get("block_table") is None else 0
+    return _attn_strategies(q.mesh, ATTN, (q, k, v), kwargs, ("out", "lse"), q.shape[n], heads_kv)
+
+
+@register_sharding(torch.ops.opmesh.flash_attn_backward.default)
+def _flash_attn_backward(dout, q, k, v, out, lse, **kwargs):
+    n = ATTN_DIMS[kwargs.get("layout_q", "BSND")][2]
+    return _attn_strategies(
+        q.mesh,
+        ATTN_BACKWARD,
+        (dout, q, k, v, out, lse),
+        kwargs,
+        ("dq", "dk", "dv", "dsinks"),
+        q.shape[n],
+        k.shape[n],
+    )
+
+
+MERGE = ("out_a", "lse_a", "out_b", "lse_b")
+
+
+@register_sharding(torch.ops.opmesh.merge_attn_states.default)
+def _merge(out_a, lse_a, out_b, lse_b, **kwargs):
+    layout = kwargs.get("layout", "BSND")
+    args = (out_a, lse_a, out_b, lse_b)
+    strategies = [_replicated(MERGE, args, kwargs, 2)]
+    for out_dim, lse_dim in zip(ATTN_DIMS[layout], LSE_DIMS[layout], strict=True):
+        if out_dim is None:
+            continue
+        placement = {"out_a": Shard(out_dim), "out_b": Shard(out_dim)}
+        placement.update(lse_a=Shard(lse_dim), lse_b=Shard(lse_dim))
+        strategies.append(
+            ([Shard(out_dim), Shard(lse_dim)], _inputs(MERGE, args, kwargs, placement.get))
+        )
+    return strategies
+
+
+KL = (
+    "query",
+    "key",
+    "query_index",
+    "key_index",
+    "weights",
+    "softmax_max",
+    "softmax_sum",
+    "softmax_max_index",
+    "softmax_sum_index",
+)
+
+
+@register_sharding(torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss.default)
+def _kl_loss(*args, **kwargs):
+    tensors = args[: len(KL)]
+    strategies = [_replicated(KL, tensors, kwargs, 4)]
+    if kwargs.get("layout", "BSND") == "BSND":
+        # Data parallel: every tensor by its batch; the loss is a sum over the ranks.
+        outputs = [Shard(0), Shard(0), Shard(0), Partial()]
+        strategies.append((outputs, _inputs(KL, tensors, kwargs, lambda _n: Shard(0))))
+    return strategies
