@@ -12,11 +12,59 @@ the order DTensor sees them (positional tensors, then keyword tensors in call or
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, TupleStrategy
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 R = Replicate()
+
+
+def _spec_of(strategy):
+    if isinstance(strategy, OpStrategy):
+        return strategy.strategies[0].output_spec
+    if isinstance(strategy, TupleStrategy):
+        return tuple(_spec_of(s) for s in strategy.children)
+    return strategy
+
+
+def _strategy(sharding_fn, op_schema):
+    """DTensor's strategy for one call: ``sharding_fn``'s per-axis strategies expanded to the
+    whole mesh. Uneven shards are allowed: every strategy here splits dims whose slices are
+    independent problems (a batch of 3 over 2 ranks is 2 + 1 sequences)."""
+    args = tuple(_spec_of(a) for a in op_schema.args_schema)
+    kwargs = {k: _spec_of(v) for k, v in op_schema.kwargs_schema.items()}
+    per_axis = [list(out) + list(inp) for out, inp in sharding_fn(*args, **kwargs)]
+    return expand_to_full_mesh_op_strategy(
+        op_schema.get_mesh_from_args(),
+        op_schema,
+        per_axis,
+        input_index=len(op_schema.op._schema.returns),
+        allow_uneven_sharding=True,
+    )
+
+
+def register_sharding(op):
+    """Registers ``fn(*args, **kwargs) -> [(output placements, input placements), ...]`` (per
+    mesh axis) as ``op``'s DTensor strategy. PyTorch's experimental register_sharding does the
+    same but refuses uneven shards. DTensor never redistributes keyword tensors, so a strategy
+    lists them only as the caller must already have placed them."""
+
+    def wrapper(fn):
+        # Every keyword argument keys DTensor's strategy cache: the layouts, masks and which
+        # optional tensors are present all change the strategies.
+        keys = [a.name for a in op._schema.arguments if a.kwarg_only]
+        info = RuntimeSchemaInfo(100, keys or None, needs_pytree=True)
+        DTensor._op_dispatcher.sharding_propagator.register_op_strategy(
+            op, partial(_strategy, fn), info
+        )
+        return fn
+
+    return wrapper
+
+
 # (batch, sequence, heads) dims of q/k/v/out, and the lse's (batch, heads, sequence) dims.
 ATTN_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 2, 1), "TND": (None, 0, 1)}
 LSE_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 1, 2), "TND": (None, 0, 1)}
