@@ -1,5 +1,6 @@
-"""The training example trains: its KL loss falls and the indexer's top-k recall of the main
-attention's mass rises (a short run, as `make demo` does)."""
+"""The training examples train: the indexer warm-up (its KL loss falls and the indexer's top-k
+recall of the main attention's mass rises, a short run as `make demo` does), and context parallel
+training under torchrun (its loss falls and follows one process's)."""
 
 import re
 import subprocess
@@ -23,3 +24,23 @@ def test_train_indexer_warmup_learns():
     first, last = map(float, re.search(r"KL per token: ([0-9.]+) -> ([0-9.]+)", out).groups())
     assert last < 0.7 * first, out
     assert recalls[-1] > before + 0.2, out
+
+
+def test_train_context_parallel_learns_and_matches_one_process():
+    """torchrun with 2 ranks: the loss falls, and every step's loss equals that of the same model
+    trained in one process on whole sequences."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2", str(ROOT / "examples" / "train_context_parallel.py"), "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )  # fmt: skip
+    out = result.stdout
+    first, last = map(float, re.search(r"loss ([0-9.]+) -> ([0-9.]+) on 2 ranks", out).groups())
+    difference = float(re.search(r"largest loss difference from one process: (\S+)", out)[1])
+    assert last < 0.1 * first, out
+    assert difference < 1e-3, out
