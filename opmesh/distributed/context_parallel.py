@@ -61,20 +61,80 @@ def _chunks(x: torch.Tensor, dim: int, cp_size: int) -> list[torch.Tensor]:
     return list(torch.chunk(x, 2 * cp_size, dim=dim))
 
 
-def to_head_tail(x: torch.Tensor, dim: int, cp_size: int, order: str = "opmesh") -> torch.Tensor:
+def _sequence_chunks(x, dim, cp_size, cu_seqlens):
+    """Per sequence of a TND batch (cumulative lengths `cu_seqlens` from 0), its 2 * cp_size
+    chunks along dim."""
+    cu = [int(v) for v in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    if not cu or cu[0] != 0 or cu[-1] != x.shape[dim]:
+        raise ValueError(
+            f"cu_seqlens: expected cumulative lengths from 0 to {x.shape[dim]} (dim {dim} of x), "
+            f"got {cu}"
+        )
+    out = []
+    for b in range(len(cu) - 1):
+        length = cu[b + 1] - cu[b]
+        if length < 0 or length % (2 * cp_size) != 0:
+            raise ValueError(
+                f"cu_seqlens: sequence {b} has {length} tokens, not a multiple of 2 * cp_size = "
+                f"{2 * cp_size}, as head-tail order needs"
+            )
+        out.append(list(torch.chunk(x.narrow(dim, cu[b], length), 2 * cp_size, dim=dim)))
+    return out
+
+
+def to_head_tail(
+    x: torch.Tensor, dim: int, cp_size: int, order: str = "opmesh", *, cu_seqlens=None
+) -> torch.Tensor:
     """Reorders dim of x so that sharding it over cp_size ranks gives each rank its two chunks
-    of the original order (see the module's table for the two orders)."""
-    chunks = _chunks(x, dim, cp_size)
-    return torch.cat([chunks[i] for i in _order(cp_size, order)], dim=dim)
+    of the original order (see the module's table for the two orders).
+
+    With ``cu_seqlens`` (a TND batch's cumulative lengths from 0), every sequence is cut into
+    2 * cp_size chunks (its length must be a multiple of that): rank r's shard holds, sequence by
+    sequence, that sequence's two chunks of rank r."""
+    if cu_seqlens is None:
+        chunks = _chunks(x, dim, cp_size)
+        return torch.cat([chunks[i] for i in _order(cp_size, order)], dim=dim)
+    if cp_size < 1:
+        raise ValueError(f"cp_size: must be >= 1, got {cp_size}")
+    per_sequence = _sequence_chunks(x, dim, cp_size, cu_seqlens)
+    parts = [
+        chunks[c]
+        for r in range(cp_size)
+        for chunks in per_sequence
+        for c in chunk_pair(r, cp_size, order)
+    ]
+    return torch.cat(parts, dim=dim) if parts else x
 
 
-def from_head_tail(x: torch.Tensor, dim: int, cp_size: int, order: str = "opmesh") -> torch.Tensor:
-    """Inverse of to_head_tail."""
-    chunks = _chunks(x, dim, cp_size)
-    inverse = [0] * (2 * cp_size)
-    for position, chunk in enumerate(_order(cp_size, order)):
-        inverse[chunk] = position
-    return torch.cat([chunks[inverse[i]] for i in range(2 * cp_size)], dim=dim)
+def from_head_tail(
+    x: torch.Tensor, dim: int, cp_size: int, order: str = "opmesh", *, cu_seqlens=None
+) -> torch.Tensor:
+    """Inverse of to_head_tail (with the same ``cu_seqlens``, the sequences' natural lengths)."""
+    if cu_seqlens is None:
+        chunks = _chunks(x, dim, cp_size)
+        inverse = [0] * (2 * cp_size)
+        for position, chunk in enumerate(_order(cp_size, order)):
+            inverse[chunk] = position
+        return torch.cat([chunks[inverse[i]] for i in range(2 * cp_size)], dim=dim)
+    if cp_size < 1:
+        raise ValueError(f"cp_size: must be >= 1, got {cp_size}")
+    # The chunk sizes are the natural order's; find each chunk's place in x.
+    sizes = [
+        [c.shape[dim] for c in chunks] for chunks in _sequence_chunks(x, dim, cp_size, cu_seqlens)
+    ]
+    where = {}
+    offset = 0
+    for r in range(cp_size):
+        for b, chunk_sizes in enumerate(sizes):
+            for c in chunk_pair(r, cp_size, order):
+                where[(b, c)] = offset
+                offset += chunk_sizes[c]
+    parts = [
+        x.narrow(dim, where[(b, c)], chunk_sizes[c])
+        for b, chunk_sizes in enumerate(sizes)
+        for c in range(2 * cp_size)
+    ]
+    return torch.cat(parts, dim=dim) if parts else x
 
 
 _UNSET = object()

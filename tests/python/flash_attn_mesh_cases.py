@@ -164,6 +164,52 @@ def _check_tnd(mesh, q_lens, k_lens, placements, nq=4, nkv=2, d=16, **kw):
         _close(x.grad, leaf.grad, name)
 
 
+def _check_tnd_head_tail(mesh, order, q_lens, k_lens, kv_sharded, nq=4, nkv=2, d=16, **kw):
+    """TND in head-tail order (every sequence cut into 2 * cp chunks): q, and k and v when
+    sharded, given in that order; outputs and gradients converted back and compared."""
+    cp = mesh.size(0)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(q_lens), nq, d, generator=g)
+    k = torch.randn(sum(k_lens), nkv, d, generator=g)
+    v = torch.randn(sum(k_lens), nkv, d, generator=g)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    cu_q, cu_k = cu(q_lens), cu(k_lens)
+    options = dict(
+        layout_q="TND", layout_kv="TND", layout_out="TND", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+        **kw,
+    )  # fmt: skip
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = opmesh.flash_attn(*leaves, return_softmax_lse=True, **options)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    (out * dout).sum().backward()
+
+    def ht(x, cu_, dim=0):
+        return opmesh.to_head_tail(x, dim, cp, order, cu_seqlens=cu_)
+
+    def back(x, cu_, dim=0):
+        return opmesh.from_head_tail(x.full_tensor(), dim, cp, order, cu_seqlens=cu_)
+
+    S0 = [Shard(0)]
+    dq = opmesh.distribute_tensor(ht(q, cu_q), mesh, S0).requires_grad_()
+    dk, dv = (
+        opmesh.distribute_tensor(
+            ht(x, cu_k) if kv_sharded else x, mesh, S0 if kv_sharded else [R]
+        ).requires_grad_()
+        for x in (k, v)
+    )
+    with opmesh.head_tail_cp(order):
+        got, got_lse = opmesh.flash_attn(dq, dk, dv, return_softmax_lse=True, **options)
+    (got * opmesh.distribute_tensor(ht(dout, cu_q), mesh, got.placements)).sum().backward()
+    _close(back(got, cu_q), out.detach(), "out")
+    _close(back(got_lse, cu_q, 1), lse.detach(), "lse")
+    _close(back(dq.grad, cu_q), leaves[0].grad, "dq")
+    for name, x, leaf in (("dk", dk, leaves[1]), ("dv", dv, leaves[2])):
+        _close(back(x.grad, cu_k) if kv_sharded else x.grad, leaf.grad, name)
+
+
 def _aligned_lengths(m, t1, t2):
     """Sequence lengths whose query and key tokens, split m ways as DTensor splits them, give
     every rank whole sequences: two per rank (some empty) plus an empty one between ranks."""
@@ -358,6 +404,33 @@ def cases(mesh):
             mesh, "hyperparallel", True, mask_mode=4, win_left=4, win_right=3
         ),
         "head_tail_process_switch": lambda: case_process_switch(mesh),
+        "tnd_head_tail_opmesh_gathered": lambda: _check_tnd_head_tail(
+            mesh,
+            "opmesh",
+            [4 * m, 0, 6 * m, 2 * m],
+            [4 * m, 2 * m, 6 * m, 4 * m],
+            True,
+            mask_mode=3,
+        ),  # fmt: skip
+        "tnd_head_tail_hyperparallel_gathered": lambda: _check_tnd_head_tail(
+            mesh, "hyperparallel", [8 * m, 2 * m, 0], [8 * m, 4 * m, 2 * m], True, mask_mode=3
+        ),
+        "tnd_head_tail_replicated_kv_more_keys": lambda: _check_tnd_head_tail(
+            mesh, "hyperparallel", [2 * m, 6 * m], [5, 6 * m + 3], False, mask_mode=3
+        ),
+        "tnd_head_tail_window": lambda: _check_tnd_head_tail(
+            mesh,
+            "opmesh",
+            [6 * m, 4 * m],
+            [6 * m, 4 * m],
+            True,
+            mask_mode=4,
+            win_left=3,
+            win_right=0,
+        ),  # fmt: skip
+        "tnd_head_tail_no_mask": lambda: _check_tnd_head_tail(
+            mesh, "opmesh", [2 * m, 4 * m], [6 * m, 2 * m], True
+        ),
         "tnd_dp_whole_sequences_causal": lambda: case_tnd_data_parallel(mesh, mask_mode=3),
         "tnd_dp_whole_sequences_window": lambda: case_tnd_data_parallel(
             mesh, mask_mode=4, win_left=2, win_right=3
@@ -466,6 +539,11 @@ CASE_NAMES = [
     "head_tail_sliding_window",
     "head_tail_window_both_sides",
     "head_tail_process_switch",
+    "tnd_head_tail_opmesh_gathered",
+    "tnd_head_tail_hyperparallel_gathered",
+    "tnd_head_tail_replicated_kv_more_keys",
+    "tnd_head_tail_window",
+    "tnd_head_tail_no_mask",
     "tnd_dp_whole_sequences_causal",
     "tnd_dp_whole_sequences_window",
     "errors",

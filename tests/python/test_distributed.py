@@ -143,3 +143,23 @@ def test_platform_is_selected_by_environment(monkeypatch):
     assert platform.current().name == "torch"
     with pytest.raises(ValueError, match="OPMESH_PLATFORM"):
         platform._load("nonsense")
+
+
+def test_to_head_tail_per_sequence_round_trip_and_errors():
+    cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)  # an empty sequence in the middle
+    x = torch.arange(24)
+    rank0 = [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]  # chunks 0 and 3 of each sequence
+    want = {
+        "opmesh": rank0 + [2, 3, 4, 5, 12, 13, 14, 15, 16, 17, 18, 19],  # chunks 1, 2
+        "hyperparallel": rank0 + [4, 5, 2, 3, 16, 17, 18, 19, 12, 13, 14, 15],  # chunks 2, 1
+    }
+    for order, expected in want.items():
+        y = opmesh.to_head_tail(x, 0, 2, order, cu_seqlens=cu)
+        assert y.tolist() == expected, order
+        assert torch.equal(opmesh.from_head_tail(y, 0, 2, order, cu_seqlens=cu), x)
+        wide = torch.stack([x, -x], dim=1)  # another dim alongside
+        assert torch.equal(opmesh.to_head_tail(wide, 0, 2, order, cu_seqlens=cu)[:, 1], -y)
+    with pytest.raises(ValueError, match="^cu_seqlens: sequence 2 has 10 tokens, not a multiple"):
+        opmesh.to_head_tail(torch.arange(18), 0, 2, cu_seqlens=[0, 8, 8, 18])
+    with pytest.raises(ValueError, match="^cu_seqlens: expected cumulative lengths from 0 to 24"):
+        opmesh.to_head_tail(x, 0, 2, cu_seqlens=[0, 8, 20])

@@ -15,6 +15,8 @@ shard:
   [start, start + L) keep their global key range: the local call's ``seqused_kv`` is
   ``start + L + S2 - S1``, so the bottom-right diagonal stays where the global call has it.
   Masks 0, 3 and 4 (any window; in TND with ``win_right=0``, a causal sliding window).
+  Head-tail order (context_parallel.py) in every layout; for TND every sequence is cut into
+  2 * cp chunks.
 
 D is never sharded, no input may be Partial. Without context parallel, ``metadata`` is each
 rank's plan of its local problem (its batch slice and heads), made with flash_attn_metadata
@@ -176,10 +178,10 @@ class FlashAttnDistributedOp(DistributedOp):
             for name in ("seqused_q", "seqused_kv"):
                 if kwargs.get(name) is not None:
                     raise ValueError(f"{name}: not supported with the query sequence sharded")
-            if layout_q == "TND" and (strategy == "ring" or order is not None):
+            if layout_q == "TND" and strategy == "ring":
                 raise ValueError(
-                    "layout_q: TND context parallel uses the all-gather strategy in sequence "
-                    "order (no ring, no head-tail)"
+                    "layout_q: TND context parallel uses the all-gather strategy (in sequence or "
+                    "head-tail order), not the ring"
                 )
             if strategy == "ring":
                 self._check_ring(layouts, qm, km, vm, s, mode, order)
@@ -360,6 +362,60 @@ class _Local:
         kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
         return kwargs
 
+    def _tnd_head_tail(self, q, k, v, kwargs):
+        """TND in head-tail order: the rank's rows are, sequence by sequence, its two chunks of
+        that sequence. One call takes every sequence's first chunk, another every second chunk,
+        each with the sequence's keys up to the chunk's diagonal; the rows are put back in the
+        local order."""
+        import torch
+
+        cu_q = [int(x) for x in kwargs["cu_seqlens_q"].tolist()]
+        cu_k = [int(x) for x in kwargs["cu_seqlens_kv"].tolist()]
+        if cu_q[-1] != self.s1:
+            raise ValueError(
+                f"cu_seqlens_q: last entry {cu_q[-1]} must equal the query token count {self.s1}"
+            )
+        parts = 2 * self.cp_size
+        for b in range(len(cu_q) - 1):
+            if (cu_q[b + 1] - cu_q[b]) % parts:
+                raise ValueError(
+                    f"cu_seqlens_q: sequence {b} has {cu_q[b + 1] - cu_q[b]} query tokens, not a "
+                    f"multiple of 2 * cp = {parts}, as head-tail order needs"
+                )
+        if self.gathered:
+            k = from_head_tail(k, 0, self.cp_size, self.order, cu_seqlens=cu_k)
+            v = from_head_tail(v, 0, self.cp_size, self.order, cu_seqlens=cu_k)
+        mode = kwargs.get("mask_mode", 0)
+        pair = chunk_pair(self.rank, self.cp_size, self.order)
+        lengths = [(cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]) for b in range(len(cu_q) - 1)]
+        rows, local, halves = [], 0, [[], []]
+        for q_len, _ in lengths:
+            chunk = q_len // parts
+            for half in range(2):
+                halves[half].append(torch.arange(local, local + chunk))
+                local += chunk
+        outs, lses = [], []
+        for half, chunk_index in enumerate(pair):
+            index = torch.cat(halves[half]) if halves[half] else torch.zeros(0, dtype=torch.long)
+            rows.append(index)
+            chunks = [q_len // parts for q_len, _ in lengths]
+            used = [
+                k_len if mode == 0 else max(0, min(k_len, (chunk_index + 1) * c + k_len - q_len))
+                for (q_len, k_len), c in zip(lengths, chunks, strict=True)
+            ]
+            call = dict(kwargs)
+            call["cu_seqlens_q"] = torch.tensor([0, *_cumsum(chunks)], dtype=torch.int32)
+            call["seqused_kv"] = torch.tensor(used, dtype=torch.int32)
+            call["max_seqlen_q"] = call["max_seqlen_kv"] = None
+            out, lse = self.func(q.index_select(0, index), k, v, **call)
+            outs.append(out)
+            lses.append(lse)
+        order = torch.argsort(torch.cat(rows))
+        out = torch.cat(outs).index_select(0, order)
+        if lses[0].numel() == 0 and lses[1].numel() == 0:
+            return out, lses[0]
+        return out, torch.cat(lses, dim=1).index_select(1, order)
+
     def __call__(self, q, k, v, **kwargs):
         import torch
 
@@ -370,6 +426,8 @@ class _Local:
                     kwargs[name] = kwargs[name][b0:b1]
         if self.slice_sinks and kwargs.get("sinks") is not None:
             kwargs["sinks"] = kwargs["sinks"][self.heads[0] : self.heads[1]]
+        if self.tnd and self.cp and self.order is not None:
+            return self._tnd_head_tail(q, k, v, kwargs)
         if self.tnd and self.cp:
             return self.func(q, k, v, **self._tnd_slice(kwargs))
         if not self.cp or kwargs.get("mask_mode", 0) == 0:
@@ -396,6 +454,14 @@ class _Local:
             halves[0][1] if halves[0][1].numel() == 0 else torch.cat([h[1] for h in halves], dim=2)
         )
         return out, lse
+
+
+def _cumsum(values):
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
 
 
 def _shard_ranges(total, shards):
