@@ -59,11 +59,13 @@ from .ops import (  # noqa: E402
     kv_cache_write_,
     merge_attn_states,
 )
+from .plan import FlashAttnPlan  # noqa: E402
 
 __all__ = [
     "__version__",
     "DFunction",
     "DistributedOp",
+    "FlashAttnPlan",
     "Layout",
     "Partial",
     "Replicate",

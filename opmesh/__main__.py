@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import argparse
 
+PROG = "python -m opmesh"
+# The operator arguments behind the plan command's options.
+OPTION_OF_ARGUMENT = {
+    "num_heads_q": "--heads-q",
+    "num_heads_kv": "--heads-kv",
+    "head_dim": "--head-dim",
+    "num_workers": "--num-workers",
+    "cu_seqlens_q": "--seqlens-q",
+    "cu_seqlens_kv": "--seqlens-kv",
+}
+
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m opmesh", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the operators on realistic inputs and check them")
     demo.add_argument("--seq", type=int, default=4096, help="sequence length S1 = S2")
@@ -17,14 +31,37 @@ def main(argv=None):
     plan.add_argument("--seqlens-q", type=int, nargs="+", required=True, help="query lengths")
     plan.add_argument("--seqlens-kv", type=int, nargs="+", help="key lengths (default: query's)")
     plan.add_argument("--num-workers", type=int, default=None, help="default: thread count")
-    plan.add_argument("--heads-q", type=int, default=32)
-    plan.add_argument("--heads-kv", type=int, default=8)
-    plan.add_argument("--head-dim", type=int, default=128)
-    plan.add_argument("--mask-mode", type=int, default=3, choices=[0, 3])
+    plan.add_argument("--heads-q", type=int, default=32, help="query heads (default 32)")
+    plan.add_argument("--heads-kv", type=int, default=8, help="key/value heads (default 8)")
+    plan.add_argument("--head-dim", type=int, default=128, help="head dim D (default 128)")
+    plan.add_argument(
+        "--mask-mode", type=int, default=3, choices=[0, 3], help="0: none, 3: causal (default)"
+    )
     plan.add_argument("--deterministic", action="store_true", help="fixed 1024-key splits")
     plan.add_argument("--png", help="draw the per-worker timelines to this file")
     sub.add_parser("mesh-demo", help="the indexer on a (2, 4) mesh of 8 local gloo processes")
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, TypeError, RuntimeError) as error:
+        # A bad argument reported in one line, as argparse reports its own.
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        for name, flag in OPTION_OF_ARGUMENT.items():  # name the option the user typed
+            if first.startswith(f"{name}:"):
+                first = flag + first[len(name) :]
+        parser.exit(2, f"{PROG} {args.command}: error: {first}\n")
+
+
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("opmesh")
+    except PackageNotFoundError:
+        return "(source tree)"
+
+
+def _run(args):
     if args.command == "mesh-demo":
         from ._mesh_demo import run_mesh_demo
 

@@ -74,45 +74,106 @@ def draw(metadata, q_lens, k_lens, path):
     summary = opmesh.describe_metadata(metadata)
     workers = plan_pieces(metadata, q_lens, k_lens)
     colors = plt.get_cmap("tab20")
-    height = max(3.0, 0.18 * len(workers) + 1.5)
-    fig, ax = plt.subplots(figsize=(11, height))
-    pieces_of_tile = Counter((p["b"], p["h"], p["t"]) for pieces in workers for p in pieces)
-    for w, pieces in enumerate(workers):
-        start = 0.0
-        for p in pieces:
-            split = pieces_of_tile[(p["b"], p["h"], p["t"])] > 1
-            ax.barh(
-                w,
-                p["cost"] / 1e3,
-                left=start / 1e3,
-                height=0.8,
-                color=colors(p["b"] % 20),
-                edgecolor="black" if split else "none",
-                linewidth=0.3,
-                hatch="///" if split else None,
-            )
-            start += p["cost"]
-    ax.axvline(summary["lower_bound"] / 1e3, color="red", linestyle="--", label="lower bound")
-    ax.set_xlabel("modelled time (µs)")
-    ax.set_ylabel("logical worker")
-    ax.invert_yaxis()
+    height = max(3.5, 0.22 * len(workers) + 1.8)
+    fig, ax = plt.subplots(figsize=(12, height))
+    longest = max((sum(p["cost"] for p in pieces) for pieces in workers), default=0)
+    min_width = 0.006 * max(longest, summary["lower_bound"])
+    for w, b, split, left, width in layout_runs(workers, min_width):
+        ax.barh(
+            w,
+            width / 1e3,
+            left=left / 1e3,
+            height=0.8,
+            color=colors(b % 20),
+            edgecolor="black" if split else "white",
+            linewidth=0.5,
+            hatch="///" if split else None,
+        )
+    ax.axvline(summary["lower_bound"] / 1e3, color="red", linestyle="--")
+    ax.set_xlabel("modelled time (µs); runs shorter than 0.6% of the axis widened to stay visible")
+    # Every worker labelled up to 48 of them; beyond, every n-th, and the axis says so.
+    step = 1 if len(workers) <= 48 else -(-len(workers) // 48)
+    ax.set_yticks(range(0, len(workers), step))
+    ax.set_ylabel("logical worker" + (f" (one label per {step} workers)" if step > 1 else ""))
+    ax.set_ylim(len(workers) - 0.5, -0.5)
     ratio = summary["makespan"] / summary["lower_bound"] if summary["lower_bound"] else 1.0
     ax.set_title(
         f"{len(q_lens)} sequences on {summary['num_workers']} workers: makespan / lower "
-        f"bound = {ratio:.3f}, {summary['num_splits']} split tiles, "
-        f"{summary['num_tasks']} tasks (colour: sequence; hatched: split)"
+        f"bound = {ratio:.3f}, {summary['num_splits']} split tiles, {summary['num_tasks']} tasks"
     )
-    ax.legend(loc="lower right")
+    handles = _legend_handles(plt, colors, q_lens, k_lens)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+        title="sequence (q/k tokens)",
+        title_fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def layout_runs(workers, min_width):
+    """The bars to draw: ``(worker, sequence, split, left, width)`` per run of consecutive
+    pieces of one sequence on a worker (split and unsplit pieces apart). Every run is at least
+    ``min_width`` wide so that it stays visible; the runs after a widened one move right by as
+    much, so no run hides another."""
+    pieces_of_tile = Counter((p["b"], p["h"], p["t"]) for pieces in workers for p in pieces)
+    bars = []
+    for w, pieces in enumerate(workers):
+        runs = []  # [sequence, split, start, cost]
+        start = 0.0
+        for p in pieces:
+            split = pieces_of_tile[(p["b"], p["h"], p["t"])] > 1
+            if runs and runs[-1][0] == p["b"] and runs[-1][1] == split:
+                runs[-1][3] += p["cost"]
+            else:
+                runs.append([p["b"], split, start, p["cost"]])
+            start += p["cost"]
+        shown_end = 0.0
+        for b, split, left, cost in runs:
+            left = max(left, shown_end)
+            width = max(cost, min_width)
+            shown_end = left + width
+            bars.append((w, b, split, left, width))
+    return bars
+
+
+def _legend_handles(plt, colors, q_lens, k_lens, shown=20):
+    """The legend, outside the bars: one swatch per sequence (the first `shown`; colours repeat
+    every 20 sequences), the split hatching and the lower bound."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [
+        Patch(color=colors(b % 20), label=f"{b}: {q}/{k}")
+        for b, (q, k) in enumerate(zip(q_lens, k_lens, strict=True))
+        if b < shown
+    ]
+    if len(q_lens) > shown:
+        handles.append(
+            Patch(color="white", label=f"... {len(q_lens) - shown} more (colour = index mod 20)")
+        )
+    handles.append(
+        Patch(facecolor="white", edgecolor="black", hatch="///", label="split along the keys")
+    )
+    handles.append(Line2D([0], [0], color="red", linestyle="--", label="lower bound"))
+    return handles
 
 
 def run(args):
     q_lens = args.seqlens_q
     k_lens = args.seqlens_kv or q_lens
     if len(k_lens) != len(q_lens):
-        raise SystemExit("--seqlens-kv: expected one length per --seqlens-q entry")
+        raise ValueError("--seqlens-kv: expected one length per --seqlens-q entry")
+    for flag, lens in (("--seqlens-q", q_lens), ("--seqlens-kv", k_lens)):
+        if any(n < 0 for n in lens):
+            raise ValueError(f"{flag}: lengths must be >= 0, got {min(lens)}")
+    if args.num_workers is not None and args.num_workers < 1:
+        raise ValueError(f"--num-workers: must be >= 1, got {args.num_workers}")
     md = varlen_metadata(
         q_lens,
         k_lens,

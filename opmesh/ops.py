@@ -389,8 +389,19 @@ class _KlLossFunction(DFunction):
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
-    if value is None or isinstance(value, torch.Tensor):
+    if value is None:
         return value
+    if isinstance(value, torch.Tensor):
+        # int64 lengths (what torch.cumsum gives) are taken as int32, as the indexer takes both;
+        # eagerly, values outside the int32 range are refused rather than wrapped.
+        if value.dtype != torch.int64:
+            return value
+        if value.numel() and not torch.compiler.is_compiling() and value.device.type != "meta":
+            low, high = (int(x) for x in value.aminmax())
+            if low < -(2**31) or high >= 2**31:
+                bad = low if low < -(2**31) else high
+                raise ValueError(f"{name}: entry {bad} is outside the int32 range")
+        return value.to(torch.int32)
     if isinstance(value, (list, tuple)):
         entries = _int_list(value, name)
         for i, item in enumerate(entries):
@@ -419,8 +430,8 @@ def flash_attn_metadata(
     win_left: int = -1,
     win_right: int = -1,
     layout_q: str = "BSND",
-    layout_kv: str = "BSND",
-    layout_out: str = "BSND",
+    layout_kv: str | None = None,
+    layout_out: str | None = None,
     num_workers: int | None = None,
     deterministic: bool = False,
     backward: bool = False,
@@ -429,7 +440,9 @@ def flash_attn_metadata(
     its work is cut into tasks and spread over ``num_workers`` logical workers.
 
     Takes the non-tensor arguments of the call it plans (see :func:`flash_attn` for their
-    meaning) and the sequence-length arrays, whose values it reads. ``num_workers`` defaults to
+    meaning, with the same defaults: ``layout_kv`` and ``layout_out`` follow ``layout_q``; pass
+    ``layout_kv="PA_BBND"`` for a paged cache) and the sequence-length arrays, whose values it
+    reads. ``num_workers`` defaults to
     ``torch.get_num_threads()``. The tensor holds ``46 + 16 * num_workers`` words and records every
     argument and a hash of every length array; ``flash_attn`` refuses it for a call that differs.
     One metadata serves every layer that shares these arguments.
@@ -442,6 +455,8 @@ def flash_attn_metadata(
     takes it as ``metadata``): key blocks and query tiles cut into balanced contiguous ranges,
     one pair per worker; its gradients are bitwise the same for any plan and thread count.
     """
+    layout_kv = layout_q if layout_kv is None else layout_kv
+    layout_out = layout_q if layout_out is None else layout_out
     return torch.ops.opmesh.flash_attn_metadata(
         num_heads_q,
         num_heads_kv,
@@ -485,8 +500,8 @@ def flash_attn(
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
     layout_q: str = "BSND",
-    layout_kv: str = "BSND",
-    layout_out: str = "BSND",
+    layout_kv: str | None = None,
+    layout_out: str | None = None,
     return_softmax_lse: bool = False,
     context_parallel: str = "all_gather",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -522,7 +537,10 @@ def flash_attn(
         max_seqlen_q, max_seqlen_kv: fixed by the shape for BSND/BNSD (a given value must agree);
             for TND and paged, the planned maximum (default: the longest sequence, or the
             metadata's).
-        layout_out: ``"TND"`` for TND queries, else ``"BSND"`` or ``"BNSD"``.
+        layout_q, layout_kv: the layouts of q and of k/v. ``layout_kv`` defaults to
+            ``"PA_BBND"`` when a ``block_table`` is given, else to ``layout_q``.
+        layout_out: the output's layout, ``layout_q`` by default: ``"TND"`` for TND queries,
+            else ``"BSND"`` or ``"BNSD"``.
         return_softmax_lse: also return the float32 lse, ``[B, Nq, S1]`` or ``[Nq, T1]``;
             otherwise the second output is empty.
         context_parallel: with DTensors whose query sequence is sharded, how keys and values
@@ -533,6 +551,10 @@ def flash_attn(
     Returns:
         ``(attn_out, softmax_lse)``; ``attn_out`` has q's dtype and head dim ``Dv``.
     """
+    if layout_kv is None:
+        layout_kv = "PA_BBND" if block_table is not None else layout_q
+    if layout_out is None:
+        layout_out = layout_q
     kwargs = dict(
         block_table=block_table,
         cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
