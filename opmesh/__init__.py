@@ -6,6 +6,8 @@ Importing the package loads the compiled extension, which registers the operator
 
 __version__ = "0.2.0"
 
+import os
+
 import torch  # (the extension links against torch's libraries: load them first)
 
 
@@ -49,6 +51,10 @@ from .distributed import (  # noqa: E402
     to_head_tail,
 )
 from .distributed import sharding as _sharding  # noqa: E402, F401  (DTensor strategies)
+
+#: The prefix for CMake's find_package(opmesh) (C++ programs on libopmesh_ops, no Python needed):
+#: the installed package directory holding lib/, include/ and share/cmake/opmesh/.
+cmake_prefix_path = os.path.dirname(os.path.abspath(_C.__file__))
 from .ops import (  # noqa: E402
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
