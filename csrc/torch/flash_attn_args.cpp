@@ -14,12 +14,16 @@ using OptTensor = std::optional<at::Tensor>;
 void check_rank(const at::Tensor& t, attn::Layout layout, const char* name) {
   const Axes a = axes_of(layout);
   if (t.dim() == a.rank) return;
-  const bool suggest_tnd = t.dim() == 3 && layout != attn::Layout::kTND;
+  const std::string argument = std::string("layout_") + (name[0] == 'q' ? "q" : "kv");
+  std::string hint;
+  if (t.dim() == 3 && layout != attn::Layout::kTND) {
+    hint = "; packed tokens [T, N, D] need " + argument + "='TND' and cu_seqlens";
+  } else if (t.dim() == 4 && layout == attn::Layout::kTND) {
+    hint = "; a batch [B, S, N, D] needs " + argument + "='BSND' (or 'BNSD' for [B, N, S, D]" +
+           (name[0] == 'q' ? ")" : ", 'PA_BBND' for a paged cache)");
+  }
   TORCH_CHECK_VALUE(false, name, ": expected a ", a.rank, "-D ", attn::layout_name(layout),
-                    " tensor, got ", t.dim(), "-D with shape ", t.sizes(),
-                    suggest_tnd ? std::string("; packed tokens [T, N, D] need layout_") +
-                                      (name[0] == 'q' ? "q" : "kv") + "='TND' and cu_seqlens"
-                                : std::string());
+                    " tensor, got ", t.dim(), "-D with shape ", t.sizes(), hint);
 }
 
 void check_device(const OptTensor& t, const char* name, const at::Device& device) {
@@ -162,6 +166,14 @@ FlashAttnArgs check_flash_attn_args(
   c.num_heads_kv = concrete(k.sym_size(ka.n));
   c.head_dim = concrete(q.sym_size(qa.d));
   c.head_dim_v = concrete(v.sym_size(ka.d));
+  // A head count that does not divide q's usually means a layout argument does not match the
+  // tensor: say which dims were read as heads, and which arguments to change.
+  TORCH_CHECK_VALUE(c.num_heads_kv > 0 && c.num_heads_q % c.num_heads_kv == 0,
+                    "k: ", c.num_heads_kv, " heads (dim ", ka.n, " of ",
+                    attn::layout_name(c.layout_kv), ") do not divide q's ", c.num_heads_q, " (dim ",
+                    qa.n, " of ", attn::layout_name(c.layout_q),
+                    "); if the tensors are laid out otherwise, set layout_kv (or layout_q) to "
+                    "match them");
   TORCH_CHECK_VALUE(concrete(k.sym_size(ka.d)) == c.head_dim, "k: head_dim ", k.sym_size(ka.d),
                     " differs from q's ", c.head_dim);
   TORCH_CHECK_VALUE(concrete(v.sym_size(ka.n)) == c.num_heads_kv, "v: ", v.sym_size(ka.n),

@@ -48,7 +48,7 @@ CASES = {
     "cu_dtype": (
         TypeError,
         "cu_seqlens_q",
-        lambda: fa(TQ, TK, TK, **{**TND, "cu_seqlens_q": torch.tensor([0, 2, 6])}),
+        lambda: fa(TQ, TK, TK, **{**TND, "cu_seqlens_q": torch.tensor([0.0, 2.0, 6.0])}),
     ),
     "block_table_dtype": (
         TypeError,
@@ -82,7 +82,7 @@ CASES = {
     # shapes
     "heads_not_multiple": (
         ValueError,
-        "num_heads_kv",
+        "k",
         lambda: fa(k=K.repeat(1, 1, 2, 1)[:, :, :3], v=V.repeat(1, 1, 2, 1)[:, :, :3]),
     ),
     "head_dim_mismatch": (ValueError, "k", lambda: fa(k=K[..., :4])),
@@ -147,7 +147,7 @@ CASES = {
     "block_table_not_paged": (
         ValueError,
         "layout_kv",
-        lambda: fa(block_table=PAGED["block_table"]),
+        lambda: fa(block_table=PAGED["block_table"], layout_kv="BSND"),
     ),
     "seqused_kv_missing": (
         ValueError,
@@ -237,21 +237,44 @@ CASES = {
 
 
 HINTS = {
-    # layout_q="TND" alone: the keys' layout is what is missing, not k's rank.
-    "tnd_without_layout_kv": (
+    # layout_q="TND" with the keys stated otherwise: the keys' layout is what to change.
+    "tnd_with_bsnd_layout_kv": (
         "layout_kv",
         "must equal layout_q ('TND')",
-        lambda: fa(TQ, TK, TK, cu_seqlens_q=[0, 2, 6], cu_seqlens_kv=[0, 4, 9], layout_q="TND"),
-    ),
+        lambda: fa(
+            TQ,
+            TK,
+            TK,
+            cu_seqlens_q=[0, 2, 6],
+            cu_seqlens_kv=[0, 4, 9],
+            layout_q="TND",
+            layout_kv="BSND",
+        ),
+    ),  # fmt: skip
     # A 3-D q with the default layout: packed tokens need TND.
     "3d_q_default_layout": ("q", "layout_q='TND'", lambda: fa(TQ, TK, TK)),
-    # A paged cache passed without layout_kv.
-    "paged_without_layout_kv": (
-        "layout_kv",
-        "pass layout_kv='PA_BBND'",
-        lambda: fa(k=CACHE, v=CACHE, block_table=PAGED["block_table"], seqused_kv=[5, 8]),
+    # A 4-D q called TND: a batch needs BSND or BNSD.
+    "4d_q_called_tnd": ("q", "layout_q='BSND'", lambda: fa(layout_q="TND", layout_kv="TND")),
+    # k read with q's layout (BNSD) while it is BSND: its heads do not divide q's.
+    "k_in_another_layout": (
+        "k",
+        "set layout_kv (or layout_q)",
+        lambda: fa(q=Q.transpose(1, 2), layout_q="BNSD", layout_out="BNSD"),
     ),
 }
+
+
+def test_layouts_default_to_q_and_a_block_table_to_paged():
+    """What used to need three agreeing layout arguments follows from q's layout and the
+    block table."""
+    tnd = fa(TQ, TK, TK, cu_seqlens_q=[0, 2, 6], cu_seqlens_kv=[0, 4, 9], layout_q="TND")
+    explicit = fa(TQ, TK, TK, cu_seqlens_q=[0, 2, 6], cu_seqlens_kv=[0, 4, 9], layout_q="TND",
+                  layout_kv="TND", layout_out="TND")  # fmt: skip
+    assert torch.equal(tnd[0], explicit[0])
+    paged = fa(k=CACHE, v=CACHE, block_table=PAGED["block_table"], seqused_kv=[5, 8])
+    stated = fa(k=CACHE, v=CACHE, block_table=PAGED["block_table"], seqused_kv=[5, 8],
+                layout_kv="PA_BBND")  # fmt: skip
+    assert torch.equal(paged[0], stated[0])
 
 
 @pytest.mark.parametrize("name", sorted(HINTS))

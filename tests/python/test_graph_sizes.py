@@ -119,7 +119,7 @@ def meta(*shape, dtype=torch.float32):
 SHAPE_CASES = {
     "heads_not_grouped": (
         ValueError,
-        "num_heads_kv",
+        "k",
         lambda: opmesh.flash_attn(meta(1, 8, 6, 16), meta(1, 8, 4, 16), meta(1, 8, 4, 16)),
     ),
     "head_dim_mismatch": (
@@ -204,7 +204,7 @@ def test_export_refuses_grouping_that_does_not_divide():
             return opmesh.flash_attn(q, k, v)[0]
 
     args = (torch.randn(1, 8, 6, 16), torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16))
-    with pytest.raises(Exception, match="num_heads_kv: must divide num_heads_q=6"):
+    with pytest.raises(Exception, match="k: 4 heads \\(dim 2 of BSND\\) do not divide q's 6"):
         torch.export.export(Bad(), args)
 
 
