@@ -166,6 +166,11 @@ def flash_attn_varlen_func(
     )
     if block_table is not None:
         if seqused_k is None:
+            if cu_seqlens_k is None:
+                raise ValueError(
+                    "seqused_k: a paged cache needs the keys per sequence, as seqused_k or as "
+                    "cu_seqlens_k"
+                )
             cu = _int32(cu_seqlens_k, "cu_seqlens_k")
             seqused_k = (cu[1:] - cu[:-1]).to(torch.int32)
         out, lse = ops.flash_attn(

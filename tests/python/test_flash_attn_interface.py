@@ -256,6 +256,13 @@ def test_bad_windows_are_named(kwargs, argument):
         flash_attn_func(q, q, q, **kwargs)
 
 
+def test_paged_varlen_without_key_lengths_is_named():
+    q, cache = randn(3, 2, 8), torch.zeros(2, 4, 2, 8)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^seqused_k: a paged cache needs"):
+        flash_attn_varlen_func(q, cache, cache, _cu([3]), None, block_table=table)
+
+
 def test_kvcache_errors_are_named():
     q, cache = randn(2, 1, 2, 8), torch.zeros(2, 4, 2, 8)
     with pytest.raises(ValueError, match="^k: k and v are appended together"):
@@ -321,3 +328,32 @@ def test_varlen_gradients_match_reference():
     torch.cat(outs).mul(dout.double()).sum().backward()
     for name, a, b_ in zip("qkv", ours, leaves, strict=True):
         assert_close(a.grad, b_.grad, f"d{name}", tol=1e-4)
+
+
+def test_compiles_with_fullgraph():
+    q, k, v = randn(2, 33, 8, 32, seed=1), randn(2, 33, 2, 32, seed=2), randn(2, 33, 2, 32, seed=3)
+
+    def step(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, window_size=(8, 0))
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_paged_with_seqused_k_only():
+    cu_q = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    table = torch.arange(9, dtype=torch.int32).view(3, 3)
+    k_cache, v_cache = randn(9, 4, 2, 32, seed=1), randn(9, 4, 2, 32, seed=2)
+    used = torch.tensor([5, 0, 12], dtype=torch.int32)
+    q = randn(7, 8, 32, seed=3)
+    got = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, None, block_table=table, seqused_k=used, causal=True
+    )
+    for b, (start, end) in enumerate([(0, 3), (3, 3), (3, 7)]):
+        n = int(used[b])
+        keys = torch.cat([k_cache[table[b, j // 4], j % 4].unsqueeze(0) for j in range(n)] or
+                         [torch.zeros(0, 2, 32)])  # fmt: skip
+        values = torch.cat([v_cache[table[b, j // 4], j % 4].unsqueeze(0) for j in range(n)] or
+                           [torch.zeros(0, 2, 32)])  # fmt: skip
+        want, _ = reference(q[start:end], keys, values, True)
+        assert_close(got[start:end], want, f"sequence {b}")

@@ -104,3 +104,18 @@ def test_plan_errors_are_named():
         opmesh.FlashAttnPlan(4, 2, 16).plan(
             batch_size=1, seqlen_q=1, block_table=torch.zeros(1, 1, dtype=torch.int32)
         )
+
+
+def test_tnd_queries_on_a_paged_cache():
+    cu_q = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    table = torch.arange(9, dtype=torch.int32).view(3, 3)
+    k_cache, v_cache = randn(9, 4, 2, 32, seed=1), randn(9, 4, 2, 32, seed=2)
+    used = torch.tensor([5, 0, 12], dtype=torch.int32)
+    plan = opmesh.FlashAttnPlan(8, 2, 32, causal=True, layout="TND")
+    plan.plan(cu_seqlens_q=cu_q, seqused_kv=used, block_table=table, page_size=4)
+    q = randn(7, 8, 32, seed=3)
+    want, _ = opmesh.flash_attn(
+        q, k_cache, v_cache, cu_seqlens_q=cu_q, block_table=table, seqused_kv=used,
+        layout_q="TND", mask_mode=3,
+    )  # fmt: skip
+    torch.testing.assert_close(plan.run(q, k_cache, v_cache), want, rtol=1e-6, atol=1e-6)
