@@ -230,39 +230,10 @@ def dense_lightning_indexer_grad_kl_loss(
         next_tokens=next_tokens,
     )
     if any(_platform.current().is_dtensor(t) for t in (*args, query_rope, key_rope)):
-        return DISPATCHER.dispatch(
-            "dense_lightning_indexer_grad_kl_loss", _grad_kl_loss_local, args, kwargs
-        )
+        # The local call takes every argument by its schema name.
+        local = torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss
+        return DISPATCHER.dispatch("dense_lightning_indexer_grad_kl_loss", local, args, kwargs)
     return torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(*args, **kwargs)
-
-
-def _grad_kl_loss_local(
-    query,
-    key,
-    query_index,
-    key_index,
-    weights,
-    softmax_max,
-    softmax_sum,
-    softmax_max_index,
-    softmax_sum_index,
-    scale_value,
-    **kwargs,
-):
-    """The fused KL-loss operator on each rank's local tensors (the mesh path)."""
-    return torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
-        query,
-        key,
-        query_index,
-        key_index,
-        weights,
-        softmax_max,
-        softmax_sum,
-        softmax_max_index,
-        softmax_sum_index,
-        scale_value,
-        **kwargs,
-    )
 
 
 def indexer_kl_loss(

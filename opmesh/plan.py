@@ -17,17 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-
-
-def _window(causal, window_size):
-    left, right = window_size
-    if causal:
-        right = 0
-    if left == -1 and right == -1:
-        return 0, -1, -1
-    if left == -1 and right == 0:
-        return 3, -1, -1
-    return 4, left, right
+from .flash_attn_interface import _mask
 
 
 class FlashAttnPlan:
@@ -62,7 +52,7 @@ class FlashAttnPlan:
         self.num_heads_q, self.num_heads_kv = num_heads_q, num_heads_kv
         self.head_dim = head_dim
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
-        self.mask_mode, self.win_left, self.win_right = _window(causal, window_size)
+        self.mask_mode, self.win_left, self.win_right = _mask(causal, window_size)
         self.softmax_scale = softmax_scale
         self.layout = layout
         self.num_workers = num_workers

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "op_signatures.h"
+
 namespace opmesh::binding {
 namespace {
 
@@ -85,14 +87,6 @@ Rest load_rest(AutogradContext* ctx) {
   r.layout_out = d["layout_out"].toStringRef();
   return r;
 }
-
-using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-    int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
-    c10::string_view, c10::string_view, c10::string_view, bool);
 
 using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

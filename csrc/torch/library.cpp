@@ -1,6 +1,7 @@
 // The C++ entry points of libopmesh_ops (include/opmesh/ops.h).
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "op_signatures.h"
 #include "opmesh/ops.h"
 
 #ifndef OPMESH_VERSION
@@ -13,16 +14,8 @@ const char* library_version() { return OPMESH_VERSION; }
 
 namespace {
 
-using FlashAttnSig = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-    int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
-    c10::string_view, c10::string_view, c10::string_view, bool);
-
-using KvCacheWriteSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&);
+using binding::FlashAttnSig;
+using binding::KvCacheWriteSig;
 
 std::optional<c10::SymInt> sym(std::optional<int64_t> value) {
   if (!value.has_value()) return std::nullopt;

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, TupleStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
+from .ops.indexer_kl_loss import PARAMETERS
+
 R = Replicate()
 
 
@@ -193,17 +195,8 @@ def _merge(out_a, lse_a, out_b, lse_b, **kwargs):
     return strategies
 
 
-KL = (
-    "query",
-    "key",
-    "query_index",
-    "key_index",
-    "weights",
-    "softmax_max",
-    "softmax_sum",
-    "softmax_max_index",
-    "softmax_sum_index",
-)
+# The fused KL op's tensor arguments, in schema order (the scale follows them).
+KL = PARAMETERS["dense_lightning_indexer_grad_kl_loss"][:-1]
 
 
 @register_sharding(torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss.default)
