@@ -603,6 +603,7 @@ def mesh_cases(mesh):
     chosen = two_axis_cases(mesh) if mesh.ndim == 2 else cases(mesh)
     for name, kw in RAW_CASES.items():
         chosen[name] = lambda kw=kw: case_raw_ops(mesh, **kw)
+    chosen["raw_tnd_heads"] = lambda: case_raw_tnd_heads(mesh)
     return chosen
 
 
@@ -667,4 +668,42 @@ RAW_CASES = {
     "raw_bnsd_batch": dict(layout="BNSD", by="batch"),
     "raw_bnsd_heads": dict(layout="BNSD", by="heads"),
 }
-RAW_CASE_NAMES = list(RAW_CASES)
+
+
+def case_raw_tnd_heads(mesh):
+    """torch.ops.opmesh.flash_attn in TND with the heads sharded and the lengths as replicated
+    DTensors: the one-device result, and gradients through the raw operator's autograd."""
+    m = mesh.size()
+    q_lens, k_lens = [5, 0, 9], [7, 3, 9]
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(sum(q_lens), 4 * m, 16, generator=g)
+    k = torch.randn(sum(k_lens), 2 * m, 16, generator=g)
+    v = torch.randn(sum(k_lens), 2 * m, 16, generator=g)
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    tnd = dict(layout_q="TND", layout_kv="TND", layout_out="TND", mask_mode=3)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want, want_lse = torch.ops.opmesh.flash_attn(
+        *leaves, cu_seqlens_q=cu(q_lens), cu_seqlens_kv=cu(k_lens), return_softmax_lse=True, **tnd
+    )
+    dout = torch.randn(want.shape, generator=g)
+    (want * dout).sum().backward()
+    heads = [Shard(1)] * mesh.ndim
+    dist = [opmesh.distribute_tensor(x, mesh, heads).requires_grad_() for x in (q, k, v)]
+    lengths = {
+        name: opmesh.distribute_tensor(cu(lens), mesh, [R] * mesh.ndim)
+        for name, lens in (("cu_seqlens_q", q_lens), ("cu_seqlens_kv", k_lens))
+    }
+    got, got_lse = torch.ops.opmesh.flash_attn(*dist, return_softmax_lse=True, **lengths, **tnd)
+    assert tuple(got.placements) == tuple(heads), f"out placements {got.placements}"
+    assert tuple(got_lse.placements) == (Shard(0),) * mesh.ndim, f"lse {got_lse.placements}"
+    (got * opmesh.distribute_tensor(dout, mesh, got.placements)).sum().backward()
+    _close(got, want.detach(), "out")
+    _close(got_lse, want_lse.detach(), "lse")
+    for name, x, leaf in zip(("dq", "dk", "dv"), dist, leaves, strict=True):
+        _close(x.grad, leaf.grad, name)
+
+
+RAW_CASE_NAMES = [*RAW_CASES, "raw_tnd_heads"]
