@@ -62,11 +62,13 @@ def _mask(causal, window_size):
 
 
 def _int32(value, name):
-    """An int32 tensor of lengths or indices (int64 tensors and lists accepted)."""
+    """An int32 tensor of lengths or indices: any integer tensor or a list, through the same
+    conversion (and int32 range check) as opmesh.flash_attn's."""
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype == torch.bool:
             raise ValueError(f"{name}: expected an integer tensor, got {value.dtype}")
-        return value.to(torch.int32)
+        if value.dtype not in (torch.int32, torch.int64):
+            value = value.to(torch.int64)
     return ops._as_int32(value, name)
 
 

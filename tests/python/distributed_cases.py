@@ -7,6 +7,7 @@ single-device call on the same inputs, which every rank computes itself.
 from __future__ import annotations
 
 import torch
+from mesh_runner import expect_error as _expect
 from torch.distributed.tensor import DTensor
 
 import opmesh
@@ -65,16 +66,6 @@ def _check(mesh, layout, placements, sparse_mode=3, head_tail=False, **shape):
             assert isinstance(g, DTensor), "outputs must be DTensors"
     _close(got[0], want[0], "softmax_max")
     _close(got[1], want[1], "softmax_sum")
-
-
-def _expect(exc, prefix, fn):
-    """The call raises `exc` whose message starts with `prefix` (the argument's name first)."""
-    try:
-        fn()
-    except exc as e:
-        assert str(e).startswith(prefix), f"message {str(e)!r} does not start with {prefix!r}"
-        return
-    raise AssertionError(f"expected {exc.__name__} starting with {prefix!r}")
 
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)

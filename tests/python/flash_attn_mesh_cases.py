@@ -9,6 +9,7 @@ largest entry). Sizes that do not divide the mesh are included.
 from __future__ import annotations
 
 import torch
+from mesh_runner import expect_error as _expect
 from torch.distributed.tensor import DTensor
 
 import opmesh
@@ -134,53 +135,55 @@ def _check_head_tail(mesh, order, kv_sharded, b=1, s1=None, nq=4, nkv=2, mask_mo
         _close(back(g) if kv_sharded else g, leaf.grad, name)
 
 
-def _check_tnd(mesh, q_lens, k_lens, placements, nq=4, nkv=2, d=16, **kw):
-    """TND varlen: the global cu_seqlens as plain tensors, q's tokens sharded or not."""
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _tnd_inputs(q_lens, k_lens, nq, nkv, d, **kw):
+    """q, k, v of a TND batch, and flash_attn's TND options with the global cu_seqlens."""
     g = torch.Generator().manual_seed(4)
     q = torch.randn(sum(q_lens), nq, d, generator=g)
     k = torch.randn(sum(k_lens), nkv, d, generator=g)
     v = torch.randn(sum(k_lens), nkv, d, generator=g)
-
-    def cu(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-
     options = dict(
-        layout_q="TND", layout_kv="TND", layout_out="TND", cu_seqlens_q=cu(q_lens),
-        cu_seqlens_kv=cu(k_lens), **kw,
+        layout_q="TND", layout_kv="TND", layout_out="TND", cu_seqlens_q=_cu(q_lens),
+        cu_seqlens_kv=_cu(k_lens), **kw,
     )  # fmt: skip
+    return q, k, v, options
+
+
+def _check_tnd(mesh, q_lens, k_lens, placements, nq=4, nkv=2, d=16, sinks=None, **kw):
+    """TND varlen: the global cu_seqlens as plain tensors, q's tokens sharded or not; `sinks`:
+    the sinks' placements (None: no sinks)."""
+    q, k, v, options = _tnd_inputs(q_lens, k_lens, nq, nkv, d, **kw)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse = opmesh.flash_attn(*leaves, return_softmax_lse=True, **options)
+    sink_leaf = torch.linspace(-1.0, 1.0, nq).requires_grad_() if sinks is not None else None
+    out, lse = opmesh.flash_attn(*leaves, sinks=sink_leaf, return_softmax_lse=True, **options)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
     (out * dout).sum().backward()
     dist_leaves = [
         opmesh.distribute_tensor(x.detach(), mesh, pl).requires_grad_()
         for x, pl in zip((q, k, v), placements, strict=True)
     ]
-    got, got_lse = opmesh.flash_attn(*dist_leaves, return_softmax_lse=True, **options)
+    dsinks = None
+    if sinks is not None:
+        dsinks = opmesh.distribute_tensor(sink_leaf.detach(), mesh, sinks).requires_grad_()
+    got, got_lse = opmesh.flash_attn(*dist_leaves, sinks=dsinks, return_softmax_lse=True, **options)
     (got * opmesh.distribute_tensor(dout, mesh, got.placements)).sum().backward()
     _close(got, out.detach(), "out")
     _close(got_lse, lse.detach(), "lse")
     for name, x, leaf in zip(("dq", "dk", "dv"), dist_leaves, leaves, strict=True):
         _close(x.grad, leaf.grad, name)
+    if sinks is not None:
+        _close(dsinks.grad, sink_leaf.grad, "dsinks")
 
 
 def _check_tnd_head_tail(mesh, order, q_lens, k_lens, kv_sharded, nq=4, nkv=2, d=16, **kw):
     """TND in head-tail order (every sequence cut into 2 * cp chunks): q, and k and v when
     sharded, given in that order; outputs and gradients converted back and compared."""
     cp = mesh.size(0)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(sum(q_lens), nq, d, generator=g)
-    k = torch.randn(sum(k_lens), nkv, d, generator=g)
-    v = torch.randn(sum(k_lens), nkv, d, generator=g)
-
-    def cu(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-
-    cu_q, cu_k = cu(q_lens), cu(k_lens)
-    options = dict(
-        layout_q="TND", layout_kv="TND", layout_out="TND", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
-        **kw,
-    )  # fmt: skip
+    q, k, v, options = _tnd_inputs(q_lens, k_lens, nq, nkv, d, **kw)
+    cu_q, cu_k = options["cu_seqlens_q"], options["cu_seqlens_kv"]
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = opmesh.flash_attn(*leaves, return_softmax_lse=True, **options)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
@@ -245,21 +248,12 @@ def case_tnd_data_parallel(mesh, **kw):
     m = mesh.size(0)
     q_lens, k_lens = _aligned_lengths(m, 5 * m + 1, 7 * m - 1)
     placements = [Shard(0)]
-    if mesh.ndim == 2:  # heads over the second axis
+    if mesh.ndim == 2:  # heads over the second axis, replicated sinks sliced to them
         t = mesh.size(1)
         placements.append(Shard(1))
-        kw.update(nq=2 * t, nkv=t)
+        kw.update(nq=2 * t, nkv=t, sinks=[R, R])
     with _NoGather():
         _check_tnd(mesh, q_lens, k_lens, (placements,) * 3, **kw)
-
-
-def _expect(exc, prefix, fn):
-    try:
-        fn()
-    except exc as e:
-        assert str(e).startswith(prefix), f"message {str(e)!r} does not start with {prefix!r}"
-        return
-    raise AssertionError(f"expected {exc.__name__} starting with {prefix!r}")
 
 
 def case_errors(mesh):
@@ -680,20 +674,17 @@ def case_raw_tnd_heads(mesh):
     k = torch.randn(sum(k_lens), 2 * m, 16, generator=g)
     v = torch.randn(sum(k_lens), 2 * m, 16, generator=g)
 
-    def cu(lens):
-        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-
     tnd = dict(layout_q="TND", layout_kv="TND", layout_out="TND", mask_mode=3)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     want, want_lse = torch.ops.opmesh.flash_attn(
-        *leaves, cu_seqlens_q=cu(q_lens), cu_seqlens_kv=cu(k_lens), return_softmax_lse=True, **tnd
+        *leaves, cu_seqlens_q=_cu(q_lens), cu_seqlens_kv=_cu(k_lens), return_softmax_lse=True, **tnd
     )
     dout = torch.randn(want.shape, generator=g)
     (want * dout).sum().backward()
     heads = [Shard(1)] * mesh.ndim
     dist = [opmesh.distribute_tensor(x, mesh, heads).requires_grad_() for x in (q, k, v)]
     lengths = {
-        name: opmesh.distribute_tensor(cu(lens), mesh, [R] * mesh.ndim)
+        name: opmesh.distribute_tensor(_cu(lens), mesh, [R] * mesh.ndim)
         for name, lens in (("cu_seqlens_q", q_lens), ("cu_seqlens_kv", k_lens))
     }
     got, got_lse = torch.ops.opmesh.flash_attn(*dist, return_softmax_lse=True, **lengths, **tnd)

@@ -22,6 +22,16 @@ import torch.multiprocessing as mp
 import opmesh
 
 
+def expect_error(exc, prefix, fn):
+    """The call raises `exc` whose message starts with `prefix` (the argument's name first)."""
+    try:
+        fn()
+    except exc as e:
+        assert str(e).startswith(prefix), f"message {str(e)!r} does not start with {prefix!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__} starting with {prefix!r}")
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

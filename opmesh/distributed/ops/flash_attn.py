@@ -149,14 +149,16 @@ class FlashAttnDistributedOp(DistributedOp):
                     )
         # TND data parallel: q's and k/v's tokens sharded alike, every shard holding whole
         # sequences in both; each rank then attends its own sequences, nothing is gathered.
-        tnd_dp = (
-            layout_q == "TND"
+        runs = (
+            _whole_sequence_shards(kwargs, layouts[0], layouts[1])
+            if layout_q == "TND"
             and bool(qm[s])
             and km[s] == qm[s] == vm[s]
             and strategy == "all_gather"
             and order is None
-            and _whole_sequence_shards(kwargs, layouts[0], layouts[1]) is not None
+            else None
         )
+        tnd_dp = runs is not None
         if qm[s] and not tnd_dp and kwargs.get("metadata") is not None:
             raise ValueError(
                 "metadata: not supported with the query sequence sharded (the local calls' key "
@@ -165,6 +167,7 @@ class FlashAttnDistributedOp(DistributedOp):
             )
         if tnd_dp:
             strategy = "tnd_data_parallel"
+            kwargs = _rebased_lengths(kwargs, *runs[layouts[0].shard_index(s)])
         elif qm[s]:
             if len(qm[s]) > 1:
                 fail(
@@ -315,8 +318,12 @@ class FlashAttnDistributedOp(DistributedOp):
         if strategy == "ring":
             return _RingLocal(func, layout_q, layout_out, q_layout, shapes[1], slice_sinks)
         if strategy == "tnd_data_parallel":
-            return _TndDataParallel(
-                func, Layout(mesh, placements[0], shapes[0]), Layout(mesh, placements[1], shapes[1])
+            # The lengths were rebased to this rank's sequences in preprocess.
+            if not slice_sinks:
+                return None
+            heads = q_layout.shard_range(DIMS[layout_q][2])
+            return lambda q, k, v, **kw: func(
+                q, k, v, **dict(kw, sinks=_head_slice(kw.get("sinks"), heads))
             )
         # Keys and values sharded along their sequence arrive gathered in head-tail order.
         kv_gathered = bool(Layout(mesh, placements[1], shapes[1]).tensor_map[DIMS[layout_q][1]])
@@ -424,8 +431,8 @@ class _Local:
             for name in ("seqused_q", "seqused_kv"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][b0:b1]
-        if self.slice_sinks and kwargs.get("sinks") is not None:
-            kwargs["sinks"] = kwargs["sinks"][self.heads[0] : self.heads[1]]
+        if self.slice_sinks:
+            kwargs["sinks"] = _head_slice(kwargs.get("sinks"), self.heads)
         if self.tnd and self.cp and self.order is not None:
             return self._tnd_head_tail(q, k, v, kwargs)
         if self.tnd and self.cp:
@@ -497,35 +504,26 @@ def _whole_sequence_shards(kwargs, q_layout, k_layout):
     return runs
 
 
-class _TndDataParallel:
-    """TND data parallel: the rank's whole sequences, with their lengths rebased to its shards."""
+def _rebased_lengths(kwargs, lo, hi):
+    """TND data parallel: the call's lengths for the rank's whole sequences [lo, hi), rebased to
+    its shards."""
+    import torch
 
-    def __init__(self, func, q_layout, k_layout):
-        self.func, self.q_layout, self.k_layout = func, q_layout, k_layout
+    kwargs = dict(kwargs)
+    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+        cu = kwargs[name][lo : hi + 1].to(torch.int32)
+        # A shard without sequences runs one empty sequence.
+        kwargs[name] = cu - cu[0] if hi > lo else torch.zeros(2, dtype=torch.int32)
+    for name in ("seqused_q", "seqused_kv"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name][lo:hi] if hi > lo else torch.zeros(1, dtype=torch.int32)
+    if kwargs.get("metadata") is None:
+        kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
+    return kwargs
 
-    def __call__(self, q, k, v, **kwargs):
-        import torch
 
-        runs = _whole_sequence_shards(kwargs, self.q_layout, self.k_layout)
-        if runs is None:
-            raise ValueError(
-                "cu_seqlens_q: the lengths changed between calls with the same layouts; every "
-                "shard must hold whole sequences for TND data parallel"
-            )
-        lo, hi = runs[self.q_layout.shard_index(0)]
-        kwargs = dict(kwargs)
-        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
-            cu = kwargs[name][lo : hi + 1].to(torch.int32)
-            cu = cu - cu[0]
-            # A shard without sequences runs one empty sequence.
-            kwargs[name] = cu if hi > lo else torch.zeros(2, dtype=torch.int32)
-        for name in ("seqused_q", "seqused_kv"):
-            if kwargs.get(name) is not None:
-                used = kwargs[name][lo:hi]
-                kwargs[name] = used if hi > lo else torch.zeros(1, dtype=torch.int32)
-        if kwargs.get("metadata") is None:
-            kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
-        return self.func(q, k, v, **kwargs)
+def _head_slice(sinks, heads):
+    return sinks if sinks is None else sinks[heads[0] : heads[1]]
 
 
 def _local_band(start, rows, s1, s2, batch, kwargs):
@@ -602,8 +600,8 @@ class _RingLocal:
         from ..ring import RingAttention
 
         sinks = kwargs.get("sinks")
-        if self.slice_sinks and sinks is not None:
-            sinks = sinks[self.heads[0] : self.heads[1]]
+        if self.slice_sinks:
+            sinks = _head_slice(sinks, self.heads)
         options = dict(
             layout_q=self.layout,
             layout_kv=self.layout,
