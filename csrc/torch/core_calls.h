@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <optional>
 
 #include "attention/flash_attn.h"
@@ -23,19 +22,6 @@ struct HostInts {
 inline HostInts host_ints(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return {};
   return {t->to(at::kCPU).contiguous()};
-}
-
-// The longest sequence of a batch: cu_seqlens differences (or `fallback` without them), each
-// capped by seqused when given.
-inline int64_t longest_length(const int32_t* cu, const int32_t* used, int64_t batch,
-                              int64_t fallback) {
-  int64_t m = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    int64_t len = cu ? cu[b + 1] - cu[b] : fallback;
-    if (used) len = std::min<int64_t>(len, used[b]);
-    m = std::max(m, len);
-  }
-  return m;
 }
 
 // Runs f, turning the core's ArgumentError (message starting with the argument) into ValueError.

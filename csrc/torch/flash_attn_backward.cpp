@@ -13,6 +13,7 @@
 #include "core_calls.h"
 #include "dtypes.h"
 #include "flash_attn_args.h"
+#include "flash_attn_calls.h"
 
 namespace opmesh::binding {
 namespace {
@@ -111,34 +112,23 @@ Grads flash_attn_backward_cpu(
   const auto uq = host_ints(seqused_q);
   const auto uk = host_ints(seqused_kv);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
-  auto longest = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
-    return longest_length(cu, used, c.batch_size, fallback);
-  };
-  c.max_seqlen_q =
-      args.q_tnd ? max_seqlen_q.value_or(longest(cq.data(), uq.data(), 0)) : q.size(args.qa.s);
-  c.max_seqlen_kv =
-      args.kv_tnd ? max_seqlen_kv.value_or(longest(ck.data(), uk.data(), 0)) : k.size(args.ka.s);
-  // A backward plan, checked against this call (or one made by the core when none is given).
-  std::optional<attn::metadata::Decoded> decoded;
+  calls::FlashAttnShapes shapes;
+  shapes.q_tnd = args.q_tnd;
+  shapes.kv_tnd = args.kv_tnd;
+  shapes.q_seq = args.q_tnd ? 0 : q.size(args.qa.s);
+  shapes.kv_seq = args.kv_tnd ? 0 : k.size(args.ka.s);
+  at::Tensor words;
+  calls::PlanWords given;
   if (metadata.has_value()) {
-    const at::Tensor words = metadata->to(at::kCPU).contiguous();
-    decoded =
-        rethrow([&] { return attn::metadata::read(words.data_ptr<int32_t>(), words.numel()); });
-    attn::PlanConfig call = c;
-    call.backward = true;
-    rethrow([&] {
-      attn::metadata::verify(*decoded, call, lengths);
-      return 0;
-    });
-    c.max_seqlen_q = decoded->config.max_seqlen_q;
-    c.max_seqlen_kv = decoded->config.max_seqlen_kv;
+    words = metadata->to(at::kCPU).contiguous();
+    given = {words.data_ptr<int32_t>(), words.numel()};
   }
-  rethrow([&] {
-    attn::validate_config(c);
-    return 0;
+  const calls::PreparedBackward prepared = rethrow([&] {
+    return calls::prepare_backward(c, shapes, lengths, max_seqlen_q, max_seqlen_kv, given);
   });
-  const std::vector<attn::Sequence> seqs =
-      rethrow([&] { return attn::resolve_sequences(c, lengths); });
+  c = prepared.config;
+  const std::vector<attn::Sequence>& seqs = prepared.sequences;
+  const std::optional<attn::metadata::Decoded>& decoded = prepared.decoded;
 
   Grads grads = empty_grads(q, k, v, sinks, /*zero=*/true);
   auto& [dq, dk, dv, dsinks] = grads;

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "dtypes.h"
 #include "errors.h"
 #include "flash_attn_args.h"
+#include "flash_attn_calls.h"
 #include "worker_times.h"
 
 namespace opmesh::binding {
@@ -66,11 +68,9 @@ at::Tensor metadata_cpu(int64_t num_heads_q, int64_t num_heads_kv, int64_t head_
   const auto uq = host_ints(seqused_q);
   const auto uk = host_ints(seqused_kv);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
-  at::Tensor out = at::empty({attn::metadata::size_words(c.num_workers)}, at::kInt);
-  rethrow([&] {
-    attn::metadata::write(c, lengths, out.data_ptr<int32_t>());
-    return 0;
-  });
+  const std::vector<int32_t> plan = rethrow([&] { return calls::plan_words(c, lengths); });
+  at::Tensor out = at::empty({static_cast<int64_t>(plan.size())}, at::kInt);
+  std::copy(plan.begin(), plan.end(), out.data_ptr<int32_t>());
   return out;
 }
 
@@ -104,111 +104,44 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   const auto uq = host_ints(seqused_q);
   const auto uk = host_ints(seqused_kv);
   const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
-  if (q_tnd) {
-    TORCH_CHECK_VALUE(cq.data()[c.batch_size] == q.size(0), "cu_seqlens_q: last entry ",
-                      cq.data()[c.batch_size], " must equal the query token count ", q.size(0));
-  }
-  if (kv_tnd) {
-    TORCH_CHECK_VALUE(ck.data()[c.batch_size] == k.size(0), "cu_seqlens_kv: last entry ",
-                      ck.data()[c.batch_size], " must equal the key token count ", k.size(0));
-  }
-  int64_t block_size = 0;
-  int64_t blocks_per_seq = 0;
-  const int32_t* table = nullptr;
-  int64_t bt_sb = 0;
-  int64_t bt_sj = 0;
+  calls::FlashAttnShapes shapes;
+  shapes.q_tnd = q_tnd;
+  shapes.kv_tnd = kv_tnd;
+  shapes.paged = paged;
+  shapes.q_tokens = q_tnd ? q.size(0) : 0;
+  shapes.kv_tokens = kv_tnd ? k.size(0) : 0;
+  shapes.q_seq = q_tnd ? 0 : q.size(qa.s);
+  shapes.kv_seq = (!kv_tnd && !paged) ? k.size(ka.s) : 0;
   if (paged) {
     // Read in place through its strides: an expanded table is never copied, and only the
     // entries the call's sequences use are read.
-    block_size = k.size(1);
-    blocks_per_seq = block_table->size(1);
-    table = block_table->data_ptr<int32_t>();
-    bt_sb = block_table->stride(0);
-    bt_sj = block_table->stride(1);
+    shapes.num_blocks = k.size(0);
+    shapes.block_size = k.size(1);
+    shapes.blocks_per_seq = block_table->size(1);
+    shapes.table = block_table->data_ptr<int32_t>();
+    shapes.table_stride_b = block_table->stride(0);
+    shapes.table_stride_j = block_table->stride(1);
   }
-  auto max_of = [&](const int32_t* cu, const int32_t* used, int64_t fallback) {
-    return longest_length(cu, used, c.batch_size, fallback);
-  };
-  const bool use_metadata = metadata.has_value();
-  // The shape's where the layout has a sequence axis, else the caller's, else -1 (left to the
-  // metadata) or the observed maximum. A given value was checked against the shape and the
-  // limits by check_flash_attn_args.
-  auto resolve_max = [&](std::optional<int64_t> given, bool from_shape, int64_t shape_value,
-                         int64_t observed) -> int64_t {
-    if (from_shape) return shape_value;
-    if (given.has_value()) return *given;
-    return use_metadata ? -1 : observed;
-  };
-  c.max_seqlen_q =
-      resolve_max(max_seqlen_q, !q_tnd, q_tnd ? 0 : q.size(qa.s), max_of(cq.data(), uq.data(), 0));
-  c.max_seqlen_kv =
-      resolve_max(max_seqlen_kv, !kv_tnd && !paged, (!kv_tnd && !paged) ? k.size(ka.s) : 0,
-                  max_of(ck.data(), uk.data(), paged ? INT32_MAX : 0));
-  if (paged) {
-    for (int64_t b = 0; b < c.batch_size; ++b) {
-      TORCH_CHECK_VALUE(uk.data()[b] <= blocks_per_seq * block_size, "seqused_kv: entry ", b,
-                        " is ", uk.data()[b], ", more than block_table holds (", blocks_per_seq,
-                        " blocks of ", block_size, ")");
-    }
+  at::Tensor words;
+  calls::PlanWords given;
+  if (metadata.has_value()) {
+    words = metadata->to(at::kCPU).contiguous();
+    given = {words.data_ptr<int32_t>(), words.numel()};
   }
   // Plan, or check the given plan against this call.
-  std::optional<attn::metadata::Decoded> decoded;
-  attn::Plan own_plan;
-  const attn::Plan* plan = nullptr;
-  if (use_metadata) {
-    const at::Tensor words = metadata->to(at::kCPU).contiguous();
-    decoded =
-        rethrow([&] { return attn::metadata::read(words.data_ptr<int32_t>(), words.numel()); });
-    rethrow([&] {
-      attn::metadata::verify(*decoded, c, lengths);
-      return 0;
-    });
-    c.max_seqlen_q = decoded->config.max_seqlen_q;
-    c.max_seqlen_kv = decoded->config.max_seqlen_kv;
-    c.num_workers = decoded->config.num_workers;
-    c.deterministic = decoded->config.deterministic;
-    plan = &decoded->plan;
-  } else {
-    c.num_workers = default_workers(std::nullopt);
-  }
-  rethrow([&] {
-    attn::validate_config(c);
-    return 0;
+  const calls::PreparedForward prepared = rethrow([&] {
+    return calls::prepare_forward(c, shapes, lengths, max_seqlen_q, max_seqlen_kv, given,
+                                  default_workers(std::nullopt));
   });
-  const std::vector<attn::Sequence> seqs =
-      rethrow([&] { return attn::resolve_sequences(c, lengths); });
-  if (paged) {
-    const int64_t num_blocks = k.size(0);
-    for (int64_t b = 0; b < c.batch_size; ++b) {
-      const int64_t used = (seqs[b].k_len + block_size - 1) / block_size;
-      for (int64_t j = 0; j < used; ++j) {
-        const int32_t blk = table[b * bt_sb + j * bt_sj];
-        TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table: entry [", b, ", ", j, "] is ",
-                          blk, ", expected a block index in [0, ", num_blocks, ")");
-      }
-    }
-  }
-  if (use_metadata) {
-    try {
-      attn::verify_coverage(c, seqs, *plan);
-    } catch (const std::logic_error& e) {
-      TORCH_CHECK_VALUE(false, "metadata: ", e.what());
-    }
-  } else {
-    own_plan = attn::make_plan(c, seqs);
-    plan = &own_plan;
-  }
+  c = prepared.config;
+  const std::vector<attn::Sequence>& seqs = prepared.sequences;
+  const attn::Plan* plan = &prepared.plan();
 
   // Outputs. The kernel writes every row a sequence uses; only when seqused leaves padding rows
   // (or TND tokens past a sequence's used length) must the outputs start as 0 / +inf.
   const int64_t batch = c.batch_size;
   const int64_t nq = c.num_heads_q;
-  bool padding = false;
-  for (int64_t b = 0; b < batch && !padding; ++b) {
-    const int64_t rows = q_tnd ? cq.data()[b + 1] - cq.data()[b] : q.size(qa.s);
-    padding = seqs[b].q_len < rows;
-  }
-  if (batch == 0 && (q_tnd ? q.size(0) : 0) > 0) padding = true;
+  const bool padding = prepared.padding;
   auto make_out = [&](at::IntArrayRef shape) {
     return padding ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
   };
@@ -250,10 +183,10 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   p.k = view_of(k, c.layout_kv);
   p.v = view_of(v, c.layout_kv);
   if (paged) {
-    p.block_table = table;
-    p.bt_sb = bt_sb;
-    p.bt_sj = bt_sj;
-    p.block_size = block_size;
+    p.block_table = shapes.table;
+    p.bt_sb = shapes.table_stride_b;
+    p.bt_sj = shapes.table_stride_j;
+    p.block_size = shapes.block_size;
   }
   at::Tensor sink_values;
   if (sinks.has_value()) {
