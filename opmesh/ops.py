@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _mindspore as _ms
 from . import platform as _platform
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
@@ -33,6 +34,11 @@ def _int_list(value, name: str) -> list[int]:
                 ) from None
         out.append(item)
     return out
+
+
+def _on_mindspore(*values) -> bool:
+    """Whether a call's tensors are MindSpore tensors (opmesh/_mindspore.py runs it then)."""
+    return not torch.compiler.is_compiling() and _ms.any_tensor(*values)
 
 
 def _as_lengths(value: LengthsLike, name: str) -> torch.Tensor | None:
@@ -96,7 +102,21 @@ def dense_lightning_indexer_softmax_lse(
     Work is tiled (query tiles x 64-key tiles) with the relu and weighted head sum fused and an
     online max/sum, so extra memory is O(tile) whatever the sequence lengths; fully masked tiles
     are skipped.
+
+    MindSpore tensors in, MindSpore tensors out (docs/mindspore.md).
     """
+    if _on_mindspore(query_index, key_index, weights):
+        return _ms.indexer(
+            query_index,
+            key_index,
+            weights,
+            actual_seq_qlen,
+            actual_seq_klen,
+            layout,
+            sparse_mode,
+            pre_tokens,
+            next_tokens,
+        )
     return _IndexerFunction.apply(
         query_index,
         key_index,
@@ -207,6 +227,21 @@ def dense_lightning_indexer_grad_kl_loss(
         the main attention and the statistics are a fixed target and may not require a
         gradient.
     """
+    if _on_mindspore(query, key, query_index, key_index, weights):
+        tensors = (query, key, query_index, key_index, weights, softmax_max, softmax_sum)
+        tensors += (softmax_max_index, softmax_sum_index)
+        return _ms.grad_kl_loss(
+            tensors,
+            scale_value,
+            query_rope,
+            key_rope,
+            actual_seq_qlen,
+            actual_seq_klen,
+            layout,
+            sparse_mode,
+            pre_tokens,
+            next_tokens,
+        )
     args = (
         query,
         key,
@@ -262,8 +297,12 @@ def indexer_kl_loss(
     the fixed target: pass it detached.
 
     A ``DFunction``: with plain tensors it is ordinary autograd, eagerly and under
-    ``torch.compile``."""
-    if torch.is_grad_enabled():
+    ``torch.compile``, and MindSpore's autograd on MindSpore tensors."""
+    on_mindspore = _on_mindspore(query_index, key_index, weights)
+    lengths = (actual_seq_qlen, actual_seq_klen)
+    if not on_mindspore:
+        lengths = tuple(_as_lengths(x, n) for x, n in zip(lengths, _LENGTH_NAMES, strict=True))
+    if torch.is_grad_enabled() and not on_mindspore:
         fixed = dict(query=query, key=key, query_rope=query_rope, key_rope=key_rope)
         fixed.update(softmax_max=softmax_max, softmax_sum=softmax_sum)
         for name, t in fixed.items():
@@ -283,13 +322,15 @@ def indexer_kl_loss(
         scale_value,
         query_rope,
         key_rope,
-        _as_lengths(actual_seq_qlen, "actual_seq_qlen"),
-        _as_lengths(actual_seq_klen, "actual_seq_klen"),
+        *lengths,
         layout,
         sparse_mode,
         pre_tokens,
         next_tokens,
     )
+
+
+_LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
 
 
 class _KlLossFunction(DFunction):
@@ -326,25 +367,34 @@ class _KlLossFunction(DFunction):
             pre_tokens=pre_tokens,
             next_tokens=next_tokens,
         )
-        max_index, sum_index = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
-            query_index, key_index, weights, **mask
+        # The operators of the tensors' framework: torch's, or MindSpore's through the public
+        # functions (the forward is written once for both).
+        on_mindspore = _on_mindspore(query_index)
+        indexer = (
+            dense_lightning_indexer_softmax_lse
+            if on_mindspore
+            else torch.ops.opmesh.dense_lightning_indexer_softmax_lse
         )
-        d_query_index, d_key_index, d_weights, loss = (
-            torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
-                query,
-                key,
-                query_index,
-                key_index,
-                weights,
-                softmax_max,
-                softmax_sum,
-                max_index,
-                sum_index,
-                scale_value,
-                query_rope=query_rope,
-                key_rope=key_rope,
-                **mask,
-            )
+        grad_kl_loss = (
+            dense_lightning_indexer_grad_kl_loss
+            if on_mindspore
+            else torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss
+        )
+        max_index, sum_index = indexer(query_index, key_index, weights, **mask)
+        d_query_index, d_key_index, d_weights, loss = grad_kl_loss(
+            query,
+            key,
+            query_index,
+            key_index,
+            weights,
+            softmax_max,
+            softmax_sum,
+            max_index,
+            sum_index,
+            scale_value,
+            query_rope=query_rope,
+            key_rope=key_rope,
+            **mask,
         )
         ctx.save_for_backward(d_query_index, d_key_index, d_weights)
         return loss
@@ -422,12 +472,41 @@ def flash_attn_metadata(
     parts in a fixed order, so each sequence's result is bitwise identical whatever the rest of
     the batch and whatever ``num_workers``. See docs/ops/flash_attn.md.
 
+    With MindSpore length tensors (or ``OPMESH_PLATFORM=mindspore``) the plan is a MindSpore
+    tensor, and ``num_workers`` defaults to the binding's thread count (docs/mindspore.md).
+
     ``backward=True`` plans the call's backward instead (``torch.ops.opmesh.flash_attn_backward``
     takes it as ``metadata``): key blocks and query tiles cut into balanced contiguous ranges,
     one pair per worker; its gradients are bitwise the same for any plan and thread count.
     """
     layout_kv = layout_q if layout_kv is None else layout_kv
     layout_out = layout_q if layout_out is None else layout_out
+    lengths = dict(
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        seqused_q=seqused_q,
+        seqused_kv=seqused_kv,
+    )
+    if _on_mindspore(*lengths.values()) or _platform.current().name == "mindspore":
+        return _ms.flash_attn_metadata(
+            num_heads_q,
+            num_heads_kv,
+            head_dim,
+            head_dim_v,
+            lengths,
+            batch_size,
+            max_seqlen_q,
+            max_seqlen_kv,
+            mask_mode,
+            win_left,
+            win_right,
+            layout_q,
+            layout_kv,
+            layout_out,
+            num_workers,
+            deterministic,
+            backward,
+        )
     return torch.ops.opmesh.flash_attn_metadata(
         num_heads_q,
         num_heads_kv,
@@ -521,11 +600,43 @@ def flash_attn(
 
     Returns:
         ``(attn_out, softmax_lse)``; ``attn_out`` has q's dtype and head dim ``Dv``.
+
+    MindSpore tensors in, MindSpore tensors out, differentiable through MindSpore's autograd
+    (docs/mindspore.md).
     """
     if layout_kv is None:
         layout_kv = "PA_BBND" if block_table is not None else layout_q
     if layout_out is None:
         layout_out = layout_q
+    if context_parallel not in ("all_gather", "ring"):
+        raise ValueError(
+            f"context_parallel: expected 'all_gather' or 'ring', got {context_parallel!r}"
+        )
+    if _on_mindspore(q, k, v):
+        return _ms.flash_attn(
+            q,
+            k,
+            v,
+            dict(
+                block_table=block_table,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_kv=cu_seqlens_kv,
+                seqused_q=seqused_q,
+                seqused_kv=seqused_kv,
+                sinks=sinks,
+                metadata=metadata,
+                softmax_scale=softmax_scale,
+                mask_mode=mask_mode,
+                win_left=win_left,
+                win_right=win_right,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_kv=max_seqlen_kv,
+                layout_q=layout_q,
+                layout_kv=layout_kv,
+                layout_out=layout_out,
+                return_softmax_lse=return_softmax_lse,
+            ),
+        )
     kwargs = dict(
         block_table=block_table,
         cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
@@ -545,10 +656,6 @@ def flash_attn(
         layout_out=layout_out,
         return_softmax_lse=return_softmax_lse,
     )
-    if context_parallel not in ("all_gather", "ring"):
-        raise ValueError(
-            f"context_parallel: expected 'all_gather' or 'ring', got {context_parallel!r}"
-        )
     if any(_platform.current().is_dtensor(x) for x in (q, k, v)):
         # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
         # operator (and its autograd) on each rank's local tensors.
@@ -576,6 +683,11 @@ def merge_attn_states(
     ``[B, N, S]``, TND ``[T, N, Dv]`` with ``[N, T]``); ``lse`` float32. A row whose lse is
     ``+inf`` (flash_attn's mark of a row that saw no key) counts as empty; a row empty in both
     stays output 0, lse ``+inf``. Differentiable in all four inputs, and compiled alike."""
+    if _on_mindspore(out_a, lse_a, out_b, lse_b):
+        raise NotImplementedError(
+            "out_a: merge_attn_states takes PyTorch tensors only; on MindSpore, partial results "
+            "come from the distributed layer, which runs on PyTorch (docs/mindspore.md)"
+        )
     return torch.ops.opmesh.merge_attn_states(out_a, lse_a, out_b, lse_b, layout=layout)
 
 
@@ -629,7 +741,12 @@ def kv_cache_write_(
         key_cache: ``[num_blocks, block_size, Nkv, D]`` (``PA_BBND``), mutated.
         value_cache: ``[num_blocks, block_size, Nkv, Dv]``, mutated.
         slot_mapping: int32/int64 ``[T]`` (a list is accepted).
+
+    On MindSpore tensors the caches must be contiguous (docs/mindspore.md).
     """
+    if _on_mindspore(key, value, key_cache, value_cache):
+        _ms.kv_cache_write_(key, value, key_cache, value_cache, slot_mapping)
+        return
     torch.ops.opmesh.kv_cache_write_(
         key, value, key_cache, value_cache, _as_lengths(slot_mapping, "slot_mapping")
     )

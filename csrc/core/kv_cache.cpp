@@ -26,7 +26,7 @@ void copy_row(const char* src, int64_t src_stride, char* dst, int64_t dst_stride
 
 }  // namespace
 
-void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
+void check_slots(const KvCacheWriteParams& p) {
   const int64_t capacity = p.num_blocks * p.block_size;
   // (slot, token) pairs sorted by slot: O(T log T), independent of the cache's size.
   std::vector<std::pair<int64_t, int64_t>> used;
@@ -52,6 +52,10 @@ void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
                                               std::to_string(used[i].second));
     }
   }
+}
+
+void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
+  check_slots(p);
   const char* key = static_cast<const char*>(p.key);
   const char* value = static_cast<const char*>(p.value);
   char* key_cache = static_cast<char*>(p.key_cache);

@@ -27,8 +27,12 @@ struct KvCacheWriteParams {
   const int64_t* slots = nullptr;  // [tokens]
 };
 
-// Checks every slot (in [-1, num_blocks * block_size), no slot written twice) and throws
-// ArgumentError("slot_mapping", ...) before anything is written; then copies in parallel.
+// Checks every slot of `slots` (in [-1, num_blocks * block_size), no slot written twice) and
+// throws ArgumentError("slot_mapping", ...) naming the first bad entry. Reads only tokens,
+// num_blocks, block_size and slots.
+void check_slots(const KvCacheWriteParams& params);
+
+// check_slots, before anything is written; then copies in parallel.
 void kv_cache_write(const KvCacheWriteParams& params, const Executor& executor);
 
 }  // namespace opmesh::core

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 from torch.autograd.function import FunctionCtx
 
 from .. import platform as _platform
+from ..platform import positional as _positional
 from .dispatcher import DISPATCHER
 
 
@@ -21,12 +19,22 @@ class DFunction(_platform.current().Function):
     forward on each rank's local tensors, and wraps the outputs as DTensors; the local tensors
     are taken from the DTensors differentiably, so backward runs on local gradients and the
     caller gets DTensor gradients with the inputs' placements.
+
+    The framework is the one of the arguments' tensors: the same subclass runs on PyTorch and on
+    MindSpore tensors (``opmesh.platform``), as long as its forward and backward call only what
+    both frameworks' tensors offer (opmesh's operators accept both).
     """
 
     _op_name: str | None = None
 
     @classmethod
     def apply(cls, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            other = _platform.of_values((*args, *kwargs.values()))
+            if other is not None or _platform.current().name != "torch":
+                platform = other or _platform.current()
+                if platform.name != "torch" or not issubclass(cls, torch.autograd.Function):
+                    return platform.apply_function(cls, args, kwargs)
         dtensor = _platform.current().DTensor
         if not any(isinstance(a, dtensor) for a in args) and not any(
             isinstance(v, dtensor) for v in kwargs.values()
@@ -48,24 +56,6 @@ class DFunction(_platform.current().Function):
         # Nothing to differentiate: run forward as a plain call (the autograd Function call
         # itself costs ~10 us, which dominates small ops) with a ctx that behaves as autograd's.
         return cls.forward(_NoGradContext(cls.forward, args, kwargs), *args, **kwargs)
-
-
-@functools.cache
-def _signature(forward) -> inspect.Signature:
-    return inspect.signature(forward)
-
-
-def _positional(forward, args, kwargs) -> tuple:
-    """The arguments of ``forward(ctx, ...)`` bound by position, defaults filled in."""
-    signature = _signature(forward)
-    if any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
-        raise TypeError(
-            f"{forward.__qualname__}: a DFunction's forward cannot take keyword-only "
-            "parameters (autograd passes inputs by position)"
-        )
-    bound = signature.bind(None, *args, **kwargs)
-    bound.apply_defaults()
-    return bound.args[1:]
 
 
 def _records_autograd(args, kwargs) -> bool:

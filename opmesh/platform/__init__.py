@@ -4,20 +4,29 @@ Everything in ``opmesh.distributed`` (DFunction, the dispatcher, DistributedOps,
 the framework's autograd and DTensor machinery only through ``opmesh.platform.current()``, so a
 second framework (MindSpore) is added by writing one more ``Platform`` subclass.
 
-The platform is chosen once, at first use, by the environment variable ``OPMESH_PLATFORM``:
-``torch`` (the default) or ``package.module:ClassName`` for an out-of-tree implementation.
+The default platform is chosen once, at first use, by the environment variable
+``OPMESH_PLATFORM``: ``torch`` (the default), ``mindspore``, or ``package.module:ClassName`` for
+an out-of-tree implementation. A call whose tensors belong to another framework runs on that
+framework's platform (``of_values``): MindSpore tensors run on MindSpore whatever the default.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
+import inspect
 import os
+import sys
 from typing import Any
 
 PLATFORM_ENV = "OPMESH_PLATFORM"
-_BUILTIN = {"torch": "opmesh.platform.torch_platform:TorchPlatform"}
+_BUILTIN = {
+    "torch": "opmesh.platform.torch_platform:TorchPlatform",
+    "mindspore": "opmesh.platform.mindspore_platform:MindSporePlatform",
+}
 _current: Platform | None = None
+_loaded: dict[str, Platform] = {}
 
 
 class Platform(abc.ABC):
@@ -38,6 +47,15 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def is_dtensor(self, value: Any) -> bool:
         """Whether value is a distributed tensor."""
+
+    @abc.abstractmethod
+    def is_tensor(self, value: Any) -> bool:
+        """Whether value is one of this framework's tensors (distributed or not)."""
+
+    @abc.abstractmethod
+    def apply_function(self, cls: type, args: tuple, kwargs: dict) -> Any:
+        """Runs the DFunction subclass ``cls`` on this framework's local tensors with its
+        autograd: ``cls.forward(ctx, ...)`` now, ``cls.backward`` when gradients are asked for."""
 
     @abc.abstractmethod
     def op_name(self, op: Any) -> str:
@@ -119,6 +137,8 @@ class Platform(abc.ABC):
 
 
 def _load(spec: str) -> Platform:
+    if spec in _loaded:
+        return _loaded[spec]
     target = _BUILTIN.get(spec, spec)
     module_name, _, class_name = target.partition(":")
     if not class_name:
@@ -130,6 +150,7 @@ def _load(spec: str) -> Platform:
     platform = cls()
     if not isinstance(platform, Platform):
         raise TypeError(f"{PLATFORM_ENV}: {target} is not an opmesh.platform.Platform")
+    _loaded[spec] = platform
     return platform
 
 
@@ -139,3 +160,43 @@ def current() -> Platform:
     if _current is None:
         _current = _load(os.environ.get(PLATFORM_ENV, "torch"))
     return _current
+
+
+def get(name: str) -> Platform:
+    """A built-in platform by name (``torch`` or ``mindspore``), loaded once."""
+    return _load(name)
+
+
+def of_values(values) -> Platform | None:
+    """The platform of the first framework tensor among ``values`` that is not the default
+    platform's, or None (no tensor, or only the default platform's). MindSpore is looked for
+    only once it has been imported: no MindSpore tensor can exist before."""
+    default = current()
+    if default.name != "mindspore" and "mindspore" in sys.modules:
+        ms_tensor = sys.modules["mindspore"].Tensor
+        if any(isinstance(v, ms_tensor) for v in values):
+            return get("mindspore")
+    if default.name != "torch" and "torch" in sys.modules:
+        torch_tensor = sys.modules["torch"].Tensor
+        if any(isinstance(v, torch_tensor) for v in values):
+            return get("torch")
+    return None
+
+
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
+
+
+def positional(forward, args, kwargs) -> tuple:
+    """The arguments of ``forward(ctx, ...)`` bound by position, defaults filled in (autograd
+    takes inputs by position; backward returns one gradient per parameter of forward)."""
+    signature = _signature(forward)
+    if any(p.kind is p.KEYWORD_ONLY for p in signature.parameters.values()):
+        raise TypeError(
+            f"{forward.__qualname__}: a DFunction's forward cannot take keyword-only "
+            "parameters (autograd passes inputs by position)"
+        )
+    bound = signature.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .._bounded_cache import BoundedCache
-from . import Platform
+from . import Platform, positional
 
 
 def _global(shape):
@@ -39,6 +39,30 @@ class TorchPlatform(Platform):
     def is_dtensor(self, value):
         return isinstance(value, DTensor)
 
+    def is_tensor(self, value):
+        return isinstance(value, torch.Tensor)
+
+    def apply_function(self, cls, args, kwargs):
+        """A DFunction subclass derived from torch's Function runs as one; another (derived from
+        a different default platform's base) runs through a torch Function made once per class
+        from its forward and backward."""
+        if issubclass(cls, torch.autograd.Function):
+            return cls._local_apply(*args, **kwargs)
+        adapter = self._adapters.get(cls)
+        if adapter is None:
+            adapter = type(
+                cls.__name__,
+                (torch.autograd.Function,),
+                {
+                    "forward": staticmethod(cls.forward),
+                    "backward": staticmethod(cls.backward),
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                },
+            )
+            self._adapters[cls] = adapter
+        return adapter.apply(*positional(cls.forward, args, kwargs))
+
     def op_name(self, op):
         name = getattr(op, "_op_name", None)
         if name is None:
@@ -48,6 +72,7 @@ class TorchPlatform(Platform):
     def __init__(self):
         self._specs = BoundedCache()
         self._offsets = BoundedCache()
+        self._adapters: dict[type, type] = {}
 
     def to_local(self, dtensor, grad_placements=None):
         # The differentiable view only when a gradient can flow; otherwise the shard itself

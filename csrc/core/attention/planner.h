@@ -24,7 +24,9 @@ struct Position {
   int32_t h = 0;
   int32_t t = 0;
   int32_t k = 0;
-  bool operator==(const Position&) const = default;
+  // Spelled out: the core's headers compile as C++17 too (the MindSpore binding's standard).
+  bool operator==(const Position& o) const { return b == o.b && h == o.h && t == o.t && k == o.k; }
+  bool operator!=(const Position& o) const { return !(*this == o); }
 };
 
 struct WorkerRange {

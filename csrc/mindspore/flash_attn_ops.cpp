@@ -1,0 +1,334 @@
+// flash_attn_metadata, flash_attn and its backward on MindSpore tensors. The checks that read
+// lengths, block tables and plans, and the planning itself, are the torch binding's
+// (csrc/common/flash_attn_calls.h).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention/flash_attn.h"
+#include "attention/flash_attn_backward.h"
+#include "cpu_features.h"
+#include "flash_attn_calls.h"
+#include "ms_binding.h"
+
+namespace opmesh::ms_binding {
+namespace {
+
+namespace attn = core::attention;
+
+attn::Layout layout_of(const std::string& s) {
+  if (s == "BSND") return attn::Layout::kBSND;
+  if (s == "BNSD") return attn::Layout::kBNSD;
+  if (s == "TND") return attn::Layout::kTND;
+  if (s == "PA_BBND") return attn::Layout::kPagedBBND;
+  value_error("layout_q: expected 'BSND', 'BNSD', 'TND' or 'PA_BBND', got '" + s + "'");
+}
+
+// Positions of the batch, sequence, head and dim axes in `layout` (-1: absent).
+struct Axes {
+  int b, s, n, d;
+};
+Axes axes_of(attn::Layout layout) {
+  switch (layout) {
+    case attn::Layout::kBNSD:
+      return {0, 2, 1, 3};
+    case attn::Layout::kTND:
+      return {-1, 0, 1, 2};
+    default:
+      return {0, 1, 2, 3};
+  }
+}
+
+// Host int32 copies of the length arrays, owned together so a kernel closure can keep them.
+struct HostLengths {
+  std::vector<int32_t> cq, ck, uq, uk;
+  bool given[4] = {false, false, false, false};
+  attn::LengthArrays arrays() const {
+    return {given[0] ? cq.data() : nullptr, given[1] ? ck.data() : nullptr,
+            given[2] ? uq.data() : nullptr, given[3] ? uk.data() : nullptr};
+  }
+};
+
+std::shared_ptr<HostLengths> host_lengths(const FlashAttnHost& h) {
+  auto l = std::make_shared<HostLengths>();
+  const IntList* lists[4] = {&h.cu_seqlens_q, &h.cu_seqlens_kv, &h.seqused_q, &h.seqused_kv};
+  std::vector<int32_t>* copies[4] = {&l->cq, &l->ck, &l->uq, &l->uk};
+  for (int i = 0; i < 4; ++i) {
+    l->given[i] = lists[i]->has_value();
+    *copies[i] = as_int32(*lists[i]);
+  }
+  return l;
+}
+
+attn::PlanConfig base_config(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
+                             const FlashAttnOptions& o, int64_t batch) {
+  attn::PlanConfig c;
+  c.layout_q = layout_of(o.layout_q);
+  c.layout_kv = layout_of(o.layout_kv);
+  c.layout_out = layout_of(o.layout_out);
+  const Axes qa = axes_of(c.layout_q), ka = axes_of(c.layout_kv);
+  c.num_heads_q = q.shape()[qa.n];
+  c.num_heads_kv = k.shape()[ka.n];
+  c.head_dim = q.shape()[qa.d];
+  c.head_dim_v = v.shape()[ka.d];
+  c.mask_mode = static_cast<attn::MaskMode>(o.mask_mode);
+  c.win_left = attn::normalize_window(o.win_left);
+  c.win_right = attn::normalize_window(o.win_right);
+  c.batch_size = batch;
+  return c;
+}
+
+int64_t batch_of(const ms::Tensor& q, const FlashAttnOptions& o, const FlashAttnHost& h) {
+  if (o.layout_q == "TND") return static_cast<int64_t>(h.cu_seqlens_q->size()) - 1;
+  return q.shape()[0];
+}
+
+calls::FlashAttnShapes shapes_of(const ms::Tensor& q, const ms::Tensor& k,
+                                 const attn::PlanConfig& c) {
+  calls::FlashAttnShapes s;
+  s.q_tnd = c.layout_q == attn::Layout::kTND;
+  s.kv_tnd = c.layout_kv == attn::Layout::kTND;
+  s.paged = c.layout_kv == attn::Layout::kPagedBBND;
+  s.q_tokens = s.q_tnd ? q.shape()[0] : 0;
+  s.kv_tokens = s.kv_tnd ? k.shape()[0] : 0;
+  s.q_seq = s.q_tnd ? 0 : q.shape()[axes_of(c.layout_q).s];
+  s.kv_seq = (!s.kv_tnd && !s.paged) ? k.shape()[axes_of(c.layout_kv).s] : 0;
+  if (s.paged) {
+    s.num_blocks = k.shape()[0];
+    s.block_size = k.shape()[1];
+  }
+  return s;
+}
+
+float scale_of(const FlashAttnOptions& o, int64_t head_dim) {
+  return static_cast<float>(
+      o.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
+}
+
+// The core's [batch][sequence][head][dim] view of a runner tensor in `layout`.
+attn::View view_of(const ms::Tensor& t, attn::Layout layout) {
+  const Axes a = axes_of(layout);
+  const std::vector<int64_t> st = strides_of(t);
+  attn::View v;
+  v.data = t.GetDataPtr();
+  v.sb = a.b >= 0 ? st[a.b] : 0;
+  v.ss = st[a.s];
+  v.sn = st[a.n];
+  v.sd = st[a.d];
+  return v;
+}
+
+attn::MutableView mutable_view_of(ms::Tensor& t, attn::Layout layout) {
+  const attn::View v = view_of(t, layout);
+  return attn::MutableView{t.GetDataPtr(), v.sb, v.ss, v.sn, v.sd};
+}
+
+calls::PlanWords plan_words_of(const std::vector<int32_t>& words, const IntList& given) {
+  if (!given.has_value()) return {};
+  return {words.data(), static_cast<int64_t>(words.size())};
+}
+
+void fill(ms::Tensor& t, float value) {
+  if (value == 0.0f) {
+    std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
+    return;
+  }
+  float* p = t.data_ptr<float>();
+  std::fill(p, p + t.numel(), value);
+}
+
+}  // namespace
+
+std::vector<int64_t> flash_attn_metadata(int64_t num_heads_q, int64_t num_heads_kv,
+                                         int64_t head_dim, int64_t head_dim_v,
+                                         const FlashAttnHost& host, int64_t batch_size,
+                                         int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                                         const FlashAttnOptions& o,
+                                         std::optional<int64_t> num_workers, bool deterministic,
+                                         bool backward) {
+  attn::PlanConfig c;
+  c.num_heads_q = num_heads_q;
+  c.num_heads_kv = num_heads_kv;
+  c.head_dim = head_dim;
+  c.head_dim_v = head_dim_v;
+  c.batch_size = batch_size;
+  c.max_seqlen_q = max_seqlen_q;
+  c.max_seqlen_kv = max_seqlen_kv;
+  c.mask_mode = static_cast<attn::MaskMode>(o.mask_mode);
+  c.win_left = attn::normalize_window(o.win_left);
+  c.win_right = attn::normalize_window(o.win_right);
+  c.layout_q = layout_of(o.layout_q);
+  c.layout_kv = layout_of(o.layout_kv);
+  c.layout_out = layout_of(o.layout_out);
+  c.num_workers = num_workers.value_or(ThreadExecutor().num_workers());
+  c.deterministic = deterministic;
+  c.backward = backward;
+  const auto lengths = host_lengths(host);
+  const std::vector<int32_t> words =
+      checked([&] { return calls::plan_words(c, lengths->arrays()); });
+  return std::vector<int64_t>(words.begin(), words.end());
+}
+
+std::vector<ms::Tensor> flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
+                                   const std::optional<ms::Tensor>& sinks,
+                                   const FlashAttnHost& host, const FlashAttnOptions& o,
+                                   bool return_softmax_lse) {
+  attn::PlanConfig c = base_config(q, k, v, o, batch_of(q, o, host));
+  calls::FlashAttnShapes shapes = shapes_of(q, k, c);
+  const auto lengths = host_lengths(host);
+  auto table = std::make_shared<std::vector<int32_t>>(as_int32(host.block_table));
+  if (shapes.paged) {
+    shapes.blocks_per_seq = host.blocks_per_seq;
+    shapes.table = table->data();
+    shapes.table_stride_b = host.blocks_per_seq;
+    shapes.table_stride_j = 1;
+  }
+  const std::vector<int32_t> words = as_int32(host.metadata);
+  const ThreadExecutor executor;
+  auto prepared = std::make_shared<calls::PreparedForward>(checked([&] {
+    return calls::prepare_forward(c, shapes, lengths->arrays(), o.max_seqlen_q, o.max_seqlen_kv,
+                                  plan_words_of(words, host.metadata), executor.num_workers());
+  }));
+  c = prepared->config;
+  const bool q_tnd = shapes.q_tnd;
+  const Axes qa = axes_of(c.layout_q);
+  const int64_t nq = c.num_heads_q;
+  std::vector<int64_t> out_shape, lse_shape;
+  if (q_tnd) {
+    out_shape = {q.shape()[0], nq, c.head_dim_v};
+    lse_shape = {nq, q.shape()[0]};
+  } else {
+    const int64_t s1 = q.shape()[qa.s];
+    out_shape = c.layout_out == attn::Layout::kBNSD
+                    ? std::vector<int64_t>{c.batch_size, nq, s1, c.head_dim_v}
+                    : std::vector<int64_t>{c.batch_size, s1, nq, c.head_dim_v};
+    lse_shape = {c.batch_size, nq, s1};
+  }
+  if (!return_softmax_lse) lse_shape = {0};
+  std::vector<ms::Tensor> outs{new_tensor(q.data_type(), out_shape),
+                               new_tensor(mindspore::kNumberTypeFloat32, lse_shape)};
+  std::vector<ms::Tensor> inputs{q, k, v};
+  const bool has_sinks = sinks.has_value();
+  if (has_sinks) inputs.push_back(*sinks);
+  const float scale = scale_of(o, c.head_dim);
+  launch("OpmeshFlashAttn", inputs, outs,
+         [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale](
+             const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+           const attn::PlanConfig& c = prepared->config;
+           const bool tnd = shapes.q_tnd;
+           if (prepared->padding) {
+             fill(out[0], 0.0f);
+             if (return_softmax_lse) fill(out[1], std::numeric_limits<float>::infinity());
+           }
+           attn::FlashAttnParams p;
+           p.config = c;
+           p.lengths = lengths->arrays();
+           p.dtype = core_dtype(in[0], "q");
+           p.q = view_of(in[0], c.layout_q);
+           p.k = view_of(in[1], c.layout_kv);
+           p.v = view_of(in[2], c.layout_kv);
+           if (shapes.paged) {
+             p.block_table = table->data();
+             p.bt_sb = shapes.table_stride_b;
+             p.bt_sj = shapes.table_stride_j;
+             p.block_size = shapes.block_size;
+           }
+           if (has_sinks) p.sinks = in[3].data_ptr<float>();
+           p.softmax_scale = scale;
+           const std::vector<int64_t> os = strides_of(out[0]);
+           const bool bnsd = c.layout_out == attn::Layout::kBNSD;
+           p.out = out[0].GetDataPtr();
+           p.out_sb = tnd ? 0 : os[0];
+           p.out_ss = tnd ? os[0] : os[bnsd ? 2 : 1];
+           p.out_sn = tnd ? os[1] : os[bnsd ? 1 : 2];
+           p.out_sd = os.back();
+           if (return_softmax_lse) {
+             const std::vector<int64_t> ls = strides_of(out[1]);
+             p.lse = out[1].data_ptr<float>();
+             p.lse_sb = tnd ? 0 : ls[0];
+             p.lse_sn = ls[tnd ? 0 : 1];
+             p.lse_ss = ls[tnd ? 1 : 2];
+           }
+           const attn::Plan& plan = prepared->plan();
+           std::vector<float> workspace(
+               static_cast<size_t>(std::max<int64_t>(1, attn::workspace_floats(c, plan))));
+           checked([&] {
+             attn::flash_attn(p, prepared->sequences, plan, ThreadExecutor(), core::active_isa(),
+                              workspace.data(), nullptr);
+             return 0;
+           });
+         });
+  return outs;
+}
+
+std::vector<ms::Tensor> flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q,
+                                            const ms::Tensor& k, const ms::Tensor& v,
+                                            const ms::Tensor& out, const ms::Tensor& lse,
+                                            const std::optional<ms::Tensor>& dlse,
+                                            const std::optional<ms::Tensor>& sinks,
+                                            const FlashAttnHost& host, const FlashAttnOptions& o) {
+  attn::PlanConfig c = base_config(q, k, v, o, batch_of(q, o, host));
+  const calls::FlashAttnShapes shapes = shapes_of(q, k, c);
+  const auto lengths = host_lengths(host);
+  const std::vector<int32_t> words = as_int32(host.metadata);
+  auto prepared = std::make_shared<calls::PreparedBackward>(checked([&] {
+    return calls::prepare_backward(c, shapes, lengths->arrays(), o.max_seqlen_q, o.max_seqlen_kv,
+                                   plan_words_of(words, host.metadata));
+  }));
+  const bool has_sinks = sinks.has_value();
+  const bool has_dlse = dlse.has_value();
+  std::vector<ms::Tensor> inputs{dout, q, k, v, out, lse};
+  if (has_sinks) inputs.push_back(*sinks);
+  if (has_dlse) inputs.push_back(*dlse);
+  std::vector<ms::Tensor> outs{
+      new_tensor(q.data_type(), q.shape()), new_tensor(k.data_type(), k.shape()),
+      new_tensor(v.data_type(), v.shape()),
+      new_tensor(mindspore::kNumberTypeFloat32,
+                 has_sinks ? std::vector<int64_t>(sinks->shape().begin(), sinks->shape().end())
+                           : std::vector<int64_t>{0})};
+  const float scale = scale_of(o, c.head_dim);
+  launch("OpmeshFlashAttnBackward", inputs, outs,
+         [prepared, lengths, shapes, has_sinks, has_dlse, scale](const std::vector<ms::Tensor>& in,
+                                                                 std::vector<ms::Tensor>& grads) {
+           const attn::PlanConfig& c = prepared->config;
+           const bool tnd = shapes.q_tnd;
+           for (auto& g : grads) fill(g, 0.0f);
+           attn::FlashAttnBackwardParams p;
+           p.config = c;
+           p.dtype = core_dtype(in[1], "q");
+           p.dout = view_of(in[0], c.layout_out);
+           p.q = view_of(in[1], c.layout_q);
+           p.k = view_of(in[2], c.layout_kv);
+           p.v = view_of(in[3], c.layout_kv);
+           p.out = view_of(in[4], c.layout_out);
+           const std::vector<int64_t> ls = strides_of(in[5]);
+           p.lse = in[5].data_ptr<float>();
+           p.lse_sb = tnd ? 0 : ls[0];
+           p.lse_sn = ls[tnd ? 0 : 1];
+           p.lse_ss = ls[tnd ? 1 : 2];
+           size_t next = 6;
+           if (has_sinks) {
+             p.sinks = in[next++].data_ptr<float>();
+             p.dsinks = grads[3].data_ptr<float>();
+           }
+           if (has_dlse) {
+             p.dlse = in[next].data_ptr<float>();
+             p.dlse_sb = p.lse_sb;
+             p.dlse_sn = p.lse_sn;
+             p.dlse_ss = p.lse_ss;
+           }
+           p.softmax_scale = scale;
+           p.dq = mutable_view_of(grads[0], c.layout_q);
+           p.dk = mutable_view_of(grads[1], c.layout_kv);
+           p.dv = mutable_view_of(grads[2], c.layout_kv);
+           checked([&] {
+             attn::flash_attn_backward(p, prepared->sequences, ThreadExecutor(), core::active_isa(),
+                                       prepared->decoded ? &prepared->decoded->backward : nullptr);
+             return 0;
+           });
+         });
+  return outs;
+}
+
+}  // namespace opmesh::ms_binding

@@ -1,0 +1,231 @@
+// The indexer's softmax statistics, its KL-loss gradient and the paged-cache write on MindSpore
+// tensors.
+#include <cmath>
+#include <cstring>
+
+#include "cpu_features.h"
+#include "indexer.h"
+#include "indexer_kl_loss.h"
+#include "kv_cache.h"
+#include "ms_binding.h"
+
+namespace opmesh::ms_binding {
+namespace {
+
+const std::vector<int64_t>& lengths_or_empty(const IntList& l) {
+  static const std::vector<int64_t> empty;
+  return l.has_value() ? *l : empty;
+}
+
+// Strides of a runner tensor in the core's {b, s, n, d} order (TND: {0, t, n, d}).
+void core_strides(const ms::Tensor& t, bool tnd, int64_t* out, int count) {
+  const std::vector<int64_t> s = strides_of(t);
+  const int off = tnd ? -1 : 0;
+  for (int i = 0; i < count; ++i) {
+    const int dim = i + off;
+    out[i] = dim >= 0 && dim < static_cast<int>(s.size()) ? s[dim] : 0;
+  }
+}
+
+core::IndexerParams indexer_params(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& w,
+                                   const std::vector<int64_t>& qlens,
+                                   const std::vector<int64_t>& klens, bool tnd, int64_t sparse_mode,
+                                   int64_t pre_tokens, int64_t next_tokens) {
+  const int off = tnd ? -1 : 0;
+  core::IndexerParams p;
+  p.layout = tnd ? core::Layout::kTND : core::Layout::kBSND;
+  p.sparse_mode = static_cast<core::MaskMode>(sparse_mode);
+  p.pre_tokens = pre_tokens;
+  p.next_tokens = next_tokens;
+  p.batch = tnd ? static_cast<int64_t>(qlens.size()) : q.shape()[0];
+  p.seq_q = q.shape()[1 + off];
+  p.seq_k = k.shape()[1 + off];
+  p.heads_q = q.shape()[2 + off];
+  p.heads_k = k.shape()[2 + off];
+  p.head_dim = q.shape()[3 + off];
+  p.qk_dtype = core_dtype(q, "query_index");
+  p.weights_dtype = core_dtype(w, "weights");
+  p.seq_q_lens = qlens.empty() ? nullptr : qlens.data();
+  p.seq_k_lens = klens.empty() ? nullptr : klens.data();
+  return p;
+}
+
+}  // namespace
+
+std::vector<ms::Tensor> indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
+                                const ms::Tensor& weights, const IntList& actual_seq_qlen,
+                                const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
+                                int64_t pre_tokens, int64_t next_tokens) {
+  auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
+  auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
+  const core::IndexerParams base = indexer_params(query_index, key_index, weights, *qlens, *klens,
+                                                  tnd, sparse_mode, pre_tokens, next_tokens);
+  checked([&] {
+    core::validate(base);
+    return 0;
+  });
+  const std::vector<int64_t> shape =
+      tnd ? std::vector<int64_t>{base.heads_k, base.seq_q}
+          : std::vector<int64_t>{base.batch, base.heads_k, base.seq_q};
+  std::vector<ms::Tensor> outs{new_tensor(mindspore::kNumberTypeFloat32, shape),
+                               new_tensor(mindspore::kNumberTypeFloat32, shape)};
+  launch(
+      "OpmeshIndexer", {query_index, key_index, weights}, outs,
+      [base, qlens, klens, tnd](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+        core::IndexerParams p = base;
+        p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
+        p.seq_k_lens = klens->empty() ? nullptr : klens->data();
+        p.query = in[0].GetDataPtr();
+        p.key = in[1].GetDataPtr();
+        p.weights = in[2].GetDataPtr();
+        core_strides(in[0], tnd, p.query_stride, 4);
+        core_strides(in[1], tnd, p.key_stride, 4);
+        core_strides(in[2], tnd, p.weights_stride, 3);
+        p.softmax_max = out[0].data_ptr<float>();
+        p.softmax_sum = out[1].data_ptr<float>();
+        checked([&] {
+          core::dense_lightning_indexer_softmax_lse(p, ThreadExecutor(), core::active_isa());
+          return 0;
+        });
+      });
+  return outs;
+}
+
+std::vector<ms::Tensor> indexer_grad_kl_loss(
+    const ms::Tensor& query, const ms::Tensor& key, const ms::Tensor& query_index,
+    const ms::Tensor& key_index, const ms::Tensor& weights, const ms::Tensor& softmax_max,
+    const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
+    const ms::Tensor& softmax_sum_index, double scale_value,
+    const std::optional<ms::Tensor>& query_rope, const std::optional<ms::Tensor>& key_rope,
+    const IntList& actual_seq_qlen, const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
+    int64_t pre_tokens, int64_t next_tokens) {
+  auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
+  auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
+  // The length arrays' checks are the indexer's (the same mask over the same tokens).
+  checked([&] {
+    core::validate(indexer_params(query_index, key_index, weights, *qlens, *klens, tnd, sparse_mode,
+                                  pre_tokens, next_tokens));
+    return 0;
+  });
+  const int off = tnd ? -1 : 0;
+  core::IndexerKlLossParams base;
+  base.layout = tnd ? core::Layout::kTND : core::Layout::kBSND;
+  base.sparse_mode = static_cast<core::MaskMode>(sparse_mode);
+  base.pre_tokens = pre_tokens;
+  base.next_tokens = next_tokens;
+  base.batch = tnd ? static_cast<int64_t>(qlens->size()) : query_index.shape()[0];
+  base.seq_q = query_index.shape()[1 + off];
+  base.seq_k = key_index.shape()[1 + off];
+  base.heads_q = query.shape()[2 + off];
+  base.heads_k = key.shape()[2 + off];
+  base.head_dim = query.shape()[3 + off];
+  base.rope_dim = query_rope.has_value() ? query_rope->shape()[3 + off] : 0;
+  base.index_heads_q = query_index.shape()[2 + off];
+  base.index_heads_k = key_index.shape()[2 + off];
+  base.index_dim = query_index.shape()[3 + off];
+  base.scale = static_cast<float>(scale_value);
+  const bool rope = query_rope.has_value();
+  std::vector<ms::Tensor> inputs{
+      query,       key,         query_index,       key_index,        weights,
+      softmax_max, softmax_sum, softmax_max_index, softmax_sum_index};
+  if (rope) {
+    inputs.push_back(*query_rope);
+    inputs.push_back(*key_rope);
+  }
+  std::vector<ms::Tensor> outs{new_tensor(query_index.data_type(), query_index.shape()),
+                               new_tensor(key_index.data_type(), key_index.shape()),
+                               new_tensor(weights.data_type(), weights.shape()),
+                               new_tensor(mindspore::kNumberTypeFloat32, {1})};
+  launch("OpmeshIndexerKlLoss", inputs, outs,
+         [base, qlens, klens, tnd, rope](const std::vector<ms::Tensor>& in,
+                                         std::vector<ms::Tensor>& out) {
+           core::IndexerKlLossParams p = base;
+           p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
+           p.seq_k_lens = klens->empty() ? nullptr : klens->data();
+           auto operand = [&](const ms::Tensor& t, const char* name) {
+             core::KlOperand o;
+             o.data = t.GetDataPtr();
+             o.dtype = core_dtype(t, name);
+             core_strides(t, tnd, o.stride, 4);
+             return o;
+           };
+           // Rows no sequence covers keep a zero gradient.
+           auto gradient = [&](ms::Tensor& t) {
+             std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
+             const core::KlOperand o = operand(t, "gradient");
+             core::KlGradient g;
+             g.data = t.GetDataPtr();
+             g.dtype = o.dtype;
+             std::copy(o.stride, o.stride + 4, g.stride);
+             return g;
+           };
+           p.query = operand(in[0], "query");
+           p.key = operand(in[1], "key");
+           p.query_index = operand(in[2], "query_index");
+           p.key_index = operand(in[3], "key_index");
+           p.weights = operand(in[4], "weights");
+           p.softmax_max = in[5].data_ptr<float>();
+           p.softmax_sum = in[6].data_ptr<float>();
+           p.softmax_max_index = in[7].data_ptr<float>();
+           p.softmax_sum_index = in[8].data_ptr<float>();
+           if (rope) {
+             p.query_rope = operand(in[9], "query_rope");
+             p.key_rope = operand(in[10], "key_rope");
+           }
+           p.d_query_index = gradient(out[0]);
+           p.d_key_index = gradient(out[1]);
+           p.d_weights = gradient(out[2]);
+           p.loss = out[3].data_ptr<float>();
+           *p.loss = 0.0f;
+           checked([&] {
+             core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(), core::active_isa());
+             return 0;
+           });
+         });
+  return outs;
+}
+
+void kv_cache_write(const ms::Tensor& key, const ms::Tensor& value, const ms::Tensor& key_cache,
+                    const ms::Tensor& value_cache, const std::vector<int64_t>& slot_mapping) {
+  core::KvCacheWriteParams base;
+  base.tokens = key.shape()[0];
+  base.heads = key.shape()[1];
+  base.dim_k = key.shape()[2];
+  base.dim_v = value.shape()[2];
+  base.elem_bytes = element_bytes(key);
+  base.num_blocks = key_cache.shape()[0];
+  base.block_size = key_cache.shape()[1];
+  auto slots = std::make_shared<std::vector<int64_t>>(slot_mapping);
+  base.slots = slots->data();
+  checked([&] {
+    core::check_slots(base);
+    return 0;
+  });
+  // The caches are written in place: they are the runner's inputs (contiguous, so MindSpore hands
+  // over their own memory), and the runner has no output.
+  launch("OpmeshKvCacheWrite", {key, value, key_cache, value_cache}, {},
+         [base, slots](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>&) {
+           core::KvCacheWriteParams p = base;
+           p.slots = slots->data();
+           p.key = in[0].GetDataPtr();
+           p.value = in[1].GetDataPtr();
+           p.key_cache = in[2].GetDataPtr();
+           p.value_cache = in[3].GetDataPtr();
+           const auto ks = strides_of(in[0]), vs = strides_of(in[1]);
+           const auto kcs = strides_of(in[2]), vcs = strides_of(in[3]);
+           for (int i = 0; i < 3; ++i) {
+             p.key_stride[i] = ks[i];
+             p.value_stride[i] = vs[i];
+           }
+           for (int i = 0; i < 4; ++i) {
+             p.key_cache_stride[i] = kcs[i];
+             p.value_cache_stride[i] = vcs[i];
+           }
+           checked([&] {
+             core::kv_cache_write(p, ThreadExecutor());
+             return 0;
+           });
+         });
+}
+
+}  // namespace opmesh::ms_binding

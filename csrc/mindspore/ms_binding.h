@@ -1,0 +1,145 @@
+// Helpers of the MindSpore binding: MindSpore tensors as the core's operands, a thread executor,
+// and the core's ArgumentError as a Python ValueError.
+//
+// The binding's functions are called by opmesh's MindSpore path (opmesh/_mindspore.py) after the
+// shape, dtype and argument checks shared with the torch binding have passed. Each function
+// first runs, synchronously, every check that reads argument values (lengths, block tables,
+// plans, slots; the core's own checks), so a bad value raises at the call; then it hands the
+// kernel to MindSpore's runner, which calls LaunchKernel once the inputs are ready.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+#include "errors.h"
+#include "executor.h"
+#include "ms_extension/api.h"
+
+namespace opmesh::ms_binding {
+
+using IntList = std::optional<std::vector<int64_t>>;
+
+// Runs f, turning the core's ArgumentError (message starting with the argument) into ValueError.
+template <class F>
+auto checked(F&& f) {
+  try {
+    return f();
+  } catch (const core::ArgumentError& e) {
+    throw pybind11::value_error(e.what());
+  }
+}
+
+[[noreturn]] inline void value_error(const std::string& message) {
+  throw pybind11::value_error(message);
+}
+
+// The floating types the kernels read; a TypeError naming `argument` otherwise.
+core::DType core_dtype(const ms::Tensor& t, const char* argument);
+
+// The element type's size in bytes (floating types and int32/int64).
+int64_t element_bytes(const ms::Tensor& t);
+
+// A new MindSpore tensor of `dtype` and `shape` (memory given by the runner).
+ms::Tensor new_tensor(mindspore::TypeId dtype, const std::vector<int64_t>& shape);
+
+// Strides in elements of a runner input or output (after MindSpore made it contiguous).
+std::vector<int64_t> strides_of(const ms::Tensor& t);
+
+// int64 host values as int32 (ranges were checked by the Python layer), or empty.
+std::vector<int32_t> as_int32(const IntList& values);
+
+// The CPU's worker threads: OPMESH_NUM_THREADS, else the hardware's thread count.
+class ThreadExecutor final : public core::Executor {
+ public:
+  ThreadExecutor();
+  int num_workers() const override { return workers_; }
+  void run_workers(const std::function<void(int)>& fn) const override;
+
+ private:
+  int workers_;
+};
+
+// A MindSpore runner whose kernel is a closure: the closure gets the runner's inputs and outputs
+// (their memory ready) and runs the core.
+class CoreRunner final : public ms::pynative::PyboostRunner {
+ public:
+  using Kernel =
+      std::function<void(const std::vector<ms::Tensor>& inputs, std::vector<ms::Tensor>& outputs)>;
+  CoreRunner(const std::string& name, Kernel kernel)
+      : PyboostRunner(name), kernel_(std::move(kernel)) {}
+  void LaunchKernel() override;
+
+ private:
+  Kernel kernel_;
+};
+
+// Runs `kernel` over `inputs` into `outputs` through MindSpore's runner.
+void launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
+            const std::vector<ms::Tensor>& outputs, CoreRunner::Kernel kernel);
+
+// Functions bound in module.cpp.
+std::vector<ms::Tensor> indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
+                                const ms::Tensor& weights, const IntList& actual_seq_qlen,
+                                const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
+                                int64_t pre_tokens, int64_t next_tokens);
+
+std::vector<ms::Tensor> indexer_grad_kl_loss(
+    const ms::Tensor& query, const ms::Tensor& key, const ms::Tensor& query_index,
+    const ms::Tensor& key_index, const ms::Tensor& weights, const ms::Tensor& softmax_max,
+    const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
+    const ms::Tensor& softmax_sum_index, double scale_value,
+    const std::optional<ms::Tensor>& query_rope, const std::optional<ms::Tensor>& key_rope,
+    const IntList& actual_seq_qlen, const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
+    int64_t pre_tokens, int64_t next_tokens);
+
+void kv_cache_write(const ms::Tensor& key, const ms::Tensor& value, const ms::Tensor& key_cache,
+                    const ms::Tensor& value_cache, const std::vector<int64_t>& slot_mapping);
+
+// Options of a flash_attn call that are not tensors (validated by the shared checks).
+struct FlashAttnOptions {
+  std::optional<double> softmax_scale;
+  int64_t mask_mode = 0;
+  int64_t win_left = -1;
+  int64_t win_right = -1;
+  std::optional<int64_t> max_seqlen_q;
+  std::optional<int64_t> max_seqlen_kv;
+  std::string layout_q = "BSND";
+  std::string layout_kv = "BSND";
+  std::string layout_out = "BSND";
+};
+
+// Host copies of a call's length arrays, block table and plan.
+struct FlashAttnHost {
+  IntList cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv;
+  IntList block_table;  // row-major [batch, blocks_per_seq]
+  int64_t blocks_per_seq = 0;
+  IntList metadata;
+};
+
+std::vector<int64_t> flash_attn_metadata(int64_t num_heads_q, int64_t num_heads_kv,
+                                         int64_t head_dim, int64_t head_dim_v,
+                                         const FlashAttnHost& host, int64_t batch_size,
+                                         int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                                         const FlashAttnOptions& options,
+                                         std::optional<int64_t> num_workers, bool deterministic,
+                                         bool backward);
+
+std::vector<ms::Tensor> flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
+                                   const std::optional<ms::Tensor>& sinks,
+                                   const FlashAttnHost& host, const FlashAttnOptions& options,
+                                   bool return_softmax_lse);
+
+std::vector<ms::Tensor> flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q,
+                                            const ms::Tensor& k, const ms::Tensor& v,
+                                            const ms::Tensor& out, const ms::Tensor& lse,
+                                            const std::optional<ms::Tensor>& dlse,
+                                            const std::optional<ms::Tensor>& sinks,
+                                            const FlashAttnHost& host,
+                                            const FlashAttnOptions& options);
+
+}  // namespace opmesh::ms_binding

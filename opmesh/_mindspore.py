@@ -1,0 +1,472 @@
+"""opmesh's operators on MindSpore tensors (CPU).
+
+The public functions (``opmesh.flash_attn`` and the rest) come here when their tensors are
+MindSpore tensors. Each call:
+
+1. runs the argument checks of the torch binding's shape functions on meta stand-ins of its
+   tensors (same shapes and dtypes, no data): one set of checks and messages for both frameworks;
+2. reads its small host arrays (sequence lengths, block table, plan words, slots);
+3. calls the MindSpore binding (``csrc/mindspore``), which runs the checks that read those
+   values and hands the core's kernel to MindSpore's runner.
+
+The binding is compiled by MindSpore's ``CustomOpBuilder`` on first use from the sources and the
+core library the package installs with ``OPMESH_MINDSPORE=ON`` (docs/mindspore.md), into a cache
+directory keyed by their contents and the MindSpore version.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import operator
+import os
+import sys
+
+import torch
+
+CACHE_ENV = "OPMESH_MINDSPORE_CACHE"
+
+
+def is_tensor(value) -> bool:
+    """Whether value is a MindSpore tensor (never true before MindSpore is imported)."""
+    ms = sys.modules.get("mindspore")
+    return ms is not None and isinstance(value, ms.Tensor)
+
+
+def any_tensor(*values) -> bool:
+    return "mindspore" in sys.modules and any(is_tensor(v) for v in values)
+
+
+def binding_dir() -> str:
+    from . import _C
+
+    return os.path.join(os.path.dirname(os.path.abspath(_C.__file__)), "mindspore_binding")
+
+
+@functools.cache
+def extension():
+    """The compiled MindSpore binding, built on first use (about a minute) and cached."""
+    import mindspore
+    from mindspore.ops import CustomOpBuilder
+
+    root = binding_dir()
+    library = os.path.join(root, "libopmesh_core_ms.a")
+    if not os.path.exists(library):
+        raise ImportError(
+            "opmesh was built without the MindSpore binding: reinstall it with "
+            "`pip install --no-build-isolation -C cmake.define.OPMESH_MINDSPORE=ON .` "
+            "(docs/mindspore.md)"
+        )
+    sources = sorted(glob.glob(os.path.join(root, "src", "*.cpp")))
+    headers = sorted(glob.glob(os.path.join(root, "**", "*.h"), recursive=True))
+    digest = hashlib.sha256(mindspore.__version__.encode())
+    for path in [library, *sources, *headers]:
+        with open(path, "rb") as f:
+            digest.update(path.encode() + f.read())
+    cache = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "opmesh")
+    with open(os.path.join(root, "cflags.txt")) as f:
+        defines = f.read().strip()
+    builder = CustomOpBuilder(
+        "opmesh_mindspore",
+        sources,
+        backend="CPU",
+        include_paths=[os.path.join(root, "include"), os.path.join(root, "src")],
+        cflags=f"-O2 -fopenmp-simd {defines}".strip(),
+        ldflags=f"-Wl,--whole-archive {library} -Wl,--no-whole-archive",
+        build_dir=os.path.join(cache, f"mindspore-{digest.hexdigest()[:16]}"),
+    )
+    return builder.load()
+
+
+# MindSpore dtype names -> the torch dtype of the meta stand-in the shared checks see.
+_DTYPES = {
+    "Float32": torch.float32,
+    "Float16": torch.float16,
+    "BFloat16": torch.bfloat16,
+    "Float64": torch.float64,
+    "Int32": torch.int32,
+    "Int64": torch.int64,
+    "Int16": torch.int16,
+    "Int8": torch.int8,
+    "UInt8": torch.uint8,
+    "Bool": torch.bool,
+    "Complex64": torch.complex64,
+}
+
+
+def _meta(value, name: str):
+    """A meta tensor with value's shape and dtype, for the shared checks (None stays None)."""
+    if value is None:
+        return None
+    if not is_tensor(value):
+        raise TypeError(
+            f"{name}: expected a MindSpore tensor like the call's other tensors, got "
+            f"{type(value).__module__}.{type(value).__name__}"
+        )
+    dtype = _DTYPES.get(str(value.dtype))
+    if dtype is None:
+        raise TypeError(f"{name}: dtype {value.dtype} is not supported")
+    return torch.empty(tuple(value.shape), dtype=dtype, device="meta")
+
+
+def _ints(value, name: str) -> list[int]:
+    out = []
+    for i, item in enumerate(value):
+        try:
+            if isinstance(item, bool):
+                raise TypeError
+            out.append(operator.index(item))
+        except TypeError:
+            raise TypeError(
+                f"{name}: entry {i} is {item!r} ({type(item).__name__}); lengths must be integers"
+            ) from None
+    return out
+
+
+def _host(value, name: str, int32: bool = False):
+    """(values as a flat list, meta stand-in) of a length-like argument: a MindSpore integer
+    tensor or a list of ints; (None, None) when absent. With ``int32``, int64 values are taken
+    as int32 after a range check, as the torch functions take them."""
+    if value is None:
+        return None, None
+    if is_tensor(value):
+        dtype = str(value.dtype)
+        if dtype not in ("Int32", "Int64"):
+            raise TypeError(f"{name}: expected int32 or int64, got {value.dtype}")
+        values = [int(x) for x in value.asnumpy().reshape(-1)]
+        shape = tuple(value.shape)
+        meta_dtype = torch.int32 if int32 or dtype == "Int32" else torch.int64
+    elif isinstance(value, (list, tuple)):
+        values = _ints(value, name)
+        shape = (len(values),)
+        meta_dtype = torch.int32 if int32 else torch.int64
+    else:
+        raise TypeError(
+            f"{name}: expected a 1-D int32/int64 MindSpore tensor, a list of ints or None, "
+            f"got {type(value).__name__}"
+        )
+    if int32:
+        for i, v in enumerate(values):
+            if not -(2**31) <= v < 2**31:
+                raise ValueError(f"{name}: entry {i} is {v}, outside the int32 range")
+    return values, torch.empty(shape, dtype=meta_dtype, device="meta")
+
+
+def _empty_lse():
+    import mindspore
+
+    return mindspore.ops.zeros((0,), mindspore.float32)
+
+
+def indexer(
+    query_index,
+    key_index,
+    weights,
+    actual_seq_qlen,
+    actual_seq_klen,
+    layout,
+    sparse_mode,
+    pre_tokens,
+    next_tokens,
+):
+    qlen, qlen_meta = _host(actual_seq_qlen, "actual_seq_qlen")
+    klen, klen_meta = _host(actual_seq_klen, "actual_seq_klen")
+    torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
+        _meta(query_index, "query_index"),
+        _meta(key_index, "key_index"),
+        _meta(weights, "weights"),
+        actual_seq_qlen=qlen_meta,
+        actual_seq_klen=klen_meta,
+        layout=layout,
+        sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+    )
+    return tuple(
+        extension().indexer(
+            query_index,
+            key_index,
+            weights,
+            qlen,
+            klen,
+            layout == "TND",
+            sparse_mode,
+            pre_tokens,
+            next_tokens,
+        )
+    )
+
+
+_KL_TENSORS = (
+    "query",
+    "key",
+    "query_index",
+    "key_index",
+    "weights",
+    "softmax_max",
+    "softmax_sum",
+    "softmax_max_index",
+    "softmax_sum_index",
+)
+
+
+def grad_kl_loss(
+    tensors,
+    scale_value,
+    query_rope,
+    key_rope,
+    actual_seq_qlen,
+    actual_seq_klen,
+    layout,
+    sparse_mode,
+    pre_tokens,
+    next_tokens,
+):
+    """``tensors``: the nine tensors of dense_lightning_indexer_grad_kl_loss, in its order."""
+    qlen, qlen_meta = _host(actual_seq_qlen, "actual_seq_qlen")
+    klen, klen_meta = _host(actual_seq_klen, "actual_seq_klen")
+    torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
+        *(_meta(t, name) for t, name in zip(tensors, _KL_TENSORS, strict=True)),
+        scale_value,
+        query_rope=_meta(query_rope, "query_rope"),
+        key_rope=_meta(key_rope, "key_rope"),
+        actual_seq_qlen=qlen_meta,
+        actual_seq_klen=klen_meta,
+        layout=layout,
+        sparse_mode=sparse_mode,
+        pre_tokens=pre_tokens,
+        next_tokens=next_tokens,
+    )
+    return tuple(
+        extension().indexer_grad_kl_loss(
+            *tensors,
+            float(scale_value),
+            query_rope,
+            key_rope,
+            qlen,
+            klen,
+            layout == "TND",
+            sparse_mode,
+            pre_tokens,
+            next_tokens,
+        )
+    )
+
+
+def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
+    slots, slots_meta = _host(slot_mapping, "slot_mapping")
+    if slots is None:
+        raise TypeError("slot_mapping: expected a 1-D int32/int64 tensor or a list of ints")
+    torch.ops.opmesh.kv_cache_write_(
+        _meta(key, "key"),
+        _meta(value, "value"),
+        _meta(key_cache, "key_cache"),
+        _meta(value_cache, "value_cache"),
+        slots_meta,
+    )
+    for cache, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
+        if not cache.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous on MindSpore (it is written in place)")
+    if key_cache is value_cache:
+        raise ValueError("value_cache: must not be key_cache")
+    extension().kv_cache_write(key, value, key_cache, value_cache, slots)
+
+
+_LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
+
+
+def flash_attn_metadata(
+    num_heads_q,
+    num_heads_kv,
+    head_dim,
+    head_dim_v,
+    lengths,
+    batch_size,
+    max_seqlen_q,
+    max_seqlen_kv,
+    mask_mode,
+    win_left,
+    win_right,
+    layout_q,
+    layout_kv,
+    layout_out,
+    num_workers,
+    deterministic,
+    backward,
+):
+    import mindspore
+    import numpy as np
+
+    counts = dict(cu_seqlens_q=batch_size + 1, cu_seqlens_kv=batch_size + 1)
+    host = []
+    for name in _LENGTHS:
+        values, meta = _host(lengths[name], name, int32=True)
+        if values is not None:
+            if meta.dim() != 1:
+                raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(meta.shape)}")
+            count = counts.get(name, batch_size)
+            if len(values) != count:
+                raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
+        host.append(values)
+    words = extension().flash_attn_metadata(
+        num_heads_q,
+        num_heads_kv,
+        head_dim,
+        head_dim if head_dim_v is None else head_dim_v,
+        *host,
+        batch_size,
+        max_seqlen_q,
+        max_seqlen_kv,
+        mask_mode,
+        win_left,
+        win_right,
+        layout_q,
+        layout_kv,
+        layout_out,
+        num_workers,
+        deterministic,
+        backward,
+    )
+    return mindspore.Tensor(np.asarray(words, dtype=np.int32))
+
+
+def _plan_words(metadata):
+    """A plan's words and meta stand-in: a MindSpore tensor, or a torch tensor (a plan made by
+    the torch function is the same words)."""
+    if metadata is None:
+        return None, None
+    if isinstance(metadata, torch.Tensor):
+        if metadata.dtype != torch.int32 or metadata.dim() != 1:
+            raise TypeError("metadata: expected the 1-D int32 tensor flash_attn_metadata returns")
+        return metadata.tolist(), torch.empty(metadata.shape, dtype=torch.int32, device="meta")
+    return _host(metadata, "metadata")
+
+
+def _flash_host(kwargs):
+    """The host arrays of a flash_attn call and their meta stand-ins."""
+    host, metas = {}, {}
+    for name in _LENGTHS:
+        host[name], metas[name] = _host(kwargs[name], name, int32=True)
+    table, metas["block_table"] = _host(kwargs["block_table"], "block_table", int32=True)
+    blocks_per_seq = 0
+    if table is not None:
+        blocks_per_seq = metas["block_table"].shape[-1] if metas["block_table"].dim() else 0
+    host["metadata"], metas["metadata"] = _plan_words(kwargs["metadata"])
+    return host, table, blocks_per_seq, metas
+
+
+_OPTIONS = (
+    "softmax_scale",
+    "mask_mode",
+    "win_left",
+    "win_right",
+    "max_seqlen_q",
+    "max_seqlen_kv",
+    "layout_q",
+    "layout_kv",
+    "layout_out",
+)
+
+
+def flash_attn(q, k, v, kwargs):
+    """``kwargs``: flash_attn's keyword arguments with the layouts resolved."""
+    host, table, blocks_per_seq, metas = _flash_host(kwargs)
+    options = {name: kwargs[name] for name in _OPTIONS}
+    torch.ops.opmesh.flash_attn(
+        _meta(q, "q"),
+        _meta(k, "k"),
+        _meta(v, "v"),
+        sinks=_meta(kwargs["sinks"], "sinks"),
+        return_softmax_lse=kwargs["return_softmax_lse"],
+        **metas,
+        **options,
+    )
+    return _FlashAttnFunction.apply(
+        q,
+        k,
+        v,
+        kwargs["sinks"],
+        (host, table, blocks_per_seq),
+        options,
+        kwargs["return_softmax_lse"],
+    )
+
+
+def _lengths_args(host):
+    return [host[name] for name in _LENGTHS]
+
+
+def _options_args(options):
+    return [options[name] for name in _OPTIONS]
+
+
+def _make_flash_function():
+    from .distributed import DFunction
+
+    class FlashAttnFunction(DFunction):
+        """flash_attn on MindSpore tensors: the binding's forward and backward, as a DFunction
+        (on MindSpore it runs as MindSpore's autograd Function)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, sinks, host, options, return_softmax_lse):
+            lengths, table, blocks_per_seq = host
+            out, lse = extension().flash_attn(
+                q,
+                k,
+                v,
+                sinks,
+                *_lengths_args(lengths),
+                table,
+                blocks_per_seq,
+                lengths["metadata"],
+                *_options_args(options),
+                True,
+            )
+            ctx.save_for_backward(q, k, v, out, lse, sinks)
+            ctx.call = (lengths, options, return_softmax_lse)
+            return out, (lse if return_softmax_lse else _empty_lse())
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse, sinks = ctx.saved_tensors
+            lengths, options, return_softmax_lse = ctx.call
+            if options["layout_kv"] == "PA_BBND":
+                raise ValueError(
+                    "layout_kv: PA_BBND (paged keys and values) has no backward; train with "
+                    "BSND, BNSD or TND keys and values"
+                )
+            dlse = dlse if return_softmax_lse else None
+            dq, dk, dv, dsinks = extension().flash_attn_backward(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dlse,
+                sinks,
+                *_lengths_args(lengths),
+                None,
+                *_options_args(options),
+            )
+            return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None
+
+    return FlashAttnFunction
+
+
+class _Lazy:
+    """The DFunction above, made on first use (opmesh.distributed imports opmesh's ops)."""
+
+    def __init__(self, make):
+        self._make = make
+
+    @functools.cached_property
+    def cls(self):
+        return self._make()
+
+    def apply(self, *args):
+        return self.cls.apply(*args)
+
+
+_FlashAttnFunction = _Lazy(_make_flash_function)
