@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-installed
 CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=ON
 
-.PHONY: demo test build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
+.PHONY: demo test test-mindspore build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
 
 demo: build
 	$(PY) -m opmesh demo
@@ -42,6 +42,10 @@ check-core-free-of-torch:
 	@if grep -rEn '#\s*include\s*[<"](torch|ATen|c10|pybind11|Python)' csrc/core; then \
 	  echo "csrc/core must not include torch, ATen, c10 or Python headers"; exit 1; \
 	else echo "csrc/core is free of framework includes"; fi
+	@# The MindSpore binding compiles the core's headers as C++17.
+	@for h in $$(cd csrc/core && find . -name '*.h'); do echo "#include \"$$h\""; done \
+	  | g++ -std=c++17 -fsyntax-only -DOPMESH_HAVE_AMX=1 -Icsrc/core -x c++ - \
+	  && echo "csrc/core's headers compile as C++17"
 
 lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check opmesh tests benchmarks
@@ -50,6 +54,21 @@ lint: $(DEPS_STAMP)
 
 test-py: build
 	$(PY) -m pytest -q
+
+# The MindSpore suite in its own environment (.venv-mindspore: MindSpore 2.10 needs numpy 1.x).
+# opmesh is installed there with OPMESH_MINDSPORE=ON (its own build directory); the binding is
+# compiled by MindSpore's CustomOpBuilder on first use, into build/mindspore-cache.
+MS_VENV := .venv-mindspore
+MS_STAMP := $(MS_VENV)/.deps-installed
+$(MS_STAMP): requirements-mindspore.txt
+	$(PYTHON) -m venv $(MS_VENV)
+	$(MS_VENV)/bin/pip install -q --disable-pip-version-check -r requirements-mindspore.txt
+	touch $@
+
+test-mindspore: system-deps $(MS_STAMP)
+	$(MS_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+	  -C build-dir=build/mindspore-env -C cmake.define.OPMESH_MINDSPORE=ON -e .
+	OPMESH_MINDSPORE_CACHE=$(CURDIR)/build/mindspore-cache $(MS_VENV)/bin/python -m pytest -q tests/mindspore
 
 # pip install . and pip wheel . in a fresh virtual environment that has only torch.
 test-packaging: system-deps

@@ -79,6 +79,18 @@ def extension():
     return builder.load()
 
 
+def _call(name: str, *args):
+    """Calls the binding and waits for its kernel. MindSpore launches kernels asynchronously;
+    a custom op's output read by MindSpore's autograd before its kernel finished was seen to
+    give wrong values, so every opmesh op completes before it returns (the wait costs about a
+    microsecond on the CPU) and an error in a kernel raises at its call."""
+    from mindspore.graph.api import _pynative_executor
+
+    result = getattr(extension(), name)(*args)
+    _pynative_executor.sync()
+    return result
+
+
 # MindSpore dtype names -> the torch dtype of the meta stand-in the shared checks see.
 _DTYPES = {
     "Float32": torch.float32,
@@ -184,7 +196,8 @@ def indexer(
         next_tokens=next_tokens,
     )
     return tuple(
-        extension().indexer(
+        _call(
+            "indexer",
             query_index,
             key_index,
             weights,
@@ -239,7 +252,8 @@ def grad_kl_loss(
         next_tokens=next_tokens,
     )
     return tuple(
-        extension().indexer_grad_kl_loss(
+        _call(
+            "indexer_grad_kl_loss",
             *tensors,
             float(scale_value),
             query_rope,
@@ -270,7 +284,7 @@ def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
             raise ValueError(f"{name}: must be contiguous on MindSpore (it is written in place)")
     if key_cache is value_cache:
         raise ValueError("value_cache: must not be key_cache")
-    extension().kv_cache_write(key, value, key_cache, value_cache, slots)
+    _call("kv_cache_write", key, value, key_cache, value_cache, slots)
 
 
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
@@ -309,7 +323,8 @@ def flash_attn_metadata(
             if len(values) != count:
                 raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
         host.append(values)
-    words = extension().flash_attn_metadata(
+    words = _call(
+        "flash_attn_metadata",
         num_heads_q,
         num_heads_kv,
         head_dim,
@@ -411,7 +426,8 @@ def _make_flash_function():
         @staticmethod
         def forward(ctx, q, k, v, sinks, host, options, return_softmax_lse):
             lengths, table, blocks_per_seq = host
-            out, lse = extension().flash_attn(
+            out, lse = _call(
+                "flash_attn",
                 q,
                 k,
                 v,
@@ -437,7 +453,8 @@ def _make_flash_function():
                     "BSND, BNSD or TND keys and values"
                 )
             dlse = dlse if return_softmax_lse else None
-            dq, dk, dv, dsinks = extension().flash_attn_backward(
+            dq, dk, dv, dsinks = _call(
+                "flash_attn_backward",
                 dout,
                 q,
                 k,

@@ -701,6 +701,8 @@ def describe_metadata(metadata: torch.Tensor) -> dict:
     keys/rows/positions: ``split_keys``, ``key_tile``, ``rows_per_tile``,
     ``query_positions_per_tile``. Also the planned arguments, each worker's stretch
     (``workers``) and the combine tasks (``combines``)."""
+    if _on_mindspore(metadata):
+        metadata = torch.from_numpy(metadata.asnumpy())
     if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32:
         raise TypeError("metadata: expected the int32 tensor flash_attn_metadata returns")
     if metadata.dim() != 1:

@@ -170,10 +170,11 @@ std::vector<int64_t> flash_attn_metadata(int64_t num_heads_q, int64_t num_heads_
   return std::vector<int64_t>(words.begin(), words.end());
 }
 
-std::vector<ms::Tensor> flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
-                                   const std::optional<ms::Tensor>& sinks,
-                                   const FlashAttnHost& host, const FlashAttnOptions& o,
-                                   bool return_softmax_lse) {
+py::object flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
+                      const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
+                      const FlashAttnOptions& o, bool return_softmax_lse) {
+  resolve({&q, &k, &v});
+  resolve(sinks);
   attn::PlanConfig c = base_config(q, k, v, o, batch_of(q, o, host));
   calls::FlashAttnShapes shapes = shapes_of(q, k, c);
   const auto lengths = host_lengths(host);
@@ -206,68 +207,66 @@ std::vector<ms::Tensor> flash_attn(const ms::Tensor& q, const ms::Tensor& k, con
     lse_shape = {c.batch_size, nq, s1};
   }
   if (!return_softmax_lse) lse_shape = {0};
-  std::vector<ms::Tensor> outs{new_tensor(q.data_type(), out_shape),
-                               new_tensor(mindspore::kNumberTypeFloat32, lse_shape)};
+  const std::vector<OutputSpec> outs{{q.data_type(), out_shape},
+                                     {mindspore::kNumberTypeFloat32, lse_shape}};
   std::vector<ms::Tensor> inputs{q, k, v};
   const bool has_sinks = sinks.has_value();
   if (has_sinks) inputs.push_back(*sinks);
   const float scale = scale_of(o, c.head_dim);
-  launch("OpmeshFlashAttn", inputs, outs,
-         [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale](
-             const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
-           const attn::PlanConfig& c = prepared->config;
-           const bool tnd = shapes.q_tnd;
-           if (prepared->padding) {
-             fill(out[0], 0.0f);
-             if (return_softmax_lse) fill(out[1], std::numeric_limits<float>::infinity());
-           }
-           attn::FlashAttnParams p;
-           p.config = c;
-           p.lengths = lengths->arrays();
-           p.dtype = core_dtype(in[0], "q");
-           p.q = view_of(in[0], c.layout_q);
-           p.k = view_of(in[1], c.layout_kv);
-           p.v = view_of(in[2], c.layout_kv);
-           if (shapes.paged) {
-             p.block_table = table->data();
-             p.bt_sb = shapes.table_stride_b;
-             p.bt_sj = shapes.table_stride_j;
-             p.block_size = shapes.block_size;
-           }
-           if (has_sinks) p.sinks = in[3].data_ptr<float>();
-           p.softmax_scale = scale;
-           const std::vector<int64_t> os = strides_of(out[0]);
-           const bool bnsd = c.layout_out == attn::Layout::kBNSD;
-           p.out = out[0].GetDataPtr();
-           p.out_sb = tnd ? 0 : os[0];
-           p.out_ss = tnd ? os[0] : os[bnsd ? 2 : 1];
-           p.out_sn = tnd ? os[1] : os[bnsd ? 1 : 2];
-           p.out_sd = os.back();
-           if (return_softmax_lse) {
-             const std::vector<int64_t> ls = strides_of(out[1]);
-             p.lse = out[1].data_ptr<float>();
-             p.lse_sb = tnd ? 0 : ls[0];
-             p.lse_sn = ls[tnd ? 0 : 1];
-             p.lse_ss = ls[tnd ? 1 : 2];
-           }
-           const attn::Plan& plan = prepared->plan();
-           std::vector<float> workspace(
-               static_cast<size_t>(std::max<int64_t>(1, attn::workspace_floats(c, plan))));
-           checked([&] {
-             attn::flash_attn(p, prepared->sequences, plan, ThreadExecutor(), core::active_isa(),
-                              workspace.data(), nullptr);
-             return 0;
-           });
-         });
-  return outs;
+  return launch("OpmeshFlashAttn", inputs, outs,
+                [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale](
+                    const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+                  const attn::PlanConfig& c = prepared->config;
+                  const bool tnd = shapes.q_tnd;
+                  if (prepared->padding) {
+                    fill(out[0], 0.0f);
+                    if (return_softmax_lse) fill(out[1], std::numeric_limits<float>::infinity());
+                  }
+                  attn::FlashAttnParams p;
+                  p.config = c;
+                  p.lengths = lengths->arrays();
+                  p.dtype = core_dtype(in[0], "q");
+                  p.q = view_of(in[0], c.layout_q);
+                  p.k = view_of(in[1], c.layout_kv);
+                  p.v = view_of(in[2], c.layout_kv);
+                  if (shapes.paged) {
+                    p.block_table = table->data();
+                    p.bt_sb = shapes.table_stride_b;
+                    p.bt_sj = shapes.table_stride_j;
+                    p.block_size = shapes.block_size;
+                  }
+                  if (has_sinks) p.sinks = in[3].data_ptr<float>();
+                  p.softmax_scale = scale;
+                  const std::vector<int64_t> os = strides_of(out[0]);
+                  const bool bnsd = c.layout_out == attn::Layout::kBNSD;
+                  p.out = out[0].GetDataPtr();
+                  p.out_sb = tnd ? 0 : os[0];
+                  p.out_ss = tnd ? os[0] : os[bnsd ? 2 : 1];
+                  p.out_sn = tnd ? os[1] : os[bnsd ? 1 : 2];
+                  p.out_sd = os.back();
+                  if (return_softmax_lse) {
+                    const std::vector<int64_t> ls = strides_of(out[1]);
+                    p.lse = out[1].data_ptr<float>();
+                    p.lse_sb = tnd ? 0 : ls[0];
+                    p.lse_sn = ls[tnd ? 0 : 1];
+                    p.lse_ss = ls[tnd ? 1 : 2];
+                  }
+                  const attn::Plan& plan = prepared->plan();
+                  std::vector<float> workspace(
+                      static_cast<size_t>(std::max<int64_t>(1, attn::workspace_floats(c, plan))));
+                  checked([&] {
+                    attn::flash_attn(p, prepared->sequences, plan, ThreadExecutor(),
+                                     core::active_isa(), workspace.data(), nullptr);
+                    return 0;
+                  });
+                });
 }
 
-std::vector<ms::Tensor> flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q,
-                                            const ms::Tensor& k, const ms::Tensor& v,
-                                            const ms::Tensor& out, const ms::Tensor& lse,
-                                            const std::optional<ms::Tensor>& dlse,
-                                            const std::optional<ms::Tensor>& sinks,
-                                            const FlashAttnHost& host, const FlashAttnOptions& o) {
+py::object flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q, const ms::Tensor& k,
+                               const ms::Tensor& v, const ms::Tensor& out, const ms::Tensor& lse,
+                               const std::optional<ms::Tensor>& dlse,
+                               const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
+                               const FlashAttnOptions& o) {
   attn::PlanConfig c = base_config(q, k, v, o, batch_of(q, o, host));
   const calls::FlashAttnShapes shapes = shapes_of(q, k, c);
   const auto lengths = host_lengths(host);
@@ -281,54 +280,54 @@ std::vector<ms::Tensor> flash_attn_backward(const ms::Tensor& dout, const ms::Te
   std::vector<ms::Tensor> inputs{dout, q, k, v, out, lse};
   if (has_sinks) inputs.push_back(*sinks);
   if (has_dlse) inputs.push_back(*dlse);
-  std::vector<ms::Tensor> outs{
-      new_tensor(q.data_type(), q.shape()), new_tensor(k.data_type(), k.shape()),
-      new_tensor(v.data_type(), v.shape()),
-      new_tensor(mindspore::kNumberTypeFloat32,
-                 has_sinks ? std::vector<int64_t>(sinks->shape().begin(), sinks->shape().end())
-                           : std::vector<int64_t>{0})};
+  auto spec = [](const ms::Tensor& t) {
+    return OutputSpec{t.data_type(), std::vector<int64_t>(t.shape().begin(), t.shape().end())};
+  };
+  const std::vector<OutputSpec> outs{
+      spec(q), spec(k), spec(v),
+      has_sinks ? spec(*sinks) : OutputSpec{mindspore::kNumberTypeFloat32, {0}}};
   const float scale = scale_of(o, c.head_dim);
-  launch("OpmeshFlashAttnBackward", inputs, outs,
-         [prepared, lengths, shapes, has_sinks, has_dlse, scale](const std::vector<ms::Tensor>& in,
-                                                                 std::vector<ms::Tensor>& grads) {
-           const attn::PlanConfig& c = prepared->config;
-           const bool tnd = shapes.q_tnd;
-           for (auto& g : grads) fill(g, 0.0f);
-           attn::FlashAttnBackwardParams p;
-           p.config = c;
-           p.dtype = core_dtype(in[1], "q");
-           p.dout = view_of(in[0], c.layout_out);
-           p.q = view_of(in[1], c.layout_q);
-           p.k = view_of(in[2], c.layout_kv);
-           p.v = view_of(in[3], c.layout_kv);
-           p.out = view_of(in[4], c.layout_out);
-           const std::vector<int64_t> ls = strides_of(in[5]);
-           p.lse = in[5].data_ptr<float>();
-           p.lse_sb = tnd ? 0 : ls[0];
-           p.lse_sn = ls[tnd ? 0 : 1];
-           p.lse_ss = ls[tnd ? 1 : 2];
-           size_t next = 6;
-           if (has_sinks) {
-             p.sinks = in[next++].data_ptr<float>();
-             p.dsinks = grads[3].data_ptr<float>();
-           }
-           if (has_dlse) {
-             p.dlse = in[next].data_ptr<float>();
-             p.dlse_sb = p.lse_sb;
-             p.dlse_sn = p.lse_sn;
-             p.dlse_ss = p.lse_ss;
-           }
-           p.softmax_scale = scale;
-           p.dq = mutable_view_of(grads[0], c.layout_q);
-           p.dk = mutable_view_of(grads[1], c.layout_kv);
-           p.dv = mutable_view_of(grads[2], c.layout_kv);
-           checked([&] {
-             attn::flash_attn_backward(p, prepared->sequences, ThreadExecutor(), core::active_isa(),
-                                       prepared->decoded ? &prepared->decoded->backward : nullptr);
-             return 0;
-           });
-         });
-  return outs;
+  return launch("OpmeshFlashAttnBackward", inputs, outs,
+                [prepared, lengths, shapes, has_sinks, has_dlse, scale](
+                    const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& grads) {
+                  const attn::PlanConfig& c = prepared->config;
+                  const bool tnd = shapes.q_tnd;
+                  for (auto& g : grads) fill(g, 0.0f);
+                  attn::FlashAttnBackwardParams p;
+                  p.config = c;
+                  p.dtype = core_dtype(in[1], "q");
+                  p.dout = view_of(in[0], c.layout_out);
+                  p.q = view_of(in[1], c.layout_q);
+                  p.k = view_of(in[2], c.layout_kv);
+                  p.v = view_of(in[3], c.layout_kv);
+                  p.out = view_of(in[4], c.layout_out);
+                  const std::vector<int64_t> ls = strides_of(in[5]);
+                  p.lse = in[5].data_ptr<float>();
+                  p.lse_sb = tnd ? 0 : ls[0];
+                  p.lse_sn = ls[tnd ? 0 : 1];
+                  p.lse_ss = ls[tnd ? 1 : 2];
+                  size_t next = 6;
+                  if (has_sinks) {
+                    p.sinks = in[next++].data_ptr<float>();
+                    p.dsinks = grads[3].data_ptr<float>();
+                  }
+                  if (has_dlse) {
+                    p.dlse = in[next].data_ptr<float>();
+                    p.dlse_sb = p.lse_sb;
+                    p.dlse_sn = p.lse_sn;
+                    p.dlse_ss = p.lse_ss;
+                  }
+                  p.softmax_scale = scale;
+                  p.dq = mutable_view_of(grads[0], c.layout_q);
+                  p.dk = mutable_view_of(grads[1], c.layout_kv);
+                  p.dv = mutable_view_of(grads[2], c.layout_kv);
+                  checked([&] {
+                    attn::flash_attn_backward(
+                        p, prepared->sequences, ThreadExecutor(), core::active_isa(),
+                        prepared->decoded ? &prepared->decoded->backward : nullptr);
+                    return 0;
+                  });
+                });
 }
 
 }  // namespace opmesh::ms_binding

@@ -52,10 +52,11 @@ core::IndexerParams indexer_params(const ms::Tensor& q, const ms::Tensor& k, con
 
 }  // namespace
 
-std::vector<ms::Tensor> indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
-                                const ms::Tensor& weights, const IntList& actual_seq_qlen,
-                                const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
-                                int64_t pre_tokens, int64_t next_tokens) {
+py::object indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
+                   const ms::Tensor& weights, const IntList& actual_seq_qlen,
+                   const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
+                   int64_t pre_tokens, int64_t next_tokens) {
+  resolve({&query_index, &key_index, &weights});
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
   const core::IndexerParams base = indexer_params(query_index, key_index, weights, *qlens, *klens,
@@ -67,9 +68,9 @@ std::vector<ms::Tensor> indexer(const ms::Tensor& query_index, const ms::Tensor&
   const std::vector<int64_t> shape =
       tnd ? std::vector<int64_t>{base.heads_k, base.seq_q}
           : std::vector<int64_t>{base.batch, base.heads_k, base.seq_q};
-  std::vector<ms::Tensor> outs{new_tensor(mindspore::kNumberTypeFloat32, shape),
-                               new_tensor(mindspore::kNumberTypeFloat32, shape)};
-  launch(
+  const std::vector<OutputSpec> outs{{mindspore::kNumberTypeFloat32, shape},
+                                     {mindspore::kNumberTypeFloat32, shape}};
+  return launch(
       "OpmeshIndexer", {query_index, key_index, weights}, outs,
       [base, qlens, klens, tnd](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
         core::IndexerParams p = base;
@@ -88,17 +89,22 @@ std::vector<ms::Tensor> indexer(const ms::Tensor& query_index, const ms::Tensor&
           return 0;
         });
       });
-  return outs;
 }
 
-std::vector<ms::Tensor> indexer_grad_kl_loss(
-    const ms::Tensor& query, const ms::Tensor& key, const ms::Tensor& query_index,
-    const ms::Tensor& key_index, const ms::Tensor& weights, const ms::Tensor& softmax_max,
-    const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
-    const ms::Tensor& softmax_sum_index, double scale_value,
-    const std::optional<ms::Tensor>& query_rope, const std::optional<ms::Tensor>& key_rope,
-    const IntList& actual_seq_qlen, const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
-    int64_t pre_tokens, int64_t next_tokens) {
+py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
+                                const ms::Tensor& query_index, const ms::Tensor& key_index,
+                                const ms::Tensor& weights, const ms::Tensor& softmax_max,
+                                const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
+                                const ms::Tensor& softmax_sum_index, double scale_value,
+                                const std::optional<ms::Tensor>& query_rope,
+                                const std::optional<ms::Tensor>& key_rope,
+                                const IntList& actual_seq_qlen, const IntList& actual_seq_klen,
+                                bool tnd, int64_t sparse_mode, int64_t pre_tokens,
+                                int64_t next_tokens) {
+  resolve({&query, &key, &query_index, &key_index, &weights, &softmax_max, &softmax_sum,
+           &softmax_max_index, &softmax_sum_index});
+  resolve(query_rope);
+  resolve(key_rope);
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
   // The length arrays' checks are the indexer's (the same mask over the same tokens).
@@ -132,61 +138,64 @@ std::vector<ms::Tensor> indexer_grad_kl_loss(
     inputs.push_back(*query_rope);
     inputs.push_back(*key_rope);
   }
-  std::vector<ms::Tensor> outs{new_tensor(query_index.data_type(), query_index.shape()),
-                               new_tensor(key_index.data_type(), key_index.shape()),
-                               new_tensor(weights.data_type(), weights.shape()),
-                               new_tensor(mindspore::kNumberTypeFloat32, {1})};
-  launch("OpmeshIndexerKlLoss", inputs, outs,
-         [base, qlens, klens, tnd, rope](const std::vector<ms::Tensor>& in,
-                                         std::vector<ms::Tensor>& out) {
-           core::IndexerKlLossParams p = base;
-           p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
-           p.seq_k_lens = klens->empty() ? nullptr : klens->data();
-           auto operand = [&](const ms::Tensor& t, const char* name) {
-             core::KlOperand o;
-             o.data = t.GetDataPtr();
-             o.dtype = core_dtype(t, name);
-             core_strides(t, tnd, o.stride, 4);
-             return o;
-           };
-           // Rows no sequence covers keep a zero gradient.
-           auto gradient = [&](ms::Tensor& t) {
-             std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
-             const core::KlOperand o = operand(t, "gradient");
-             core::KlGradient g;
-             g.data = t.GetDataPtr();
-             g.dtype = o.dtype;
-             std::copy(o.stride, o.stride + 4, g.stride);
-             return g;
-           };
-           p.query = operand(in[0], "query");
-           p.key = operand(in[1], "key");
-           p.query_index = operand(in[2], "query_index");
-           p.key_index = operand(in[3], "key_index");
-           p.weights = operand(in[4], "weights");
-           p.softmax_max = in[5].data_ptr<float>();
-           p.softmax_sum = in[6].data_ptr<float>();
-           p.softmax_max_index = in[7].data_ptr<float>();
-           p.softmax_sum_index = in[8].data_ptr<float>();
-           if (rope) {
-             p.query_rope = operand(in[9], "query_rope");
-             p.key_rope = operand(in[10], "key_rope");
-           }
-           p.d_query_index = gradient(out[0]);
-           p.d_key_index = gradient(out[1]);
-           p.d_weights = gradient(out[2]);
-           p.loss = out[3].data_ptr<float>();
-           *p.loss = 0.0f;
-           checked([&] {
-             core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(), core::active_isa());
-             return 0;
-           });
-         });
-  return outs;
+  auto spec = [](const ms::Tensor& t) {
+    return OutputSpec{t.data_type(), std::vector<int64_t>(t.shape().begin(), t.shape().end())};
+  };
+  const std::vector<OutputSpec> outs{
+      spec(query_index), spec(key_index), spec(weights), {mindspore::kNumberTypeFloat32, {1}}};
+  return launch("OpmeshIndexerKlLoss", inputs, outs,
+                [base, qlens, klens, tnd, rope](const std::vector<ms::Tensor>& in,
+                                                std::vector<ms::Tensor>& out) {
+                  core::IndexerKlLossParams p = base;
+                  p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
+                  p.seq_k_lens = klens->empty() ? nullptr : klens->data();
+                  auto operand = [&](const ms::Tensor& t, const char* name) {
+                    core::KlOperand o;
+                    o.data = t.GetDataPtr();
+                    o.dtype = core_dtype(t, name);
+                    core_strides(t, tnd, o.stride, 4);
+                    return o;
+                  };
+                  // Rows no sequence covers keep a zero gradient.
+                  auto gradient = [&](ms::Tensor& t) {
+                    std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
+                    const core::KlOperand o = operand(t, "gradient");
+                    core::KlGradient g;
+                    g.data = t.GetDataPtr();
+                    g.dtype = o.dtype;
+                    std::copy(o.stride, o.stride + 4, g.stride);
+                    return g;
+                  };
+                  p.query = operand(in[0], "query");
+                  p.key = operand(in[1], "key");
+                  p.query_index = operand(in[2], "query_index");
+                  p.key_index = operand(in[3], "key_index");
+                  p.weights = operand(in[4], "weights");
+                  p.softmax_max = in[5].data_ptr<float>();
+                  p.softmax_sum = in[6].data_ptr<float>();
+                  p.softmax_max_index = in[7].data_ptr<float>();
+                  p.softmax_sum_index = in[8].data_ptr<float>();
+                  if (rope) {
+                    p.query_rope = operand(in[9], "query_rope");
+                    p.key_rope = operand(in[10], "key_rope");
+                  }
+                  p.d_query_index = gradient(out[0]);
+                  p.d_key_index = gradient(out[1]);
+                  p.d_weights = gradient(out[2]);
+                  p.loss = out[3].data_ptr<float>();
+                  *p.loss = 0.0f;
+                  checked([&] {
+                    core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(),
+                                                               core::active_isa());
+                    return 0;
+                  });
+                });
 }
 
-void kv_cache_write(const ms::Tensor& key, const ms::Tensor& value, const ms::Tensor& key_cache,
-                    const ms::Tensor& value_cache, const std::vector<int64_t>& slot_mapping) {
+py::object kv_cache_write(const ms::Tensor& key, const ms::Tensor& value,
+                          const ms::Tensor& key_cache, const ms::Tensor& value_cache,
+                          const std::vector<int64_t>& slot_mapping) {
+  resolve({&key, &value, &key_cache, &value_cache});
   core::KvCacheWriteParams base;
   base.tokens = key.shape()[0];
   base.heads = key.shape()[1];
@@ -203,29 +212,29 @@ void kv_cache_write(const ms::Tensor& key, const ms::Tensor& value, const ms::Te
   });
   // The caches are written in place: they are the runner's inputs (contiguous, so MindSpore hands
   // over their own memory), and the runner has no output.
-  launch("OpmeshKvCacheWrite", {key, value, key_cache, value_cache}, {},
-         [base, slots](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>&) {
-           core::KvCacheWriteParams p = base;
-           p.slots = slots->data();
-           p.key = in[0].GetDataPtr();
-           p.value = in[1].GetDataPtr();
-           p.key_cache = in[2].GetDataPtr();
-           p.value_cache = in[3].GetDataPtr();
-           const auto ks = strides_of(in[0]), vs = strides_of(in[1]);
-           const auto kcs = strides_of(in[2]), vcs = strides_of(in[3]);
-           for (int i = 0; i < 3; ++i) {
-             p.key_stride[i] = ks[i];
-             p.value_stride[i] = vs[i];
-           }
-           for (int i = 0; i < 4; ++i) {
-             p.key_cache_stride[i] = kcs[i];
-             p.value_cache_stride[i] = vcs[i];
-           }
-           checked([&] {
-             core::kv_cache_write(p, ThreadExecutor());
-             return 0;
-           });
-         });
+  return launch("OpmeshKvCacheWrite", {key, value, key_cache, value_cache}, {},
+                [base, slots](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>&) {
+                  core::KvCacheWriteParams p = base;
+                  p.slots = slots->data();
+                  p.key = in[0].GetDataPtr();
+                  p.value = in[1].GetDataPtr();
+                  p.key_cache = in[2].GetDataPtr();
+                  p.value_cache = in[3].GetDataPtr();
+                  const auto ks = strides_of(in[0]), vs = strides_of(in[1]);
+                  const auto kcs = strides_of(in[2]), vcs = strides_of(in[3]);
+                  for (int i = 0; i < 3; ++i) {
+                    p.key_stride[i] = ks[i];
+                    p.value_stride[i] = vs[i];
+                  }
+                  for (int i = 0; i < 4; ++i) {
+                    p.key_cache_stride[i] = kcs[i];
+                    p.value_cache_stride[i] = vcs[i];
+                  }
+                  checked([&] {
+                    core::kv_cache_write(p, ThreadExecutor());
+                    return 0;
+                  });
+                });
 }
 
 }  // namespace opmesh::ms_binding

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,8 @@
 #include "errors.h"
 #include "executor.h"
 #include "ms_extension/api.h"
+
+namespace py = pybind11;
 
 namespace opmesh::ms_binding {
 
@@ -36,6 +39,14 @@ auto checked(F&& f) {
 
 [[noreturn]] inline void value_error(const std::string& message) {
   throw pybind11::value_error(message);
+}
+
+// Resolves pending results (MindSpore's asynchronous "stub" tensors) so shapes can be read.
+inline void resolve(std::initializer_list<const ms::Tensor*> tensors) {
+  for (const ms::Tensor* t : tensors) t->ConvertStubNodeToTensor();
+}
+inline void resolve(const std::optional<ms::Tensor>& t) {
+  if (t.has_value()) t->ConvertStubNodeToTensor();
 }
 
 // The floating types the kernels read; a TypeError naming `argument` otherwise.
@@ -78,27 +89,38 @@ class CoreRunner final : public ms::pynative::PyboostRunner {
   Kernel kernel_;
 };
 
-// Runs `kernel` over `inputs` into `outputs` through MindSpore's runner.
-void launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
-            const std::vector<ms::Tensor>& outputs, CoreRunner::Kernel kernel);
+// An output to create: its dtype and shape.
+struct OutputSpec {
+  mindspore::TypeId dtype;
+  std::vector<int64_t> shape;
+};
+
+// Runs `kernel` over `inputs` into new outputs through MindSpore's op pipeline (the outputs are
+// MindSpore's pending results, ordered with the ops before and after): a tuple of the outputs,
+// or None when there are none.
+py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
+                  const std::vector<OutputSpec>& outputs, CoreRunner::Kernel kernel);
 
 // Functions bound in module.cpp.
-std::vector<ms::Tensor> indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
-                                const ms::Tensor& weights, const IntList& actual_seq_qlen,
-                                const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
-                                int64_t pre_tokens, int64_t next_tokens);
+py::object indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
+                   const ms::Tensor& weights, const IntList& actual_seq_qlen,
+                   const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
+                   int64_t pre_tokens, int64_t next_tokens);
 
-std::vector<ms::Tensor> indexer_grad_kl_loss(
-    const ms::Tensor& query, const ms::Tensor& key, const ms::Tensor& query_index,
-    const ms::Tensor& key_index, const ms::Tensor& weights, const ms::Tensor& softmax_max,
-    const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
-    const ms::Tensor& softmax_sum_index, double scale_value,
-    const std::optional<ms::Tensor>& query_rope, const std::optional<ms::Tensor>& key_rope,
-    const IntList& actual_seq_qlen, const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
-    int64_t pre_tokens, int64_t next_tokens);
+py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
+                                const ms::Tensor& query_index, const ms::Tensor& key_index,
+                                const ms::Tensor& weights, const ms::Tensor& softmax_max,
+                                const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
+                                const ms::Tensor& softmax_sum_index, double scale_value,
+                                const std::optional<ms::Tensor>& query_rope,
+                                const std::optional<ms::Tensor>& key_rope,
+                                const IntList& actual_seq_qlen, const IntList& actual_seq_klen,
+                                bool tnd, int64_t sparse_mode, int64_t pre_tokens,
+                                int64_t next_tokens);
 
-void kv_cache_write(const ms::Tensor& key, const ms::Tensor& value, const ms::Tensor& key_cache,
-                    const ms::Tensor& value_cache, const std::vector<int64_t>& slot_mapping);
+py::object kv_cache_write(const ms::Tensor& key, const ms::Tensor& value,
+                          const ms::Tensor& key_cache, const ms::Tensor& value_cache,
+                          const std::vector<int64_t>& slot_mapping);
 
 // Options of a flash_attn call that are not tensors (validated by the shared checks).
 struct FlashAttnOptions {
@@ -129,17 +151,14 @@ std::vector<int64_t> flash_attn_metadata(int64_t num_heads_q, int64_t num_heads_
                                          std::optional<int64_t> num_workers, bool deterministic,
                                          bool backward);
 
-std::vector<ms::Tensor> flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
-                                   const std::optional<ms::Tensor>& sinks,
-                                   const FlashAttnHost& host, const FlashAttnOptions& options,
-                                   bool return_softmax_lse);
+py::object flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
+                      const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
+                      const FlashAttnOptions& options, bool return_softmax_lse);
 
-std::vector<ms::Tensor> flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q,
-                                            const ms::Tensor& k, const ms::Tensor& v,
-                                            const ms::Tensor& out, const ms::Tensor& lse,
-                                            const std::optional<ms::Tensor>& dlse,
-                                            const std::optional<ms::Tensor>& sinks,
-                                            const FlashAttnHost& host,
-                                            const FlashAttnOptions& options);
+py::object flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q, const ms::Tensor& k,
+                               const ms::Tensor& v, const ms::Tensor& out, const ms::Tensor& lse,
+                               const std::optional<ms::Tensor>& dlse,
+                               const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
+                               const FlashAttnOptions& options);
 
 }  // namespace opmesh::ms_binding

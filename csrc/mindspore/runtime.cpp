@@ -69,10 +69,26 @@ void CoreRunner::LaunchKernel() {
   kernel_(inputs(), out);
 }
 
-void launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
-            const std::vector<ms::Tensor>& outputs, CoreRunner::Kernel kernel) {
-  auto runner = std::make_shared<CoreRunner>(name, std::move(kernel));
-  runner->Run(inputs, outputs);
+py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
+                  const std::vector<OutputSpec>& outputs, CoreRunner::Kernel kernel) {
+  auto run = [name, inputs, outputs, kernel]() {
+    std::vector<ms::Tensor> made;
+    for (const OutputSpec& o : outputs) made.push_back(new_tensor(o.dtype, o.shape));
+    auto runner = std::make_shared<CoreRunner>(name, kernel);
+    runner->Run(inputs, made);
+    return made;
+  };
+  using Runner = ms::pynative::PyboostRunner;
+  switch (outputs.size()) {
+    case 0:
+      return Runner::Call<0>(name, [run] { run(); });
+    case 2:
+      return Runner::Call<2>(name, run);
+    case 4:
+      return Runner::Call<4>(name, run);
+    default:
+      value_error("launch: unsupported output count " + std::to_string(outputs.size()));
+  }
 }
 
 }  // namespace opmesh::ms_binding

@@ -1,0 +1,481 @@
+"""opmesh on MindSpore tensors: every operator against the torch binding on the same inputs
+(bitwise: the same core kernels on the same plan), gradients through MindSpore's autograd and a
+user-written DFunction on both frameworks, and errors."""
+
+import os
+import subprocess
+import sys
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+
+import opmesh
+
+RNG = np.random.default_rng(0)
+
+
+def randn(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def both(array, dtype="float32"):
+    """The same values as a MindSpore and a torch tensor of `dtype` (bf16 rounds alike)."""
+    t = torch.from_numpy(array).to(getattr(torch, dtype))
+    m = ms.Tensor(t.float().numpy(), dtype=getattr(ms, dtype))
+    return m, t
+
+
+def as_numpy(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().numpy()
+    return x.float().asnumpy() if x.dtype == ms.bfloat16 else x.asnumpy()
+
+
+def assert_same(m, t):
+    assert tuple(m.shape) == tuple(t.shape)
+    np.testing.assert_array_equal(as_numpy(m), as_numpy(t))
+
+
+# ----------------------------------------------------------------------------------- indexer
+
+
+INDEXER_CASES = [
+    # (layout, sparse_mode, qlens, klens, band)
+    ("BSND", 3, None, None, None),
+    ("BSND", 0, None, None, None),
+    ("BSND", 3, [13, 0, 7], [17, 5, 0], None),
+    ("BSND", 3, None, None, (5, 0)),
+    ("TND", 3, [4, 4, 11], [6, 6, 19], None),
+    ("TND", 0, [0, 9, 13], [3, 3, 17], None),
+]
+
+
+def indexer_inputs(layout, dtype, qlens, klens, n1=8, n2=2, d=32):
+    if layout == "BSND":
+        q, k, w = randn(3, 13, n1, d), randn(3, 17, n2, d), randn(3, 13, n1, scale=0.2)
+    else:
+        q, k, w = randn(qlens[-1], n1, d), randn(klens[-1], n2, d), randn(qlens[-1], n1, scale=0.2)
+    return both(q, dtype), both(k, dtype), both(w, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: f"{c[0]}-m{c[1]}-{c[2]}-{c[4]}")
+def test_indexer_matches_torch(case, dtype):
+    layout, mode, qlens, klens, band = case
+    (mq, tq), (mk, tk), (mw, tw) = indexer_inputs(layout, dtype, qlens, klens)
+    kw = dict(layout=layout, sparse_mode=mode, actual_seq_qlen=qlens, actual_seq_klen=klens)
+    if band:
+        kw.update(pre_tokens=band[0], next_tokens=band[1])
+    m_max, m_sum = opmesh.dense_lightning_indexer_softmax_lse(mq, mk, mw, **kw)
+    t_max, t_sum = opmesh.dense_lightning_indexer_softmax_lse(tq, tk, tw, **kw)
+    assert isinstance(m_max, ms.Tensor)
+    assert_same(m_max, t_max)
+    assert_same(m_sum, t_sum)
+
+
+def test_indexer_lengths_as_mindspore_tensors():
+    (mq, tq), (mk, tk), (mw, tw) = indexer_inputs("BSND", "float32", None, None)
+    lens = np.array([3, 13, 0], np.int64)
+    m = opmesh.dense_lightning_indexer_softmax_lse(mq, mk, mw, actual_seq_qlen=ms.Tensor(lens))
+    t = opmesh.dense_lightning_indexer_softmax_lse(tq, tk, tw, actual_seq_qlen=torch.tensor(lens))
+    assert_same(m[0], t[0])
+    assert_same(m[1], t[1])
+
+
+# ------------------------------------------------------------------------------ KL loss
+
+
+def kl_inputs(layout, rope, dtype="float32"):
+    n1, n2, d, dr, n1i, di = 4, 2, 16, 8, 8, 32
+    if layout == "BSND":
+        b, s1, s2 = 2, 9, 11
+        lead_q, lead_k, lens = (b, s1), (b, s2), dict()
+        stats = (b, n2, s1, n1 // n2)
+    else:
+        lens = dict(actual_seq_qlen=[4, 4, 9], actual_seq_klen=[5, 5, 11])
+        lead_q, lead_k, stats = (9,), (11,), (n2, 9, n1 // n2)
+    arrays = dict(
+        query=randn(*lead_q, n1, d),
+        key=randn(*lead_k, n2, d),
+        query_index=randn(*lead_q, n1i, di),
+        key_index=randn(*lead_k, 1, di),
+        weights=randn(*lead_q, n1i, scale=0.2),
+    )
+    if rope:
+        arrays.update(query_rope=randn(*lead_q, n1, dr), key_rope=randn(*lead_k, n2, dr))
+    m = {k: both(v, dtype)[0] for k, v in arrays.items()}
+    t = {k: both(v, dtype)[1] for k, v in arrays.items()}
+    # The main attention's statistics from the torch reference of the same scores.
+    t["softmax_max"] = torch.full(stats, 3.0)
+    t["softmax_sum"] = torch.full(stats, 40.0)
+    m["softmax_max"], m["softmax_sum"] = (
+        ms.Tensor(t[k].numpy()) for k in ("softmax_max", "softmax_sum")
+    )
+    return m, t, dict(layout=layout, **lens)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_grad_kl_loss_matches_torch(layout, rope):
+    m, t, kw = kl_inputs(layout, rope)
+    outs = []
+    for x in (m, t):
+        stats = opmesh.dense_lightning_indexer_softmax_lse(
+            x["query_index"], x["key_index"], x["weights"], **kw
+        )
+        outs.append(
+            opmesh.dense_lightning_indexer_grad_kl_loss(
+                x["query"],
+                x["key"],
+                x["query_index"],
+                x["key_index"],
+                x["weights"],
+                x["softmax_max"],
+                x["softmax_sum"],
+                *stats,
+                0.25,
+                query_rope=x.get("query_rope"),
+                key_rope=x.get("key_rope"),
+                **kw,
+            )
+        )
+    for a, b in zip(*outs, strict=True):
+        assert_same(a, b)
+    assert float(as_numpy(outs[0][3])[0]) > 0
+
+
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_indexer_kl_loss_gradients_through_mindspore_autograd(layout):
+    m, t, kw = kl_inputs(layout, rope=False)
+    fixed = ("query", "key", "softmax_max", "softmax_sum")
+
+    def loss(qi, ki, w):
+        out = opmesh.indexer_kl_loss(qi, ki, w, *(m[k] for k in fixed), 0.25, **kw)
+        return (out * 3.0).sum()
+
+    value, grads = ms.value_and_grad(loss, grad_position=(0, 1, 2))(
+        m["query_index"], m["key_index"], m["weights"]
+    )
+    leaves = [t[k].requires_grad_() for k in ("query_index", "key_index", "weights")]
+    t_loss = opmesh.indexer_kl_loss(*leaves, *(t[k] for k in fixed), 0.25, **kw)
+    (t_loss * 3.0).sum().backward()
+    np.testing.assert_array_equal(as_numpy(value), as_numpy(t_loss.sum() * 3.0))
+    for g, leaf in zip(grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+
+
+# ---------------------------------------------------------------------------- flash_attn
+
+
+def attn_case(layout, nq=4, nkv=2, d=16, dv=16):
+    if layout == "TND":
+        cu = [0, 5, 5, 14]
+        cu_k = [0, 7, 9, 23]
+        arrays = (randn(14, nq, d), randn(23, nkv, d), randn(23, nkv, dv))
+        return arrays, dict(cu_seqlens_q=cu, cu_seqlens_kv=cu_k)
+    if layout == "BNSD":
+        return (randn(2, nq, 9, d), randn(2, nkv, 13, d), randn(2, nkv, 13, dv)), {}
+    return (randn(2, 9, nq, d), randn(2, 13, nkv, d), randn(2, 13, nkv, dv)), {}
+
+
+MASKS = [dict(mask_mode=0), dict(mask_mode=3), dict(mask_mode=4, win_left=3, win_right=1)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"mask{m['mask_mode']}")
+@pytest.mark.parametrize("layout", ["BSND", "BNSD", "TND"])
+def test_flash_attn_forward_and_backward_match_torch(layout, mask, dtype):
+    arrays, lengths = attn_case(layout)
+    sinks = randn(4)
+    m_in, t_in = zip(*(both(a, dtype) for a in arrays), strict=True)
+    kw = dict(layout_q=layout, return_softmax_lse=True, **lengths, **mask)
+    m_sinks, t_sinks = both(sinks)
+
+    def loss(q, k, v, s):
+        out, lse = opmesh.flash_attn(q, k, v, sinks=s, **kw)
+        return (out.float() * out.float()).sum() + lse.sum() * 0.5
+
+    m_grads = ms.grad(loss, grad_position=(0, 1, 2, 3))(*m_in, m_sinks)
+    leaves = [x.clone().requires_grad_() for x in (*t_in, t_sinks)]
+    loss(*leaves).backward()
+    m_out, m_lse = opmesh.flash_attn(*m_in, sinks=m_sinks, **kw)
+    t_out, t_lse = opmesh.flash_attn(*t_in, sinks=t_sinks, **kw)
+    assert isinstance(m_out, ms.Tensor) and m_out.dtype == m_in[0].dtype
+    assert_same(m_out, t_out)
+    assert_same(m_lse, t_lse)
+    for g, leaf in zip(m_grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+
+
+def test_flash_attn_without_lse_returns_an_empty_second_output():
+    arrays, _ = attn_case("BSND")
+    m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
+    m_out, m_lse = opmesh.flash_attn(*m_in, mask_mode=3)
+    t_out, t_lse = opmesh.flash_attn(*t_in, mask_mode=3)
+    assert_same(m_out, t_out)
+    assert tuple(m_lse.shape) == tuple(t_lse.shape) == (0,)
+
+
+def paged_case():
+    block_size, nkv, d = 4, 2, 16
+    k_cache, v_cache = randn(9, block_size, nkv, d), randn(9, block_size, nkv, d)
+    table = np.array([[3, 0, 7], [8, 1, 2]], np.int32)
+    used = np.array([10, 5], np.int32)
+    q = randn(2, 3, 4, d)
+    return q, k_cache, v_cache, table, used
+
+
+def test_paged_decode_with_a_plan_matches_torch():
+    q, kc, vc, table, used = paged_case()
+    plan_kw = dict(batch_size=2, max_seqlen_q=3, max_seqlen_kv=12, mask_mode=3, num_workers=3)
+    plan_kw.update(layout_kv="PA_BBND")
+    m_plan = opmesh.flash_attn_metadata(4, 2, 16, seqused_kv=ms.Tensor(used), **plan_kw)
+    t_plan = opmesh.flash_attn_metadata(4, 2, 16, seqused_kv=torch.from_numpy(used), **plan_kw)
+    assert isinstance(m_plan, ms.Tensor)
+    np.testing.assert_array_equal(m_plan.asnumpy(), t_plan.numpy())
+    outs = []
+    for conv, plan in ((ms.Tensor, m_plan), (torch.from_numpy, t_plan)):
+        outs.append(
+            opmesh.flash_attn(
+                conv(q),
+                conv(kc),
+                conv(vc),
+                block_table=conv(table),
+                seqused_kv=conv(used),
+                metadata=plan,
+                mask_mode=3,
+                max_seqlen_kv=12,
+                return_softmax_lse=True,
+            )
+        )
+    for a, b in zip(*outs, strict=True):
+        assert_same(a, b)
+
+
+def test_kv_cache_write_in_place_matches_torch():
+    key, value = randn(5, 2, 16), randn(5, 2, 8)
+    k_cache, v_cache = np.zeros((3, 4, 2, 16), np.float32), np.zeros((3, 4, 2, 8), np.float32)
+    slots = [6, 0, -1, 11, 3]
+    m_caches = (ms.Tensor(k_cache), ms.Tensor(v_cache))
+    t_caches = (torch.from_numpy(k_cache.copy()), torch.from_numpy(v_cache.copy()))
+    opmesh.kv_cache_write_(ms.Tensor(key), ms.Tensor(value), *m_caches, ms.Tensor(np.array(slots)))
+    opmesh.kv_cache_write_(torch.from_numpy(key), torch.from_numpy(value), *t_caches, slots)
+    for a, b in zip(m_caches, t_caches, strict=True):
+        assert_same(a, b)
+    assert np.abs(as_numpy(m_caches[0])).sum() > 0
+
+
+def test_describe_metadata_reads_a_mindspore_plan():
+    plan = opmesh.flash_attn_metadata(
+        4,
+        2,
+        16,
+        seqused_kv=ms.Tensor(np.array([7, 2], np.int32)),
+        batch_size=2,
+        max_seqlen_q=1,
+        max_seqlen_kv=8,
+        num_workers=2,
+    )
+    assert opmesh.describe_metadata(plan)["num_workers"] == 2
+
+
+# ---------------------------------------------------------------- DFunction on both frameworks
+
+
+class TemperedKlLoss(opmesh.DFunction):
+    """A user's DFunction, written once on local tensors: the indexer's KL loss divided by a
+    temperature, its backward scaling the fused gradients."""
+
+    @staticmethod
+    def forward(ctx, query_index, key_index, weights, query, key, smax, ssum, temperature):
+        stats = opmesh.dense_lightning_indexer_softmax_lse(query_index, key_index, weights)
+        dqi, dki, dw, loss = opmesh.dense_lightning_indexer_grad_kl_loss(
+            query, key, query_index, key_index, weights, smax, ssum, *stats, 0.25
+        )
+        ctx.save_for_backward(dqi, dki, dw)
+        ctx.temperature = temperature
+        return loss / temperature
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = grad / ctx.temperature
+        grads = tuple(g * scale for g in ctx.saved_tensors)
+        return (*grads, None, None, None, None, None)
+
+
+def test_the_same_dfunction_runs_forward_and_backward_on_both_frameworks():
+    m, t, _ = kl_inputs("BSND", rope=False)
+    order = ("query", "key", "softmax_max", "softmax_sum")
+
+    def m_loss(qi, ki, w):
+        return TemperedKlLoss.apply(qi, ki, w, *(m[k] for k in order), 2.0).sum()
+
+    m_value, m_grads = ms.value_and_grad(m_loss, grad_position=(0, 1, 2))(
+        m["query_index"], m["key_index"], m["weights"]
+    )
+    leaves = [t[k].requires_grad_() for k in ("query_index", "key_index", "weights")]
+    t_value = TemperedKlLoss.apply(*leaves, *(t[k] for k in order), 2.0).sum()
+    t_value.backward()
+    np.testing.assert_array_equal(as_numpy(m_value), as_numpy(t_value))
+    for g, leaf in zip(m_grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+        assert np.abs(as_numpy(g)).sum() > 0
+
+
+def test_default_platform_mindspore_in_a_fresh_process():
+    """OPMESH_PLATFORM=mindspore: DFunction derives from MindSpore's autograd base, plans are
+    MindSpore tensors, and the distributed layer refuses clearly."""
+    code = r"""
+import numpy as np, mindspore as ms, torch, opmesh
+from mindspore.common._grad_function import _Function
+assert issubclass(opmesh.DFunction, _Function)
+plan = opmesh.flash_attn_metadata(2, 1, 8, batch_size=1, max_seqlen_q=4, max_seqlen_kv=4)
+assert isinstance(plan, ms.Tensor), type(plan)
+class Double(opmesh.DFunction):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+x = ms.Tensor(np.ones(3, np.float32))
+assert ms.grad(lambda x: Double.apply(x).sum())(x).asnumpy().tolist() == [2.0] * 3
+t = torch.ones(3, requires_grad=True)
+Double.apply(t).sum().backward()
+assert t.grad.tolist() == [2.0] * 3
+try:
+    opmesh.platform.current().DTensor
+except NotImplementedError as e:
+    assert "DTensor" in str(e), e
+else:
+    raise AssertionError("no error")
+print("ok")
+"""
+    env = dict(os.environ, OPMESH_PLATFORM="mindspore")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def torch_message(fn):
+    with pytest.raises((ValueError, TypeError)) as info:
+        fn()
+    return type(info.value), str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "change, argument",
+    [
+        (dict(k=lambda a: a[:, :, :, :8]), "k"),
+        (dict(v=lambda a: a[:1]), "v"),
+        (dict(q=lambda a: a[0]), "q"),
+        (dict(layout_q="TND"), "q"),
+        (dict(mask_mode=2), "mask_mode"),
+        (dict(win_left=-5, mask_mode=4), "win_left"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_flash_attn_shape_errors_are_the_torch_bindings(change, argument):
+    arrays, _ = attn_case("BSND")
+    names = ("q", "k", "v")
+    kw = {k: v for k, v in change.items() if k not in names}
+    m_in = [ms.Tensor(change.get(n, lambda a: a)(a)) for n, a in zip(names, arrays, strict=True)]
+    t_in = [
+        torch.from_numpy(change.get(n, lambda a: a)(a)) for n, a in zip(names, arrays, strict=True)
+    ]
+    t_type, t_msg = torch_message(lambda: opmesh.flash_attn(*t_in, **kw))
+    with pytest.raises(t_type) as info:
+        opmesh.flash_attn(*m_in, **kw)
+    assert str(info.value).startswith(f"{argument}:")
+    assert str(info.value).splitlines()[0] == t_msg
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(cu_seqlens_q=[0, 5, 4, 14], cu_seqlens_kv=[0, 7, 9, 23]), "cu_seqlens_q"),
+        (dict(cu_seqlens_q=[0, 5, 5, 13], cu_seqlens_kv=[0, 7, 9, 23]), "cu_seqlens_q"),
+        (
+            dict(cu_seqlens_q=[0, 5, 5, 14], cu_seqlens_kv=[0, 7, 9, 23], seqused_kv=[1, 2]),
+            "seqused_kv",
+        ),
+        (dict(cu_seqlens_q=[0, 5, 5, 14], cu_seqlens_kv=[0, 7, 9, 2**33]), "cu_seqlens_kv"),
+    ],
+)
+def test_flash_attn_length_errors_name_the_argument(kwargs, argument):
+    arrays, _ = attn_case("TND")
+    m_in = [ms.Tensor(a) for a in arrays]
+    t_in = [torch.from_numpy(a) for a in arrays]
+    t_type, t_msg = torch_message(lambda: opmesh.flash_attn(*t_in, layout_q="TND", **kwargs))
+    with pytest.raises(t_type) as info:
+        opmesh.flash_attn(*m_in, layout_q="TND", **kwargs)
+    assert str(info.value).startswith(f"{argument}:")
+    assert str(info.value).splitlines()[0] == t_msg
+
+
+def test_data_errors_raise_at_the_call():
+    q, kc, vc, table, used = paged_case()
+    bad_table = table.copy()
+    bad_table[1, 0] = 99
+    with pytest.raises(ValueError, match=r"^block_table: entry \[1, 0\] is 99"):
+        opmesh.flash_attn(
+            ms.Tensor(q),
+            ms.Tensor(kc),
+            ms.Tensor(vc),
+            block_table=ms.Tensor(bad_table),
+            seqused_kv=ms.Tensor(used),
+            mask_mode=3,
+        )
+    plan = opmesh.flash_attn_metadata(
+        4,
+        2,
+        16,
+        seqused_kv=ms.Tensor(used),
+        batch_size=2,
+        max_seqlen_q=3,
+        max_seqlen_kv=12,
+        layout_kv="PA_BBND",
+    )
+    with pytest.raises(ValueError, match="^metadata:"):
+        opmesh.flash_attn(
+            ms.Tensor(q),
+            ms.Tensor(kc),
+            ms.Tensor(vc),
+            block_table=ms.Tensor(table),
+            seqused_kv=ms.Tensor(used),
+            metadata=plan,
+            mask_mode=3,
+        )
+    key, value = ms.Tensor(randn(2, 2, 16)), ms.Tensor(randn(2, 2, 16))
+    caches = (
+        ms.Tensor(np.zeros((3, 4, 2, 16), np.float32)),
+        ms.Tensor(np.zeros((3, 4, 2, 16), np.float32)),
+    )
+    with pytest.raises(ValueError, match="^slot_mapping: slot 5 is written by tokens 0 and 1"):
+        opmesh.kv_cache_write_(key, value, *caches, [5, 5])
+    with pytest.raises(ValueError, match="^slot_mapping: entry 1 is 12"):
+        opmesh.kv_cache_write_(key, value, *caches, [5, 12])
+    with pytest.raises(ValueError, match="^actual_seq_klen:"):
+        (mq, _), (mk, _), (mw, _) = indexer_inputs("BSND", "float32", None, None)
+        opmesh.dense_lightning_indexer_softmax_lse(mq, mk, mw, actual_seq_klen=[1, 2, 18])
+
+
+def test_mixed_frameworks_and_mesh_requests_are_refused():
+    arrays, _ = attn_case("BSND")
+    with pytest.raises(TypeError, match="^k: expected a MindSpore tensor"):
+        opmesh.flash_attn(ms.Tensor(arrays[0]), torch.from_numpy(arrays[1]), ms.Tensor(arrays[2]))
+    with pytest.raises(TypeError, match="^actual_seq_qlen: expected int32 or int64"):
+        (mq, _), (mk, _), (mw, _) = indexer_inputs("BSND", "float32", None, None)
+        opmesh.dense_lightning_indexer_softmax_lse(
+            mq, mk, mw, actual_seq_qlen=ms.Tensor(np.ones(3, np.float32))
+        )
+    with pytest.raises(NotImplementedError, match="^out_a: merge_attn_states takes PyTorch"):
+        x = ms.Tensor(randn(1, 2, 2, 4))
+        opmesh.merge_attn_states(x, x, x, x)
+    with pytest.raises(NotImplementedError, match="DTensor"):
+        opmesh.platform.get("mindspore").from_local(None, None, ())
