@@ -165,6 +165,12 @@ def _host(value, name: str, int32: bool = False):
     return values, torch.empty(shape, dtype=meta_dtype, device="meta")
 
 
+def _concrete(value):
+    import mindspore
+
+    return None if value is None else mindspore.Tensor(value)
+
+
 def _empty_lse():
     import mindspore
 
@@ -453,6 +459,11 @@ def _make_flash_function():
                     "BSND, BNSD or TND keys and values"
                 )
             dlse = dlse if return_softmax_lse else None
+            # Inside MindSpore's backward, a pending result (a stub) handed to an extension
+            # cannot be resolved there; a Tensor made from it can.
+            dout, q, k, v, out, lse, dlse, sinks = (
+                _concrete(x) for x in (dout, q, k, v, out, lse, dlse, sinks)
+            )
             dq, dk, dv, dsinks = _call(
                 "flash_attn_backward",
                 dout,

@@ -23,7 +23,7 @@ def randn(*shape, scale=1.0):
 def both(array, dtype="float32"):
     """The same values as a MindSpore and a torch tensor of `dtype` (bf16 rounds alike)."""
     t = torch.from_numpy(array).to(getattr(torch, dtype))
-    m = ms.Tensor(t.float().numpy(), dtype=getattr(ms, dtype))
+    m = ms.Tensor(t.float().numpy()).astype(getattr(ms, dtype))
     return m, t
 
 
