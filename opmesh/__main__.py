@@ -27,6 +27,13 @@ def main(argv=None):
     demo.add_argument("--seq", type=int, default=4096, help="sequence length S1 = S2")
     demo.add_argument("--heads", type=int, default=64, help="query heads N1 (N2 = 1)")
     demo.add_argument("--dim", type=int, default=128, help="head dim D")
+    demo.add_argument(
+        "--framework",
+        choices=["torch", "mindspore"],
+        default="torch",
+        help="torch (default), or mindspore: the indexer and a KL-loss training step on "
+        "MindSpore tensors (needs MindSpore; docs/mindspore.md)",
+    )
     plan = sub.add_parser("plan", help="plan a variable-length batch and show the work spread")
     plan.add_argument("--seqlens-q", type=int, nargs="+", required=True, help="query lengths")
     plan.add_argument("--seqlens-kv", type=int, nargs="+", help="key lengths (default: query's)")
@@ -73,7 +80,12 @@ def _run(args):
     elif args.command == "demo":
         from ._demo import run_demo
 
-        run_demo(seq=args.seq, heads=args.heads, dim=args.dim)
+        if args.framework == "mindspore":
+            from ._mindspore_demo import run_mindspore_demo
+
+            run_mindspore_demo()
+        else:
+            run_demo(seq=args.seq, heads=args.heads, dim=args.dim)
 
 
 if __name__ == "__main__":

@@ -479,3 +479,64 @@ def test_mixed_frameworks_and_mesh_requests_are_refused():
         opmesh.merge_attn_states(x, x, x, x)
     with pytest.raises(NotImplementedError, match="DTensor"):
         opmesh.platform.get("mindspore").from_local(None, None, ())
+
+
+def test_mindspore_demo_runs_and_trains():
+    result = subprocess.run(
+        [sys.executable, "-m", "opmesh", "demo", "--framework", "mindspore"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bitwise equal to the torch binding on the same inputs: True" in result.stdout
+    first, last = result.stdout.strip().splitlines()[-1].split(":")[-1].split("->")
+    assert float(last) < 0.8 * float(first), result.stdout
+
+
+def _same_error(call):
+    """Runs call(framework) for torch and MindSpore; both raise the same type and first line."""
+    t_type, t_msg = torch_message(lambda: call(torch.from_numpy))
+    with pytest.raises(t_type) as info:
+        call(ms.Tensor)
+    assert str(info.value).splitlines()[0] == t_msg
+    return t_msg
+
+
+@pytest.mark.parametrize(
+    "shapes, argument",
+    [
+        (((2, 9, 4, 16), (2, 9, 1, 8), (2, 9, 4)), "key_index"),
+        (((2, 9, 4, 16), (2, 9, 3, 16), (2, 9, 4)), "key_index"),
+        (((2, 9, 4, 16), (2, 9, 1, 16), (2, 9, 5)), "weights"),
+        (((9, 4, 16), (9, 1, 16), (9, 4)), "query_index"),
+    ],
+)
+def test_indexer_errors_are_the_torch_bindings(shapes, argument):
+    arrays = [randn(*s) for s in shapes]
+    msg = _same_error(lambda conv: opmesh.dense_lightning_indexer_softmax_lse(*map(conv, arrays)))
+    assert msg.startswith(f"{argument}:"), msg
+
+
+def test_kl_and_cache_errors_are_the_torch_bindings():
+    m, t, kw = kl_inputs("BSND", rope=False)
+    names = ("query", "key", "query_index", "key_index", "weights", "softmax_max", "softmax_sum")
+
+    def kl(conv):
+        x = {n: conv(as_numpy(t[n]).copy()) for n in names}
+        bad = conv(np.zeros((2, 1, 9), np.float32))  # the index statistics' shape is [2, 1, 9]
+        return opmesh.dense_lightning_indexer_grad_kl_loss(
+            *(x[n] for n in names), bad, conv(np.zeros((2, 1, 8), np.float32)), 0.25
+        )
+
+    assert _same_error(kl).startswith("softmax_sum_index:")
+
+    def cache(conv):
+        key, value = conv(randn(2, 2, 16)), conv(randn(2, 2, 8))
+        caches = (
+            conv(np.zeros((3, 4, 2, 16), np.float32)),
+            conv(np.zeros((3, 4, 2, 16), np.float32)),
+        )
+        return opmesh.kv_cache_write_(key, value, *caches, [0, 1])
+
+    assert _same_error(cache).startswith("value")

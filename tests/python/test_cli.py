@@ -88,3 +88,20 @@ def test_picture_is_written(tmp_path):
     result = cli("plan", "--seqlens-q", "700", "3", "90", "--num-workers", "4", "--png", str(path))
     assert result.returncode == 0, result.stderr
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mindspore_demo_without_mindspore_says_how_to_get_it():
+    pytest.importorskip("torch")
+    try:
+        import mindspore  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("MindSpore is installed here: tests/mindspore runs this demo")
+    result = cli("demo", "--framework", "mindspore")
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(
+        "python -m opmesh demo: error: --framework: mindspore is not installed"
+    ), lines[0]
