@@ -294,34 +294,33 @@ def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
 
 
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
+# flash_attn_metadata's options after the lengths, in the binding's order.
+_PLAN_OPTIONS = (
+    "batch_size",
+    "max_seqlen_q",
+    "max_seqlen_kv",
+    "mask_mode",
+    "win_left",
+    "win_right",
+    "layout_q",
+    "layout_kv",
+    "layout_out",
+    "num_workers",
+    "deterministic",
+    "backward",
+)
 
 
-def flash_attn_metadata(
-    num_heads_q,
-    num_heads_kv,
-    head_dim,
-    head_dim_v,
-    lengths,
-    batch_size,
-    max_seqlen_q,
-    max_seqlen_kv,
-    mask_mode,
-    win_left,
-    win_right,
-    layout_q,
-    layout_kv,
-    layout_out,
-    num_workers,
-    deterministic,
-    backward,
-):
+def flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs):
+    """``kwargs``: flash_attn_metadata's keyword arguments with the layouts resolved."""
     import mindspore
     import numpy as np
 
+    batch_size = kwargs["batch_size"]
     counts = dict(cu_seqlens_q=batch_size + 1, cu_seqlens_kv=batch_size + 1)
     host = []
     for name in _LENGTHS:
-        values, meta = _host(lengths[name], name, int32=True)
+        values, meta = _host(kwargs[name], name, int32=True)
         if values is not None:
             if meta.dim() != 1:
                 raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(meta.shape)}")
@@ -329,6 +328,8 @@ def flash_attn_metadata(
             if len(values) != count:
                 raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
         host.append(values)
+    head_dim_v = kwargs["head_dim_v"]
+    options = [kwargs[name] for name in _PLAN_OPTIONS]
     words = _call(
         "flash_attn_metadata",
         num_heads_q,
@@ -336,18 +337,7 @@ def flash_attn_metadata(
         head_dim,
         head_dim if head_dim_v is None else head_dim_v,
         *host,
-        batch_size,
-        max_seqlen_q,
-        max_seqlen_kv,
-        mask_mode,
-        win_left,
-        win_right,
-        layout_q,
-        layout_kv,
-        layout_out,
-        num_workers,
-        deterministic,
-        backward,
+        *options,
     )
     return mindspore.Tensor(np.asarray(words, dtype=np.int32))
 

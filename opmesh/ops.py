@@ -481,41 +481,12 @@ def flash_attn_metadata(
     """
     layout_kv = layout_q if layout_kv is None else layout_kv
     layout_out = layout_q if layout_out is None else layout_out
-    lengths = dict(
+    kwargs = dict(
+        head_dim_v=head_dim_v,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_kv=cu_seqlens_kv,
         seqused_q=seqused_q,
         seqused_kv=seqused_kv,
-    )
-    if _on_mindspore(*lengths.values()) or _platform.current().name == "mindspore":
-        return _ms.flash_attn_metadata(
-            num_heads_q,
-            num_heads_kv,
-            head_dim,
-            head_dim_v,
-            lengths,
-            batch_size,
-            max_seqlen_q,
-            max_seqlen_kv,
-            mask_mode,
-            win_left,
-            win_right,
-            layout_q,
-            layout_kv,
-            layout_out,
-            num_workers,
-            deterministic,
-            backward,
-        )
-    return torch.ops.opmesh.flash_attn_metadata(
-        num_heads_q,
-        num_heads_kv,
-        head_dim,
-        head_dim_v=head_dim_v,
-        cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
-        cu_seqlens_kv=_as_int32(cu_seqlens_kv, "cu_seqlens_kv"),
-        seqused_q=_as_int32(seqused_q, "seqused_q"),
-        seqused_kv=_as_int32(seqused_kv, "seqused_kv"),
         batch_size=batch_size,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
@@ -529,6 +500,12 @@ def flash_attn_metadata(
         deterministic=deterministic,
         backward=backward,
     )
+    lengths = [kwargs[name] for name in _FLASH_LENGTHS]
+    if _on_mindspore(*lengths) or _platform.current().name == "mindspore":
+        return _ms.flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs)
+    for name in _FLASH_LENGTHS:
+        kwargs[name] = _as_int32(kwargs[name], name)
+    return torch.ops.opmesh.flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, **kwargs)
 
 
 def flash_attn(
@@ -612,37 +589,12 @@ def flash_attn(
         raise ValueError(
             f"context_parallel: expected 'all_gather' or 'ring', got {context_parallel!r}"
         )
-    if _on_mindspore(q, k, v):
-        return _ms.flash_attn(
-            q,
-            k,
-            v,
-            dict(
-                block_table=block_table,
-                cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_kv=cu_seqlens_kv,
-                seqused_q=seqused_q,
-                seqused_kv=seqused_kv,
-                sinks=sinks,
-                metadata=metadata,
-                softmax_scale=softmax_scale,
-                mask_mode=mask_mode,
-                win_left=win_left,
-                win_right=win_right,
-                max_seqlen_q=max_seqlen_q,
-                max_seqlen_kv=max_seqlen_kv,
-                layout_q=layout_q,
-                layout_kv=layout_kv,
-                layout_out=layout_out,
-                return_softmax_lse=return_softmax_lse,
-            ),
-        )
     kwargs = dict(
         block_table=block_table,
-        cu_seqlens_q=_as_int32(cu_seqlens_q, "cu_seqlens_q"),
-        cu_seqlens_kv=_as_int32(cu_seqlens_kv, "cu_seqlens_kv"),
-        seqused_q=_as_int32(seqused_q, "seqused_q"),
-        seqused_kv=_as_int32(seqused_kv, "seqused_kv"),
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        seqused_q=seqused_q,
+        seqused_kv=seqused_kv,
         sinks=sinks,
         metadata=metadata,
         softmax_scale=softmax_scale,
@@ -656,12 +608,19 @@ def flash_attn(
         layout_out=layout_out,
         return_softmax_lse=return_softmax_lse,
     )
+    if _on_mindspore(q, k, v):
+        return _ms.flash_attn(q, k, v, kwargs)
+    for name in _FLASH_LENGTHS:
+        kwargs[name] = _as_int32(kwargs[name], name)
     if any(_platform.current().is_dtensor(x) for x in (q, k, v)):
         # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
         # operator (and its autograd) on each rank's local tensors.
         kwargs["context_parallel"] = context_parallel
         return DISPATCHER.dispatch("flash_attn", _flash_attn_local, (q, k, v), kwargs)
     return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
+
+
+_FLASH_LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
 
 def _flash_attn_local(q, k, v, **kwargs):

@@ -117,12 +117,8 @@ Grads flash_attn_backward_cpu(
   shapes.kv_tnd = args.kv_tnd;
   shapes.q_seq = args.q_tnd ? 0 : q.size(args.qa.s);
   shapes.kv_seq = args.kv_tnd ? 0 : k.size(args.ka.s);
-  at::Tensor words;
-  calls::PlanWords given;
-  if (metadata.has_value()) {
-    words = metadata->to(at::kCPU).contiguous();
-    given = {words.data_ptr<int32_t>(), words.numel()};
-  }
+  const HostInts words = host_ints(metadata);
+  const calls::PlanWords given{words.data(), words.tensor.defined() ? words.tensor.numel() : 0};
   const calls::PreparedBackward prepared = rethrow([&] {
     return calls::prepare_backward(c, shapes, lengths, max_seqlen_q, max_seqlen_kv, given);
   });

@@ -122,12 +122,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     shapes.table_stride_b = block_table->stride(0);
     shapes.table_stride_j = block_table->stride(1);
   }
-  at::Tensor words;
-  calls::PlanWords given;
-  if (metadata.has_value()) {
-    words = metadata->to(at::kCPU).contiguous();
-    given = {words.data_ptr<int32_t>(), words.numel()};
-  }
+  const HostInts words = host_ints(metadata);
+  const calls::PlanWords given{words.data(), words.tensor.defined() ? words.tensor.numel() : 0};
   // Plan, or check the given plan against this call.
   const calls::PreparedForward prepared = rethrow([&] {
     return calls::prepare_forward(c, shapes, lengths, max_seqlen_q, max_seqlen_kv, given,
