@@ -101,6 +101,8 @@ def main():
         f"{ms.__version__}; the binding's threads: OPMESH_NUM_THREADS="
         f"{os.environ.get('OPMESH_NUM_THREADS', 'unset (all CPU threads)')}.",
         "The composed MindSpore attention runs in float32 (its row is the same for both dtypes).",
+        "Each binding makes its own measured bf16 kernel choice (OPMESH_BF16_KERNELS=auto): the "
+        "bf16 rows can differ by that choice alone; the line above gives the torch binding's.",
     ]
     print(write_results("mindspore", rows, columns, notes))
 

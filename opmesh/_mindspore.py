@@ -7,7 +7,8 @@ MindSpore tensors. Each call:
    tensors (same shapes and dtypes, no data): one set of checks and messages for both frameworks;
 2. reads its small host arrays (sequence lengths, block table, plan words, slots);
 3. calls the MindSpore binding (``csrc/mindspore``), which runs the checks that read those
-   values and hands the core's kernel to MindSpore's runner.
+   values, queues the op on MindSpore's pipeline, and runs the core's kernel on the calling
+   thread once MindSpore hands over the ready inputs (csrc/mindspore/runtime.cpp).
 
 The binding is compiled by MindSpore's ``CustomOpBuilder`` on first use from the sources and the
 core library the package installs with ``OPMESH_MINDSPORE=ON`` (docs/mindspore.md), into a cache
@@ -80,15 +81,9 @@ def extension():
 
 
 def _call(name: str, *args):
-    """Calls the binding and waits for its kernel. MindSpore launches kernels asynchronously;
-    a custom op's output read by MindSpore's autograd before its kernel finished was seen to
-    give wrong values, so every opmesh op completes before it returns (the wait costs about a
-    microsecond on the CPU) and an error in a kernel raises at its call."""
-    from mindspore.graph.api import _pynative_executor
-
-    result = getattr(extension(), name)(*args)
-    _pynative_executor.sync()
-    return result
+    """Calls the binding. Each of its functions returns once its kernel has run (see
+    csrc/mindspore/runtime.cpp), so an error in a kernel raises at its call."""
+    return getattr(extension(), name)(*args)
 
 
 # MindSpore dtype names -> the torch dtype of the meta stand-in the shared checks see.

@@ -4,8 +4,9 @@
 // The binding's functions are called by opmesh's MindSpore path (opmesh/_mindspore.py) after the
 // shape, dtype and argument checks shared with the torch binding have passed. Each function
 // first runs, synchronously, every check that reads argument values (lengths, block tables,
-// plans, slots; the core's own checks), so a bad value raises at the call; then it hands the
-// kernel to MindSpore's runner, which calls LaunchKernel once the inputs are ready.
+// plans, slots; the core's own checks), so a bad value raises at the call; then it queues the op
+// on MindSpore's pipeline and runs the kernel on the calling thread once MindSpore's launch
+// thread hands over the ready inputs and outputs (launch(), runtime.cpp).
 #pragma once
 
 #include <cstdint>
@@ -76,17 +77,19 @@ class ThreadExecutor final : public core::Executor {
 };
 
 // A MindSpore runner whose kernel is a closure: the closure gets the runner's inputs and outputs
-// (their memory ready) and runs the core.
+// (their memory ready) and runs the core. `on_destroy` runs when the runner goes away.
 class CoreRunner final : public ms::pynative::PyboostRunner {
  public:
   using Kernel =
       std::function<void(const std::vector<ms::Tensor>& inputs, std::vector<ms::Tensor>& outputs)>;
-  CoreRunner(const std::string& name, Kernel kernel)
-      : PyboostRunner(name), kernel_(std::move(kernel)) {}
+  CoreRunner(const std::string& name, Kernel kernel, std::function<void()> on_destroy)
+      : PyboostRunner(name), kernel_(std::move(kernel)), on_destroy_(std::move(on_destroy)) {}
+  ~CoreRunner() override;
   void LaunchKernel() override;
 
  private:
   Kernel kernel_;
+  std::function<void()> on_destroy_;
 };
 
 // An output to create: its dtype and shape.

@@ -1,5 +1,8 @@
 #include <algorithm>
+#include <condition_variable>
 #include <cstdlib>
+#include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include "ms_binding.h"
@@ -65,30 +68,93 @@ void ThreadExecutor::run_workers(const std::function<void(int)>& fn) const {
 }
 
 void CoreRunner::LaunchKernel() {
+  std::vector<ms::Tensor> in = inputs();
   std::vector<ms::Tensor> out = outputs();
-  kernel_(inputs(), out);
+  kernel_(in, out);
+}
+
+namespace {
+
+// The kernel's hand-off between MindSpore's launch thread and the calling thread: the launch
+// thread publishes the ready inputs and outputs and sleeps; the calling thread runs the kernel
+// with the executor's workers and wakes it. MindSpore's own wait for an op spins, which would
+// take a core from the kernel's workers, and its autograd was seen to read a custom op's output
+// before the kernel finished: so the call returns only once its kernel has run.
+struct Handoff {
+  std::mutex mutex;
+  std::condition_variable changed;
+  const std::vector<ms::Tensor>* inputs = nullptr;
+  std::vector<ms::Tensor>* outputs = nullptr;
+  bool ready = false;    // the launch thread published inputs and outputs
+  bool done = false;     // the calling thread ran the kernel
+  bool dropped = false;  // the runner went away without launching (an input failed)
+};
+
+}  // namespace
+
+CoreRunner::~CoreRunner() {
+  if (on_destroy_) on_destroy_();
 }
 
 py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
                   const std::vector<OutputSpec>& outputs, CoreRunner::Kernel kernel) {
-  auto run = [name, inputs, outputs, kernel]() {
+  auto h = std::make_shared<Handoff>();
+  CoreRunner::Kernel hand_over = [h](const std::vector<ms::Tensor>& in,
+                                     std::vector<ms::Tensor>& out) {
+    std::unique_lock<std::mutex> lock(h->mutex);
+    h->inputs = &in;
+    h->outputs = &out;
+    h->ready = true;
+    h->changed.notify_all();
+    h->changed.wait(lock, [&] { return h->done; });
+  };
+  auto run = [name, inputs, outputs, hand_over, h]() {
     std::vector<ms::Tensor> made;
     for (const OutputSpec& o : outputs) made.push_back(new_tensor(o.dtype, o.shape));
-    auto runner = std::make_shared<CoreRunner>(name, kernel);
+    auto runner = std::make_shared<CoreRunner>(name, hand_over, [h] {
+      std::lock_guard<std::mutex> lock(h->mutex);
+      if (!h->ready) h->dropped = true;
+      h->changed.notify_all();
+    });
     runner->Run(inputs, made);
     return made;
   };
   using Runner = ms::pynative::PyboostRunner;
+  py::object result;
   switch (outputs.size()) {
     case 0:
-      return Runner::Call<0>(name, [run] { run(); });
+      result = Runner::Call<0>(name, [run] { run(); });
+      break;
     case 2:
-      return Runner::Call<2>(name, run);
+      result = Runner::Call<2>(name, run);
+      break;
     case 4:
-      return Runner::Call<4>(name, run);
+      result = Runner::Call<4>(name, run);
+      break;
     default:
       value_error("launch: unsupported output count " + std::to_string(outputs.size()));
   }
+  std::exception_ptr error;
+  {
+    py::gil_scoped_release released;
+    std::unique_lock<std::mutex> lock(h->mutex);
+    h->changed.wait(lock, [&] { return h->ready || h->dropped; });
+    if (h->ready) {
+      try {
+        kernel(*h->inputs, *h->outputs);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      h->done = true;
+      h->changed.notify_all();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  if (!h->ready) {
+    throw std::runtime_error(name +
+                             ": the kernel was not launched (an input's computation failed)");
+  }
+  return result;
 }
 
 }  // namespace opmesh::ms_binding
