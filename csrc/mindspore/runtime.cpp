@@ -88,6 +88,8 @@ struct Handoff {
   bool ready = false;    // the launch thread published inputs and outputs
   bool done = false;     // the calling thread ran the kernel
   bool dropped = false;  // the runner went away without launching (an input failed)
+  std::thread::id caller = std::this_thread::get_id();
+  std::exception_ptr error;
 };
 
 }  // namespace
@@ -99,8 +101,19 @@ CoreRunner::~CoreRunner() {
 py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs,
                   const std::vector<OutputSpec>& outputs, CoreRunner::Kernel kernel) {
   auto h = std::make_shared<Handoff>();
-  CoreRunner::Kernel hand_over = [h](const std::vector<ms::Tensor>& in,
-                                     std::vector<ms::Tensor>& out) {
+  CoreRunner::Kernel hand_over = [h, kernel](const std::vector<ms::Tensor>& in,
+                                             std::vector<ms::Tensor>& out) {
+    if (std::this_thread::get_id() == h->caller) {
+      // MindSpore launched synchronously (pynative_synchronize): run here, nothing to hand over.
+      try {
+        kernel(in, out);
+      } catch (...) {
+        h->error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(h->mutex);
+      h->ready = h->done = true;
+      return;
+    }
     std::unique_lock<std::mutex> lock(h->mutex);
     h->inputs = &in;
     h->outputs = &out;
@@ -134,22 +147,21 @@ py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs
     default:
       value_error("launch: unsupported output count " + std::to_string(outputs.size()));
   }
-  std::exception_ptr error;
   {
     py::gil_scoped_release released;
     std::unique_lock<std::mutex> lock(h->mutex);
     h->changed.wait(lock, [&] { return h->ready || h->dropped; });
-    if (h->ready) {
+    if (h->ready && !h->done) {
       try {
         kernel(*h->inputs, *h->outputs);
       } catch (...) {
-        error = std::current_exception();
+        h->error = std::current_exception();
       }
       h->done = true;
       h->changed.notify_all();
     }
   }
-  if (error) std::rethrow_exception(error);
+  if (h->error) std::rethrow_exception(h->error);
   if (!h->ready) {
     throw std::runtime_error(name +
                              ": the kernel was not launched (an input's computation failed)");
