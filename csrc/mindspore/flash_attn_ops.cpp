@@ -79,9 +79,33 @@ attn::PlanConfig base_config(const ms::Tensor& q, const ms::Tensor& k, const ms:
   return c;
 }
 
-int64_t batch_of(const ms::Tensor& q, const FlashAttnOptions& o, const FlashAttnHost& h) {
-  if (o.layout_q == "TND") return static_cast<int64_t>(h.cu_seqlens_q->size()) - 1;
-  return q.shape()[0];
+// The call's batch, after the guards that keep the binding within its tensors' shapes and its
+// host arrays' ends (the shared checks have normally refused such calls already).
+int64_t checked_batch(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
+                      const FlashAttnOptions& o, const FlashAttnHost& h) {
+  const attn::Layout lq = layout_of(o.layout_q), lkv = layout_of(o.layout_kv);
+  require_rank(q, lq == attn::Layout::kTND ? 3 : 4, "q");
+  require_rank(k, lkv == attn::Layout::kTND ? 3 : 4, "k");
+  require_rank(v, lkv == attn::Layout::kTND ? 3 : 4, "v");
+  int64_t batch = q.shape()[0];
+  if (lq == attn::Layout::kTND) {
+    if (!h.cu_seqlens_q.has_value() || h.cu_seqlens_q->empty()) {
+      value_error("cu_seqlens_q: required for layout TND");
+    }
+    batch = static_cast<int64_t>(h.cu_seqlens_q->size()) - 1;
+  }
+  if (lkv == attn::Layout::kTND && !h.cu_seqlens_kv.has_value()) {
+    value_error("cu_seqlens_kv: required for layout TND");
+  }
+  require_entries(h.cu_seqlens_q, batch + 1, "cu_seqlens_q");
+  require_entries(h.cu_seqlens_kv, batch + 1, "cu_seqlens_kv");
+  require_entries(h.seqused_q, batch, "seqused_q");
+  require_entries(h.seqused_kv, batch, "seqused_kv");
+  if (lkv == attn::Layout::kPagedBBND) {
+    if (!h.seqused_kv.has_value()) value_error("seqused_kv: required for paged keys and values");
+    require_entries(h.block_table, batch * h.blocks_per_seq, "block_table");
+  }
+  return batch;
 }
 
 calls::FlashAttnShapes shapes_of(const ms::Tensor& q, const ms::Tensor& k,
@@ -175,7 +199,7 @@ py::object flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor
                       const FlashAttnOptions& o, bool return_softmax_lse) {
   resolve({&q, &k, &v});
   resolve(sinks);
-  attn::PlanConfig c = base_config(q, k, v, o, batch_of(q, o, host));
+  attn::PlanConfig c = base_config(q, k, v, o, checked_batch(q, k, v, o, host));
   calls::FlashAttnShapes shapes = shapes_of(q, k, c);
   const auto lengths = host_lengths(host);
   auto table = std::make_shared<std::vector<int32_t>>(as_int32(host.block_table));
@@ -267,7 +291,12 @@ py::object flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q, cons
                                const std::optional<ms::Tensor>& dlse,
                                const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
                                const FlashAttnOptions& o) {
-  attn::PlanConfig c = base_config(q, k, v, o, batch_of(q, o, host));
+  attn::PlanConfig c = base_config(q, k, v, o, checked_batch(q, k, v, o, host));
+  if (c.layout_kv == attn::Layout::kPagedBBND) value_error("layout_kv: PA_BBND has no backward");
+  const attn::Layout lo = c.layout_out;
+  require_rank(dout, lo == attn::Layout::kTND ? 3 : 4, "dout");
+  require_rank(out, lo == attn::Layout::kTND ? 3 : 4, "out");
+  require_rank(lse, lo == attn::Layout::kTND ? 2 : 3, "lse");
   const calls::FlashAttnShapes shapes = shapes_of(q, k, c);
   const auto lengths = host_lengths(host);
   const std::vector<int32_t> words = as_int32(host.metadata);

@@ -57,6 +57,10 @@ py::object indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
                    const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
                    int64_t pre_tokens, int64_t next_tokens) {
   resolve({&query_index, &key_index, &weights});
+  const size_t rank = tnd ? 3 : 4;
+  require_rank(query_index, rank, "query_index");
+  require_rank(key_index, rank, "key_index");
+  require_rank(weights, rank - 1, "weights");
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
   const core::IndexerParams base = indexer_params(query_index, key_index, weights, *qlens, *klens,
@@ -105,6 +109,21 @@ py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
            &softmax_max_index, &softmax_sum_index});
   resolve(query_rope);
   resolve(key_rope);
+  const size_t rank = tnd ? 3 : 4;
+  for (const auto& [t, name] : {std::pair{&query, "query"},
+                                {&key, "key"},
+                                {&query_index, "query_index"},
+                                {&key_index, "key_index"}}) {
+    require_rank(*t, rank, name);
+  }
+  require_rank(weights, rank - 1, "weights");
+  if (query_rope.has_value() != key_rope.has_value()) {
+    value_error("query_rope: query_rope and key_rope are given together or not at all");
+  }
+  if (query_rope.has_value()) {
+    require_rank(*query_rope, rank, "query_rope");
+    require_rank(*key_rope, rank, "key_rope");
+  }
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
   // The length arrays' checks are the indexer's (the same mask over the same tokens).
@@ -196,6 +215,23 @@ py::object kv_cache_write(const ms::Tensor& key, const ms::Tensor& value,
                           const ms::Tensor& key_cache, const ms::Tensor& value_cache,
                           const std::vector<int64_t>& slot_mapping) {
   resolve({&key, &value, &key_cache, &value_cache});
+  require_rank(key, 3, "key");
+  require_rank(value, 3, "value");
+  require_rank(key_cache, 4, "key_cache");
+  require_rank(value_cache, 4, "value_cache");
+  if (static_cast<int64_t>(slot_mapping.size()) != key.shape()[0]) {
+    value_error("slot_mapping: expected one entry per token of key");
+  }
+  for (const auto& [t, name] :
+       {std::pair{&value, "value"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
+    if (t->data_type() != key.data_type()) value_error(std::string(name) + ": dtype differs");
+  }
+  if (key_cache.shape()[2] != key.shape()[1] || key_cache.shape()[3] != key.shape()[2] ||
+      value_cache.shape()[2] != value.shape()[1] || value_cache.shape()[3] != value.shape()[2] ||
+      value.shape()[0] != key.shape()[0] || value_cache.shape()[0] != key_cache.shape()[0] ||
+      value_cache.shape()[1] != key_cache.shape()[1]) {
+    value_error("value_cache: shapes of key, value and the caches do not agree");
+  }
   core::KvCacheWriteParams base;
   base.tokens = key.shape()[0];
   base.heads = key.shape()[1];

@@ -50,6 +50,16 @@ inline void resolve(const std::optional<ms::Tensor>& t) {
   if (t.has_value()) t->ConvertStubNodeToTensor();
 }
 
+// The binding runs after the checks shared with the torch binding; these guards only keep a
+// direct call from reading past a tensor's shape or a host array's end.
+inline void require_rank(const ms::Tensor& t, size_t rank, const char* name) {
+  if (t.shape().size() != rank) {
+    value_error(std::string(name) + ": expected " + std::to_string(rank) + " dims, got " +
+                std::to_string(t.shape().size()));
+  }
+}
+void require_entries(const IntList& values, int64_t count, const char* name);
+
 // The floating types the kernels read; a TypeError naming `argument` otherwise.
 core::DType core_dtype(const ms::Tensor& t, const char* argument);
 

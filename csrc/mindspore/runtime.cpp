@@ -44,6 +44,13 @@ ms::Tensor new_tensor(mindspore::TypeId dtype, const std::vector<int64_t>& shape
 
 std::vector<int64_t> strides_of(const ms::Tensor& t) { return t.stride(); }
 
+void require_entries(const IntList& values, int64_t count, const char* name) {
+  if (values.has_value() && static_cast<int64_t>(values->size()) != count) {
+    value_error(std::string(name) + ": expected " + std::to_string(count) + " entries, got " +
+                std::to_string(values->size()));
+  }
+}
+
 std::vector<int32_t> as_int32(const IntList& values) {
   if (!values.has_value()) return {};
   return std::vector<int32_t>(values->begin(), values->end());

@@ -560,3 +560,29 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_the_binding_refuses_what_would_read_out_of_bounds_when_called_directly():
+    """The binding trusts the shared checks in front of it, but a direct call with shapes or
+    host arrays that do not fit still gets a ValueError, never a read past an end."""
+    from opmesh import _mindspore
+
+    ext = _mindspore.extension()
+    q, k, w = ms.Tensor(randn(9, 4, 16)), ms.Tensor(randn(2, 9, 1, 16)), ms.Tensor(randn(2, 9, 4))
+    with pytest.raises(ValueError, match="^query_index: expected 4 dims"):
+        ext.indexer(q, k, w, None, None, False, 3, 2**62, 2**62)
+    key, value = ms.Tensor(randn(2, 2, 16)), ms.Tensor(randn(2, 2, 16))
+    small = ms.Tensor(np.zeros((3, 4, 2, 8), np.float32))
+    with pytest.raises(ValueError, match="^value_cache: shapes"):
+        ext.kv_cache_write(key, value, small, small, [0, 1])
+    with pytest.raises(ValueError, match="^slot_mapping: expected one entry per token"):
+        ext.kv_cache_write(key, value, small, small, [0])
+    arrays, _ = attn_case("TND")
+    tnd = [ms.Tensor(a) for a in arrays]
+    options = [None, 0, -1, -1, None, None, "TND", "TND", "TND"]
+    with pytest.raises(ValueError, match="^cu_seqlens_q: required"):
+        ext.flash_attn(*tnd, None, None, None, None, None, None, 0, None, *options, False)
+    with pytest.raises(ValueError, match="^cu_seqlens_kv: expected 4 entries"):
+        ext.flash_attn(
+            *tnd, None, [0, 5, 5, 14], [0, 23], None, None, None, 0, None, *options, False
+        )
