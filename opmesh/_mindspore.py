@@ -47,7 +47,8 @@ def binding_dir() -> str:
 
 @functools.cache
 def extension():
-    """The compiled MindSpore binding, built on first use (about a minute and a half on two cores) and cached."""
+    """The compiled MindSpore binding, built on first use (about a minute and a half on two
+    cores) and cached."""
     import mindspore
     from mindspore.ops import CustomOpBuilder
 
