@@ -400,6 +400,13 @@ def flash_attn(q, k, v, kwargs):
     )
 
 
+_BACKWARD = ("dout", "q", "k", "v", "out", "lse")
+
+
+def _int32_meta(values):
+    return None if values is None else torch.empty(len(values), dtype=torch.int32, device="meta")
+
+
 def _lengths_args(host):
     return [host[name] for name in _LENGTHS]
 
@@ -439,12 +446,15 @@ def _make_flash_function():
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, sinks = ctx.saved_tensors
             lengths, options, return_softmax_lse = ctx.call
-            if options["layout_kv"] == "PA_BBND":
-                raise ValueError(
-                    "layout_kv: PA_BBND (paged keys and values) has no backward; train with "
-                    "BSND, BNSD or TND keys and values"
-                )
             dlse = dlse if return_softmax_lse else None
+            # The backward's checks are the torch binding's too (e.g. paged keys have none).
+            torch.ops.opmesh.flash_attn_backward(
+                *(_meta(x, n) for x, n in zip((dout, q, k, v, out, lse), _BACKWARD, strict=True)),
+                dlse=_meta(dlse, "dlse"),
+                sinks=_meta(sinks, "sinks"),
+                **{n: _int32_meta(lengths[n]) for n in _LENGTHS},
+                **options,
+            )
             # Inside MindSpore's backward, a pending result (a stub) handed to an extension
             # cannot be resolved there; a Tensor made from it can.
             dout, q, k, v, out, lse, dlse, sinks = (

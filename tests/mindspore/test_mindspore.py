@@ -586,3 +586,20 @@ def test_the_binding_refuses_what_would_read_out_of_bounds_when_called_directly(
         ext.flash_attn(
             *tnd, None, [0, 5, 5, 14], [0, 23], None, None, None, 0, None, *options, False
         )
+
+
+def test_paged_backward_is_refused_as_on_torch():
+    q, kc, vc, table, used = paged_case()
+
+    def loss(conv, q):
+        out, _ = opmesh.flash_attn(
+            q, conv(kc), conv(vc), block_table=conv(table), seqused_kv=conv(used), mask_mode=3
+        )
+        return out.sum()
+
+    tq = torch.from_numpy(q).requires_grad_()
+    t_type, t_msg = torch_message(lambda: loss(torch.from_numpy, tq).backward())
+    with pytest.raises(t_type) as info:
+        ms.grad(lambda x: loss(ms.Tensor, x))(ms.Tensor(q))
+    assert str(info.value).splitlines()[0] == t_msg
+    assert t_msg.startswith("layout_kv: PA_BBND")
