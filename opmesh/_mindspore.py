@@ -173,44 +173,25 @@ def _empty_lse():
     return mindspore.ops.zeros((0,), mindspore.float32)
 
 
-def indexer(
-    query_index,
-    key_index,
-    weights,
-    actual_seq_qlen,
-    actual_seq_klen,
-    layout,
-    sparse_mode,
-    pre_tokens,
-    next_tokens,
-):
-    qlen, qlen_meta = _host(actual_seq_qlen, "actual_seq_qlen")
-    klen, klen_meta = _host(actual_seq_klen, "actual_seq_klen")
+def _indexer_mask(mask):
+    """``mask``: the indexer's keyword arguments (lengths, layout, sparse_mode, band). Returns
+    them for the shared checks (lengths as meta stand-ins) and as the binding takes them."""
+    qlen, qlen_meta = _host(mask["actual_seq_qlen"], "actual_seq_qlen")
+    klen, klen_meta = _host(mask["actual_seq_klen"], "actual_seq_klen")
+    checks = dict(mask, actual_seq_qlen=qlen_meta, actual_seq_klen=klen_meta)
+    binding = (qlen, klen, mask["layout"] == "TND", mask["sparse_mode"])
+    return checks, (*binding, mask["pre_tokens"], mask["next_tokens"])
+
+
+def indexer(query_index, key_index, weights, mask):
+    checks, binding = _indexer_mask(mask)
     torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
         _meta(query_index, "query_index"),
         _meta(key_index, "key_index"),
         _meta(weights, "weights"),
-        actual_seq_qlen=qlen_meta,
-        actual_seq_klen=klen_meta,
-        layout=layout,
-        sparse_mode=sparse_mode,
-        pre_tokens=pre_tokens,
-        next_tokens=next_tokens,
+        **checks,
     )
-    return tuple(
-        _call(
-            "indexer",
-            query_index,
-            key_index,
-            weights,
-            qlen,
-            klen,
-            layout == "TND",
-            sparse_mode,
-            pre_tokens,
-            next_tokens,
-        )
-    )
+    return tuple(_call("indexer", query_index, key_index, weights, *binding))
 
 
 _KL_TENSORS = (
@@ -226,32 +207,17 @@ _KL_TENSORS = (
 )
 
 
-def grad_kl_loss(
-    tensors,
-    scale_value,
-    query_rope,
-    key_rope,
-    actual_seq_qlen,
-    actual_seq_klen,
-    layout,
-    sparse_mode,
-    pre_tokens,
-    next_tokens,
-):
-    """``tensors``: the nine tensors of dense_lightning_indexer_grad_kl_loss, in its order."""
-    qlen, qlen_meta = _host(actual_seq_qlen, "actual_seq_qlen")
-    klen, klen_meta = _host(actual_seq_klen, "actual_seq_klen")
+def grad_kl_loss(args, query_rope, key_rope, mask):
+    """``args``: dense_lightning_indexer_grad_kl_loss's nine tensors and scale_value, in its
+    order; ``mask`` as for the indexer."""
+    *tensors, scale_value = args
+    checks, binding = _indexer_mask(mask)
     torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
         *(_meta(t, name) for t, name in zip(tensors, _KL_TENSORS, strict=True)),
         scale_value,
         query_rope=_meta(query_rope, "query_rope"),
         key_rope=_meta(key_rope, "key_rope"),
-        actual_seq_qlen=qlen_meta,
-        actual_seq_klen=klen_meta,
-        layout=layout,
-        sparse_mode=sparse_mode,
-        pre_tokens=pre_tokens,
-        next_tokens=next_tokens,
+        **checks,
     )
     return tuple(
         _call(
@@ -260,12 +226,7 @@ def grad_kl_loss(
             float(scale_value),
             query_rope,
             key_rope,
-            qlen,
-            klen,
-            layout == "TND",
-            sparse_mode,
-            pre_tokens,
-            next_tokens,
+            *binding,
         )
     )
 
@@ -389,7 +350,7 @@ def flash_attn(q, k, v, kwargs):
         **metas,
         **options,
     )
-    return _FlashAttnFunction.apply(
+    return _flash_function().apply(
         q,
         k,
         v,
@@ -415,7 +376,9 @@ def _options_args(options):
     return [options[name] for name in _OPTIONS]
 
 
-def _make_flash_function():
+@functools.cache
+def _flash_function():
+    """The DFunction below, made on first use (opmesh.distributed imports opmesh's ops)."""
     from .distributed import DFunction
 
     class FlashAttnFunction(DFunction):
@@ -477,20 +440,3 @@ def _make_flash_function():
             return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None
 
     return FlashAttnFunction
-
-
-class _Lazy:
-    """The DFunction above, made on first use (opmesh.distributed imports opmesh's ops)."""
-
-    def __init__(self, make):
-        self._make = make
-
-    @functools.cached_property
-    def cls(self):
-        return self._make()
-
-    def apply(self, *args):
-        return self.cls.apply(*args)
-
-
-_FlashAttnFunction = _Lazy(_make_flash_function)

@@ -105,29 +105,25 @@ def dense_lightning_indexer_softmax_lse(
 
     MindSpore tensors in, MindSpore tensors out (docs/mindspore.md).
     """
-    if _on_mindspore(query_index, key_index, weights):
-        return _ms.indexer(
-            query_index,
-            key_index,
-            weights,
-            actual_seq_qlen,
-            actual_seq_klen,
-            layout,
-            sparse_mode,
-            pre_tokens,
-            next_tokens,
-        )
-    return _IndexerFunction.apply(
-        query_index,
-        key_index,
-        weights,
-        actual_seq_qlen=_as_lengths(actual_seq_qlen, "actual_seq_qlen"),
-        actual_seq_klen=_as_lengths(actual_seq_klen, "actual_seq_klen"),
+    mask = dict(
+        actual_seq_qlen=actual_seq_qlen,
+        actual_seq_klen=actual_seq_klen,
         layout=layout,
         sparse_mode=sparse_mode,
         pre_tokens=pre_tokens,
         next_tokens=next_tokens,
     )
+    if _on_mindspore(query_index, key_index, weights):
+        return _ms.indexer(query_index, key_index, weights, mask)
+    return _IndexerFunction.apply(query_index, key_index, weights, **_torch_lengths(mask))
+
+
+_LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
+
+
+def _torch_lengths(mask: dict) -> dict:
+    """The indexer's keyword arguments with the length lists as torch tensors."""
+    return {k: _as_lengths(v, k) if k in _LENGTH_NAMES else v for k, v in mask.items()}
 
 
 class _IndexerFunction(DFunction):
@@ -227,21 +223,6 @@ def dense_lightning_indexer_grad_kl_loss(
         the main attention and the statistics are a fixed target and may not require a
         gradient.
     """
-    if _on_mindspore(query, key, query_index, key_index, weights):
-        tensors = (query, key, query_index, key_index, weights, softmax_max, softmax_sum)
-        tensors += (softmax_max_index, softmax_sum_index)
-        return _ms.grad_kl_loss(
-            tensors,
-            scale_value,
-            query_rope,
-            key_rope,
-            actual_seq_qlen,
-            actual_seq_klen,
-            layout,
-            sparse_mode,
-            pre_tokens,
-            next_tokens,
-        )
     args = (
         query,
         key,
@@ -254,16 +235,17 @@ def dense_lightning_indexer_grad_kl_loss(
         softmax_sum_index,
         scale_value,
     )
-    kwargs = dict(
-        query_rope=query_rope,
-        key_rope=key_rope,
-        actual_seq_qlen=_as_lengths(actual_seq_qlen, "actual_seq_qlen"),
-        actual_seq_klen=_as_lengths(actual_seq_klen, "actual_seq_klen"),
+    mask = dict(
+        actual_seq_qlen=actual_seq_qlen,
+        actual_seq_klen=actual_seq_klen,
         layout=layout,
         sparse_mode=sparse_mode,
         pre_tokens=pre_tokens,
         next_tokens=next_tokens,
     )
+    if _on_mindspore(query, key, query_index, key_index, weights):
+        return _ms.grad_kl_loss(args, query_rope, key_rope, mask)
+    kwargs = dict(query_rope=query_rope, key_rope=key_rope, **_torch_lengths(mask))
     if any(_platform.current().is_dtensor(t) for t in (*args, query_rope, key_rope)):
         # The local call takes every argument by its schema name.
         local = torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss
@@ -328,9 +310,6 @@ def indexer_kl_loss(
         pre_tokens,
         next_tokens,
     )
-
-
-_LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
 
 
 class _KlLossFunction(DFunction):
