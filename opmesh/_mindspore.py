@@ -207,9 +207,11 @@ _KL_TENSORS = (
 )
 
 
-def grad_kl_loss(args, query_rope, key_rope, mask):
+def grad_kl_loss(args, query_rope, key_rope, mask, differentiable=True):
     """``args``: dense_lightning_indexer_grad_kl_loss's nine tensors and scale_value, in its
-    order; ``mask`` as for the indexer."""
+    order; ``mask`` as for the indexer. With ``differentiable``, the loss is differentiable in
+    query_index, key_index and weights through MindSpore's autograd, as on PyTorch (the main
+    attention and the statistics are a fixed target, like ``ops.stop_gradient`` inputs)."""
     *tensors, scale_value = args
     checks, binding = _indexer_mask(mask)
     torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
@@ -219,16 +221,42 @@ def grad_kl_loss(args, query_rope, key_rope, mask):
         key_rope=_meta(key_rope, "key_rope"),
         **checks,
     )
+    call = (tensors, float(scale_value), query_rope, key_rope, binding)
+    if differentiable:
+        query, key, query_index, key_index, weights, *_ = tensors
+        return _kl_function().apply(query_index, key_index, weights, call)
+    return _grad_kl_loss_call(call)
+
+
+def _grad_kl_loss_call(call):
+    tensors, scale_value, query_rope, key_rope, binding = call
     return tuple(
-        _call(
-            "indexer_grad_kl_loss",
-            *tensors,
-            float(scale_value),
-            query_rope,
-            key_rope,
-            *binding,
-        )
+        _call("indexer_grad_kl_loss", *tensors, scale_value, query_rope, key_rope, *binding)
     )
+
+
+@functools.cache
+def _kl_function():
+    """The fused KL op's autograd on MindSpore, made on first use."""
+    from .distributed import DFunction
+
+    class GradKlLossFunction(DFunction):
+        """The loss's backward scales the gradients the op returned; those gradients have none
+        (no second order). The fixed target travels in ``call``, outside autograd."""
+
+        @staticmethod
+        def forward(ctx, query_index, key_index, weights, call):
+            d_query_index, d_key_index, d_weights, loss = _grad_kl_loss_call(call)
+            ctx.save_for_backward(d_query_index, d_key_index, d_weights)
+            ctx.mark_non_differentiable(d_query_index, d_key_index, d_weights)
+            return d_query_index, d_key_index, d_weights, loss
+
+        @staticmethod
+        def backward(ctx, _dqi, _dki, _dw, grad_loss):
+            scaled = ((d.float() * grad_loss).to(d.dtype) for d in ctx.saved_tensors)
+            return (*scaled, None)
+
+    return GradKlLossFunction
 
 
 def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):

@@ -346,35 +346,38 @@ class _KlLossFunction(DFunction):
             pre_tokens=pre_tokens,
             next_tokens=next_tokens,
         )
-        # The operators of the tensors' framework: torch's, or MindSpore's through the public
-        # functions (the forward is written once for both).
-        on_mindspore = _on_mindspore(query_index)
-        indexer = (
-            dense_lightning_indexer_softmax_lse
-            if on_mindspore
-            else torch.ops.opmesh.dense_lightning_indexer_softmax_lse
-        )
-        grad_kl_loss = (
-            dense_lightning_indexer_grad_kl_loss
-            if on_mindspore
-            else torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss
-        )
-        max_index, sum_index = indexer(query_index, key_index, weights, **mask)
-        d_query_index, d_key_index, d_weights, loss = grad_kl_loss(
-            query,
-            key,
-            query_index,
-            key_index,
-            weights,
-            softmax_max,
-            softmax_sum,
-            max_index,
-            sum_index,
-            scale_value,
-            query_rope=query_rope,
-            key_rope=key_rope,
-            **mask,
-        )
+        # The operators of the tensors' framework (the forward is written once for both).
+        if _on_mindspore(query_index):
+            max_index, sum_index = _ms.indexer(query_index, key_index, weights, mask)
+            args = (query, key, query_index, key_index, weights, softmax_max, softmax_sum)
+            d_query_index, d_key_index, d_weights, loss = _ms.grad_kl_loss(
+                (*args, max_index, sum_index, scale_value),
+                query_rope,
+                key_rope,
+                mask,
+                differentiable=False,
+            )
+        else:
+            max_index, sum_index = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
+                query_index, key_index, weights, **mask
+            )
+            d_query_index, d_key_index, d_weights, loss = (
+                torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
+                    query,
+                    key,
+                    query_index,
+                    key_index,
+                    weights,
+                    softmax_max,
+                    softmax_sum,
+                    max_index,
+                    sum_index,
+                    scale_value,
+                    query_rope=query_rope,
+                    key_rope=key_rope,
+                    **mask,
+                )
+            )
         ctx.save_for_backward(d_query_index, d_key_index, d_weights)
         return loss
 

@@ -603,3 +603,29 @@ def test_paged_backward_is_refused_as_on_torch():
         ms.grad(lambda x: loss(ms.Tensor, x))(ms.Tensor(q))
     assert str(info.value).splitlines()[0] == t_msg
     assert t_msg.startswith("layout_kv: PA_BBND")
+
+
+def test_fused_kl_loss_is_differentiable_as_on_torch():
+    """The fused op's loss carries its gradients back to query_index, key_index and weights
+    (scaled by the loss's gradient) on MindSpore too: none is dropped."""
+    m, t, kw = kl_inputs("TND", rope=False)
+    names = ("query", "key", "query_index", "key_index", "weights", "softmax_max", "softmax_sum")
+
+    def call(x, qi, ki, w):
+        stats = opmesh.dense_lightning_indexer_softmax_lse(qi, ki, w, **kw)
+        inputs = dict(x, query_index=qi, key_index=ki, weights=w)
+        out = opmesh.dense_lightning_indexer_grad_kl_loss(
+            *(inputs[n] for n in names), *stats, 0.25, **kw
+        )
+        return out[3].sum() * 5.0
+
+    value, grads = ms.value_and_grad(lambda qi, ki, w: call(m, qi, ki, w), grad_position=(0, 1, 2))(
+        m["query_index"], m["key_index"], m["weights"]
+    )
+    leaves = [t[k].requires_grad_() for k in ("query_index", "key_index", "weights")]
+    t_value = call(t, *leaves)
+    t_value.backward()
+    np.testing.assert_array_equal(as_numpy(value), as_numpy(t_value))
+    for g, leaf in zip(grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+        assert np.abs(as_numpy(g)).sum() > 0
