@@ -30,11 +30,10 @@ class DFunction(_platform.current().Function):
     @classmethod
     def apply(cls, *args, **kwargs):
         if not torch.compiler.is_compiling():
-            other = _platform.of_values((*args, *kwargs.values()))
-            if other is not None or _platform.current().name != "torch":
-                platform = other or _platform.current()
-                if platform.name != "torch" or not issubclass(cls, torch.autograd.Function):
-                    return platform.apply_function(cls, args, kwargs)
+            # Another framework's tensors, or a class built on another framework's base.
+            platform = _platform.of_values((*args, *kwargs.values())) or _platform.current()
+            if platform.name != "torch" or not issubclass(cls, torch.autograd.Function):
+                return platform.apply_function(cls, args, kwargs)
         dtensor = _platform.current().DTensor
         if not any(isinstance(a, dtensor) for a in args) and not any(
             isinstance(v, dtensor) for v in kwargs.values()
