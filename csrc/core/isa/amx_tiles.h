@@ -39,7 +39,11 @@ struct AmxTiles {
       cfg.colsb[t] = kRowBytes;
       cfg.rows[t] = kRows;
     }
-    _tile_loadconfig(&cfg);
+    // LDTILECFG through an asm statement whose memory operand is the whole 64-byte
+    // configuration: GCC 12's _tile_loadconfig builtin does not tell the optimiser that it reads
+    // the configuration, so the stores of colsb and rows were removed as dead and the tiles were
+    // left with no rows (the first tile instruction then raised SIGILL on AMX hardware).
+    asm volatile("ldtilecfg %0" : : "m"(cfg));
     configured_flag() = true;
   }
   static void release() {
