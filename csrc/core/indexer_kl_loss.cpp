@@ -99,8 +99,8 @@ void row_dots(const float* a, const float* b, int64_t rows, double* out) {
   }
 }
 
-// The indexer's half of a call, as the softmax-statistics operator sees it: validating it checks
-// the index tensors, the layout, the mask and the lengths with that operator's messages.
+}  // namespace
+
 IndexerParams index_params(const IndexerKlLossParams& p) {
   IndexerParams q;
   q.layout = p.layout;
@@ -119,6 +119,8 @@ IndexerParams index_params(const IndexerKlLossParams& p) {
   q.seq_k_lens = p.seq_k_lens;
   return q;
 }
+
+namespace {
 
 // A unit of one pass: sequence b, tile t (query positions in pass 1, keys in pass 2).
 struct Unit {
@@ -571,11 +573,7 @@ void validate(const IndexerKlLossParams& p) {
                                           ", got Dr = " + str(p.rope_dim));
   }
   if (!std::isfinite(p.scale)) throw ArgumentError("scale_value", "must be finite");
-  bool work = false;
-  for (const Sequence& s : indexer_sequences(index_params(p))) {
-    work = work || (s.q_len > 0 && s.k_len > 0);
-  }
-  if (work) {
+  if (sequence_work(indexer_sequences(index_params(p))).pairs) {
     check_operand(p.query, "query", true);
     check_operand(p.key, "key", true);
     check_operand(p.query_rope, "query_rope", p.rope_dim > 0);

@@ -26,6 +26,7 @@
 #include "cpu_features.h"
 #include "dtype.h"
 #include "executor.h"
+#include "indexer.h"
 #include "vocabulary.h"
 
 namespace opmesh::core {
@@ -77,6 +78,10 @@ struct IndexerKlLossParams {
   KlGradient d_query_index, d_key_index, d_weights;
   float* loss = nullptr;  // one float
 };
+
+// The indexer's half of a call, as the softmax-statistics operator sees it: validating it checks
+// the index tensors, the layout, the mask and the lengths with that operator's messages.
+IndexerParams index_params(const IndexerKlLossParams& params);
 
 // Throws ArgumentError naming the first argument that is wrong.
 void validate(const IndexerKlLossParams& params);

@@ -34,6 +34,24 @@ struct Sequence {
   int64_t diag() const { return diagonal == kBottomRight ? k_len - q_len : diagonal; }
 };
 
+// Which operands a batch of sequences touches: query rows (any q_len > 0) and (query, key)
+// pairs (any sequence with both). An operand no sequence touches may be an empty tensor with no
+// buffer.
+struct SequenceWork {
+  bool queries = false;
+  bool pairs = false;
+};
+
+template <class Sequences>
+SequenceWork sequence_work(const Sequences& seqs) {
+  SequenceWork w;
+  for (const Sequence& s : seqs) {
+    w.queries = w.queries || s.q_len > 0;
+    w.pairs = w.pairs || (s.q_len > 0 && s.k_len > 0);
+  }
+  return w;
+}
+
 // The mask of a call: mode and, for kWindow, how far left and right of the diagonal a query sees
 // (-1: unbounded).
 struct Mask {

@@ -1,5 +1,7 @@
 #include "flash_attn_args.h"
 
+#include <ATen/ops/empty.h>
+
 #include <cmath>
 #include <utility>
 
@@ -168,7 +170,10 @@ FlashAttnArgs check_flash_attn_args(
   c.head_dim_v = concrete(v.sym_size(ka.d));
   // A head count that does not divide q's usually means a layout argument does not match the
   // tensor: say which dims were read as heads, and which arguments to change.
-  TORCH_CHECK_VALUE(c.num_heads_kv > 0 && c.num_heads_q % c.num_heads_kv == 0,
+  // No heads at all (q and k both with 0, as a rank's empty shard of the heads) is a call with
+  // no rows: valid, its outputs empty.
+  r.no_heads = c.num_heads_q == 0 && c.num_heads_kv == 0;
+  TORCH_CHECK_VALUE(r.no_heads || (c.num_heads_kv > 0 && c.num_heads_q % c.num_heads_kv == 0),
                     "k: ", c.num_heads_kv, " heads (dim ", ka.n, " of ",
                     attn::layout_name(c.layout_kv), ") do not divide q's ", c.num_heads_q, " (dim ",
                     qa.n, " of ", attn::layout_name(c.layout_q),
@@ -247,7 +252,10 @@ FlashAttnArgs check_flash_attn_args(
   c.win_right = parse_window(win_right, "win_right");
   c.batch_size = r.batch.is_heap_allocated() ? 0 : r.batch.expect_int();
   try {
-    attn::validate_config(c);
+    // Everything but the head counts is checked as for a call with heads.
+    attn::PlanConfig checked = c;
+    if (r.no_heads) checked.num_heads_q = checked.num_heads_kv = 1;
+    attn::validate_config(checked);
   } catch (const core::ArgumentError& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
@@ -256,6 +264,27 @@ FlashAttnArgs check_flash_attn_args(
   TORCH_CHECK_VALUE(std::isfinite(r.softmax_scale),
                     "softmax_scale: must be finite as a float32, got ", scale);
   return r;
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attn_outputs(const at::Tensor& q, const at::Tensor& v,
+                                                      const FlashAttnArgs& args,
+                                                      bool return_softmax_lse) {
+  const Axes& qa = args.qa;
+  const c10::SymInt nq = q.sym_size(qa.n);
+  const c10::SymInt dv = v.sym_size(args.ka.d);
+  const auto lse_options = q.options().dtype(at::kFloat);
+  const at::Tensor no_lse = at::empty({0}, lse_options);
+  if (args.q_tnd) {
+    const c10::SymInt t = q.sym_size(0);
+    return {at::empty_symint({t, nq, dv}, q.options()),
+            return_softmax_lse ? at::empty_symint({nq, t}, lse_options) : no_lse};
+  }
+  const c10::SymInt b = q.sym_size(qa.b);
+  const c10::SymInt s = q.sym_size(qa.s);
+  const bool bnsd = args.config.layout_out == attn::Layout::kBNSD;
+  return {bnsd ? at::empty_symint({b, nq, s, dv}, q.options())
+               : at::empty_symint({b, s, nq, dv}, q.options()),
+          return_softmax_lse ? at::empty_symint({b, nq, s}, lse_options) : no_lse};
 }
 
 }  // namespace opmesh::binding

@@ -52,6 +52,7 @@ struct FlashAttnArgs {
   bool paged = false;
   bool q_tnd = false;
   bool kv_tnd = false;
+  bool no_heads = false;  // q and k have 0 heads: no rows, empty outputs, the core not called
   float softmax_scale = 0.0f;  // the given scale, or 1 / sqrt(head_dim)
 };
 
@@ -66,6 +67,12 @@ FlashAttnArgs check_flash_attn_args(
     int64_t mask_mode, int64_t win_left, int64_t win_right,
     const std::optional<c10::SymInt>& max_seqlen_q, const std::optional<c10::SymInt>& max_seqlen_kv,
     std::string_view layout_q, std::string_view layout_kv, std::string_view layout_out);
+
+// flash_attn's outputs for checked arguments, uninitialised: attn_out in layout_out with v's
+// head dim, and the lse ([B, Nq, S1] / [Nq, T1]) or an empty tensor.
+std::tuple<at::Tensor, at::Tensor> flash_attn_outputs(const at::Tensor& q, const at::Tensor& v,
+                                                      const FlashAttnArgs& args,
+                                                      bool return_softmax_lse);
 
 // A length array of flash_attn_metadata: int32, 1-D, `count` entries, on one device whose
 // memory the host can read (never meta).

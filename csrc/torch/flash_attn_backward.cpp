@@ -105,6 +105,7 @@ Grads flash_attn_backward_cpu(
       dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks,
       softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
       layout_q, layout_kv, layout_out, metadata);
+  if (args.no_heads) return empty_grads(q, k, v, sinks, /*zero=*/true);
   attn::PlanConfig c = args.config;
   c.batch_size = args.batch.expect_int();
   const auto cq = host_ints(cu_seqlens_q);

@@ -92,6 +92,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
       softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
       layout_q, layout_kv, layout_out);
   const core::DType dtype = to_core_dtype(q.scalar_type(), "q");
+  if (args.no_heads) return flash_attn_outputs(q, v, args, return_softmax_lse);
   attn::PlanConfig c = args.config;
   const bool paged = args.paged;
   const bool q_tnd = args.q_tnd;

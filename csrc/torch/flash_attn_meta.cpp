@@ -23,25 +23,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_meta(
       q, k, v, block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks, metadata,
       softmax_scale, mask_mode, win_left, win_right, max_seqlen_q, max_seqlen_kv, layout_q,
       layout_kv, layout_out);
-  const Axes& qa = args.qa;
-  const attn::Layout lo = args.config.layout_out;
-  const c10::SymInt nq = q.sym_size(qa.n);
-  const c10::SymInt dv = v.sym_size(args.ka.d);
-  const auto lse_options = q.options().dtype(at::kFloat);
-  if (args.q_tnd) {
-    const c10::SymInt t = q.sym_size(0);
-    at::Tensor out = at::empty_symint({t, nq, dv}, q.options());
-    at::Tensor lse =
-        return_softmax_lse ? at::empty_symint({nq, t}, lse_options) : at::empty({0}, lse_options);
-    return {out, lse};
-  }
-  const c10::SymInt b = q.sym_size(qa.b);
-  const c10::SymInt s = q.sym_size(qa.s);
-  at::Tensor out = lo == attn::Layout::kBNSD ? at::empty_symint({b, nq, s, dv}, q.options())
-                                             : at::empty_symint({b, s, nq, dv}, q.options());
-  at::Tensor lse =
-      return_softmax_lse ? at::empty_symint({b, nq, s}, lse_options) : at::empty({0}, lse_options);
-  return {out, lse};
+  return flash_attn_outputs(q, v, args, return_softmax_lse);
 }
 
 }  // namespace

@@ -90,15 +90,18 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t n1 = concrete(q.sym_size(2 + off));
   const int64_t n2 = concrete(k.sym_size(2 + off));
   const int64_t d = concrete(q.sym_size(3 + off));
-  TORCH_CHECK_VALUE(n1 >= 1 && n1 <= attn::kMaxHeads, "query_index: N1 must be in [1, ",
-                    attn::kMaxHeads, "], got shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(n2 >= 1 && n2 <= attn::kMaxHeads, "key_index: N2 must be in [1, ",
+  // No heads at all (N1 = N2 = 0) is a call with no rows: valid, its outputs empty.
+  const bool no_heads = n1 == 0 && n2 == 0;
+  TORCH_CHECK_VALUE(no_heads || (n1 >= 1 && n1 <= attn::kMaxHeads),
+                    "query_index: N1 must be in [1, ", attn::kMaxHeads, "], got shape ",
+                    q.sym_sizes());
+  TORCH_CHECK_VALUE(no_heads || (n2 >= 1 && n2 <= attn::kMaxHeads), "key_index: N2 must be in [1, ",
                     attn::kMaxHeads, "], got shape ", k.sym_sizes());
   TORCH_CHECK_VALUE(d >= 1 && d <= attn::kMaxHeadDim, "query_index: head dim D must be in [1, ",
                     attn::kMaxHeadDim, "], got shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(concrete(k.sym_size(3 + off)) == d, "key_index: head dim ", k.sym_size(3 + off),
                     " differs from query_index's ", d);
-  TORCH_CHECK_VALUE(n1 % n2 == 0, "key_index: query heads N1=", n1,
+  TORCH_CHECK_VALUE(no_heads || n1 % n2 == 0, "key_index: query heads N1=", n1,
                     " must be a multiple of key heads N2=", n2);
   for (int64_t dim = 0; dim < w.dim(); ++dim) {
     TORCH_CHECK_VALUE(holds(w.sym_size(dim) == q.sym_size(dim)), "weights: expected shape ",

@@ -73,6 +73,12 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
   p.softmax_max = softmax_max.data_ptr<float>();
   p.softmax_sum = softmax_sum.data_ptr<float>();
   try {
+    if (n2 == 0) {
+      // No heads: nothing to compute; the lengths and band are still checked as with heads.
+      p.heads_q = p.heads_k = 1;
+      core::validate(p);
+      return {softmax_max, softmax_sum};
+    }
     core::dense_lightning_indexer_softmax_lse(p, AtenExecutor(), core::active_isa());
   } catch (const core::ArgumentError& e) {
     TORCH_CHECK_VALUE(false, e.what());

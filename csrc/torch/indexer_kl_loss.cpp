@@ -30,6 +30,7 @@ void expect_shape(const at::Tensor& t, const char* name, const SymSizes& expecte
 struct KlShapes {
   bool tnd;
   int64_t n1, n2, d, dr, n1i, n2i, di;
+  bool no_heads = false;  // the main attention's or the indexer's heads are none
 };
 
 KlShapes check_kl_args(const at::Tensor& query, const at::Tensor& key,
@@ -70,18 +71,21 @@ KlShapes check_kl_args(const at::Tensor& query, const at::Tensor& key,
   TORCH_CHECK_VALUE(key.dim() == rank, "key: expected a ", rank, "-D ", layout,
                     " tensor, got shape ", key.sizes());
   const int off = tnd ? -1 : 0;
-  KlShapes s{tnd, 0, 0, 0, 0, 0, 0, 0};
+  KlShapes s{tnd, 0, 0, 0, 0, 0, 0, 0, false};
   s.n1 = concrete(query.sym_size(2 + off));
   s.n2 = concrete(key.sym_size(2 + off));
   s.d = concrete(query.sym_size(3 + off));
   s.n1i = concrete(query_index.sym_size(2 + off));
   s.n2i = concrete(key_index.sym_size(2 + off));
   s.di = concrete(query_index.sym_size(3 + off));
-  TORCH_CHECK_VALUE(s.n1 >= 1 && s.n1 <= attn::kMaxHeads, "query: N1 must be in [1, ",
+  // No heads on either side (N1 = N2 = 0) leaves nothing to compare: the loss is 0.
+  s.no_heads = (s.n1 == 0 && s.n2 == 0) || (s.n1i == 0 && s.n2i == 0);
+  const bool main_none = s.n1 == 0 && s.n2 == 0;
+  TORCH_CHECK_VALUE(main_none || (s.n1 >= 1 && s.n1 <= attn::kMaxHeads), "query: N1 must be in [1, ",
                     attn::kMaxHeads, "], got shape ", query.sym_sizes());
-  TORCH_CHECK_VALUE(s.n2 >= 1 && s.n2 <= attn::kMaxHeads, "key: N2 must be in [1, ",
+  TORCH_CHECK_VALUE(main_none || (s.n2 >= 1 && s.n2 <= attn::kMaxHeads), "key: N2 must be in [1, ",
                     attn::kMaxHeads, "], got shape ", key.sym_sizes());
-  TORCH_CHECK_VALUE(s.n1 % s.n2 == 0, "key: query heads N1=", s.n1,
+  TORCH_CHECK_VALUE(main_none || s.n1 % s.n2 == 0, "key: query heads N1=", s.n1,
                     " must be a multiple of key heads N2=", s.n2);
   TORCH_CHECK_VALUE(s.d >= 1 && s.d <= attn::kMaxHeadDim, "query: head dim D must be in [1, ",
                     attn::kMaxHeadDim, "], got shape ", query.sym_sizes());
@@ -115,7 +119,7 @@ KlShapes check_kl_args(const at::Tensor& query, const at::Tensor& key,
     expect_shape(*key_rope, "key_rope", with(klead, {c10::SymInt(s.n2), c10::SymInt(s.dr)}),
                  "key's tokens and heads, query_rope's Dr");
   }
-  const c10::SymInt g(s.n1 / s.n2);
+  const c10::SymInt g(main_none ? 0 : s.n1 / s.n2);
   const SymSizes stats =
       tnd ? SymSizes{c10::SymInt(s.n2), query_index.sym_size(0), g}
           : SymSizes{query_index.sym_size(0), c10::SymInt(s.n2), query_index.sym_size(1), g};
@@ -223,6 +227,12 @@ KlResult kl_loss_cpu(const at::Tensor& query, const at::Tensor& key, const at::T
   p.d_weights = gradient(d_weights, s.tnd);
   p.loss = loss.data_ptr<float>();
   try {
+    if (s.no_heads) {
+      // Nothing to compare: loss 0, zero gradients; the rest is checked as with heads.
+      p.index_heads_q = p.index_heads_k = 1;
+      core::validate(core::index_params(p));
+      return {d_query_index, d_key_index, d_weights, loss};
+    }
     core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
   } catch (const core::ArgumentError& e) {
     TORCH_CHECK_VALUE(false, e.what());

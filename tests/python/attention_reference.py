@@ -81,7 +81,7 @@ def flash_attn_reference(q, k, v, **kw):
     dv = v.shape[-1]
     scale = kw.get("softmax_scale")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    group = nq // nkv
+    group = nq // nkv if nkv else 0  # no heads: nothing to group
     if layout_q == "TND":
         out = torch.zeros(q.shape[0], nq, dv, dtype=torch.float64)
         lse = torch.full((nq, q.shape[0]), math.inf, dtype=torch.float64)

@@ -59,7 +59,7 @@ def indexer_softmax_lse(
     if layout == "TND":
         q, k, w = q[None], k[None], w[None]
     n1, n2 = q.shape[2], k.shape[2]
-    group = n1 // n2
+    group = n1 // n2 if n2 else 0  # no heads: nothing to group
     if layout == "TND":
         batch = len(actual_seq_qlen)
         out_max = torch.full((n2, q.shape[1]), float("-inf"), dtype=torch.float64)

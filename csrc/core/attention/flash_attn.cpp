@@ -488,13 +488,17 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
       p.dtype != DType::kFloat64) {
     throw ArgumentError("dtype", "expected float32, bfloat16, float16 or float64");
   }
-  bool work = false;
-  for (const Sequence& s : seqs) work = work || s.q_len > 0;
-  if (work) {
+  // An empty tensor may have no buffer: a pointer is required only where the kernel reads or
+  // writes through it (queries and output rows when any sequence has queries, keys and values
+  // when any sequence has both queries and keys).
+  const SequenceWork work = sequence_work(seqs);
+  if (work.queries) {
     if (p.q.data == nullptr) throw ArgumentError("q", "is null");
+    if (p.out == nullptr) throw ArgumentError("out", "is null");
+  }
+  if (work.pairs) {
     if (p.k.data == nullptr) throw ArgumentError("k", "is null");
     if (p.v.data == nullptr) throw ArgumentError("v", "is null");
-    if (p.out == nullptr) throw ArgumentError("out", "is null");
   }
   if (c.layout_kv == Layout::kPagedBBND) {
     if (p.block_table == nullptr && c.batch_size > 0) {

@@ -605,17 +605,20 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
     throw ArgumentError("sequences", "expected " + std::to_string(c.batch_size) +
                                          " (batch_size), got " + std::to_string(seqs.size()));
   }
-  bool work = false;
-  for (const Sequence& s : seqs) work = work || s.q_len > 0;
-  if (work) {
-    const std::pair<const void*, const char*> needed[] = {
-        {p.q.data, "q"},     {p.k.data, "k"},       {p.v.data, "v"},
-        {p.out.data, "out"}, {p.dout.data, "dout"}, {p.lse, "lse"},
-        {p.dq.data, "dq"},   {p.dk.data, "dk"},     {p.dv.data, "dv"},
-    };
-    for (const auto& [ptr, name] : needed) {
-      if (ptr == nullptr) throw ArgumentError(name, "is null");
-    }
+  // An empty tensor may have no buffer (see validate in flash_attn.cpp): the query side is
+  // required when any sequence has queries, the key side when any has queries and keys (key
+  // units of sequences without queries are not run; the caller zero-fills the gradients).
+  const SequenceWork work = sequence_work(seqs);
+  const std::pair<const void*, const char*> query_side[] = {
+      {p.q.data, "q"}, {p.out.data, "out"}, {p.dout.data, "dout"}, {p.lse, "lse"}, {p.dq.data, "dq"},
+  };
+  const std::pair<const void*, const char*> key_side[] = {
+      {p.k.data, "k"}, {p.v.data, "v"}, {p.dk.data, "dk"}, {p.dv.data, "dv"}};
+  for (const auto& [ptr, name] : query_side) {
+    if (work.queries && ptr == nullptr) throw ArgumentError(name, "is null");
+  }
+  for (const auto& [ptr, name] : key_side) {
+    if (work.pairs && ptr == nullptr) throw ArgumentError(name, "is null");
   }
   if (p.sinks != nullptr && p.dsinks == nullptr) {
     throw ArgumentError("dsinks", "is null but the forward had sinks");
