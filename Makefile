@@ -42,9 +42,11 @@ check-core-free-of-torch:
 	@if grep -rEn '#\s*include\s*[<"](torch|ATen|c10|pybind11|Python)' csrc/core; then \
 	  echo "csrc/core must not include torch, ATen, c10 or Python headers"; exit 1; \
 	else echo "csrc/core is free of framework includes"; fi
-	@# The MindSpore binding compiles the core's headers as C++17.
+	@# The MindSpore binding compiles the core's headers as C++17. The per-ISA headers are
+	@# compiled here without their instruction-set flags, so the ABI note GCC gives for AVX-512
+	@# vector returns (-Wpsabi) does not apply: only translation units built with them include them.
 	@for h in $$(cd csrc/core && find . -name '*.h'); do echo "#include \"$$h\""; done \
-	  | g++ -std=c++17 -fsyntax-only -DOPMESH_HAVE_AMX=1 -Icsrc/core -x c++ - \
+	  | g++ -std=c++17 -fsyntax-only -Wno-psabi -DOPMESH_HAVE_AMX=1 -Icsrc/core -x c++ - \
 	  && echo "csrc/core's headers compile as C++17"
 
 lint: $(DEPS_STAMP)

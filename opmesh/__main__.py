@@ -1,5 +1,4 @@
-"""Command line: ``python -m opmesh demo``, ``python -m opmesh mesh-demo`` and
-``python -m opmesh plan``."""
+"""Command line: python -m opmesh demo, python -m opmesh mesh-demo and python -m opmesh plan."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _mindspore as _ms
 from . import platform as _platform
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
+from .platform import mindspore_ops as _ms
 
 LengthsLike = torch.Tensor | Sequence[int] | None
 # pre_tokens / next_tokens default: an unbounded band.
@@ -37,8 +37,8 @@ def _int_list(value, name: str) -> list[int]:
 
 
 def _on_mindspore(*values) -> bool:
-    """Whether a call's tensors are MindSpore tensors (opmesh/_mindspore.py runs it then)."""
-    return not torch.compiler.is_compiling() and _ms.any_tensor(*values)
+    """Whether a call's tensors are MindSpore tensors (platform/mindspore_ops.py runs it then)."""
+    return not torch.compiler.is_compiling() and _platform.on_mindspore(*values)
 
 
 def _as_lengths(value: LengthsLike, name: str) -> torch.Tensor | None:
@@ -383,12 +383,8 @@ class _KlLossFunction(DFunction):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        d_query_index, d_key_index, d_weights = ctx.saved_tensors
-        grads = tuple(
-            (d.float() * grad_loss).to(d.dtype) for d in (d_query_index, d_key_index, d_weights)
-        )
         # The main attention and the rest are a fixed target (no gradient).
-        return grads + (None,) * 13
+        return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * 13
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:

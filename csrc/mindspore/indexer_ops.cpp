@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "cpu_features.h"
-#include "indexer.h"
-#include "indexer_kl_loss.h"
+#include "indexer/indexer.h"
+#include "indexer/indexer_kl_loss.h"
 #include "kv_cache.h"
 #include "ms_binding.h"
 

@@ -1,5 +1,5 @@
 // opmesh's MindSpore extension module: the operators over the framework-neutral core, built by
-// MindSpore's CustomOpBuilder (opmesh/_mindspore.py loads it).
+// MindSpore's CustomOpBuilder (opmesh/platform/mindspore_ops.py loads it).
 #include "cpu_features.h"
 #include "ms_binding.h"
 

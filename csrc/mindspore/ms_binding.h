@@ -1,11 +1,11 @@
 // Helpers of the MindSpore binding: MindSpore tensors as the core's operands, a thread executor,
 // and the core's ArgumentError as a Python ValueError.
 //
-// The binding's functions are called by opmesh's MindSpore path (opmesh/_mindspore.py) after the
-// shape, dtype and argument checks shared with the torch binding have passed. Each function
-// first runs, synchronously, every check that reads argument values (lengths, block tables,
-// plans, slots; the core's own checks), so a bad value raises at the call; then it queues the op
-// on MindSpore's pipeline and runs the kernel on the calling thread once MindSpore's launch
+// The binding's functions are called by opmesh's MindSpore path (opmesh/platform/mindspore_ops.py)
+// after the shape, dtype and argument checks shared with the torch binding have passed. Each
+// function first runs, synchronously, every check that reads argument values (lengths, block
+// tables, plans, slots; the core's own checks), so a bad value raises at the call; then it queues
+// the op on MindSpore's pipeline and runs the kernel on the calling thread once MindSpore's launch
 // thread hands over the ready inputs and outputs (launch(), runtime.cpp).
 #pragma once
 

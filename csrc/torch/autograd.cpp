@@ -88,14 +88,6 @@ Rest load_rest(AutogradContext* ctx) {
   return r;
 }
 
-using BackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::optional<double>,
-    int64_t, int64_t, int64_t, std::optional<c10::SymInt>, std::optional<c10::SymInt>,
-    c10::string_view, c10::string_view, c10::string_view, const std::optional<at::Tensor>&);
-
 // flash_attn itself, below the autograd key.
 std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& q, const at::Tensor& k,
                                                        const at::Tensor& v,
@@ -191,12 +183,6 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_autograd(
   return {out[0], out[1]};
 }
 
-using IndexerSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                      const at::Tensor&,
-                                                      const std::optional<at::Tensor>&,
-                                                      const std::optional<at::Tensor>&,
-                                                      c10::string_view, int64_t, int64_t, int64_t);
-
 std::tuple<at::Tensor, at::Tensor> indexer_autograd(
     const at::Tensor& query_index, const at::Tensor& key_index, const at::Tensor& weights,
     const std::optional<at::Tensor>& actual_seq_qlen,
@@ -218,14 +204,6 @@ struct KlRest {
   std::string layout;
   int64_t sparse_mode, pre_tokens, next_tokens;
 };
-
-using KlResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using KlSig = KlResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor&, double, const std::optional<at::Tensor>&,
-                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                       const std::optional<at::Tensor>&, c10::string_view, int64_t, int64_t,
-                       int64_t);
 
 KlResult kl_below_autograd(const at::Tensor& qi, const at::Tensor& ki, const at::Tensor& w,
                            const KlRest& r) {

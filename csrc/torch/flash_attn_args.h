@@ -52,7 +52,7 @@ struct FlashAttnArgs {
   bool paged = false;
   bool q_tnd = false;
   bool kv_tnd = false;
-  bool no_heads = false;  // q and k have 0 heads: no rows, empty outputs, the core not called
+  bool no_heads = false;       // q and k have 0 heads: no rows, empty outputs, the core not called
   float softmax_scale = 0.0f;  // the given scale, or 1 / sqrt(head_dim)
 };
 

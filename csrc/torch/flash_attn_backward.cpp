@@ -190,16 +190,6 @@ Grads flash_attn_backward_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(opmesh, m) {
-  m.def(
-      "flash_attn_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, *, "
-      "Tensor? dlse=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
-      "Tensor? seqused_q=None, Tensor? seqused_kv=None, Tensor? sinks=None, "
-      "float? softmax_scale=None, int mask_mode=0, int win_left=-1, int win_right=-1, "
-      "SymInt? max_seqlen_q=None, SymInt? max_seqlen_kv=None, str layout_q=\"BSND\", "
-      "str layout_kv=\"BSND\", str layout_out=\"BSND\", Tensor? metadata=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
-}
 TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("flash_attn_backward", &flash_attn_backward_cpu); }
 TORCH_LIBRARY_IMPL(opmesh, Meta, m) { m.impl("flash_attn_backward", &flash_attn_backward_meta); }
 

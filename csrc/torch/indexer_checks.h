@@ -12,7 +12,7 @@
 #include "core_calls.h"
 #include "dtypes.h"
 #include "flash_attn_args.h"
-#include "indexer.h"
+#include "indexer/indexer.h"
 
 namespace opmesh::binding {
 

@@ -1,7 +1,7 @@
 // CPU kernel and shape function of dense_lightning_indexer_grad_kl_loss. The index tensors,
 // lengths, layout and mask are checked as dense_lightning_indexer_softmax_lse checks them; the
 // main attention's tensors and both pairs of statistics are checked here.
-#include "indexer_kl_loss.h"
+#include "indexer/indexer_kl_loss.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -81,8 +81,9 @@ KlShapes check_kl_args(const at::Tensor& query, const at::Tensor& key,
   // No heads on either side (N1 = N2 = 0) leaves nothing to compare: the loss is 0.
   s.no_heads = (s.n1 == 0 && s.n2 == 0) || (s.n1i == 0 && s.n2i == 0);
   const bool main_none = s.n1 == 0 && s.n2 == 0;
-  TORCH_CHECK_VALUE(main_none || (s.n1 >= 1 && s.n1 <= attn::kMaxHeads), "query: N1 must be in [1, ",
-                    attn::kMaxHeads, "], got shape ", query.sym_sizes());
+  TORCH_CHECK_VALUE(main_none || (s.n1 >= 1 && s.n1 <= attn::kMaxHeads),
+                    "query: N1 must be in [1, ", attn::kMaxHeads, "], got shape ",
+                    query.sym_sizes());
   TORCH_CHECK_VALUE(main_none || (s.n2 >= 1 && s.n2 <= attn::kMaxHeads), "key: N2 must be in [1, ",
                     attn::kMaxHeads, "], got shape ", key.sym_sizes());
   TORCH_CHECK_VALUE(main_none || s.n1 % s.n2 == 0, "key: query heads N1=", s.n1,

@@ -86,12 +86,6 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states(const at::Tensor& out_a,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(opmesh, m) {
-  m.def(
-      "merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
-      "str layout=\"BSND\") -> (Tensor out, Tensor lse)");
-}
-
 TORCH_LIBRARY_IMPL(opmesh, CompositeImplicitAutograd, m) {
   m.impl("merge_attn_states", &merge_attn_states);
 }

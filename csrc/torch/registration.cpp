@@ -1,4 +1,5 @@
-// The schemas of every opmesh operator. Kernels register per backend in their own files.
+// The schemas of every opmesh operator, and only here. Kernels register per backend in their own
+// files.
 #include <torch/library.h>
 
 TORCH_LIBRARY(opmesh, m) {
@@ -31,7 +32,19 @@ TORCH_LIBRARY(opmesh, m) {
       "SymInt? max_seqlen_q=None, SymInt? max_seqlen_kv=None, str layout_q=\"BSND\", "
       "str layout_kv=\"BSND\", str layout_out=\"BSND\", bool return_softmax_lse=False) "
       "-> (Tensor attn_out, Tensor softmax_lse)");
+  // flash_attn's gradients (autograd.cpp calls it; its kernels are in flash_attn_backward.cpp).
+  m.def(
+      "flash_attn_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, *, "
+      "Tensor? dlse=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
+      "Tensor? seqused_q=None, Tensor? seqused_kv=None, Tensor? sinks=None, "
+      "float? softmax_scale=None, int mask_mode=0, int win_left=-1, int win_right=-1, "
+      "SymInt? max_seqlen_q=None, SymInt? max_seqlen_kv=None, str layout_q=\"BSND\", "
+      "str layout_kv=\"BSND\", str layout_out=\"BSND\", Tensor? metadata=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def(
       "kv_cache_write_(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
+  m.def(
+      "merge_attn_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+      "str layout=\"BSND\") -> (Tensor out, Tensor lse)");
 }

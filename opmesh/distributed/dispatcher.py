@@ -40,8 +40,5 @@ class OpDispatcher:
     def cache_size(self) -> int:
         return len(self._cache)
 
-    def clear_cache(self):
-        self._cache.clear()
-
 
 DISPATCHER = OpDispatcher()

@@ -58,10 +58,6 @@ class Platform(abc.ABC):
         autograd: ``cls.forward(ctx, ...)`` now, ``cls.backward`` when gradients are asked for."""
 
     @abc.abstractmethod
-    def op_name(self, op: Any) -> str:
-        """The registry name of an op callable (a DFunction's local call carries ``_op_name``)."""
-
-    @abc.abstractmethod
     def to_local(self, dtensor: Any, grad_placements: tuple | None = None) -> Any:
         """This rank's shard, differentiably (gradients flow back to the DTensor).
         ``grad_placements`` says how the local gradient relates to the global one when it is not
@@ -106,6 +102,13 @@ class Platform(abc.ABC):
     @abc.abstractmethod
     def global_shape(self, dtensor: Any) -> tuple[int, ...]:
         """The shape of the whole (unsharded) tensor."""
+
+    def check_global_call(self, op_name: str, args: tuple, kwargs: dict) -> None:
+        """Runs the operator's shape function (its checks, no data) on stand-ins of the whole
+        problem: DTensors by their global shape, other tensors by theirs. Every rank sees the
+        same global problem, so an argument error is raised on every rank alike, before any
+        rank computes or communicates."""
+        raise NotImplementedError(f"{type(self).__qualname__}.check_global_call")
 
     @abc.abstractmethod
     def mesh_axis_names(self, mesh: Any) -> tuple[str, ...]:
@@ -167,15 +170,32 @@ def get(name: str) -> Platform:
     return _load(name)
 
 
+def is_mindspore_tensor(value) -> bool:
+    """Whether value is a MindSpore tensor (never true before MindSpore is imported: no
+    MindSpore tensor can exist before)."""
+    ms = sys.modules.get("mindspore")
+    return ms is not None and isinstance(value, ms.Tensor)
+
+
+def on_mindspore(*values) -> bool:
+    """Whether any of values is a MindSpore tensor: the public functions then run on MindSpore
+    (platform/mindspore_ops.py)."""
+    return "mindspore" in sys.modules and any(is_mindspore_tensor(v) for v in values)
+
+
+def scaled_gradients(gradients, grad_loss) -> tuple:
+    """The KL loss's backward on either framework: the gradients its fused operator returned,
+    each scaled by the loss's incoming gradient in float32 and returned in its own dtype."""
+    return tuple((d.float() * grad_loss).to(d.dtype) for d in gradients)
+
+
 def of_values(values) -> Platform | None:
     """The platform of the first framework tensor among ``values`` that is not the default
     platform's, or None (no tensor, or only the default platform's). MindSpore is looked for
     only once it has been imported: no MindSpore tensor can exist before."""
     default = current()
-    if default.name != "mindspore" and "mindspore" in sys.modules:
-        ms_tensor = sys.modules["mindspore"].Tensor
-        if any(isinstance(v, ms_tensor) for v in values):
-            return get("mindspore")
+    if default.name != "mindspore" and on_mindspore(*values):
+        return get("mindspore")
     if default.name != "torch" and "torch" in sys.modules:
         torch_tensor = sys.modules["torch"].Tensor
         if any(isinstance(v, torch_tensor) for v in values):

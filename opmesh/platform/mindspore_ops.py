@@ -22,25 +22,17 @@ import glob
 import hashlib
 import operator
 import os
-import sys
 
 import torch
+
+from . import is_mindspore_tensor as is_tensor
+from . import scaled_gradients
 
 CACHE_ENV = "OPMESH_MINDSPORE_CACHE"
 
 
-def is_tensor(value) -> bool:
-    """Whether value is a MindSpore tensor (never true before MindSpore is imported)."""
-    ms = sys.modules.get("mindspore")
-    return ms is not None and isinstance(value, ms.Tensor)
-
-
-def any_tensor(*values) -> bool:
-    return "mindspore" in sys.modules and any(is_tensor(v) for v in values)
-
-
 def binding_dir() -> str:
-    from . import _C
+    from .. import _C
 
     return os.path.join(os.path.dirname(os.path.abspath(_C.__file__)), "mindspore_binding")
 
@@ -238,7 +230,7 @@ def _grad_kl_loss_call(call):
 @functools.cache
 def _kl_function():
     """The fused KL op's autograd on MindSpore, made on first use."""
-    from .distributed import DFunction
+    from ..distributed import DFunction
 
     class GradKlLossFunction(DFunction):
         """The loss's backward scales the gradients the op returned; those gradients have none
@@ -253,8 +245,7 @@ def _kl_function():
 
         @staticmethod
         def backward(ctx, _dqi, _dki, _dw, grad_loss):
-            scaled = ((d.float() * grad_loss).to(d.dtype) for d in ctx.saved_tensors)
-            return (*scaled, None)
+            return (*scaled_gradients(ctx.saved_tensors, grad_loss), None)
 
     return GradKlLossFunction
 
@@ -407,7 +398,7 @@ def _options_args(options):
 @functools.cache
 def _flash_function():
     """The DFunction below, made on first use (opmesh.distributed imports opmesh's ops)."""
-    from .distributed import DFunction
+    from ..distributed import DFunction
 
     class FlashAttnFunction(DFunction):
         """flash_attn on MindSpore tensors: the binding's forward and backward, as a DFunction

@@ -62,9 +62,6 @@ class MindSporePlatform(Platform):
             self._adapters[cls] = adapter
         return adapter.apply(*values)
 
-    def op_name(self, op):
-        return getattr(op, "_op_name", None) or getattr(op, "__name__", type(op).__name__)
-
     def _no_mesh(self, *args, **kwargs):
         raise NotImplementedError(_NO_MESH)
 

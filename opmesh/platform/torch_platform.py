@@ -63,12 +63,6 @@ class TorchPlatform(Platform):
             self._adapters[cls] = adapter
         return adapter.apply(*positional(cls.forward, args, kwargs))
 
-    def op_name(self, op):
-        name = getattr(op, "_op_name", None)
-        if name is None:
-            name = getattr(op, "__name__", None) or type(op).__name__
-        return name
-
     def __init__(self):
         self._specs = BoundedCache()
         self._offsets = BoundedCache()
@@ -116,6 +110,16 @@ class TorchPlatform(Platform):
 
     def global_shape(self, dtensor):
         return tuple(dtensor.shape)
+
+    def check_global_call(self, op_name, args, kwargs):
+        def stand_in(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            return torch.empty(x.shape, dtype=x.dtype, device="meta")
+
+        op = getattr(torch.ops.opmesh, op_name)
+        with torch.no_grad():
+            op(*(stand_in(a) for a in args), **{k: stand_in(v) for k, v in kwargs.items()})
 
     def mesh_axis_names(self, mesh):
         names = mesh.mesh_dim_names

@@ -225,5 +225,48 @@ TEST(FlashAttnCore, EntryPointValidatesWhatItIsGiven) {
   if (plan.num_slots > 0) expect_arg(good, seqs, plan, nullptr, "workspace");
 }
 
+// An empty tensor may have no buffer: with no keys in any sequence, null k and v are accepted
+// and every query row comes out 0 with lse +inf; with no queries, q and out may be null too.
+TEST(FlashAttnCore, EmptyOperandsNeedNoBuffer) {
+  const PlanConfig c = config(MaskMode::kCausal, 2, false);
+  const std::vector<int32_t> q_lengths{5, 0, 3, 0, 2};  // config() plans 5 sequences
+  const Batch x = make_batch(q_lengths, 4);
+  const std::vector<int32_t> no_keys(x.cu.size(), 0);
+  const LengthArrays arrays{x.cu.data(), no_keys.data(), nullptr, nullptr};
+  const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
+  const Plan plan = make_plan(c, seqs);
+  const int64_t rows = x.cu.back();
+  std::vector<float> out(rows * kHeadsQ * kDimV, 7.0f), lse(kHeadsQ * rows, 7.0f);
+  std::vector<float> workspace(std::max<int64_t>(1, workspace_floats(c, plan)));
+  FlashAttnParams p;
+  p.config = c;
+  p.lengths = arrays;
+  p.q = {x.q.data(), 0, kHeadsQ * kDim, kDim, 1};
+  p.k = {nullptr, 0, kHeadsKv * kDim, kDim, 1};
+  p.v = {nullptr, 0, kHeadsKv * kDimV, kDimV, 1};
+  p.out = out.data();
+  p.out_ss = kHeadsQ * kDimV;
+  p.out_sn = kDimV;
+  p.out_sd = 1;
+  p.lse = lse.data();
+  p.lse_sn = rows;
+  p.lse_ss = 1;
+  p.softmax_scale = 0.1f;
+  const SerialExecutor serial;
+  flash_attn(p, seqs, plan, serial, Isa::kScalar, workspace.data(), nullptr);
+  for (float o : out) EXPECT_EQ(o, 0.0f);
+  for (float l : lse) EXPECT_EQ(l, std::numeric_limits<float>::infinity());
+
+  const std::vector<int32_t> none(x.cu.size(), 0);
+  const LengthArrays empty_arrays{none.data(), none.data(), nullptr, nullptr};
+  const std::vector<Sequence> empty = resolve_sequences(c, empty_arrays);
+  FlashAttnParams nothing = p;
+  nothing.lengths = empty_arrays;
+  nothing.q.data = nullptr;
+  nothing.out = nullptr;
+  nothing.lse = nullptr;
+  flash_attn(nothing, empty, make_plan(c, empty), serial, Isa::kScalar, workspace.data(), nullptr);
+}
+
 }  // namespace
 }  // namespace opmesh::core::attention

@@ -11,7 +11,7 @@
 
 #include "aligned_buffer.h"
 #include "errors.h"
-#include "indexer.h"
+#include "indexer/indexer.h"
 #include "thread_executor.h"
 
 namespace opmesh::core {

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "errors.h"
-#include "indexer.h"
-#include "indexer_kl_loss.h"
+#include "indexer/indexer.h"
+#include "indexer/indexer_kl_loss.h"
 #include "thread_executor.h"
 
 namespace opmesh::core {

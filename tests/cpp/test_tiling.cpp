@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "indexer_tiling.h"
+#include "indexer/tiling.h"
 
 namespace opmesh::core::indexer {
 namespace {

@@ -565,9 +565,9 @@ print("ok")
 def test_the_binding_refuses_what_would_read_out_of_bounds_when_called_directly():
     """The binding trusts the shared checks in front of it, but a direct call with shapes or
     host arrays that do not fit still gets a ValueError, never a read past an end."""
-    from opmesh import _mindspore
+    from opmesh.platform import mindspore_ops
 
-    ext = _mindspore.extension()
+    ext = mindspore_ops.extension()
     q, k, w = ms.Tensor(randn(9, 4, 16)), ms.Tensor(randn(2, 9, 1, 16)), ms.Tensor(randn(2, 9, 4))
     with pytest.raises(ValueError, match="^query_index: expected 4 dims"):
         ext.indexer(q, k, w, None, None, False, 3, 2**62, 2**62)

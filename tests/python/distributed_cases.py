@@ -323,6 +323,14 @@ def _uneven_cases(mesh):
         "lengths_as_dtensors": lambda: case_lengths_as_dtensors(mesh),
         "wrong_rank": lambda: case_wrong_rank(mesh),
         "no_grad_ctx": lambda: case_no_grad_ctx(mesh),
+        # Shards empty on some ranks (one query row, one token, no keys).
+        "empty_shards_cp_s1_1": lambda: _check(
+            mesh, "BSND", (dp + [S1], dp + [R], dp + [S1]), b=2, s1=1, s2=5
+        ),
+        "empty_shards_no_keys": lambda: _check(mesh, "BSND", ([S0] + rest,) * 3, b=3, s1=4, s2=0),
+        "empty_shards_tnd_1": lambda: _check(
+            mesh, "TND", (last, [R] * mesh.ndim, last), lengths=([1, 0], [2, 3])
+        ),
     }
     if mesh.ndim == 2:
         # One dim over both mesh axes: DTensor splits axis by axis, so T=10 on (2, 2) gives
@@ -399,6 +407,9 @@ CASE_NAMES = [
     "lengths_as_dtensors",
     "wrong_rank",
     "no_grad_ctx",
+    "empty_shards_cp_s1_1",
+    "empty_shards_no_keys",
+    "empty_shards_tnd_1",
 ]
 TWO_AXIS_CASES = ["one_dim_two_axes_tnd_10", "one_dim_two_axes_batch_3", "one_dim_two_axes_s1_9"]
 
@@ -670,6 +681,11 @@ def _kl_cases(mesh):
         "kl_fused_op_bsnd": lambda: case_kl_fused_op(mesh),
         "kl_fused_op_tnd": lambda: case_kl_fused_op(mesh, "TND", lengths=UNEVEN_VARLEN),
         "kl_errors": lambda: case_kl_errors(mesh),
+        "kl_empty_shards_batch_1": lambda: case_kl_loss(mesh, cp=False, shape=dict(b=1)),
+        "kl_empty_shards_s1_1": lambda: case_kl_loss(mesh, shape=dict(b=2, s1=1, s2=4)),
+        "kl_empty_shards_tnd_1": lambda: case_kl_loss(
+            mesh, "TND", shape=dict(lengths=([1, 0], [2, 3]))
+        ),
         "elementwise_default": lambda: case_elementwise_default(mesh),
         "raw_ops": lambda: case_raw_ops(mesh),
     }
@@ -686,6 +702,9 @@ KL_CASE_NAMES = [
     "kl_fused_op_bsnd",
     "kl_fused_op_tnd",
     "kl_errors",
+    "kl_empty_shards_batch_1",
+    "kl_empty_shards_s1_1",
+    "kl_empty_shards_tnd_1",
     "elementwise_default",
     "raw_ops",
 ]

@@ -430,6 +430,23 @@ def cases(mesh):
             mesh, mask_mode=4, win_left=2, win_right=3
         ),
         "errors": lambda: case_errors(mesh),
+        # Shards that are empty on some ranks: each such rank computes its empty part.
+        "empty_shards_heads_2": lambda: _check(mesh, ([S2], [S2], [S2]), nq=2, nkv=2, mask_mode=3),
+        "empty_shards_heads_sinks": lambda: _check(
+            mesh, ([S2], [S2], [S2]), nq=2, nkv=1, sinks=[S0]
+        ),
+        "empty_shards_batch_1": lambda: _check(mesh, ([S0], [S0], [S0]), b=1, sinks=[R]),
+        "empty_shards_sequence_1": lambda: _check(
+            mesh, ([S1], [S1], [S1]), s1=1, s2=1, mask_mode=3
+        ),
+        "empty_shards_sequence_1_ring": lambda: _check(
+            mesh, ([S1], [S1], [S1]), s1=1, s2=1, mask_mode=3, context_parallel="ring"
+        ),
+        "empty_shards_no_keys": lambda: _check(mesh, ([S0], [S0], [S0]), b=3, s2=0),
+        "empty_shards_tnd_tokens_1": lambda: _check_tnd(mesh, [1, 0], [1, 2], ([S0], [R], [R])),
+        "empty_shards_tnd_heads_1": lambda: _check_tnd(
+            mesh, [3, 4], [3, 4], ([S1], [S1], [S1]), nq=1, nkv=1, mask_mode=3
+        ),
     }
 
 
@@ -541,6 +558,14 @@ CASE_NAMES = [
     "tnd_dp_whole_sequences_causal",
     "tnd_dp_whole_sequences_window",
     "errors",
+    "empty_shards_heads_2",
+    "empty_shards_heads_sinks",
+    "empty_shards_batch_1",
+    "empty_shards_sequence_1",
+    "empty_shards_sequence_1_ring",
+    "empty_shards_no_keys",
+    "empty_shards_tnd_tokens_1",
+    "empty_shards_tnd_heads_1",
 ]
 
 
@@ -578,6 +603,11 @@ def two_axis_cases(mesh):
             win_right=2,
         ),  # fmt: skip
         "2d_tnd_dp_tp": lambda: case_tnd_data_parallel(mesh, mask_mode=3),
+        # One head over the heads axis and one sequence over the batch axis: empty shards on
+        # both axes.
+        "2d_empty_shards_one_head": lambda: _check(
+            mesh, ([S0, S2], [S0, S2], [S0, S2]), b=1, nq=1, nkv=1, mask_mode=3
+        ),
     }
 
 
@@ -588,6 +618,7 @@ TWO_AXIS_CASE_NAMES = [
     "2d_cp_replicated_kv_dp",
     "2d_cp_window_dp",
     "2d_tnd_dp_tp",
+    "2d_empty_shards_one_head",
 ]
 
 

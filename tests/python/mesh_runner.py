@@ -8,6 +8,7 @@ failure's traceback is kept.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import json
 import math
@@ -42,7 +43,11 @@ def worker(rank, world, port, shape, names, out_dir, module, function):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A rank left waiting in a collective (another rank raised before it) fails the case in
+    # minutes instead of hanging the suite.
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         mesh = opmesh.init_device_mesh("cpu", shape, mesh_dim_names=names)
         cases = getattr(importlib.import_module(module), function)(mesh)
@@ -51,8 +56,20 @@ def worker(rank, world, port, shape, names, out_dir, module, function):
             try:
                 fn()
                 results[name] = "ok"
-            except Exception:  # reported per case by the parent test
+            except Exception as e:  # reported per case by the parent test
                 results[name] = f"rank {rank}: {traceback.format_exc()}"
+                outcome = f"{type(e).__name__}: {e}"
+            else:
+                outcome = "ok"
+            # A call either succeeds on every rank or raises the same error on every rank.
+            outcomes = [None] * world
+            dist.all_gather_object(outcomes, outcome)
+            if len(set(outcomes)) > 1:
+                disagreement = "ranks disagree: " + "; ".join(
+                    f"rank {r}: {o}" for r, o in enumerate(outcomes)
+                )
+                mine = results[name]
+                results[name] = disagreement + ("" if mine == "ok" else "\n" + mine)
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
         if rank == 0:

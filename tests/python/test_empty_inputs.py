@@ -242,9 +242,8 @@ def test_kv_cache_write_of_no_tokens():
     for blocks in (0, 2):
         key_cache, value_cache = rand(blocks, 4, 2, _D), rand(blocks, 4, 2, _DV)
         before = key_cache.clone(), value_cache.clone()
-        opmesh.kv_cache_write_(
-            rand(0, 2, _D), rand(0, 2, _DV), key_cache, value_cache, torch.zeros(0, dtype=torch.long)
-        )
+        no_slots = torch.zeros(0, dtype=torch.long)
+        opmesh.kv_cache_write_(rand(0, 2, _D), rand(0, 2, _DV), key_cache, value_cache, no_slots)
         assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
     # Tokens that are all skipped write nothing into an empty cache either.
     key_cache, value_cache = rand(0, 4, 2, _D), rand(0, 4, 2, _DV)

@@ -37,23 +37,6 @@ constexpr int64_t kFusedMinUnits = 8;
 // sequence) per worker thread is kept within this; longer sequences run the two passes.
 constexpr int64_t kFusedMaxBytes = int64_t{32} << 20;
 
-// One row of S^T (key `key`, every query row r of a tile): s - lse_r where the row sees the key,
-// -inf elsewhere (then exp gives P^T).
-void shift_and_mask(float* s, const float* lse, const int64_t* lo, const int64_t* hi, int64_t key) {
-#pragma omp simd
-  for (int64_t r = 0; r < kTile; ++r) {
-    const bool on = key >= lo[r] && key < hi[r];
-    const float v = s[r] - lse[r];
-    s[r] = on ? v : -kInf;
-  }
-}
-
-// dS^T = P^T (dP^T - D), one key row; dp is overwritten.
-void probability_gradient(const float* p, float* dp, const float* delta) {
-#pragma omp simd
-  for (int64_t r = 0; r < kTile; ++r) dp[r] = p[r] * (dp[r] - delta[r]);
-}
-
 // A unit of one pass: (sequence b, head h, tile t). Pass 1: key head, key tile; pass 2: query
 // head, query tile.
 struct Unit {
@@ -377,11 +360,12 @@ class Backward {
           k_.gemm({fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, nk, kTile, dv_, nullptr,
                    1.0f});
           for (int64_t k = 0; k < nk; ++k) {
-            shift_and_mask(st + k * kTile, fs.lse.data(), fs.lo.data(), fs.hi.data(), k0 + k);
+            k_.rows.shift_and_mask(st + k * kTile, fs.lse.data(), fs.lo.data(), fs.hi.data(),
+                                   k0 + k);
           }
           k_.exp_rows(st, nk, kTile, fs.zeros.data());  // P^T
           for (int64_t k = 0; k < nk; ++k) {
-            probability_gradient(st + k * kTile, dpt + k * kTile, fs.delta.data());  // dS^T
+            k_.rows.probability_gradient(st + k * kTile, dpt + k * kTile, fs.delta.data());  // dS^T
           }
           // dV += P^T dO, dK += scale dS^T Q, dQ^T += scale K^T dS^T (per key tile).
           k_.gemm({st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, nk, dvp_, rows,
@@ -610,7 +594,8 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
   // units of sequences without queries are not run; the caller zero-fills the gradients).
   const SequenceWork work = sequence_work(seqs);
   const std::pair<const void*, const char*> query_side[] = {
-      {p.q.data, "q"}, {p.out.data, "out"}, {p.dout.data, "dout"}, {p.lse, "lse"}, {p.dq.data, "dq"},
+      {p.q.data, "q"}, {p.out.data, "out"}, {p.dout.data, "dout"},
+      {p.lse, "lse"},  {p.dq.data, "dq"},
   };
   const std::pair<const void*, const char*> key_side[] = {
       {p.k.data, "k"}, {p.v.data, "v"}, {p.dk.data, "dk"}, {p.dv.data, "dv"}};

@@ -5,14 +5,14 @@
 #include <string>
 #include <vector>
 
-#include "aligned_buffer.h"
-#include "attention/config.h"
-#include "attention/planner.h"
-#include "errors.h"
-#include "indexer_tiling.h"
-#include "kernels/kernel_set.h"
-#include "online_softmax.h"
-#include "row_loads.h"
+#include "../aligned_buffer.h"
+#include "../attention/config.h"
+#include "../attention/planner.h"
+#include "../errors.h"
+#include "../kernels/kernel_set.h"
+#include "../online_softmax.h"
+#include "../row_loads.h"
+#include "tiling.h"
 
 namespace opmesh::core {
 namespace {

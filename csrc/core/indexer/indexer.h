@@ -7,10 +7,10 @@
 #include <limits>
 #include <vector>
 
-#include "cpu_features.h"
-#include "dtype.h"
-#include "executor.h"
-#include "vocabulary.h"
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "../vocabulary.h"
 
 namespace opmesh::core {
 

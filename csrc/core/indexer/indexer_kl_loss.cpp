@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "aligned_buffer.h"
-#include "attention/config.h"
-#include "errors.h"
+#include "../aligned_buffer.h"
+#include "../attention/config.h"
+#include "../errors.h"
+#include "../kernels/kernel_set.h"
+#include "../row_loads.h"
 #include "indexer.h"
-#include "kernels/kernel_set.h"
-#include "row_loads.h"
 
 namespace opmesh::core {
 namespace {
@@ -23,81 +23,6 @@ constexpr int64_t kTile = kernels::kKeyTile;  // query positions per query tile,
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 std::string str(int64_t v) { return std::to_string(v); }
-
-// Element-wise work on 64-wide rows, written so the compiler vectorizes it (the products go
-// through the kernel set; these loops would otherwise rival them).
-void add_into(float* dst, const float* src, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-// dst += w relu(s) over one row.
-void relu_axpy(float w, const float* s, float* dst) {
-#pragma omp simd
-  for (int64_t c = 0; c < kTile; ++c) {
-    const float v = s[c];
-    const float relu = v > 0.0f ? v : 0.0f;  // selects of values only: vectorizable
-    dst[c] += w * relu;
-  }
-}
-
-// One row of one index query head: c1 = [s > 0] q w and c2 = [s > 0] p w (the two parts of
-// dI w [s > 0]), and their d_weights parts a1 += sum q relu(s), a2 += sum p relu(s).
-void split_coefficients(const float* s, const float* q, const float* p, float w, float* c1,
-                        float* c2, float* a1, float* a2) {
-  float x1 = 0.0f, x2 = 0.0f;
-#pragma omp simd reduction(+ : x1, x2)
-  for (int64_t c = 0; c < kTile; ++c) {
-    const float v = s[c];
-    const float relu = v > 0.0f ? v : 0.0f;
-    const float on = v > 0.0f ? w : 0.0f;
-    x1 += q[c] * relu;
-    x2 += p[c] * relu;
-    c1[c] = q[c] * on;
-    c2[c] = p[c] * on;
-  }
-  *a1 += x1;
-  *a2 += x2;
-}
-
-// d = keep (d - p inv): the indexer's softmax minus the normalised target, one row.
-void target_gradient(float* d, const float* p, float inv, float keep) {
-#pragma omp simd
-  for (int64_t c = 0; c < kTile; ++c) d[c] = keep * (d[c] - p[c] * inv);
-}
-
-// out = [s > 0] d w, one row.
-void masked_scale(const float* s, const float* d, float w, float* out) {
-#pragma omp simd
-  for (int64_t c = 0; c < kTile; ++c) {
-    const float on = s[c] > 0.0f ? w : 0.0f;
-    out[c] = d[c] * on;
-  }
-}
-
-// Row sums of a [rows][64] tile: z += sum p, plogp += sum p log p (p > 0).
-void entropy_terms(const float* p, int64_t rows, double* z, double* plogp) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float zr = 0.0f, pl = 0.0f;
-    for (int64_t c = 0; c < kTile; ++c) {
-      const float v = p[r * kTile + c];
-      zr += v;
-      if (v > 0.0f) pl += v * std::log(v);
-    }
-    z[r] += zr;
-    plogp[r] += pl;
-  }
-}
-
-// Row dot products of two [rows][64] tiles added to out.
-void row_dots(const float* a, const float* b, int64_t rows, double* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t c = 0; c < kTile; ++c) acc += a[r * kTile + c] * b[r * kTile + c];
-    out[r] += acc;
-  }
-}
 
 }  // namespace
 
@@ -262,11 +187,11 @@ class KlLoss {
       pack_keys(sc, u.b, k0, std::min(kTile, seq.k_len - k0));
       target(sc, seq, i0, rows, k0);
       const float* prob = sc.prob.data();
-      entropy_terms(prob, rows, z, plogp);
+      k_.rows.entropy_terms(prob, rows, z, plogp);
       for (int64_t g = 0; g < n2i; ++g) {
         index_scores(sc, seq, g, i0, rows, k0);
         const float* score = sc.score.data();  // I, before the softmax below
-        row_dots(prob, score, rows, pi + g * kTile);
+        k_.rows.row_dots(prob, score, rows, pi + g * kTile);
         index_softmax(sc, seq, g, i0, rows, k0);
         // Per query head of the group: the indexer's part (rows 0..63 of the head's block of
         // coef) and the target's part (rows 64..127) of d_query_index, accumulated apart until
@@ -281,8 +206,8 @@ class KlLoss {
           for (int64_t r = 0; r < kTile; ++r) {
             const float wr = r < rows ? sc.w.data()[r * n1i + h] : 0.0f;
             float a1 = 0.0f, a2 = 0.0f;
-            split_coefficients(sh + r * kTile, score + r * kTile, prob + r * kTile, wr,
-                               c1 + r * kTile, c2 + r * kTile, &a1, &a2);
+            k_.rows.split_coefficients(sh + r * kTile, score + r * kTile, prob + r * kTile, wr,
+                                       c1 + r * kTile, c2 + r * kTile, &a1, &a2);
             if (r < rows) {
               dw1[r * n1i + h] += a1;
               dw2[r * n1i + h] += a2;
@@ -353,7 +278,7 @@ class KlLoss {
           const float zr = z_[z_base_[u.b] + i0 + r];
           const float inv = zr > 0.0f ? 1.0f / zr : 0.0f;
           const float keep = zr > 0.0f ? 1.0f : 0.0f;
-          target_gradient(di + r * kTile, sc.prob.data() + r * kTile, inv, keep);
+          k_.rows.target_gradient(di + r * kTile, sc.prob.data() + r * kTile, inv, keep);
         }
         const int64_t depth = igroup_ * kTile;
         float* ct = sc.coef.data();
@@ -363,7 +288,7 @@ class KlLoss {
           const float* sh = sc.si.data() + hl * kTile * kTile;
           for (int64_t r = 0; r < kTile; ++r) {
             const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
-            masked_scale(sh + r * kTile, di + r * kTile, wr, tmp);
+            k_.rows.masked_scale(sh + r * kTile, di + r * kTile, wr, tmp);
             for (int64_t c = 0; c < kTile; ++c) ct[c * depth + hl * kTile + r] = tmp[c];
           }
         }
@@ -486,7 +411,8 @@ class KlLoss {
       k_.gemm({sc.mq.data() + n2 * group_ * kTile * dmp_, dmp_, sc.mk.data() + n2 * dm_ * kTile,
                kTile, s, kTile, group_ * kTile, kTile, dm_, nullptr, p_.scale});
       k_.exp_rows(s, group_ * kTile, kTile, sc.shift.data() + n2 * group_ * kTile);
-      for (int64_t h = 0; h < group_; ++h) add_into(prob, s + h * kTile * kTile, rows * kTile);
+      for (int64_t h = 0; h < group_; ++h)
+        k_.rows.add_into(prob, s + h * kTile * kTile, rows * kTile);
     }
     apply_mask(prob, seq, i0, rows, k0);
   }
@@ -503,7 +429,7 @@ class KlLoss {
       const int64_t h = g * igroup_ + hl;
       const float* sh = sc.si.data() + hl * kTile * kTile;
       for (int64_t r = 0; r < rows; ++r) {
-        relu_axpy(sc.w.data()[r * p_.index_heads_q + h], sh + r * kTile, score + r * kTile);
+        k_.rows.relu_axpy(sc.w.data()[r * p_.index_heads_q + h], sh + r * kTile, score + r * kTile);
       }
     }
     apply_mask(score, seq, i0, rows, k0);

@@ -23,11 +23,11 @@
 #include <cstdint>
 #include <limits>
 
-#include "cpu_features.h"
-#include "dtype.h"
-#include "executor.h"
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "../vocabulary.h"
 #include "indexer.h"
-#include "vocabulary.h"
 
 namespace opmesh::core {
 

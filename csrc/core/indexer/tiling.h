@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "../kernels/kernel_set.h"
+#include "../vocabulary.h"
 #include "indexer.h"
-#include "kernels/kernel_set.h"
-#include "vocabulary.h"
 
 namespace opmesh::core::indexer {
 

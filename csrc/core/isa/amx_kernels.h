@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../kernels/kernel_set.h"
+#include "row_ops.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels {
@@ -173,7 +174,8 @@ KernelSet amx_kernel_set(const char* name) {
           &avx512_bf16::to_bf16,
           &avx512::pack_keys,
           &K::score_tile,
-          &avx512::widen};
+          &avx512::widen,
+          row_ops()};
 }
 
 }  // namespace opmesh::core::kernels

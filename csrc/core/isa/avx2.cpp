@@ -8,6 +8,7 @@
 
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_blocks.h"
+#include "row_ops.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::avx2 {
@@ -172,9 +173,9 @@ void score_tile(const ScoreTileArgs& args) {
 
 const KernelSet& kernel_set() {
   static const KernelSet set{
-      "avx2",      Isa::kAvx2,    Word::kFloat32, 1,        1,         6,       1,
-      nullptr,     nullptr,       &gemm,          &softmax, &exp_rows, nullptr, &scalar::pack_keys,
-      &score_tile, &scalar::widen};
+      "avx2",      Isa::kAvx2,     Word::kFloat32, 1,        1,         6,       1,
+      nullptr,     nullptr,        &gemm,          &softmax, &exp_rows, nullptr, &scalar::pack_keys,
+      &score_tile, &scalar::widen, row_ops()};
   return set;
 }
 

@@ -8,6 +8,7 @@
 #include "avx512_gemm.h"
 #include "avx512_policies.h"
 #include "avx512_tile.h"
+#include "row_ops.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::avx512 {
@@ -165,9 +166,9 @@ void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,     1,        6,
-                             1,        nullptr,      nullptr,        &gemm, &softmax, &exp_rows,
-                             nullptr,  &pack_keys,   &score_tile,    &widen};
+  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,      1,        6,
+                             1,        nullptr,      nullptr,        &gemm,  &softmax, &exp_rows,
+                             nullptr,  &pack_keys,   &score_tile,    &widen, row_ops()};
   return set;
 }
 

@@ -5,6 +5,7 @@
 #include "avx512_gemm.h"
 #include "avx512_policies.h"
 #include "avx512_tile.h"
+#include "row_ops.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::avx512_bf16 {
@@ -45,7 +46,8 @@ const KernelSet& kernel_set() {
                              &to_bf16,
                              &avx512::pack_keys,
                              &score_tile,
-                             &avx512::widen};
+                             &avx512::widen,
+                             row_ops()};
   return set;
 }
 

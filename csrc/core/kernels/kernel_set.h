@@ -53,6 +53,32 @@ struct ScoreTileArgs {
   int64_t depth;  // words per row, a multiple of depth_align; padding words are zero
 };
 
+// The element-wise row operations of flash attention's backward and of the KL losses, on float32
+// rows of kKeyTile entries unless a count is given (isa/row_ops.h writes them once; each set
+// compiles them with its own flags).
+struct RowOps {
+  // Backward: s[r] <- s[r] - lse[r] where row r sees `key` (lo[r] <= key < hi[r]), else -inf.
+  void (*shift_and_mask)(float* s, const float* lse, const int64_t* lo, const int64_t* hi,
+                         int64_t key);
+  // Backward: dp[r] <- p[r] (dp[r] - delta[r]).
+  void (*probability_gradient)(const float* p, float* dp, const float* delta);
+  // dst[i] += src[i], n entries.
+  void (*add_into)(float* dst, const float* src, int64_t n);
+  // dst += w relu(s).
+  void (*relu_axpy)(float w, const float* s, float* dst);
+  // c1 = [s > 0] q w, c2 = [s > 0] p w; a1 += sum q relu(s), a2 += sum p relu(s).
+  void (*split_coefficients)(const float* s, const float* q, const float* p, float w, float* c1,
+                             float* c2, float* a1, float* a2);
+  // d <- keep (d - p inv).
+  void (*target_gradient)(float* d, const float* p, float inv, float keep);
+  // out = [s > 0] d w.
+  void (*masked_scale)(const float* s, const float* d, float w, float* out);
+  // Per row of a [rows][kKeyTile] tile: z += sum p, plogp += sum p log p over p > 0.
+  void (*entropy_terms)(const float* p, int64_t rows, double* z, double* plogp);
+  // out[r] += sum_c a[r][c] b[r][c] over a [rows][kKeyTile] pair of tiles.
+  void (*row_dots)(const float* a, const float* b, int64_t rows, double* out);
+};
+
 struct KernelSet {
   const char* name;  // e.g. "avx512_bf16/pairs"
   Isa isa;
@@ -98,6 +124,9 @@ struct KernelSet {
   // Packing: n contiguous elements of `dtype` to float32, exactly (fp16 and bf16 widen without
   // rounding; float64 rounds to nearest). Used for rows with unit stride.
   void (*widen)(const void* src, DType dtype, int64_t n, float* dst);
+
+  // Flash attention's backward and the KL losses.
+  RowOps rows;
 
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }

@@ -27,6 +27,8 @@ own backward, so they come back with the inputs' placements.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
 from ..context_parallel import chunk_pair, from_head_tail, head_tail_order
@@ -45,19 +47,197 @@ def _ceil_div(a, b):
 class FlashAttnDistributedOp(DistributedOp):
     def __init__(self, op_name: str = "flash_attn"):
         super().__init__(op_name)
-        self._checked = BoundedCache()
+        self._checked_globally = BoundedCache()
+
+    def _check_global_call(self, args, kwargs):
+        """The operator's own checks on the global problem, once per distinct call: an error is
+        then the same ValueError on every rank, never one rank's (which would leave the others
+        waiting in a collective). Each rank's metadata is a plan of its local problem, so it is
+        left to the local call."""
+        p = _platform.current()
+
+        def summary(x):
+            if p.is_dtensor(x):
+                return ("dtensor", p.global_shape(x), str(x.dtype))
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                return ("tensor", tuple(x.shape), str(x.dtype))
+            return x
+
+        call = {k: v for k, v in kwargs.items() if k not in ("context_parallel", "metadata")}
+        key = (tuple(summary(a) for a in args), tuple(sorted(
+            (k, summary(v)) for k, v in call.items()
+        )))  # fmt: skip
+        if self._checked_globally.get(key):
+            return
+        p.check_global_call(self.op_name, args, call)
+        self._checked_globally.put(key, True)
 
     def preprocess(self, args, kwargs):
+        _check_dtensors(args)
+        self._check_global_call(args, kwargs)
+        call = _MeshInputs.of(args, kwargs)
+        kwargs = dict(kwargs)
+        strategy = _STRATEGIES[_strategy_name(call, kwargs)]
+        args, kwargs = strategy.prepare(call, list(args), kwargs)
+        kwargs, slice_sinks = _local_sinks(call, kwargs)
+        local_args = (call.p.to_local(args[0]),) + tuple(
+            call.p.to_local(x, call.grad_placements(x)) for x in args[1:]
+        )
+        q_layout = call.layouts[0]
+        result = _MeshCall(
+            layout_q=call.layout_q,
+            layout_out=kwargs.get("layout_out", "BSND"),
+            mesh=call.mesh,
+            placements=tuple(lay.placements for lay in call.layouts),
+            shapes=tuple(lay.shape for lay in call.layouts),
+            kv_placements=tuple(Layout.of(a).placements for a in args[1:]),
+            return_lse=bool(kwargs.get("return_softmax_lse", False)),
+            slice_sinks=slice_sinks,
+            order=call.order,
+            strategy=strategy.name if q_layout.tensor_map[call.s] else "all_gather",
+        )
+        return local_args, kwargs, result
+
+    def infer_layout(self, cache_values):
+        c = cache_values
         p = _platform.current()
-        if len(args) != 3:
-            raise ValueError(
-                f"flash_attn: expected q, k and v as positional arguments, got {len(args)}"
+        b, s, n, _d = DIMS[c.layout_q]
+        ob, os_, on, _ = DIMS[c.layout_out]
+        q_shape, v_shape = c.shapes[0], c.shapes[2]
+        out, lse = [], []
+        if c.layout_q == "TND":
+            # out [T1, N, Dv] and lse [N, T1] take T1 and the heads from q.
+            for placement in c.placements[0]:
+                dim = p.shard_dim(placement)
+                target = {s: (0, 1), n: (1, 0)}.get(dim)
+                out.append(p.shard(target[0]) if target else p.replicate())
+                lse.append(p.shard(target[1]) if target else p.replicate())
+            out_shape = (q_shape[s], q_shape[n], v_shape[2])
+            lse_shape = (q_shape[n], q_shape[s])
+        else:
+            for placement in c.placements[0]:
+                dim = p.shard_dim(placement)
+                target = {b: (ob, 0), s: (os_, 2), n: (on, 1)}.get(dim)
+                out.append(p.shard(target[0]) if target else p.replicate())
+                lse.append(p.shard(target[1]) if target else p.replicate())
+            shape = [0, 0, 0, 0]
+            shape[ob], shape[os_], shape[on] = q_shape[b], q_shape[s], q_shape[n]
+            shape[3] = v_shape[3]
+            out_shape = tuple(shape)
+            lse_shape = (q_shape[b], q_shape[n], q_shape[s])
+        out_spec = (c.mesh, tuple(out), out_shape)
+        if c.return_lse:
+            lse_spec = (c.mesh, tuple(lse), lse_shape)
+        else:
+            lse_spec = (c.mesh, tuple(p.replicate() for _ in c.placements[0]), (0,))
+        return (out_spec, lse_spec), None
+
+    def get_expand_impl(self, func, infer_result, cache_values):
+        c = cache_values
+        q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
+        if c.strategy == "ring":
+            return _RingLocal(func, c.layout_q, c.layout_out, q_layout, c.shapes[1], c.slice_sinks)
+        if c.strategy == "tnd_data_parallel":
+            # The lengths were rebased to this rank's sequences in preprocess.
+            if not c.slice_sinks:
+                return None
+            heads = q_layout.shard_range(DIMS[c.layout_q][2])
+            return lambda q, k, v, **kw: func(
+                q, k, v, **dict(kw, sinks=_head_slice(kw.get("sinks"), heads))
             )
-        for name, x in zip(NAMES, args, strict=True):
-            if not p.is_dtensor(x):
-                raise ValueError(
-                    f"{name}: expected a DTensor like the other inputs, got {type(x).__name__}"
-                )
+        # Keys and values sharded along their sequence arrive gathered in head-tail order.
+        s = DIMS[c.layout_q][1]
+        kv_gathered = bool(Layout(c.mesh, c.placements[1], c.shapes[1]).tensor_map[s])
+        return _Local(
+            func, c.layout_q, c.layout_out, q_layout, c.shapes[1], c.slice_sinks, c.order,
+            kv_gathered,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _MeshCall:
+    """What preprocess decided for one call: everything the output layouts and the local call
+    depend on (the dispatcher caches both by it)."""
+
+    layout_q: str
+    layout_out: str
+    mesh: object
+    placements: tuple  # q's, k's and v's as given
+    shapes: tuple  # their global shapes
+    kv_placements: tuple  # k's and v's after the strategy (gathered for all-gather)
+    return_lse: bool
+    slice_sinks: bool  # replicated sinks: each rank takes its query heads' entries
+    order: str | None  # head-tail order, or None
+    strategy: str  # "all_gather", "ring" or "tnd_data_parallel"
+
+
+def _check_dtensors(args):
+    p = _platform.current()
+    if len(args) != 3:
+        raise ValueError(
+            f"flash_attn: expected q, k and v as positional arguments, got {len(args)}"
+        )
+    for name, x in zip(NAMES, args, strict=True):
+        if not p.is_dtensor(x):
+            raise ValueError(
+                f"{name}: expected a DTensor like the other inputs, got {type(x).__name__}"
+            )
+
+
+def _fail(name, lay, dim, why):
+    raise ValueError(f"{name}: dim {dim} is sharded over mesh axes {lay.axes_text(dim)}; {why}")
+
+
+@dataclass(frozen=True)
+class _MeshInputs:
+    """q, k and v's layouts, checked against the rules every strategy shares: one mesh and
+    layout, no Partial, D replicated, batch and heads sharded alike, no GQA group cut."""
+
+    p: object
+    layout_q: str
+    layouts: tuple
+    mode: int
+    order: str | None
+
+    @property
+    def mesh(self):
+        return self.layouts[0].mesh
+
+    @property
+    def dims(self):
+        return DIMS[self.layout_q]
+
+    @property
+    def b(self):
+        return self.dims[0]
+
+    @property
+    def s(self):
+        return self.dims[1]
+
+    @property
+    def n(self):
+        return self.dims[2]
+
+    def maps(self):
+        return tuple(lay.tensor_map for lay in self.layouts)
+
+    def grad_placements(self, x, extra_axes=()):
+        """Where q's rows (batch or sequence) are split over a mesh axis on which an input is
+        replicated, each rank's gradient of that input is a partial sum: say so, and DTensor
+        sums it (and reduce-scatters it back for gathered keys and values)."""
+        qm = self.layouts[0].tensor_map
+        axes = (set(qm[self.b]) if self.b is not None else set()) | set(qm[self.s])
+        axes |= set(extra_axes)
+        p = self.p
+        return tuple(
+            p.partial() if axis in axes and p.shard_dim(pl) is None else pl
+            for axis, pl in enumerate(p.placements_of(x))
+        )
+
+    @classmethod
+    def of(cls, args, kwargs) -> _MeshInputs:
+        p = _platform.current()
         layout_q = kwargs.get("layout_q", "BSND")
         for name in ("layout_q", "layout_kv"):
             value = kwargs.get(name, "BSND")
@@ -76,15 +256,19 @@ class FlashAttnDistributedOp(DistributedOp):
         for name in ("cu_seqlens_q", "cu_seqlens_kv"):
             if p.is_dtensor(kwargs.get(name)):
                 raise ValueError(f"{name}: pass the global lengths as a plain tensor")
-        layouts = [Layout.of(x) for x in args]
-        mesh = layouts[0].mesh
-        for name, lay in zip(NAMES, layouts, strict=True):
-            if lay.mesh != mesh:
+        layouts = tuple(Layout.of(x) for x in args)
+        call = cls(p, layout_q, layouts, kwargs.get("mask_mode", 0), head_tail_order())
+        call._check_layouts()
+        return call
+
+    def _check_layouts(self):
+        rank = 3 if self.layout_q == "TND" else 4
+        for name, lay in zip(NAMES, self.layouts, strict=True):
+            if lay.mesh != self.mesh:
                 raise ValueError(f"{name}: must be on the same device mesh as q")
-            rank = 3 if layout_q == "TND" else 4
             if lay.ndim != rank:
                 raise ValueError(
-                    f"{name}: expected a {rank}-D DTensor ({layout_q}), got {lay.ndim}-D"
+                    f"{name}: expected a {rank}-D DTensor ({self.layout_q}), got {lay.ndim}-D"
                 )
             partial = lay.partial_axes()
             if partial:
@@ -92,244 +276,209 @@ class FlashAttnDistributedOp(DistributedOp):
                     f"{name}: Partial placement on mesh axis {lay.axis_names[partial[0]]!r} is "
                     "not supported; reduce it (redistribute to Replicate or Shard) first"
                 )
-        b, s, n, d = DIMS[layout_q]
-        qm, km, vm = (lay.tensor_map for lay in layouts)
-        mode = kwargs.get("mask_mode", 0)
-
-        def fail(name, lay, dim, why):
-            raise ValueError(
-                f"{name}: dim {dim} is sharded over mesh axes {lay.axes_text(dim)}; {why}"
-            )
-
-        for name, lay, tm in zip(NAMES, layouts, (qm, km, vm), strict=True):
+        b, _s, n, d = self.dims
+        qm, km, vm = self.maps()
+        q_layout = self.layouts[0]
+        for name, lay, tm in zip(NAMES, self.layouts, (qm, km, vm), strict=True):
             if tm[d]:
-                fail(name, lay, d, "the head dim D must be replicated")
-        for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
+                _fail(name, lay, d, "the head dim D must be replicated")
+        for name, lay, tm in zip(NAMES[1:], self.layouts[1:], (km, vm), strict=True):
             if b is not None and tm[b] != qm[b]:
-                fail(
-                    name,
-                    lay,
-                    b,
-                    f"the batch dim must be sharded as q's ({layouts[0].axes_text(b)})",
-                )
+                why = f"the batch dim must be sharded as q's ({q_layout.axes_text(b)})"
+                _fail(name, lay, b, why)
             if tm[n] != qm[n]:
-                fail(
-                    name, lay, n, f"the head dim must be sharded as q's ({layouts[0].axes_text(n)})"
+                _fail(
+                    name, lay, n, f"the head dim must be sharded as q's ({q_layout.axes_text(n)})"
                 )
         if qm[n]:
             if len(qm[n]) > 1:
-                fail("q", layouts[0], n, "heads may be sharded over one mesh axis only")
-            shards = layouts[0].num_shards(n)
-            nq, nkv = layouts[0].shape[n], layouts[1].shape[n]
+                _fail("q", q_layout, n, "heads may be sharded over one mesh axis only")
+            shards = q_layout.num_shards(n)
+            nq, nkv = q_layout.shape[n], self.layouts[1].shape[n]
             group = nq // nkv if nkv and nq % nkv == 0 else 0
             if group == 0 or _ceil_div(nq, shards) != group * _ceil_div(nkv, shards):
-                fail(
-                    "q",
-                    layouts[0],
-                    n,
+                why = (
                     f"splitting {nq} query heads and {nkv} key heads {shards} ways would cut a "
-                    "group of query heads from its key head",
+                    "group of query heads from its key head"
                 )
-        args = list(args)
-        kwargs = dict(kwargs)
-        strategy = kwargs.pop("context_parallel", "all_gather")
-        order = head_tail_order()
-        if order is not None and not qm[s]:
+                _fail("q", q_layout, n, why)
+        if self.order is not None:
+            self._check_head_tail()
+
+    def _check_head_tail(self):
+        qm = self.layouts[0].tensor_map
+        if not qm[self.s]:
             raise ValueError(
                 "head_tail_cp: needs q's sequence sharded for context parallelism (over one "
                 "mesh axis)"
             )
-        if order is not None:
-            cp = layouts[0].num_shards(s)
-            for name, lay, tm in zip(NAMES, layouts, (qm, km, vm), strict=True):
-                if (name == "q" or tm[s]) and lay.shape[s] % (2 * cp) != 0:
-                    raise ValueError(
-                        f"{name}: dim {s} has size {lay.shape[s]}, not a multiple of 2 * cp = "
-                        f"{2 * cp}, as head_tail_cp needs"
-                    )
-        # TND data parallel: q's and k/v's tokens sharded alike, every shard holding whole
-        # sequences in both; each rank then attends its own sequences, nothing is gathered.
-        runs = (
-            _whole_sequence_shards(kwargs, layouts[0], layouts[1])
-            if layout_q == "TND"
-            and bool(qm[s])
-            and km[s] == qm[s] == vm[s]
-            and strategy == "all_gather"
-            and order is None
-            else None
-        )
-        tnd_dp = runs is not None
-        if qm[s] and not tnd_dp and kwargs.get("metadata") is not None:
-            raise ValueError(
-                "metadata: not supported with the query sequence sharded (the local calls' key "
-                "ranges are set inside the op); without context parallel, pass each rank's plan "
-                "of its local problem"
-            )
-        if tnd_dp:
-            strategy = "tnd_data_parallel"
-            kwargs = _rebased_lengths(kwargs, *runs[layouts[0].shard_index(s)])
-        elif qm[s]:
-            if len(qm[s]) > 1:
-                fail(
-                    "q", layouts[0], s, "the query sequence may be sharded over one mesh axis only"
-                )
-            if layout_q == "TND" and mode == 4 and kwargs.get("win_right", -1) != 0:
+        cp = self.layouts[0].num_shards(self.s)
+        for name, lay in zip(NAMES, self.layouts, strict=True):
+            if (name == "q" or lay.tensor_map[self.s]) and lay.shape[self.s] % (2 * cp) != 0:
                 raise ValueError(
-                    "win_right: TND context parallel supports windows with win_right=0 (causal "
-                    "sliding windows); BSND and BNSD take any window"
+                    f"{name}: dim {self.s} has size {lay.shape[self.s]}, not a multiple of 2 * cp "
+                    f"= {2 * cp}, as head_tail_cp needs"
                 )
-            for name in ("seqused_q", "seqused_kv"):
-                if kwargs.get(name) is not None:
-                    raise ValueError(f"{name}: not supported with the query sequence sharded")
-            if layout_q == "TND" and strategy == "ring":
-                raise ValueError(
-                    "layout_q: TND context parallel uses the all-gather strategy (in sequence or "
-                    "head-tail order), not the ring"
-                )
-            if strategy == "ring":
-                self._check_ring(layouts, qm, km, vm, s, mode, order)
-            for i, (name, lay, tm) in enumerate(zip(NAMES[1:], layouts[1:], (km, vm), strict=True)):
-                if tm[s] and tm[s] != qm[s]:
-                    fail(
-                        name,
-                        lay,
-                        s,
-                        "the key sequence must be replicated or sharded as q's "
-                        f"({layouts[0].axes_text(s)})",
-                    )
-                if tm[s] and strategy == "all_gather":
-                    # All-gather keys and values over the context-parallel axis (differentiable).
-                    placements = list(p.placements_of(args[i + 1]))
-                    placements[qm[s][0]] = p.replicate()
-                    args[i + 1] = p.redistribute(args[i + 1], mesh, tuple(placements))
-        else:
-            for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
-                if tm[s]:
-                    fail(name, lay, s, "the key sequence may be sharded only when q's is")
-        # Where q's rows (batch or sequence) are split over a mesh axis on which an input is
-        # replicated, each rank's gradient of that input is a partial sum: say so, and DTensor
-        # sums it (and reduce-scatters it back for gathered keys and values).
-        # Replicated sinks are also sliced to the rank's query heads, so their gradient is a
-        # partial sum over the head axis too.
-        row_axes = (set(qm[b]) if b is not None else set()) | set(qm[s])
 
-        def grad_placements(x, axes=row_axes):
-            return tuple(
-                p.partial() if axis in axes and p.shard_dim(pl) is None else pl
-                for axis, pl in enumerate(p.placements_of(x))
-            )
 
-        sinks = kwargs.get("sinks")
-        kwargs = dict(kwargs)
-        if p.is_dtensor(sinks):
-            sl = Layout.of(sinks)
-            if sl.tensor_map[0] not in ((), qm[n]):
-                fail(
-                    "sinks",
-                    sl,
-                    0,
-                    f"sinks must be replicated or sharded as q's heads ({layouts[0].axes_text(n)})",
-                )
-            kwargs["sinks"] = p.to_local(sinks, grad_placements(sinks, row_axes | set(qm[n])))
-            sinks_sharded = bool(sl.tensor_map[0])
-        else:
-            sinks_sharded = False
-        local_args = (p.to_local(args[0]),) + tuple(
-            p.to_local(x, grad_placements(x)) for x in args[1:]
+def _strategy_name(call: _MeshInputs, kwargs) -> str:
+    """The strategy that serves the call (and the checks that choose it)."""
+    requested = kwargs.pop("context_parallel", "all_gather")
+    qm, km, vm = call.maps()
+    s = call.s
+    if not qm[s]:
+        return "no_context_parallel"
+    if (
+        call.layout_q == "TND"
+        and km[s] == qm[s] == vm[s]
+        and requested == "all_gather"
+        and call.order is None
+        and _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1]) is not None
+    ):
+        return "tnd_data_parallel"
+    if kwargs.get("metadata") is not None:
+        raise ValueError(
+            "metadata: not supported with the query sequence sharded (the local calls' key "
+            "ranges are set inside the op); without context parallel, pass each rank's plan "
+            "of its local problem"
         )
-        cache_values = (
-            layout_q,
-            kwargs.get("layout_out", "BSND"),
-            mesh,
-            tuple(lay.placements for lay in layouts),
-            tuple(lay.shape for lay in layouts),
-            tuple(Layout.of(a).placements for a in args[1:]),
-            bool(kwargs.get("return_softmax_lse", False)),
-            sinks is not None and not sinks_sharded,
-            order,
-            strategy if qm[s] else "all_gather",
-        )
-        return local_args, kwargs, cache_values
+    return requested
+
+
+class _NoContextParallel:
+    """Data and head parallel: q's sequence is whole on every rank, and so are k's and v's."""
+
+    name = "no_context_parallel"
 
     @staticmethod
-    def _check_ring(layouts, qm, km, vm, s, mode, order):
-        if mode not in (0, 3):
+    def prepare(call, args, kwargs):
+        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
+            if lay.tensor_map[call.s]:
+                _fail(name, lay, call.s, "the key sequence may be sharded only when q's is")
+        return args, kwargs
+
+
+class _TndWholeSequences:
+    """TND data parallel: q's and k/v's tokens sharded alike, every shard holding whole
+    sequences in both; each rank attends its own sequences, nothing is gathered."""
+
+    name = "tnd_data_parallel"
+
+    @staticmethod
+    def prepare(call, args, kwargs):
+        runs = _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1])
+        return args, _rebased_lengths(kwargs, *runs[call.layouts[0].shard_index(call.s)])
+
+
+class _ContextParallel:
+    """q's sequence sharded over one mesh axis; the shared checks of both key strategies."""
+
+    name = "all_gather"
+
+    @classmethod
+    def prepare(cls, call, args, kwargs):
+        q_layout, s = call.layouts[0], call.s
+        qm = q_layout.tensor_map
+        if len(qm[s]) > 1:
+            _fail("q", q_layout, s, "the query sequence may be sharded over one mesh axis only")
+        if call.layout_q == "TND" and call.mode == 4 and kwargs.get("win_right", -1) != 0:
             raise ValueError(
-                f"mask_mode: the ring strategy supports masks 0 and 3, got {mode}; use "
+                "win_right: TND context parallel supports windows with win_right=0 (causal "
+                "sliding windows); BSND and BNSD take any window"
+            )
+        for name in ("seqused_q", "seqused_kv"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}: not supported with the query sequence sharded")
+        cls.check(call)
+        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
+            tm = lay.tensor_map
+            if tm[s] and tm[s] != qm[s]:
+                why = (
+                    "the key sequence must be replicated or sharded as q's "
+                    f"({q_layout.axes_text(s)})"
+                )
+                _fail(name, lay, s, why)
+        return cls.move_keys(call, args), kwargs
+
+    @staticmethod
+    def check(call):
+        pass
+
+    @staticmethod
+    def move_keys(call, args):
+        """All-gather keys and values over the context-parallel axis (differentiable)."""
+        p, s = call.p, call.s
+        axis = call.layouts[0].tensor_map[s][0]
+        for i, lay in enumerate(call.layouts[1:]):
+            if lay.tensor_map[s]:
+                placements = list(p.placements_of(args[i + 1]))
+                placements[axis] = p.replicate()
+                args[i + 1] = p.redistribute(args[i + 1], call.mesh, tuple(placements))
+        return args
+
+
+class _Ring(_ContextParallel):
+    """Context parallel with keys and values passed around the group (ring.py)."""
+
+    name = "ring"
+
+    @staticmethod
+    def check(call):
+        if call.layout_q == "TND":
+            raise ValueError(
+                "layout_q: TND context parallel uses the all-gather strategy (in sequence or "
+                "head-tail order), not the ring"
+            )
+        if call.mode not in (0, 3):
+            raise ValueError(
+                f"mask_mode: the ring strategy supports masks 0 and 3, got {call.mode}; use "
                 "context_parallel='all_gather' for windows"
             )
-        for name, lay, tm in zip(NAMES[1:], layouts[1:], (km, vm), strict=True):
-            if tm[s] != qm[s]:
+        q_layout, s = call.layouts[0], call.s
+        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
+            if lay.tensor_map[s] != q_layout.tensor_map[s]:
                 raise ValueError(
                     f"{name}: dim {s} is sharded over mesh axes {lay.axes_text(s)}; the ring "
-                    f"strategy needs it sharded as q's ({layouts[0].axes_text(s)})"
+                    f"strategy needs it sharded as q's ({q_layout.axes_text(s)})"
                 )
-        if mode == 3 and layouts[0].shape[s] != layouts[1].shape[s]:
+        if call.mode == 3 and q_layout.shape[s] != call.layouts[1].shape[s]:
             raise ValueError(
                 f"k: the ring strategy with a causal mask needs as many keys as queries, got "
-                f"{layouts[1].shape[s]} and {layouts[0].shape[s]}"
+                f"{call.layouts[1].shape[s]} and {q_layout.shape[s]}"
             )
-        if order is not None:
+        if call.order is not None:
             raise ValueError(
                 "head_tail_cp: the ring strategy takes contiguous shards; use "
                 "context_parallel='all_gather' with head-tail order"
             )
 
-    def infer_layout(self, cache_values):
-        layout_q, layout_out, mesh, placements, shapes, _kv, return_lse, _s, _o, _c = cache_values
-        p = _platform.current()
-        b, s, n, _d = DIMS[layout_q]
-        ob, os_, on, _ = DIMS[layout_out]
-        q_shape, v_shape = shapes[0], shapes[2]
-        out, lse = [], []
-        if layout_q == "TND":
-            # out [T1, N, Dv] and lse [N, T1] take T1 and the heads from q.
-            for placement in placements[0]:
-                dim = p.shard_dim(placement)
-                target = {s: (0, 1), n: (1, 0)}.get(dim)
-                out.append(p.shard(target[0]) if target else p.replicate())
-                lse.append(p.shard(target[1]) if target else p.replicate())
-            out_spec = (mesh, tuple(out), (q_shape[s], q_shape[n], v_shape[2]))
-            if return_lse:
-                lse_spec = (mesh, tuple(lse), (q_shape[n], q_shape[s]))
-            else:
-                lse_spec = (mesh, tuple(p.replicate() for _ in placements[0]), (0,))
-            return (out_spec, lse_spec), None
-        for placement in placements[0]:
-            dim = p.shard_dim(placement)
-            target = {b: (ob, 0), s: (os_, 2), n: (on, 1)}.get(dim)
-            out.append(p.shard(target[0]) if target else p.replicate())
-            lse.append(p.shard(target[1]) if target else p.replicate())
-        out_shape = [0, 0, 0, 0]
-        out_shape[ob], out_shape[os_], out_shape[on] = q_shape[b], q_shape[s], q_shape[n]
-        out_shape[3] = v_shape[3]
-        out_spec = (mesh, tuple(out), tuple(out_shape))
-        if return_lse:
-            lse_spec = (mesh, tuple(lse), (q_shape[b], q_shape[n], q_shape[s]))
-        else:
-            lse_spec = (mesh, tuple(p.replicate() for _ in placements[0]), (0,))
-        return (out_spec, lse_spec), None
+    @staticmethod
+    def move_keys(call, args):
+        return args  # they travel during the call
 
-    def get_expand_impl(self, func, infer_result, cache_values):
-        layout_q, layout_out, mesh, placements, shapes, _kv, _lse, slice_sinks, order, strategy = (
-            cache_values
-        )
-        q_layout = Layout(mesh, placements[0], shapes[0])
-        if strategy == "ring":
-            return _RingLocal(func, layout_q, layout_out, q_layout, shapes[1], slice_sinks)
-        if strategy == "tnd_data_parallel":
-            # The lengths were rebased to this rank's sequences in preprocess.
-            if not slice_sinks:
-                return None
-            heads = q_layout.shard_range(DIMS[layout_q][2])
-            return lambda q, k, v, **kw: func(
-                q, k, v, **dict(kw, sinks=_head_slice(kw.get("sinks"), heads))
-            )
-        # Keys and values sharded along their sequence arrive gathered in head-tail order.
-        kv_gathered = bool(Layout(mesh, placements[1], shapes[1]).tensor_map[DIMS[layout_q][1]])
-        return _Local(
-            func, layout_q, layout_out, q_layout, shapes[1], slice_sinks, order, kv_gathered
-        )
+
+_STRATEGIES = {
+    strategy.name: strategy
+    for strategy in (_NoContextParallel, _TndWholeSequences, _ContextParallel, _Ring)
+}
+
+
+def _local_sinks(call: _MeshInputs, kwargs):
+    """Sinks replicated or sharded with q's heads; their local part, and whether each rank
+    slices replicated sinks to its heads (their gradient is then also a partial sum over the
+    head axis)."""
+    p = call.p
+    sinks = kwargs.get("sinks")
+    if not p.is_dtensor(sinks):
+        return kwargs, sinks is not None
+    q_layout = call.layouts[0]
+    heads = q_layout.tensor_map[call.n]
+    sl = Layout.of(sinks)
+    if sl.tensor_map[0] not in ((), heads):
+        why = f"sinks must be replicated or sharded as q's heads ({q_layout.axes_text(call.n)})"
+        _fail("sinks", sl, 0, why)
+    kwargs = dict(kwargs, sinks=p.to_local(sinks, call.grad_placements(sinks, heads)))
+    return kwargs, not sl.tensor_map[0]
 
 
 class _Local:
