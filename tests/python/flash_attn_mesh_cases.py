@@ -433,7 +433,7 @@ def cases(mesh):
         # Shards that are empty on some ranks: each such rank computes its empty part.
         "empty_shards_heads_2": lambda: _check(mesh, ([S2], [S2], [S2]), nq=2, nkv=2, mask_mode=3),
         "empty_shards_heads_sinks": lambda: _check(
-            mesh, ([S2], [S2], [S2]), nq=2, nkv=1, sinks=[S0]
+            mesh, ([S2], [S2], [S2]), nq=2, nkv=2, sinks=[S0]
         ),
         "empty_shards_batch_1": lambda: _check(mesh, ([S0], [S0], [S0]), b=1, sinks=[R]),
         "empty_shards_sequence_1": lambda: _check(
