@@ -255,3 +255,21 @@ def test_flash_attn_compiled_on_empty_keys():
     fn = torch.compile(lambda q, k, v: opmesh.flash_attn(q, k, v, return_softmax_lse=True))
     out, lse = fn(q, k, v)
     assert out.shape == q.shape and not out.any() and torch.isposinf(lse).all()
+
+
+@pytest.mark.parametrize("side", ["main", "index"])
+def test_kl_loss_with_no_heads_on_one_side(side):
+    """0 heads on one side only: nothing to compare either, loss 0 and zero gradients."""
+    b, s1, s2 = 2, 5, 7
+    n1, n2, n1i, n2i = (0, 0, 4, 2) if side == "main" else (4, 2, 0, 0)
+    qi, ki, w = rand(b, s1, n1i, _D), rand(b, s2, n2i, _D), rand(b, s1, n1i)
+    query, key = rand(b, s1, n1, _D), rand(b, s2, n2, _D)
+    group = n1 // n2 if n2 else 0
+    smax, ssum = torch.zeros(b, n2, s1, group), torch.ones(b, n2, s1, group)
+    imax, isum = opmesh.dense_lightning_indexer_softmax_lse(qi, ki, w)
+    *grads, loss = opmesh.dense_lightning_indexer_grad_kl_loss(
+        query, key, qi, ki, w, smax, ssum, imax, isum, 0.25
+    )
+    assert loss.item() == 0.0
+    for grad, x in zip(grads, (qi, ki, w), strict=True):
+        assert grad.shape == x.shape and not grad.any()
