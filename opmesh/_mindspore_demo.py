@@ -30,7 +30,7 @@ def _mindspore():
 def run_mindspore_demo(seq=1024, heads=16, dim=64, steps=30):
     ms = _mindspore()
     start = time.perf_counter()
-    from . import _mindspore as binding
+    from .platform import mindspore_ops as binding
 
     binding.extension()
     print(

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, TupleStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
+from .ops.flash_attn import DIMS, LSE_DIMS, keeps_gqa_groups
 from .ops.indexer_kl_loss import PARAMETERS
 
 R = Replicate()
@@ -67,9 +68,9 @@ def register_sharding(op):
     return wrapper
 
 
-# (batch, sequence, heads) dims of q/k/v/out, and the lse's (batch, heads, sequence) dims.
-ATTN_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 2, 1), "TND": (None, 0, 1)}
-LSE_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 1, 2), "TND": (None, 0, 1)}
+# flash_attn's layout table, shared with its DistributedOp: (batch, sequence, heads) dims of
+# q/k/v/out, and the lse's (batch, heads, sequence) dims.
+ATTN_DIMS = {layout: dims[:3] for layout, dims in DIMS.items()}
 
 
 def _is_spec(value) -> bool:
@@ -90,12 +91,8 @@ def _replicated(names, args, kwargs, outputs):
 
 def _heads_divide(mesh, nq, nkv) -> bool:
     """Whether splitting the heads over any mesh axis (or all of them) keeps every query head
-    with its key head."""
-    if nkv == 0 or nq % nkv:
-        return False
-    group = nq // nkv
-    sizes = list(mesh.shape) + [mesh.size()]
-    return all(-(-nq // m) == group * -(-nkv // m) for m in sizes)
+    with its key head (the DistributedOp's rule, per possible split)."""
+    return all(keeps_gqa_groups(nq, nkv, m) for m in [*mesh.shape, mesh.size()])
 
 
 INDEXER = ("query_index", "key_index", "weights")

@@ -36,12 +36,23 @@ from ..distributed_op import DistributedOp
 from ..layout import Layout
 
 NAMES = ("q", "k", "v")
-# (batch, sequence, heads, head dim) positions per layout; TND has no batch dim.
+# flash_attn's layout table, read by these rules and by the raw operators' sharding strategies
+# (sharding.py): per layout, the (batch, sequence, heads, head dim) positions of q, k, v and the
+# output (TND has no batch dim), and the (batch, heads, sequence) positions of the lse.
 DIMS = {"BSND": (0, 1, 2, 3), "BNSD": (0, 2, 1, 3), "TND": (None, 0, 1, 2)}
+LSE_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 1, 2), "TND": (None, 0, 1)}
 
 
 def _ceil_div(a, b):
     return -(-a // b)
+
+
+def keeps_gqa_groups(nq: int, nkv: int, shards: int) -> bool:
+    """Whether splitting ``nq`` query heads and ``nkv`` key heads ``shards`` ways (DTensor's
+    split: chunks of the ceiling) leaves every query head on its key head's rank."""
+    if nkv == 0 or nq % nkv:
+        return False
+    return _ceil_div(nq, shards) == (nq // nkv) * _ceil_div(nkv, shards)
 
 
 class FlashAttnDistributedOp(DistributedOp):
@@ -101,30 +112,26 @@ class FlashAttnDistributedOp(DistributedOp):
     def infer_layout(self, cache_values):
         c = cache_values
         p = _platform.current()
-        b, s, n, _d = DIMS[c.layout_q]
-        ob, os_, on, _ = DIMS[c.layout_out]
+        b, s, n, d = DIMS[c.layout_q]
+        ob, os_, on, od = DIMS[c.layout_out]
+        lb, ln, ls = LSE_DIMS[c.layout_q]
         q_shape, v_shape = c.shapes[0], c.shapes[2]
+        # The output and the lse take q's batch, sequence and heads (TND: no batch).
+        targets = {s: (os_, ls), n: (on, ln)}
+        if b is not None:
+            targets[b] = (ob, lb)
         out, lse = [], []
-        if c.layout_q == "TND":
-            # out [T1, N, Dv] and lse [N, T1] take T1 and the heads from q.
-            for placement in c.placements[0]:
-                dim = p.shard_dim(placement)
-                target = {s: (0, 1), n: (1, 0)}.get(dim)
-                out.append(p.shard(target[0]) if target else p.replicate())
-                lse.append(p.shard(target[1]) if target else p.replicate())
-            out_shape = (q_shape[s], q_shape[n], v_shape[2])
-            lse_shape = (q_shape[n], q_shape[s])
-        else:
-            for placement in c.placements[0]:
-                dim = p.shard_dim(placement)
-                target = {b: (ob, 0), s: (os_, 2), n: (on, 1)}.get(dim)
-                out.append(p.shard(target[0]) if target else p.replicate())
-                lse.append(p.shard(target[1]) if target else p.replicate())
-            shape = [0, 0, 0, 0]
-            shape[ob], shape[os_], shape[on] = q_shape[b], q_shape[s], q_shape[n]
-            shape[3] = v_shape[3]
-            out_shape = tuple(shape)
-            lse_shape = (q_shape[b], q_shape[n], q_shape[s])
+        for placement in c.placements[0]:
+            target = targets.get(p.shard_dim(placement))
+            out.append(p.shard(target[0]) if target else p.replicate())
+            lse.append(p.shard(target[1]) if target else p.replicate())
+        rank = 3 if b is None else 4
+        out_shape, lse_shape = [0] * rank, [0] * (rank - 1)
+        for dim, out_dim, lse_dim in ((b, ob, lb), (s, os_, ls), (n, on, ln)):
+            if dim is not None:
+                out_shape[out_dim], lse_shape[lse_dim] = q_shape[dim], q_shape[dim]
+        out_shape[od] = v_shape[d]
+        out_shape, lse_shape = tuple(out_shape), tuple(lse_shape)
         out_spec = (c.mesh, tuple(out), out_shape)
         if c.return_lse:
             lse_spec = (c.mesh, tuple(lse), lse_shape)
@@ -295,8 +302,7 @@ class _MeshInputs:
                 _fail("q", q_layout, n, "heads may be sharded over one mesh axis only")
             shards = q_layout.num_shards(n)
             nq, nkv = q_layout.shape[n], self.layouts[1].shape[n]
-            group = nq // nkv if nkv and nq % nkv == 0 else 0
-            if group == 0 or _ceil_div(nq, shards) != group * _ceil_div(nkv, shards):
+            if not keeps_gqa_groups(nq, nkv, shards):
                 why = (
                     f"splitting {nq} query heads and {nkv} key heads {shards} ways would cut a "
                     "group of query heads from its key head"
