@@ -1,6 +1,7 @@
 // flash_attn_metadata, flash_attn and its backward on MindSpore tensors. The checks that read
 // lengths, block tables and plans, and the planning itself, are the torch binding's
-// (csrc/common/flash_attn_calls.h).
+// (csrc/common/flash_attn_calls.h); the arguments' conventions are read by
+// csrc/common/conventions.h.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -8,22 +9,15 @@
 
 #include "attention/flash_attn.h"
 #include "attention/flash_attn_backward.h"
+#include "conventions.h"
 #include "cpu_features.h"
 #include "flash_attn_calls.h"
-#include "ms_binding.h"
+#include "ms_call.h"
 
 namespace opmesh::ms_binding {
 namespace {
 
 namespace attn = core::attention;
-
-attn::Layout layout_of(const std::string& s) {
-  if (s == "BSND") return attn::Layout::kBSND;
-  if (s == "BNSD") return attn::Layout::kBNSD;
-  if (s == "TND") return attn::Layout::kTND;
-  if (s == "PA_BBND") return attn::Layout::kPagedBBND;
-  value_error("layout_q: expected 'BSND', 'BNSD', 'TND' or 'PA_BBND', got '" + s + "'");
-}
 
 // Positions of the batch, sequence, head and dim axes in `layout` (-1: absent).
 struct Axes {
@@ -50,60 +44,83 @@ struct HostLengths {
   }
 };
 
-std::shared_ptr<HostLengths> host_lengths(const FlashAttnHost& h) {
+template <class Call>
+std::shared_ptr<HostLengths> host_lengths(const Call& c) {
   auto l = std::make_shared<HostLengths>();
-  const IntList* lists[4] = {&h.cu_seqlens_q, &h.cu_seqlens_kv, &h.seqused_q, &h.seqused_kv};
+  const std::optional<HostInts>* lists[4] = {&c.cu_seqlens_q, &c.cu_seqlens_kv, &c.seqused_q,
+                                             &c.seqused_kv};
   std::vector<int32_t>* copies[4] = {&l->cq, &l->ck, &l->uq, &l->uk};
   for (int i = 0; i < 4; ++i) {
     l->given[i] = lists[i]->has_value();
-    *copies[i] = as_int32(*lists[i]);
+    *copies[i] = as_int32(values_of(*lists[i]));
   }
   return l;
 }
 
-attn::PlanConfig base_config(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
-                             const FlashAttnOptions& o, int64_t batch) {
-  attn::PlanConfig c;
-  c.layout_q = layout_of(o.layout_q);
-  c.layout_kv = layout_of(o.layout_kv);
-  c.layout_out = layout_of(o.layout_out);
+// The layouts and mask of a call, in the core's words.
+template <class Call>
+attn::PlanConfig parsed_config(const Call& call) {
+  return checked([&] {
+    attn::PlanConfig c;
+    c.layout_q = conventions::attention_layout(call.layout_q, "layout_q");
+    c.layout_kv = conventions::attention_layout(call.layout_kv, "layout_kv");
+    c.layout_out = conventions::attention_layout(call.layout_out, "layout_out");
+    const core::Mask mask =
+        conventions::attention_mask(call.mask_mode, call.win_left, call.win_right);
+    c.mask_mode = mask.mode;
+    c.win_left = mask.left;
+    c.win_right = mask.right;
+    return c;
+  });
+}
+
+template <class Call>
+attn::PlanConfig base_config(const Call& call, int64_t batch) {
+  attn::PlanConfig c = parsed_config(call);
   const Axes qa = axes_of(c.layout_q), ka = axes_of(c.layout_kv);
-  c.num_heads_q = q.shape()[qa.n];
-  c.num_heads_kv = k.shape()[ka.n];
-  c.head_dim = q.shape()[qa.d];
-  c.head_dim_v = v.shape()[ka.d];
-  c.mask_mode = static_cast<attn::MaskMode>(o.mask_mode);
-  c.win_left = attn::normalize_window(o.win_left);
-  c.win_right = attn::normalize_window(o.win_right);
+  c.num_heads_q = call.q.shape()[qa.n];
+  c.num_heads_kv = call.k.shape()[ka.n];
+  c.head_dim = call.q.shape()[qa.d];
+  c.head_dim_v = call.v.shape()[ka.d];
   c.batch_size = batch;
   return c;
 }
 
+// The block table's row length (forward only: the backward has no paged keys).
+int64_t blocks_per_seq(const FlashAttnCall& c) {
+  return c.block_table.has_value() ? c.block_table->cols : 0;
+}
+int64_t blocks_per_seq(const FlashAttnBackwardCall&) { return 0; }
+IntList block_table_of(const FlashAttnCall& c) { return values_of(c.block_table); }
+IntList block_table_of(const FlashAttnBackwardCall&) { return std::nullopt; }
+
 // The call's batch, after the guards that keep the binding within its tensors' shapes and its
 // host arrays' ends (the shared checks have normally refused such calls already).
-int64_t checked_batch(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
-                      const FlashAttnOptions& o, const FlashAttnHost& h) {
-  const attn::Layout lq = layout_of(o.layout_q), lkv = layout_of(o.layout_kv);
-  require_rank(q, lq == attn::Layout::kTND ? 3 : 4, "q");
-  require_rank(k, lkv == attn::Layout::kTND ? 3 : 4, "k");
-  require_rank(v, lkv == attn::Layout::kTND ? 3 : 4, "v");
-  int64_t batch = q.shape()[0];
+template <class Call>
+int64_t checked_batch(const Call& call) {
+  const attn::PlanConfig parsed = parsed_config(call);
+  const attn::Layout lq = parsed.layout_q, lkv = parsed.layout_kv;
+  require_rank(call.q, lq == attn::Layout::kTND ? 3 : 4, "q");
+  require_rank(call.k, lkv == attn::Layout::kTND ? 3 : 4, "k");
+  require_rank(call.v, lkv == attn::Layout::kTND ? 3 : 4, "v");
+  const IntList cu_q = values_of(call.cu_seqlens_q);
+  int64_t batch = call.q.shape()[0];
   if (lq == attn::Layout::kTND) {
-    if (!h.cu_seqlens_q.has_value() || h.cu_seqlens_q->empty()) {
-      value_error("cu_seqlens_q: required for layout TND");
-    }
-    batch = static_cast<int64_t>(h.cu_seqlens_q->size()) - 1;
+    if (!cu_q.has_value() || cu_q->empty()) value_error("cu_seqlens_q: required for layout TND");
+    batch = static_cast<int64_t>(cu_q->size()) - 1;
   }
-  if (lkv == attn::Layout::kTND && !h.cu_seqlens_kv.has_value()) {
+  if (lkv == attn::Layout::kTND && !call.cu_seqlens_kv.has_value()) {
     value_error("cu_seqlens_kv: required for layout TND");
   }
-  require_entries(h.cu_seqlens_q, batch + 1, "cu_seqlens_q");
-  require_entries(h.cu_seqlens_kv, batch + 1, "cu_seqlens_kv");
-  require_entries(h.seqused_q, batch, "seqused_q");
-  require_entries(h.seqused_kv, batch, "seqused_kv");
+  require_entries(cu_q, batch + 1, "cu_seqlens_q");
+  require_entries(values_of(call.cu_seqlens_kv), batch + 1, "cu_seqlens_kv");
+  require_entries(values_of(call.seqused_q), batch, "seqused_q");
+  require_entries(values_of(call.seqused_kv), batch, "seqused_kv");
   if (lkv == attn::Layout::kPagedBBND) {
-    if (!h.seqused_kv.has_value()) value_error("seqused_kv: required for paged keys and values");
-    require_entries(h.block_table, batch * h.blocks_per_seq, "block_table");
+    if (!call.seqused_kv.has_value()) {
+      value_error("seqused_kv: required for paged keys and values");
+    }
+    require_entries(block_table_of(call), batch * blocks_per_seq(call), "block_table");
   }
   return batch;
 }
@@ -125,7 +142,14 @@ calls::FlashAttnShapes shapes_of(const ms::Tensor& q, const ms::Tensor& k,
   return s;
 }
 
-float scale_of(const FlashAttnOptions& o, int64_t head_dim) {
+// A configuration with no heads checked as one with heads (lengths, masks, sizes).
+attn::PlanConfig with_heads(attn::PlanConfig c) {
+  if (c.num_heads_q == 0 && c.num_heads_kv == 0) c.num_heads_q = c.num_heads_kv = 1;
+  return c;
+}
+
+template <class Call>
+float scale_of(const Call& o, int64_t head_dim) {
   return static_cast<float>(
       o.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
 }
@@ -164,57 +188,53 @@ void fill(ms::Tensor& t, float value) {
 
 }  // namespace
 
-std::vector<int64_t> flash_attn_metadata(int64_t num_heads_q, int64_t num_heads_kv,
-                                         int64_t head_dim, int64_t head_dim_v,
-                                         const FlashAttnHost& host, int64_t batch_size,
-                                         int64_t max_seqlen_q, int64_t max_seqlen_kv,
-                                         const FlashAttnOptions& o,
-                                         std::optional<int64_t> num_workers, bool deterministic,
-                                         bool backward) {
-  attn::PlanConfig c;
-  c.num_heads_q = num_heads_q;
-  c.num_heads_kv = num_heads_kv;
-  c.head_dim = head_dim;
-  c.head_dim_v = head_dim_v;
-  c.batch_size = batch_size;
-  c.max_seqlen_q = max_seqlen_q;
-  c.max_seqlen_kv = max_seqlen_kv;
-  c.mask_mode = static_cast<attn::MaskMode>(o.mask_mode);
-  c.win_left = attn::normalize_window(o.win_left);
-  c.win_right = attn::normalize_window(o.win_right);
-  c.layout_q = layout_of(o.layout_q);
-  c.layout_kv = layout_of(o.layout_kv);
-  c.layout_out = layout_of(o.layout_out);
-  c.num_workers = num_workers.value_or(ThreadExecutor().num_workers());
-  c.deterministic = deterministic;
-  c.backward = backward;
-  const auto lengths = host_lengths(host);
+std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call) {
+  attn::PlanConfig c = parsed_config(call);
+  c.num_heads_q = call.num_heads_q;
+  c.num_heads_kv = call.num_heads_kv;
+  c.head_dim = call.head_dim;
+  c.head_dim_v = call.head_dim_v.value_or(call.head_dim);
+  c.batch_size = call.batch_size;
+  c.max_seqlen_q = call.max_seqlen_q;
+  c.max_seqlen_kv = call.max_seqlen_kv;
+  c.num_workers = call.num_workers.value_or(ThreadExecutor().num_workers());
+  c.deterministic = call.deterministic;
+  c.backward = call.backward;
+  const auto lengths = host_lengths(call);
   const std::vector<int32_t> words =
       checked([&] { return calls::plan_words(c, lengths->arrays()); });
   return std::vector<int64_t>(words.begin(), words.end());
 }
 
-py::object flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& v,
-                      const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
-                      const FlashAttnOptions& o, bool return_softmax_lse) {
+py::object flash_attn(const FlashAttnCall& call) {
+  const ms::Tensor& q = call.q;
+  const ms::Tensor& k = call.k;
+  const ms::Tensor& v = call.v;
+  const std::optional<ms::Tensor>& sinks = call.sinks;
+  const bool return_softmax_lse = call.return_softmax_lse;
   resolve({&q, &k, &v});
   resolve(sinks);
-  attn::PlanConfig c = base_config(q, k, v, o, checked_batch(q, k, v, o, host));
+  attn::PlanConfig c = base_config(call, checked_batch(call));
   calls::FlashAttnShapes shapes = shapes_of(q, k, c);
-  const auto lengths = host_lengths(host);
-  auto table = std::make_shared<std::vector<int32_t>>(as_int32(host.block_table));
+  const auto lengths = host_lengths(call);
+  auto table = std::make_shared<std::vector<int32_t>>(as_int32(block_table_of(call)));
   if (shapes.paged) {
-    shapes.blocks_per_seq = host.blocks_per_seq;
+    shapes.blocks_per_seq = blocks_per_seq(call);
     shapes.table = table->data();
-    shapes.table_stride_b = host.blocks_per_seq;
+    shapes.table_stride_b = shapes.blocks_per_seq;
     shapes.table_stride_j = 1;
   }
-  const std::vector<int32_t> words = as_int32(host.metadata);
+  const IntList metadata = values_of(call.metadata);
+  const std::vector<int32_t> words = as_int32(metadata);
   const ThreadExecutor executor;
+  // No heads at all (a rank's empty shard of the heads): the rest is checked as with heads.
+  const bool no_heads = c.num_heads_q == 0 && c.num_heads_kv == 0;
   auto prepared = std::make_shared<calls::PreparedForward>(checked([&] {
-    return calls::prepare_forward(c, shapes, lengths->arrays(), o.max_seqlen_q, o.max_seqlen_kv,
-                                  plan_words_of(words, host.metadata), executor.num_workers());
+    return calls::prepare_forward(with_heads(c), shapes, lengths->arrays(), call.max_seqlen_q,
+                                  call.max_seqlen_kv, plan_words_of(words, metadata),
+                                  executor.num_workers());
   }));
+  if (no_heads) prepared->config.num_heads_q = prepared->config.num_heads_kv = 0;
   c = prepared->config;
   const bool q_tnd = shapes.q_tnd;
   const Axes qa = axes_of(c.layout_q);
@@ -236,10 +256,11 @@ py::object flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor
   std::vector<ms::Tensor> inputs{q, k, v};
   const bool has_sinks = sinks.has_value();
   if (has_sinks) inputs.push_back(*sinks);
-  const float scale = scale_of(o, c.head_dim);
+  const float scale = scale_of(call, c.head_dim);
   return launch("OpmeshFlashAttn", inputs, outs,
-                [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale](
+                [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale, no_heads](
                     const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+                  if (no_heads) return;  // empty outputs
                   const attn::PlanConfig& c = prepared->config;
                   const bool tnd = shapes.q_tnd;
                   if (prepared->padding) {
@@ -286,23 +307,29 @@ py::object flash_attn(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor
                 });
 }
 
-py::object flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q, const ms::Tensor& k,
-                               const ms::Tensor& v, const ms::Tensor& out, const ms::Tensor& lse,
-                               const std::optional<ms::Tensor>& dlse,
-                               const std::optional<ms::Tensor>& sinks, const FlashAttnHost& host,
-                               const FlashAttnOptions& o) {
-  attn::PlanConfig c = base_config(q, k, v, o, checked_batch(q, k, v, o, host));
+py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
+  const ms::Tensor& dout = call.dout;
+  const ms::Tensor& q = call.q;
+  const ms::Tensor& k = call.k;
+  const ms::Tensor& v = call.v;
+  const ms::Tensor& out = call.out;
+  const ms::Tensor& lse = call.lse;
+  const std::optional<ms::Tensor>& dlse = call.dlse;
+  const std::optional<ms::Tensor>& sinks = call.sinks;
+  attn::PlanConfig c = base_config(call, checked_batch(call));
   if (c.layout_kv == attn::Layout::kPagedBBND) value_error("layout_kv: PA_BBND has no backward");
   const attn::Layout lo = c.layout_out;
   require_rank(dout, lo == attn::Layout::kTND ? 3 : 4, "dout");
   require_rank(out, lo == attn::Layout::kTND ? 3 : 4, "out");
   require_rank(lse, lo == attn::Layout::kTND ? 2 : 3, "lse");
   const calls::FlashAttnShapes shapes = shapes_of(q, k, c);
-  const auto lengths = host_lengths(host);
-  const std::vector<int32_t> words = as_int32(host.metadata);
+  const auto lengths = host_lengths(call);
+  const IntList metadata = values_of(call.metadata);
+  const std::vector<int32_t> words = as_int32(metadata);
+  const bool no_heads = c.num_heads_q == 0 && c.num_heads_kv == 0;
   auto prepared = std::make_shared<calls::PreparedBackward>(checked([&] {
-    return calls::prepare_backward(c, shapes, lengths->arrays(), o.max_seqlen_q, o.max_seqlen_kv,
-                                   plan_words_of(words, host.metadata));
+    return calls::prepare_backward(with_heads(c), shapes, lengths->arrays(), call.max_seqlen_q,
+                                   call.max_seqlen_kv, plan_words_of(words, metadata));
   }));
   const bool has_sinks = sinks.has_value();
   const bool has_dlse = dlse.has_value();
@@ -315,13 +342,14 @@ py::object flash_attn_backward(const ms::Tensor& dout, const ms::Tensor& q, cons
   const std::vector<OutputSpec> outs{
       spec(q), spec(k), spec(v),
       has_sinks ? spec(*sinks) : OutputSpec{mindspore::kNumberTypeFloat32, {0}}};
-  const float scale = scale_of(o, c.head_dim);
+  const float scale = scale_of(call, c.head_dim);
   return launch("OpmeshFlashAttnBackward", inputs, outs,
-                [prepared, lengths, shapes, has_sinks, has_dlse, scale](
+                [prepared, lengths, shapes, has_sinks, has_dlse, scale, no_heads](
                     const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& grads) {
                   const attn::PlanConfig& c = prepared->config;
                   const bool tnd = shapes.q_tnd;
                   for (auto& g : grads) fill(g, 0.0f);
+                  if (no_heads) return;  // zero gradients (of no elements but the sinks')
                   attn::FlashAttnBackwardParams p;
                   p.config = c;
                   p.dtype = core_dtype(in[1], "q");

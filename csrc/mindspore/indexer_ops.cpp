@@ -3,18 +3,28 @@
 #include <cmath>
 #include <cstring>
 
+#include "conventions.h"
 #include "cpu_features.h"
 #include "indexer/indexer.h"
 #include "indexer/indexer_kl_loss.h"
 #include "kv_cache.h"
-#include "ms_binding.h"
+#include "ms_call.h"
 
 namespace opmesh::ms_binding {
 namespace {
 
-const std::vector<int64_t>& lengths_or_empty(const IntList& l) {
+const std::vector<int64_t>& lengths_or_empty(const std::optional<HostInts>& l) {
   static const std::vector<int64_t> empty;
-  return l.has_value() ? *l : empty;
+  return l.has_value() ? l->values : empty;
+}
+
+// The core's checks of the indexer's parameters; with no heads at all, as with one head each.
+void validate_with_heads(core::IndexerParams p) {
+  if (p.heads_q == 0 && p.heads_k == 0) p.heads_q = p.heads_k = 1;
+  checked([&] {
+    core::validate(p);
+    return 0;
+  });
 }
 
 // Strides of a runner tensor in the core's {b, s, n, d} order (TND: {0, t, n, d}).
@@ -27,16 +37,27 @@ void core_strides(const ms::Tensor& t, bool tnd, int64_t* out, int count) {
   }
 }
 
-core::IndexerParams indexer_params(const ms::Tensor& q, const ms::Tensor& k, const ms::Tensor& w,
-                                   const std::vector<int64_t>& qlens,
-                                   const std::vector<int64_t>& klens, bool tnd, int64_t sparse_mode,
-                                   int64_t pre_tokens, int64_t next_tokens) {
+// The indexer family's layout, read by the shared convention parser.
+template <class Call>
+bool is_tnd(const Call& call) {
+  return checked([&] { return conventions::indexer_layout(call.layout); }) == core::Layout::kTND;
+}
+
+// The core's indexer parameters of a call (the indexer's, or the KL loss's index tensors), with
+// `qlens`/`klens` the host lengths the core reads.
+template <class Call>
+core::IndexerParams indexer_params(const Call& call, const std::vector<int64_t>& qlens,
+                                   const std::vector<int64_t>& klens) {
+  const ms::Tensor& q = call.query_index;
+  const ms::Tensor& k = call.key_index;
+  const ms::Tensor& w = call.weights;
+  const bool tnd = is_tnd(call);
   const int off = tnd ? -1 : 0;
   core::IndexerParams p;
   p.layout = tnd ? core::Layout::kTND : core::Layout::kBSND;
-  p.sparse_mode = static_cast<core::MaskMode>(sparse_mode);
-  p.pre_tokens = pre_tokens;
-  p.next_tokens = next_tokens;
+  p.sparse_mode = checked([&] { return conventions::sparse_mode(call.sparse_mode); });
+  p.pre_tokens = call.pre_tokens;
+  p.next_tokens = call.next_tokens;
   p.batch = tnd ? static_cast<int64_t>(qlens.size()) : q.shape()[0];
   p.seq_q = q.shape()[1 + off];
   p.seq_k = k.shape()[1 + off];
@@ -52,61 +73,61 @@ core::IndexerParams indexer_params(const ms::Tensor& q, const ms::Tensor& k, con
 
 }  // namespace
 
-py::object indexer(const ms::Tensor& query_index, const ms::Tensor& key_index,
-                   const ms::Tensor& weights, const IntList& actual_seq_qlen,
-                   const IntList& actual_seq_klen, bool tnd, int64_t sparse_mode,
-                   int64_t pre_tokens, int64_t next_tokens) {
+py::object indexer(const IndexerCall& call) {
+  const ms::Tensor& query_index = call.query_index;
+  const ms::Tensor& key_index = call.key_index;
+  const ms::Tensor& weights = call.weights;
+  const bool tnd = is_tnd(call);
   resolve({&query_index, &key_index, &weights});
   const size_t rank = tnd ? 3 : 4;
   require_rank(query_index, rank, "query_index");
   require_rank(key_index, rank, "key_index");
   require_rank(weights, rank - 1, "weights");
-  auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
-  auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
-  const core::IndexerParams base = indexer_params(query_index, key_index, weights, *qlens, *klens,
-                                                  tnd, sparse_mode, pre_tokens, next_tokens);
-  checked([&] {
-    core::validate(base);
-    return 0;
-  });
+  auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_qlen));
+  auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_klen));
+  const core::IndexerParams base = indexer_params(call, *qlens, *klens);
+  // No heads at all (N1 = N2 = 0): nothing to compute; the rest is checked as with heads.
+  const bool no_heads = base.heads_q == 0 && base.heads_k == 0;
+  validate_with_heads(base);
   const std::vector<int64_t> shape =
       tnd ? std::vector<int64_t>{base.heads_k, base.seq_q}
           : std::vector<int64_t>{base.batch, base.heads_k, base.seq_q};
   const std::vector<OutputSpec> outs{{mindspore::kNumberTypeFloat32, shape},
                                      {mindspore::kNumberTypeFloat32, shape}};
-  return launch(
-      "OpmeshIndexer", {query_index, key_index, weights}, outs,
-      [base, qlens, klens, tnd](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
-        core::IndexerParams p = base;
-        p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
-        p.seq_k_lens = klens->empty() ? nullptr : klens->data();
-        p.query = in[0].GetDataPtr();
-        p.key = in[1].GetDataPtr();
-        p.weights = in[2].GetDataPtr();
-        core_strides(in[0], tnd, p.query_stride, 4);
-        core_strides(in[1], tnd, p.key_stride, 4);
-        core_strides(in[2], tnd, p.weights_stride, 3);
-        p.softmax_max = out[0].data_ptr<float>();
-        p.softmax_sum = out[1].data_ptr<float>();
-        checked([&] {
-          core::dense_lightning_indexer_softmax_lse(p, ThreadExecutor(), core::active_isa());
-          return 0;
-        });
-      });
+  return launch("OpmeshIndexer", {query_index, key_index, weights}, outs,
+                [base, qlens, klens, tnd, no_heads](const std::vector<ms::Tensor>& in,
+                                                    std::vector<ms::Tensor>& out) {
+                  if (no_heads) return;
+                  core::IndexerParams p = base;
+                  p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
+                  p.seq_k_lens = klens->empty() ? nullptr : klens->data();
+                  p.query = in[0].GetDataPtr();
+                  p.key = in[1].GetDataPtr();
+                  p.weights = in[2].GetDataPtr();
+                  core_strides(in[0], tnd, p.query_stride, 4);
+                  core_strides(in[1], tnd, p.key_stride, 4);
+                  core_strides(in[2], tnd, p.weights_stride, 3);
+                  p.softmax_max = out[0].data_ptr<float>();
+                  p.softmax_sum = out[1].data_ptr<float>();
+                  checked([&] {
+                    core::dense_lightning_indexer_softmax_lse(p, ThreadExecutor(),
+                                                              core::active_isa());
+                    return 0;
+                  });
+                });
 }
 
-py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
-                                const ms::Tensor& query_index, const ms::Tensor& key_index,
-                                const ms::Tensor& weights, const ms::Tensor& softmax_max,
-                                const ms::Tensor& softmax_sum, const ms::Tensor& softmax_max_index,
-                                const ms::Tensor& softmax_sum_index, double scale_value,
-                                const std::optional<ms::Tensor>& query_rope,
-                                const std::optional<ms::Tensor>& key_rope,
-                                const IntList& actual_seq_qlen, const IntList& actual_seq_klen,
-                                bool tnd, int64_t sparse_mode, int64_t pre_tokens,
-                                int64_t next_tokens) {
-  resolve({&query, &key, &query_index, &key_index, &weights, &softmax_max, &softmax_sum,
-           &softmax_max_index, &softmax_sum_index});
+py::object indexer_grad_kl_loss(const KlLossCall& call) {
+  const ms::Tensor& query = call.query;
+  const ms::Tensor& key = call.key;
+  const ms::Tensor& query_index = call.query_index;
+  const ms::Tensor& key_index = call.key_index;
+  const ms::Tensor& weights = call.weights;
+  const std::optional<ms::Tensor>& query_rope = call.query_rope;
+  const std::optional<ms::Tensor>& key_rope = call.key_rope;
+  const bool tnd = is_tnd(call);
+  resolve({&query, &key, &query_index, &key_index, &weights, &call.softmax_max, &call.softmax_sum,
+           &call.softmax_max_index, &call.softmax_sum_index});
   resolve(query_rope);
   resolve(key_rope);
   const size_t rank = tnd ? 3 : 4;
@@ -124,20 +145,17 @@ py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
     require_rank(*query_rope, rank, "query_rope");
     require_rank(*key_rope, rank, "key_rope");
   }
-  auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_qlen));
-  auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(actual_seq_klen));
+  auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_qlen));
+  auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_klen));
   // The length arrays' checks are the indexer's (the same mask over the same tokens).
-  checked([&] {
-    core::validate(indexer_params(query_index, key_index, weights, *qlens, *klens, tnd, sparse_mode,
-                                  pre_tokens, next_tokens));
-    return 0;
-  });
+  const core::IndexerParams index = indexer_params(call, *qlens, *klens);
+  validate_with_heads(index);
   const int off = tnd ? -1 : 0;
   core::IndexerKlLossParams base;
   base.layout = tnd ? core::Layout::kTND : core::Layout::kBSND;
-  base.sparse_mode = static_cast<core::MaskMode>(sparse_mode);
-  base.pre_tokens = pre_tokens;
-  base.next_tokens = next_tokens;
+  base.sparse_mode = index.sparse_mode;
+  base.pre_tokens = call.pre_tokens;
+  base.next_tokens = call.next_tokens;
   base.batch = tnd ? static_cast<int64_t>(qlens->size()) : query_index.shape()[0];
   base.seq_q = query_index.shape()[1 + off];
   base.seq_k = key_index.shape()[1 + off];
@@ -148,11 +166,20 @@ py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
   base.index_heads_q = query_index.shape()[2 + off];
   base.index_heads_k = key_index.shape()[2 + off];
   base.index_dim = query_index.shape()[3 + off];
-  base.scale = static_cast<float>(scale_value);
+  base.scale = static_cast<float>(call.scale_value);
+  // No heads on either side: nothing to compare, the loss is 0 and the gradients zero.
+  const bool no_heads = (base.heads_q == 0 && base.heads_k == 0) ||
+                        (base.index_heads_q == 0 && base.index_heads_k == 0);
   const bool rope = query_rope.has_value();
-  std::vector<ms::Tensor> inputs{
-      query,       key,         query_index,       key_index,        weights,
-      softmax_max, softmax_sum, softmax_max_index, softmax_sum_index};
+  std::vector<ms::Tensor> inputs{query,
+                                 key,
+                                 query_index,
+                                 key_index,
+                                 weights,
+                                 call.softmax_max,
+                                 call.softmax_sum,
+                                 call.softmax_max_index,
+                                 call.softmax_sum_index};
   if (rope) {
     inputs.push_back(*query_rope);
     inputs.push_back(*key_rope);
@@ -163,8 +190,8 @@ py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
   const std::vector<OutputSpec> outs{
       spec(query_index), spec(key_index), spec(weights), {mindspore::kNumberTypeFloat32, {1}}};
   return launch("OpmeshIndexerKlLoss", inputs, outs,
-                [base, qlens, klens, tnd, rope](const std::vector<ms::Tensor>& in,
-                                                std::vector<ms::Tensor>& out) {
+                [base, qlens, klens, tnd, rope, no_heads](const std::vector<ms::Tensor>& in,
+                                                          std::vector<ms::Tensor>& out) {
                   core::IndexerKlLossParams p = base;
                   p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
                   p.seq_k_lens = klens->empty() ? nullptr : klens->data();
@@ -203,6 +230,7 @@ py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
                   p.d_weights = gradient(out[2]);
                   p.loss = out[3].data_ptr<float>();
                   *p.loss = 0.0f;
+                  if (no_heads) return;
                   checked([&] {
                     core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(),
                                                                core::active_isa());
@@ -211,9 +239,12 @@ py::object indexer_grad_kl_loss(const ms::Tensor& query, const ms::Tensor& key,
                 });
 }
 
-py::object kv_cache_write(const ms::Tensor& key, const ms::Tensor& value,
-                          const ms::Tensor& key_cache, const ms::Tensor& value_cache,
-                          const std::vector<int64_t>& slot_mapping) {
+py::object kv_cache_write(const KvCacheWriteCall& call) {
+  const ms::Tensor& key = call.key;
+  const ms::Tensor& value = call.value;
+  const ms::Tensor& key_cache = call.key_cache;
+  const ms::Tensor& value_cache = call.value_cache;
+  const std::vector<int64_t>& slot_mapping = call.slot_mapping.values;
   resolve({&key, &value, &key_cache, &value_cache});
   require_rank(key, 3, "key");
   require_rank(value, 3, "value");

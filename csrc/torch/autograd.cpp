@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "op_signatures.h"
+#include "op_call.h"
 
 namespace opmesh::binding {
 namespace {
@@ -30,197 +30,92 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Everything flash_attn takes besides q, k, v and sinks, carried through the autograd Function.
-struct Rest {
-  std::optional<at::Tensor> block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv,
-      metadata;
-  std::optional<double> softmax_scale;
-  int64_t mask_mode, win_left, win_right;
-  std::optional<c10::SymInt> max_seqlen_q, max_seqlen_kv;
-  std::string layout_q, layout_kv, layout_out;
-  bool return_softmax_lse;
-};
-
-// What the backward needs of Rest, kept in the autograd context as IValues.
-void save_rest(AutogradContext* ctx, const Rest& r) {
-  auto& d = ctx->saved_data;
-  d["cu_seqlens_q"] = r.cu_seqlens_q;
-  d["cu_seqlens_kv"] = r.cu_seqlens_kv;
-  d["seqused_q"] = r.seqused_q;
-  d["seqused_kv"] = r.seqused_kv;
-  d["softmax_scale"] = r.softmax_scale;
-  d["mask_mode"] = r.mask_mode;
-  d["win_left"] = r.win_left;
-  d["win_right"] = r.win_right;
-  d["max_seqlen_q"] = r.max_seqlen_q.has_value() ? c10::IValue(*r.max_seqlen_q) : c10::IValue();
-  d["max_seqlen_kv"] = r.max_seqlen_kv.has_value() ? c10::IValue(*r.max_seqlen_kv) : c10::IValue();
-  d["layout_q"] = r.layout_q;
-  d["layout_kv"] = r.layout_kv;
-  d["layout_out"] = r.layout_out;
+// A call struct kept in an autograd context (its tensors are saved apart, with their versions).
+template <class Call>
+c10::IValue pack(const Call& call) {
+  torch::jit::Stack values;
+  push_call(values, call);
+  return c10::ivalue::Tuple::create(std::move(values));
 }
 
-Rest load_rest(AutogradContext* ctx) {
-  auto& d = ctx->saved_data;
-  auto tensor = [&](const char* key) -> std::optional<at::Tensor> {
-    const c10::IValue& v = d[key];
-    return v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
-  };
-  auto symint = [&](const char* key) -> std::optional<c10::SymInt> {
-    const c10::IValue& v = d[key];
-    return v.isNone() ? std::nullopt : std::optional<c10::SymInt>(v.toSymInt());
-  };
-  Rest r;
-  r.cu_seqlens_q = tensor("cu_seqlens_q");
-  r.cu_seqlens_kv = tensor("cu_seqlens_kv");
-  r.seqused_q = tensor("seqused_q");
-  r.seqused_kv = tensor("seqused_kv");
-  r.softmax_scale = d["softmax_scale"].isNone()
-                        ? std::nullopt
-                        : std::optional<double>(d["softmax_scale"].toDouble());
-  r.mask_mode = d["mask_mode"].toInt();
-  r.win_left = d["win_left"].toInt();
-  r.win_right = d["win_right"].toInt();
-  r.max_seqlen_q = symint("max_seqlen_q");
-  r.max_seqlen_kv = symint("max_seqlen_kv");
-  r.layout_q = d["layout_q"].toStringRef();
-  r.layout_kv = d["layout_kv"].toStringRef();
-  r.layout_out = d["layout_out"].toStringRef();
-  return r;
+template <class Call>
+Call unpack(const c10::IValue& packed) {
+  return call_from_stack<Call>(packed.toTupleRef().elements());
 }
 
-// flash_attn itself, below the autograd key.
-std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& q, const at::Tensor& k,
-                                                       const at::Tensor& v,
-                                                       const std::optional<at::Tensor>& sinks,
-                                                       const Rest& r, bool return_softmax_lse) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("opmesh::flash_attn", "")
-                             .typed<FlashAttnSig>();
+// Call's operator below the autograd key.
+template <class Call>
+torch::jit::Stack call_below_autograd(const Call& call) {
   at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(q, k, v, r.block_table, r.cu_seqlens_q, r.cu_seqlens_kv, r.seqused_q, r.seqused_kv,
-                 sinks, r.metadata, r.softmax_scale, r.mask_mode, r.win_left, r.win_right,
-                 r.max_seqlen_q, r.max_seqlen_kv, r.layout_q, r.layout_kv, r.layout_out,
-                 return_softmax_lse);
+  return call_op(call);
 }
 
 class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const std::optional<at::Tensor>& sinks,
-                               const Rest& r) {
+                               const FlashAttnCall& call) {
     // The backward needs the log-sum-exp whether or not the caller asked for it.
-    auto [out, lse] = call_below_autograd(q, k, v, sinks, r, /*return_softmax_lse=*/true);
+    FlashAttnCall with_lse = call;
+    with_lse.return_softmax_lse = true;
+    auto [out, lse] = tensors_of<2>(call_below_autograd(with_lse));
     // Unused outputs' gradients stay undefined (materialised zeros would be plain tensors even
     // when the inputs are DTensors); backward handles them.
     ctx->set_materialize_grads(false);
     ctx->saved_data["has_sinks"] = sinks.has_value();
-    ctx->saved_data["returns_lse"] = r.return_softmax_lse;
-    save_rest(ctx, r);
+    ctx->saved_data["returns_lse"] = call.return_softmax_lse;
+    // The backward's arguments besides the tensors saved below.
+    FlashAttnBackwardCall backward;
+    ops::copy_attn_shared(call, backward);
+    backward.sinks.reset();
+    ctx->saved_data["backward"] = pack(backward);
     variable_list saved{q, k, v, out, lse};
     if (sinks.has_value()) saved.push_back(*sinks);
     ctx->save_for_backward(saved);
     // new_empty keeps the tensor kind (a DTensor's empty lse stays a DTensor).
-    at::Tensor lse_out = r.return_softmax_lse ? lse : lse.new_empty({0});
-    if (!r.return_softmax_lse) ctx->mark_non_differentiable({lse_out});
+    at::Tensor lse_out = call.return_softmax_lse ? lse : lse.new_empty({0});
+    if (!call.return_softmax_lse) ctx->mark_non_differentiable({lse_out});
     return {out, lse_out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("opmesh::flash_attn_backward", "")
-                               .typed<BackwardSig>();
     const variable_list saved = ctx->get_saved_variables();
     const bool has_sinks = ctx->saved_data["has_sinks"].toBool();
     const bool returns_lse = ctx->saved_data["returns_lse"].toBool();
-    const Rest r = load_rest(ctx);
-    const at::Tensor& out = saved[3];
-    const at::Tensor& lse = saved[4];
-    const at::Tensor dout = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(out);
-    std::optional<at::Tensor> dlse;
-    if (returns_lse && grad_outputs[1].defined()) dlse = grad_outputs[1];
-    std::optional<at::Tensor> sinks;
-    if (has_sinks) sinks = saved[5];
-    auto [dq, dk, dv, dsinks] =
-        op.call(dout, saved[0], saved[1], saved[2], out, lse, dlse, r.cu_seqlens_q, r.cu_seqlens_kv,
-                r.seqused_q, r.seqused_kv, sinks, r.softmax_scale, r.mask_mode, r.win_left,
-                r.win_right, r.max_seqlen_q, r.max_seqlen_kv, r.layout_q, r.layout_kv, r.layout_out,
-                /*metadata=*/std::nullopt);  // planned by the kernel for this process's threads
+    FlashAttnBackwardCall g = unpack<FlashAttnBackwardCall>(ctx->saved_data["backward"]);
+    g.q = saved[0];
+    g.k = saved[1];
+    g.v = saved[2];
+    g.out = saved[3];
+    g.lse = saved[4];
+    g.dout = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(g.out);
+    if (returns_lse && grad_outputs[1].defined()) g.dlse = grad_outputs[1];
+    if (has_sinks) g.sinks = saved[5];
+    // metadata stays None: the backward plans for this process's threads.
+    auto [dq, dk, dv, dsinks] = tensors_of<4>(call_op(g));
     return {dq, dk, dv, has_sinks ? dsinks : at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> flash_attn_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_kv, const std::optional<at::Tensor>& seqused_q,
-    const std::optional<at::Tensor>& seqused_kv, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& metadata, std::optional<double> softmax_scale,
-    int64_t mask_mode, int64_t win_left, int64_t win_right, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out, bool return_softmax_lse) {
-  const Rest rest{block_table,
-                  cu_seqlens_q,
-                  cu_seqlens_kv,
-                  seqused_q,
-                  seqused_kv,
-                  metadata,
-                  softmax_scale,
-                  mask_mode,
-                  win_left,
-                  win_right,
-                  std::move(max_seqlen_q),
-                  std::move(max_seqlen_kv),
-                  std::string(layout_q),
-                  std::string(layout_kv),
-                  std::string(layout_out),
-                  return_softmax_lse};
+Outputs2 flash_attn_autograd(const FlashAttnCall& call) {
   // Inference (nothing requires a gradient): no autograd node, and no lse unless asked for.
-  const bool needs_grad =
-      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                                     (sinks && sinks->requires_grad()));
-  if (!needs_grad) return call_below_autograd(q, k, v, sinks, rest, return_softmax_lse);
-  const variable_list out = FlashAttnFunction::apply(q, k, v, sinks, rest);
+  const bool needs_grad = at::GradMode::is_enabled() &&
+                          (call.q.requires_grad() || call.k.requires_grad() ||
+                           call.v.requires_grad() || (call.sinks && call.sinks->requires_grad()));
+  if (!needs_grad) return tensors_of<2>(call_below_autograd(call));
+  const variable_list out = FlashAttnFunction::apply(call.q, call.k, call.v, call.sinks, call);
   return {out[0], out[1]};
 }
 
-std::tuple<at::Tensor, at::Tensor> indexer_autograd(
-    const at::Tensor& query_index, const at::Tensor& key_index, const at::Tensor& weights,
-    const std::optional<at::Tensor>& actual_seq_qlen,
-    const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout, int64_t sparse_mode,
-    int64_t pre_tokens, int64_t next_tokens) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("opmesh::dense_lightning_indexer_softmax_lse", "")
-                             .typed<IndexerSig>();
-  at::AutoDispatchBelowADInplaceOrView guard;  // outputs carry no gradient function
-  return op.call(query_index, key_index, weights, actual_seq_qlen, actual_seq_klen, layout,
-                 sparse_mode, pre_tokens, next_tokens);
-}
-
-// Everything dense_lightning_indexer_grad_kl_loss takes besides query_index, key_index, weights.
-struct KlRest {
-  at::Tensor query, key, softmax_max, softmax_sum, softmax_max_index, softmax_sum_index;
-  double scale_value;
-  std::optional<at::Tensor> query_rope, key_rope, actual_seq_qlen, actual_seq_klen;
-  std::string layout;
-  int64_t sparse_mode, pre_tokens, next_tokens;
-};
-
-KlResult kl_below_autograd(const at::Tensor& qi, const at::Tensor& ki, const at::Tensor& w,
-                           const KlRest& r) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("opmesh::dense_lightning_indexer_grad_kl_loss", "")
-                             .typed<KlSig>();
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(r.query, r.key, qi, ki, w, r.softmax_max, r.softmax_sum, r.softmax_max_index,
-                 r.softmax_sum_index, r.scale_value, r.query_rope, r.key_rope, r.actual_seq_qlen,
-                 r.actual_seq_klen, r.layout, r.sparse_mode, r.pre_tokens, r.next_tokens);
+Outputs2 indexer_autograd(const IndexerCall& call) {
+  return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
 }
 
 class KlLossFunction : public torch::autograd::Function<KlLossFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& qi, const at::Tensor& ki,
-                               const at::Tensor& w, const KlRest& r) {
-    auto [dqi, dki, dw, loss] = kl_below_autograd(qi, ki, w, r);
+                               const at::Tensor& w, const KlLossCall& call) {
+    auto [dqi, dki, dw, loss] = tensors_of<4>(call_below_autograd(call));
     ctx->save_for_backward({dqi, dki, dw});
     ctx->mark_non_differentiable({dqi, dki, dw});
     return {dqi, dki, dw, loss};
@@ -233,35 +128,22 @@ class KlLossFunction : public torch::autograd::Function<KlLossFunction> {
     for (const at::Tensor& d : saved) {
       out.push_back(g.defined() ? (d.to(at::kFloat) * g).to(d.scalar_type()) : at::zeros_like(d));
     }
-    out.push_back(at::Tensor());  // KlRest
+    out.push_back(at::Tensor());  // the call struct
     return out;
   }
 };
 
-KlResult kl_loss_autograd(const at::Tensor& query, const at::Tensor& key,
-                          const at::Tensor& query_index, const at::Tensor& key_index,
-                          const at::Tensor& weights, const at::Tensor& softmax_max,
-                          const at::Tensor& softmax_sum, const at::Tensor& softmax_max_index,
-                          const at::Tensor& softmax_sum_index, double scale_value,
-                          const std::optional<at::Tensor>& query_rope,
-                          const std::optional<at::Tensor>& key_rope,
-                          const std::optional<at::Tensor>& actual_seq_qlen,
-                          const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout,
-                          int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
-  const KlRest rest{
-      query,       key,        softmax_max, softmax_sum,     softmax_max_index, softmax_sum_index,
-      scale_value, query_rope, key_rope,    actual_seq_qlen, actual_seq_klen,   std::string(layout),
-      sparse_mode, pre_tokens, next_tokens};
-  if (!at::GradMode::is_enabled()) return kl_below_autograd(query_index, key_index, weights, rest);
+Outputs4 kl_loss_autograd(const KlLossCall& call) {
+  if (!at::GradMode::is_enabled()) return tensors_of<4>(call_below_autograd(call));
   const std::pair<const at::Tensor*, const char*> fixed[] = {
-      {&query, "query"},
-      {&key, "key"},
-      {query_rope ? &*query_rope : nullptr, "query_rope"},
-      {key_rope ? &*key_rope : nullptr, "key_rope"},
-      {&softmax_max, "softmax_max"},
-      {&softmax_sum, "softmax_sum"},
-      {&softmax_max_index, "softmax_max_index"},
-      {&softmax_sum_index, "softmax_sum_index"},
+      {&call.query, "query"},
+      {&call.key, "key"},
+      {call.query_rope ? &*call.query_rope : nullptr, "query_rope"},
+      {call.key_rope ? &*call.key_rope : nullptr, "key_rope"},
+      {&call.softmax_max, "softmax_max"},
+      {&call.softmax_sum, "softmax_sum"},
+      {&call.softmax_max_index, "softmax_max_index"},
+      {&call.softmax_sum_index, "softmax_sum_index"},
   };
   for (const auto& [t, name] : fixed) {
     TORCH_CHECK_VALUE(t == nullptr || !t->requires_grad(), name,
@@ -269,19 +151,21 @@ KlResult kl_loss_autograd(const at::Tensor& query, const at::Tensor& key,
                       "statistics as a fixed target and has no gradient for them; pass ",
                       name, ".detach()");
   }
-  if (!query_index.requires_grad() && !key_index.requires_grad() && !weights.requires_grad()) {
-    return kl_below_autograd(query_index, key_index, weights, rest);
+  if (!call.query_index.requires_grad() && !call.key_index.requires_grad() &&
+      !call.weights.requires_grad()) {
+    return tensors_of<4>(call_below_autograd(call));
   }
-  const variable_list out = KlLossFunction::apply(query_index, key_index, weights, rest);
+  const variable_list out =
+      KlLossFunction::apply(call.query_index, call.key_index, call.weights, call);
   return {out[0], out[1], out[2], out[3]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
-  m.impl("dense_lightning_indexer_grad_kl_loss", &kl_loss_autograd);
-  m.impl("flash_attn", &flash_attn_autograd);
-  m.impl("dense_lightning_indexer_softmax_lse", &indexer_autograd);
+  impl<KlLossCall, kl_loss_autograd>(m);
+  impl<FlashAttnCall, flash_attn_autograd>(m);
+  impl<IndexerCall, indexer_autograd>(m);
 }
 
 }  // namespace opmesh::binding

@@ -24,14 +24,24 @@ inline HostInts host_ints(const std::optional<at::Tensor>& t) {
   return {t->to(at::kCPU).contiguous()};
 }
 
-// Runs f, turning the core's ArgumentError (message starting with the argument) into ValueError.
-template <class F>
-auto rethrow(F&& f) {
-  try {
-    return f();
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+// Host copies of a call's four length arrays (cu_seqlens_q/kv, seqused_q/kv), as the core reads
+// them. Call is any call struct with those fields.
+struct HostLengths {
+  HostInts cq, ck, uq, uk;
+  attn::LengthArrays arrays;
+  template <class Call>
+  explicit HostLengths(const Call& call)
+      : cq(host_ints(call.cu_seqlens_q)),
+        ck(host_ints(call.cu_seqlens_kv)),
+        uq(host_ints(call.seqused_q)),
+        uk(host_ints(call.seqused_kv)),
+        arrays{cq.data(), ck.data(), uq.data(), uk.data()} {}
+};
+
+// A CPU kernel's optional size (concrete there).
+inline std::optional<int64_t> concrete_or_none(const std::optional<c10::SymInt>& v) {
+  if (!v.has_value()) return std::nullopt;
+  return v->expect_int();
 }
 
 // The core's [batch][sequence][head][dim] view of a tensor in `layout`.

@@ -50,25 +50,6 @@ void check_tokens(const c10::SymInt& size, const char* name, const char* what) {
 
 }  // namespace
 
-attn::Layout parse_layout(std::string_view s, const char* name) {
-  if (s == "BSND") return attn::Layout::kBSND;
-  if (s == "BNSD") return attn::Layout::kBNSD;
-  if (s == "TND") return attn::Layout::kTND;
-  if (s == "PA_BBND") return attn::Layout::kPagedBBND;
-  TORCH_CHECK_VALUE(false, name, ": expected 'BSND', 'BNSD', 'TND' or 'PA_BBND', got '", s, "'");
-}
-
-attn::MaskMode parse_mask_mode(int64_t mode) {
-  TORCH_CHECK_VALUE(mode == 0 || mode == 3 || mode == 4,
-                    "mask_mode: must be 0 (none), 3 (causal) or 4 (window), got ", mode);
-  return static_cast<attn::MaskMode>(mode);
-}
-
-int64_t parse_window(int64_t value, const char* name) {
-  TORCH_CHECK_VALUE(value >= -1, name, ": must be >= -1 (-1: unbounded), got ", value);
-  return attn::normalize_window(value);
-}
-
 Axes axes_of(attn::Layout layout) {
   switch (layout) {
     case attn::Layout::kBSND:
@@ -89,45 +70,40 @@ void check_plan_lengths(const OptTensor& t, const char* name, const c10::SymInt&
   check_int32_vector(t, name, count);
 }
 
-FlashAttnArgs check_flash_attn_args(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& block_table,
-    const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_kv, const OptTensor& seqused_q,
-    const OptTensor& seqused_kv, const OptTensor& sinks, const OptTensor& metadata,
-    std::optional<double> softmax_scale, int64_t mask_mode, int64_t win_left, int64_t win_right,
-    const std::optional<c10::SymInt>& max_seqlen_q, const std::optional<c10::SymInt>& max_seqlen_kv,
-    std::string_view layout_q, std::string_view layout_kv, std::string_view layout_out) {
-  FlashAttnArgs r;
-  attn::PlanConfig& c = r.config;
-  // Devices: every tensor on q's device; the plan is host data (CPU) or on q's device.
-  const at::Device device = q.device();
-  check_device(k, "k", device);
-  check_device(v, "v", device);
-  for (const auto& [t, name] : {std::pair{&block_table, "block_table"},
-                                {&cu_seqlens_q, "cu_seqlens_q"},
-                                {&cu_seqlens_kv, "cu_seqlens_kv"},
-                                {&seqused_q, "seqused_q"},
-                                {&seqused_kv, "seqused_kv"},
-                                {&sinks, "sinks"}}) {
+namespace {
+
+// Devices and dtypes: every tensor on q's device (the plan on the host or there), q's dtype one
+// the kernels read, k and v like it, the int32 and float32 side tensors as such.
+void check_devices_and_dtypes(const FlashAttnCall& a) {
+  const at::Device device = a.q.device();
+  check_device(a.k, "k", device);
+  check_device(a.v, "v", device);
+  for (const auto& [t, name] : {std::pair{&a.block_table, "block_table"},
+                                {&a.cu_seqlens_q, "cu_seqlens_q"},
+                                {&a.cu_seqlens_kv, "cu_seqlens_kv"},
+                                {&a.seqused_q, "seqused_q"},
+                                {&a.seqused_kv, "seqused_kv"},
+                                {&a.sinks, "sinks"}}) {
     check_device(*t, name, device);
   }
+  const OptTensor& metadata = a.metadata;
   if (metadata.has_value()) {
     TORCH_CHECK_VALUE(metadata->device().is_cpu() || metadata->device() == device,
                       "metadata: expected a CPU tensor (as flash_attn_metadata returns) or one on ",
                       device, ", got ", metadata->device());
   }
-  // Dtypes.
-  to_core_dtype(q.scalar_type(), "q");
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "k: expected dtype ", q.scalar_type(),
-                   " like q, got ", k.scalar_type());
-  TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "v: expected dtype ", q.scalar_type(),
-                   " like q, got ", v.scalar_type());
-  if (sinks.has_value()) {
-    TORCH_CHECK_TYPE(sinks->scalar_type() == at::kFloat, "sinks: expected float32, got ",
-                     sinks->scalar_type());
+  to_core_dtype(a.q.scalar_type(), "q");
+  TORCH_CHECK_TYPE(a.k.scalar_type() == a.q.scalar_type(), "k: expected dtype ", a.q.scalar_type(),
+                   " like q, got ", a.k.scalar_type());
+  TORCH_CHECK_TYPE(a.v.scalar_type() == a.q.scalar_type(), "v: expected dtype ", a.q.scalar_type(),
+                   " like q, got ", a.v.scalar_type());
+  if (a.sinks.has_value()) {
+    TORCH_CHECK_TYPE(a.sinks->scalar_type() == at::kFloat, "sinks: expected float32, got ",
+                     a.sinks->scalar_type());
   }
-  if (block_table.has_value()) {
-    TORCH_CHECK_TYPE(block_table->scalar_type() == at::kInt, "block_table: expected int32, got ",
-                     block_table->scalar_type());
+  if (a.block_table.has_value()) {
+    TORCH_CHECK_TYPE(a.block_table->scalar_type() == at::kInt, "block_table: expected int32, got ",
+                     a.block_table->scalar_type());
   }
   if (metadata.has_value()) {
     TORCH_CHECK_TYPE(metadata->scalar_type() == at::kInt, "metadata: expected int32, got ",
@@ -135,39 +111,50 @@ FlashAttnArgs check_flash_attn_args(
     TORCH_CHECK_VALUE(metadata->dim() == 1, "metadata: expected a 1-D tensor, got shape ",
                       metadata->sizes());
   }
-  // Layouts, their combination, then ranks (a wrong combination is named before the tensor it
-  // makes look wrong).
-  c.layout_q = parse_layout(layout_q, "layout_q");
-  c.layout_kv = parse_layout(layout_kv, "layout_kv");
-  c.layout_out = parse_layout(layout_out, "layout_out");
+}
+
+// Layouts, their combination, then ranks (a wrong combination is named before the tensor it
+// makes look wrong).
+void check_layouts(const FlashAttnCall& a, FlashAttnArgs& r) {
+  attn::PlanConfig& c = r.config;
+  rethrow([&] {
+    c.layout_q = conventions::attention_layout(a.layout_q, "layout_q");
+    c.layout_kv = conventions::attention_layout(a.layout_kv, "layout_kv");
+    c.layout_out = conventions::attention_layout(a.layout_out, "layout_out");
+    return 0;
+  });
   TORCH_CHECK_VALUE(c.layout_q != attn::Layout::kPagedBBND,
                     "layout_q: expected 'BSND', 'BNSD' or 'TND', got 'PA_BBND'");
   r.paged = c.layout_kv == attn::Layout::kPagedBBND;
   r.q_tnd = c.layout_q == attn::Layout::kTND;
   r.kv_tnd = c.layout_kv == attn::Layout::kTND;
-  TORCH_CHECK_VALUE(r.paged || !block_table.has_value(),
+  TORCH_CHECK_VALUE(r.paged || !a.block_table.has_value(),
                     "layout_kv: block_table is given, so k and v are a paged cache "
                     "[num_blocks, block_size, Nkv, D]: pass layout_kv='PA_BBND' (got '",
-                    layout_kv, "')");
+                    a.layout_kv, "')");
   TORCH_CHECK_VALUE(r.paged || c.layout_kv == c.layout_q, "layout_kv: must equal layout_q ('",
-                    layout_q, "') or be 'PA_BBND', got '", layout_kv, "'");
+                    a.layout_q, "') or be 'PA_BBND', got '", a.layout_kv, "'");
   TORCH_CHECK_VALUE(
       r.q_tnd ? c.layout_out == attn::Layout::kTND
               : (c.layout_out == attn::Layout::kBSND || c.layout_out == attn::Layout::kBNSD),
       "layout_out: must be ", r.q_tnd ? "'TND' when layout_q is 'TND'" : "'BSND' or 'BNSD'",
-      ", got '", layout_out, "'");
-  check_rank(q, c.layout_q, "q");
-  check_rank(k, c.layout_kv, "k");
-  check_rank(v, c.layout_kv, "v");
+      ", got '", a.layout_out, "'");
+  check_rank(a.q, c.layout_q, "q");
+  check_rank(a.k, c.layout_kv, "k");
+  check_rank(a.v, c.layout_kv, "v");
   r.qa = axes_of(c.layout_q);
   r.ka = axes_of(c.layout_kv);
+}
+
+// Heads and head dims of q, k and v.
+void check_heads(const FlashAttnCall& a, FlashAttnArgs& r) {
+  attn::PlanConfig& c = r.config;
   const Axes& qa = r.qa;
   const Axes& ka = r.ka;
-  // Shapes.
-  c.num_heads_q = concrete(q.sym_size(qa.n));
-  c.num_heads_kv = concrete(k.sym_size(ka.n));
-  c.head_dim = concrete(q.sym_size(qa.d));
-  c.head_dim_v = concrete(v.sym_size(ka.d));
+  c.num_heads_q = concrete(a.q.sym_size(qa.n));
+  c.num_heads_kv = concrete(a.k.sym_size(ka.n));
+  c.head_dim = concrete(a.q.sym_size(qa.d));
+  c.head_dim_v = concrete(a.v.sym_size(ka.d));
   // A head count that does not divide q's usually means a layout argument does not match the
   // tensor: say which dims were read as heads, and which arguments to change.
   // No heads at all (q and k both with 0, as a rank's empty shard of the heads) is a call with
@@ -179,16 +166,28 @@ FlashAttnArgs check_flash_attn_args(
                     qa.n, " of ", attn::layout_name(c.layout_q),
                     "); if the tensors are laid out otherwise, set layout_kv (or layout_q) to "
                     "match them");
-  TORCH_CHECK_VALUE(concrete(k.sym_size(ka.d)) == c.head_dim, "k: head_dim ", k.sym_size(ka.d),
+  TORCH_CHECK_VALUE(concrete(a.k.sym_size(ka.d)) == c.head_dim, "k: head_dim ", a.k.sym_size(ka.d),
                     " differs from q's ", c.head_dim);
-  TORCH_CHECK_VALUE(concrete(v.sym_size(ka.n)) == c.num_heads_kv, "v: ", v.sym_size(ka.n),
+  TORCH_CHECK_VALUE(concrete(a.v.sym_size(ka.n)) == c.num_heads_kv, "v: ", a.v.sym_size(ka.n),
                     " heads differ from k's ", c.num_heads_kv);
   for (int dim : {ka.b, ka.s}) {
     if (dim >= 0) {
-      TORCH_CHECK_VALUE(holds(v.sym_size(dim) == k.sym_size(dim)), "v: shape ", v.sym_sizes(),
-                        " does not match k's ", k.sym_sizes(), " outside the head dim");
+      TORCH_CHECK_VALUE(holds(a.v.sym_size(dim) == a.k.sym_size(dim)), "v: shape ", a.v.sym_sizes(),
+                        " does not match k's ", a.k.sym_sizes(), " outside the head dim");
     }
   }
+  if (a.sinks.has_value()) {
+    TORCH_CHECK_VALUE(a.sinks->dim() == 1 && concrete(a.sinks->sym_size(0)) == c.num_heads_q,
+                      "sinks: expected shape [", c.num_heads_q, "] (one per query head), got ",
+                      a.sinks->sym_sizes());
+  }
+}
+
+// The batch, sequence and token sizes, the length arrays and the block table.
+void check_sequences(const FlashAttnCall& a, FlashAttnArgs& r) {
+  const Axes& qa = r.qa;
+  const Axes& ka = r.ka;
+  const OptTensor& cu_seqlens_q = a.cu_seqlens_q;
   if (r.q_tnd) {
     TORCH_CHECK_VALUE(cu_seqlens_q.has_value(), "cu_seqlens_q: required for layout_q TND");
     TORCH_CHECK_VALUE(cu_seqlens_q->dim() == 1, "cu_seqlens_q: expected a 1-D tensor, got shape ",
@@ -196,39 +195,35 @@ FlashAttnArgs check_flash_attn_args(
     TORCH_CHECK_VALUE(holds(cu_seqlens_q->sym_size(0) >= 1),
                       "cu_seqlens_q: expected batch_size + 1 >= 1 entries");
     r.batch = cu_seqlens_q->sym_size(0) - 1;
-    check_tokens(q.sym_size(0), "q", "token count");
+    check_tokens(a.q.sym_size(0), "q", "token count");
   } else {
-    r.batch = q.sym_size(qa.b);
-    check_tokens(q.sym_size(qa.s), "q", "sequence length");
+    r.batch = a.q.sym_size(qa.b);
+    check_tokens(a.q.sym_size(qa.s), "q", "sequence length");
   }
   TORCH_CHECK_VALUE(holds(r.batch <= attn::kMaxBatch), r.q_tnd ? "cu_seqlens_q" : "q", ": batch ",
                     r.batch, " exceeds the limit of ", attn::kMaxBatch);
   if (r.kv_tnd) {
-    TORCH_CHECK_VALUE(cu_seqlens_kv.has_value(), "cu_seqlens_kv: required for layout_kv TND");
-    check_tokens(k.sym_size(0), "k", "token count");
+    TORCH_CHECK_VALUE(a.cu_seqlens_kv.has_value(), "cu_seqlens_kv: required for layout_kv TND");
+    check_tokens(a.k.sym_size(0), "k", "token count");
   } else if (!r.paged) {
-    TORCH_CHECK_VALUE(holds(k.sym_size(ka.b) == r.batch), "k: batch ", k.sym_size(ka.b),
+    TORCH_CHECK_VALUE(holds(a.k.sym_size(ka.b) == r.batch), "k: batch ", a.k.sym_size(ka.b),
                       " differs from q's ", r.batch);
-    check_tokens(k.sym_size(ka.s), "k", "sequence length");
-  }
-  if (sinks.has_value()) {
-    TORCH_CHECK_VALUE(sinks->dim() == 1 && concrete(sinks->sym_size(0)) == c.num_heads_q,
-                      "sinks: expected shape [", c.num_heads_q, "] (one per query head), got ",
-                      sinks->sym_sizes());
+    check_tokens(a.k.sym_size(ka.s), "k", "sequence length");
   }
   check_int32_vector(cu_seqlens_q, "cu_seqlens_q", r.batch + 1);
-  check_int32_vector(cu_seqlens_kv, "cu_seqlens_kv", r.batch + 1);
-  check_int32_vector(seqused_q, "seqused_q", r.batch);
-  check_int32_vector(seqused_kv, "seqused_kv", r.batch);
+  check_int32_vector(a.cu_seqlens_kv, "cu_seqlens_kv", r.batch + 1);
+  check_int32_vector(a.seqused_q, "seqused_q", r.batch);
+  check_int32_vector(a.seqused_kv, "seqused_kv", r.batch);
   if (r.paged) {
+    const OptTensor& block_table = a.block_table;
     TORCH_CHECK_VALUE(block_table.has_value(), "block_table: required with layout_kv PA_BBND");
     TORCH_CHECK_VALUE(block_table->dim() == 2 && holds(block_table->sym_size(0) == r.batch),
                       "block_table: expected shape [", r.batch, ", max_blocks_per_seq], got ",
                       block_table->sym_sizes());
-    TORCH_CHECK_VALUE(seqused_kv.has_value() || holds(r.batch == 0),
+    TORCH_CHECK_VALUE(a.seqused_kv.has_value() || holds(r.batch == 0),
                       "seqused_kv: required with layout_kv PA_BBND");
-    TORCH_CHECK_VALUE(holds(k.sym_size(1) >= 1), "k: block size must be >= 1, got shape ",
-                      k.sym_sizes());
+    TORCH_CHECK_VALUE(holds(a.k.sym_size(1) >= 1), "k: block size must be >= 1, got shape ",
+                      a.k.sym_sizes());
   }
   // A given maximum length must agree with a shape that fixes it, else lie in [0, kMaxTokens].
   auto check_max = [](const std::optional<c10::SymInt>& given, const c10::SymInt* shape,
@@ -242,27 +237,44 @@ FlashAttnArgs check_flash_attn_args(
     TORCH_CHECK_VALUE(holds(*given >= 0) && holds(*given <= attn::kMaxTokens), name,
                       ": must be in [0, ", attn::kMaxTokens, "], got ", *given);
   };
-  const c10::SymInt q_len = r.q_tnd ? c10::SymInt(0) : q.sym_size(qa.s);
-  const c10::SymInt k_len = (r.kv_tnd || r.paged) ? c10::SymInt(0) : k.sym_size(ka.s);
-  check_max(max_seqlen_q, r.q_tnd ? nullptr : &q_len, "max_seqlen_q");
-  check_max(max_seqlen_kv, (r.kv_tnd || r.paged) ? nullptr : &k_len, "max_seqlen_kv");
-  // Argument values, range-checked as int64 before anything narrows them.
-  c.mask_mode = parse_mask_mode(mask_mode);
-  c.win_left = parse_window(win_left, "win_left");
-  c.win_right = parse_window(win_right, "win_right");
+  const c10::SymInt q_len = r.q_tnd ? c10::SymInt(0) : a.q.sym_size(qa.s);
+  const c10::SymInt k_len = (r.kv_tnd || r.paged) ? c10::SymInt(0) : a.k.sym_size(ka.s);
+  check_max(a.max_seqlen_q, r.q_tnd ? nullptr : &q_len, "max_seqlen_q");
+  check_max(a.max_seqlen_kv, (r.kv_tnd || r.paged) ? nullptr : &k_len, "max_seqlen_kv");
+}
+
+// Argument values, range-checked as int64 before anything narrows them, then the core's own
+// checks of the configuration.
+void check_values(const FlashAttnCall& a, FlashAttnArgs& r) {
+  attn::PlanConfig& c = r.config;
+  const core::Mask mask =
+      rethrow([&] { return conventions::attention_mask(a.mask_mode, a.win_left, a.win_right); });
+  c.mask_mode = mask.mode;
+  c.win_left = mask.left;
+  c.win_right = mask.right;
   c.batch_size = r.batch.is_heap_allocated() ? 0 : r.batch.expect_int();
-  try {
-    // Everything but the head counts is checked as for a call with heads.
-    attn::PlanConfig checked = c;
-    if (r.no_heads) checked.num_heads_q = checked.num_heads_kv = 1;
+  // Everything but the head counts is checked as for a call with heads.
+  attn::PlanConfig checked = c;
+  if (r.no_heads) checked.num_heads_q = checked.num_heads_kv = 1;
+  rethrow([&] {
     attn::validate_config(checked);
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  const double scale = softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+    return 0;
+  });
+  const double scale = a.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   r.softmax_scale = static_cast<float>(scale);
   TORCH_CHECK_VALUE(std::isfinite(r.softmax_scale),
                     "softmax_scale: must be finite as a float32, got ", scale);
+}
+
+}  // namespace
+
+FlashAttnArgs check_flash_attn_args(const FlashAttnCall& call) {
+  FlashAttnArgs r;
+  check_devices_and_dtypes(call);
+  check_layouts(call, r);
+  check_heads(call, r);
+  check_sequences(call, r);
+  check_values(call, r);
   return r;
 }
 

@@ -13,18 +13,23 @@
 #include <string_view>
 
 #include "attention/config.h"
+#include "conventions.h"
+#include "errors.h"
+#include "op_call.h"
 
 namespace opmesh::binding {
 
 namespace attn = core::attention;
 
-attn::Layout parse_layout(std::string_view s, const char* name);
-
-// mask_mode as given (int64) -> the enum, refused unless 0, 3 or 4 (checked before narrowing).
-attn::MaskMode parse_mask_mode(int64_t mode);
-
-// A window side as given (int64): -1 or >= 0; kMaxTokens or more is unbounded (-1).
-int64_t parse_window(int64_t value, const char* name);
+// Runs f, turning the core's ArgumentError (message starting with the argument) into ValueError.
+template <class F>
+auto rethrow(F&& f) {
+  try {
+    return f();
+  } catch (const core::ArgumentError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
 
 // Positions of the batch, sequence, head and dim axes of a q/k/v tensor in `layout`
 // (-1: absent). Paged caches read as [block][slot][head][dim].
@@ -58,15 +63,8 @@ struct FlashAttnArgs {
 
 // The checks in order: devices, dtypes, layouts and ranks, shapes and size limits, argument
 // values. Every failure is a Python exception whose message starts with the argument's name.
-FlashAttnArgs check_flash_attn_args(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_kv, const std::optional<at::Tensor>& seqused_q,
-    const std::optional<at::Tensor>& seqused_kv, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& metadata, std::optional<double> softmax_scale,
-    int64_t mask_mode, int64_t win_left, int64_t win_right,
-    const std::optional<c10::SymInt>& max_seqlen_q, const std::optional<c10::SymInt>& max_seqlen_kv,
-    std::string_view layout_q, std::string_view layout_kv, std::string_view layout_out);
+// (return_softmax_lse is not read.)
+FlashAttnArgs check_flash_attn_args(const FlashAttnCall& call);
 
 // flash_attn's outputs for checked arguments, uninitialised: attn_out in layout_out with v's
 // head dim, and the lse ([B, Nq, S1] / [Nq, T1]) or an empty tensor.

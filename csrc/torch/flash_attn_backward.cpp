@@ -18,26 +18,26 @@
 namespace opmesh::binding {
 namespace {
 
-using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Grads = Outputs4;
 
 // The forward's checks, plus those of the saved output, its gradient and the log-sum-exp.
-FlashAttnArgs check_backward_args(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
-    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
-    const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
-    int64_t win_left, int64_t win_right, const std::optional<c10::SymInt>& max_seqlen_q,
-    const std::optional<c10::SymInt>& max_seqlen_kv, c10::string_view layout_q,
-    c10::string_view layout_kv, c10::string_view layout_out,
-    const std::optional<at::Tensor>& metadata) {
-  TORCH_CHECK_VALUE(layout_kv != "PA_BBND",
+FlashAttnArgs check_backward_args(const FlashAttnBackwardCall& g) {
+  TORCH_CHECK_VALUE(g.layout_kv != "PA_BBND",
                     "layout_kv: PA_BBND (paged keys and values) has no backward; train with "
                     "BSND, BNSD or TND keys and values");
-  const FlashAttnArgs args = check_flash_attn_args(
-      q, k, v, std::nullopt, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks, metadata,
-      softmax_scale, mask_mode, win_left, win_right, max_seqlen_q, max_seqlen_kv, layout_q,
-      layout_kv, layout_out);
+  FlashAttnCall forward;
+  forward.q = g.q;
+  forward.k = g.k;
+  forward.v = g.v;
+  forward.metadata = g.metadata;
+  ops::copy_attn_shared(g, forward);
+  const FlashAttnArgs args = check_flash_attn_args(forward);
+  const at::Tensor& dout = g.dout;
+  const at::Tensor& q = g.q;
+  const at::Tensor& v = g.v;
+  const at::Tensor& out = g.out;
+  const at::Tensor& lse = g.lse;
+  const std::optional<at::Tensor>& dlse = g.dlse;
   for (const auto& [t, name] :
        {std::pair<const at::Tensor&, const char*>{dout, "dout"}, {out, "out"}}) {
     TORCH_CHECK_VALUE(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
@@ -88,40 +88,28 @@ Grads empty_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return {make(q), make(k), make(v), dsinks};
 }
 
-Grads flash_attn_backward_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
-    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
-    const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
-    int64_t win_left, int64_t win_right, std::optional<int64_t> max_seqlen_q,
-    std::optional<int64_t> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out, const std::optional<at::Tensor>& metadata) {
+Grads flash_attn_backward_cpu(const FlashAttnBackwardCall& g) {
+  const at::Tensor& q = g.q;
+  const at::Tensor& k = g.k;
+  const at::Tensor& v = g.v;
+  const std::optional<at::Tensor>& sinks = g.sinks;
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
-  const auto as_sym = [](std::optional<int64_t> x) {
-    return x.has_value() ? std::optional<c10::SymInt>(c10::SymInt(*x)) : std::nullopt;
-  };
-  const FlashAttnArgs args = check_backward_args(
-      dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks,
-      softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
-      layout_q, layout_kv, layout_out, metadata);
+  const FlashAttnArgs args = check_backward_args(g);
   if (args.no_heads) return empty_grads(q, k, v, sinks, /*zero=*/true);
   attn::PlanConfig c = args.config;
   c.batch_size = args.batch.expect_int();
-  const auto cq = host_ints(cu_seqlens_q);
-  const auto ck = host_ints(cu_seqlens_kv);
-  const auto uq = host_ints(seqused_q);
-  const auto uk = host_ints(seqused_kv);
-  const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
+  const HostLengths host(g);
+  const attn::LengthArrays& lengths = host.arrays;
   calls::FlashAttnShapes shapes;
   shapes.q_tnd = args.q_tnd;
   shapes.kv_tnd = args.kv_tnd;
   shapes.q_seq = args.q_tnd ? 0 : q.size(args.qa.s);
   shapes.kv_seq = args.kv_tnd ? 0 : k.size(args.ka.s);
-  const HostInts words = host_ints(metadata);
+  const HostInts words = host_ints(g.metadata);
   const calls::PlanWords given{words.data(), words.tensor.defined() ? words.tensor.numel() : 0};
   const calls::PreparedBackward prepared = rethrow([&] {
-    return calls::prepare_backward(c, shapes, lengths, max_seqlen_q, max_seqlen_kv, given);
+    return calls::prepare_backward(c, shapes, lengths, concrete_or_none(g.max_seqlen_q),
+                                   concrete_or_none(g.max_seqlen_kv), given);
   });
   c = prepared.config;
   const std::vector<attn::Sequence>& seqs = prepared.sequences;
@@ -135,17 +123,17 @@ Grads flash_attn_backward_cpu(
   p.q = view_of(q, c.layout_q);
   p.k = view_of(k, c.layout_kv);
   p.v = view_of(v, c.layout_kv);
-  p.out = view_of(out, c.layout_out);
-  p.dout = view_of(dout, c.layout_out);
+  p.out = view_of(g.out, c.layout_out);
+  p.dout = view_of(g.dout, c.layout_out);
   const bool tnd = args.q_tnd;
-  const at::Tensor lse_c = lse.contiguous();
+  const at::Tensor lse_c = g.lse.contiguous();
   p.lse = lse_c.data_ptr<float>();
   p.lse_sb = tnd ? 0 : lse_c.stride(0);
   p.lse_sn = lse_c.stride(tnd ? 0 : 1);
   p.lse_ss = lse_c.stride(tnd ? 1 : 2);
   at::Tensor dlse_c;
-  if (dlse.has_value()) {
-    dlse_c = dlse->contiguous();
+  if (g.dlse.has_value()) {
+    dlse_c = g.dlse->contiguous();
     p.dlse = dlse_c.data_ptr<float>();
     p.dlse_sb = p.lse_sb;
     p.dlse_sn = p.lse_sn;
@@ -173,24 +161,14 @@ Grads flash_attn_backward_cpu(
   return grads;
 }
 
-Grads flash_attn_backward_meta(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_kv,
-    const std::optional<at::Tensor>& seqused_q, const std::optional<at::Tensor>& seqused_kv,
-    const std::optional<at::Tensor>& sinks, std::optional<double> softmax_scale, int64_t mask_mode,
-    int64_t win_left, int64_t win_right, std::optional<c10::SymInt> max_seqlen_q,
-    std::optional<c10::SymInt> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out, const std::optional<at::Tensor>& metadata) {
-  check_backward_args(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_kv, seqused_q,
-                      seqused_kv, sinks, softmax_scale, mask_mode, win_left, win_right,
-                      max_seqlen_q, max_seqlen_kv, layout_q, layout_kv, layout_out, metadata);
-  return empty_grads(q, k, v, sinks, /*zero=*/false);
+Grads flash_attn_backward_meta(const FlashAttnBackwardCall& g) {
+  check_backward_args(g);
+  return empty_grads(g.q, g.k, g.v, g.sinks, /*zero=*/false);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("flash_attn_backward", &flash_attn_backward_cpu); }
-TORCH_LIBRARY_IMPL(opmesh, Meta, m) { m.impl("flash_attn_backward", &flash_attn_backward_meta); }
+TORCH_LIBRARY_IMPL(opmesh, CPU, m) { impl<FlashAttnBackwardCall, flash_attn_backward_cpu>(m); }
+TORCH_LIBRARY_IMPL(opmesh, Meta, m) { impl<FlashAttnBackwardCall, flash_attn_backward_meta>(m); }
 
 }  // namespace opmesh::binding

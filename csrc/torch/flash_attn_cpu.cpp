@@ -28,71 +28,49 @@ int64_t default_workers(std::optional<int64_t> n) {
   return n.has_value() ? *n : std::max(1, at::get_num_threads());
 }
 
-at::Tensor metadata_cpu(int64_t num_heads_q, int64_t num_heads_kv, int64_t head_dim,
-                        std::optional<int64_t> head_dim_v,
-                        const std::optional<at::Tensor>& cu_seqlens_q,
-                        const std::optional<at::Tensor>& cu_seqlens_kv,
-                        const std::optional<at::Tensor>& seqused_q,
-                        const std::optional<at::Tensor>& seqused_kv, int64_t batch_size,
-                        int64_t max_seqlen_q, int64_t max_seqlen_kv, int64_t mask_mode,
-                        int64_t win_left, int64_t win_right, c10::string_view layout_q,
-                        c10::string_view layout_kv, c10::string_view layout_out,
-                        std::optional<int64_t> num_workers, bool deterministic, bool backward) {
+at::Tensor metadata_cpu(const FlashAttnMetadataCall& a) {
+  const int64_t batch_size = a.batch_size.expect_int();
   attn::PlanConfig c;
-  c.num_heads_q = num_heads_q;
-  c.num_heads_kv = num_heads_kv;
-  c.head_dim = head_dim;
-  c.head_dim_v = head_dim_v.value_or(head_dim);
+  c.num_heads_q = a.num_heads_q;
+  c.num_heads_kv = a.num_heads_kv;
+  c.head_dim = a.head_dim;
+  c.head_dim_v = a.head_dim_v.value_or(a.head_dim);
   c.batch_size = batch_size;
-  c.max_seqlen_q = max_seqlen_q;
-  c.max_seqlen_kv = max_seqlen_kv;
-  c.mask_mode = parse_mask_mode(mask_mode);
-  c.win_left = parse_window(win_left, "win_left");
-  c.win_right = parse_window(win_right, "win_right");
-  c.layout_q = parse_layout(layout_q, "layout_q");
-  c.layout_kv = parse_layout(layout_kv, "layout_kv");
-  c.layout_out = parse_layout(layout_out, "layout_out");
-  c.num_workers = default_workers(num_workers);
-  c.deterministic = deterministic;
-  c.backward = backward;
+  c.max_seqlen_q = a.max_seqlen_q.expect_int();
+  c.max_seqlen_kv = a.max_seqlen_kv.expect_int();
+  c.num_workers = default_workers(a.num_workers);
+  c.deterministic = a.deterministic;
+  c.backward = a.backward;
   rethrow([&] {
+    const core::Mask mask = conventions::attention_mask(a.mask_mode, a.win_left, a.win_right);
+    c.mask_mode = mask.mode;
+    c.win_left = mask.left;
+    c.win_right = mask.right;
+    c.layout_q = conventions::attention_layout(a.layout_q, "layout_q");
+    c.layout_kv = conventions::attention_layout(a.layout_kv, "layout_kv");
+    c.layout_out = conventions::attention_layout(a.layout_out, "layout_out");
     attn::validate_config(c);
     return 0;
   });
-  check_plan_lengths(cu_seqlens_q, "cu_seqlens_q", batch_size + 1);
-  check_plan_lengths(cu_seqlens_kv, "cu_seqlens_kv", batch_size + 1);
-  check_plan_lengths(seqused_q, "seqused_q", batch_size);
-  check_plan_lengths(seqused_kv, "seqused_kv", batch_size);
-  const auto cq = host_ints(cu_seqlens_q);
-  const auto ck = host_ints(cu_seqlens_kv);
-  const auto uq = host_ints(seqused_q);
-  const auto uk = host_ints(seqused_kv);
-  const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
+  check_plan_lengths(a.cu_seqlens_q, "cu_seqlens_q", batch_size + 1);
+  check_plan_lengths(a.cu_seqlens_kv, "cu_seqlens_kv", batch_size + 1);
+  check_plan_lengths(a.seqused_q, "seqused_q", batch_size);
+  check_plan_lengths(a.seqused_kv, "seqused_kv", batch_size);
+  const HostLengths host(a);
+  const attn::LengthArrays& lengths = host.arrays;
   const std::vector<int32_t> plan = rethrow([&] { return calls::plan_words(c, lengths); });
   at::Tensor out = at::empty({static_cast<int64_t>(plan.size())}, at::kInt);
   std::copy(plan.begin(), plan.end(), out.data_ptr<int32_t>());
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cu_seqlens_q,
-    const std::optional<at::Tensor>& cu_seqlens_kv, const std::optional<at::Tensor>& seqused_q,
-    const std::optional<at::Tensor>& seqused_kv, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& metadata, std::optional<double> softmax_scale,
-    int64_t mask_mode, int64_t win_left, int64_t win_right, std::optional<int64_t> max_seqlen_q,
-    std::optional<int64_t> max_seqlen_kv, c10::string_view layout_q, c10::string_view layout_kv,
-    c10::string_view layout_out, bool return_softmax_lse) {
+Outputs2 flash_attn_cpu(const FlashAttnCall& call) {
+  const at::Tensor& q = call.q;
+  const at::Tensor& k = call.k;
   TORCH_CHECK_VALUE(q.device().is_cpu(), "q: expected a CPU tensor, got ", q.device());
-  const auto as_sym = [](std::optional<int64_t> v) {
-    return v.has_value() ? std::optional<c10::SymInt>(c10::SymInt(*v)) : std::nullopt;
-  };
-  const FlashAttnArgs args = check_flash_attn_args(
-      q, k, v, block_table, cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv, sinks, metadata,
-      softmax_scale, mask_mode, win_left, win_right, as_sym(max_seqlen_q), as_sym(max_seqlen_kv),
-      layout_q, layout_kv, layout_out);
+  const FlashAttnArgs args = check_flash_attn_args(call);
   const core::DType dtype = to_core_dtype(q.scalar_type(), "q");
-  if (args.no_heads) return flash_attn_outputs(q, v, args, return_softmax_lse);
+  if (args.no_heads) return flash_attn_outputs(q, call.v, args, call.return_softmax_lse);
   attn::PlanConfig c = args.config;
   const bool paged = args.paged;
   const bool q_tnd = args.q_tnd;
@@ -100,11 +78,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   const Axes& qa = args.qa;
   const Axes& ka = args.ka;
   c.batch_size = args.batch.expect_int();
-  const auto cq = host_ints(cu_seqlens_q);
-  const auto ck = host_ints(cu_seqlens_kv);
-  const auto uq = host_ints(seqused_q);
-  const auto uk = host_ints(seqused_kv);
-  const attn::LengthArrays lengths{cq.data(), ck.data(), uq.data(), uk.data()};
+  const HostLengths host(call);
+  const attn::LengthArrays& lengths = host.arrays;
   calls::FlashAttnShapes shapes;
   shapes.q_tnd = q_tnd;
   shapes.kv_tnd = kv_tnd;
@@ -118,16 +93,17 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     // entries the call's sequences use are read.
     shapes.num_blocks = k.size(0);
     shapes.block_size = k.size(1);
-    shapes.blocks_per_seq = block_table->size(1);
-    shapes.table = block_table->data_ptr<int32_t>();
-    shapes.table_stride_b = block_table->stride(0);
-    shapes.table_stride_j = block_table->stride(1);
+    shapes.blocks_per_seq = call.block_table->size(1);
+    shapes.table = call.block_table->data_ptr<int32_t>();
+    shapes.table_stride_b = call.block_table->stride(0);
+    shapes.table_stride_j = call.block_table->stride(1);
   }
-  const HostInts words = host_ints(metadata);
+  const HostInts words = host_ints(call.metadata);
   const calls::PlanWords given{words.data(), words.tensor.defined() ? words.tensor.numel() : 0};
   // Plan, or check the given plan against this call.
   const calls::PreparedForward prepared = rethrow([&] {
-    return calls::prepare_forward(c, shapes, lengths, max_seqlen_q, max_seqlen_kv, given,
+    return calls::prepare_forward(c, shapes, lengths, concrete_or_none(call.max_seqlen_q),
+                                  concrete_or_none(call.max_seqlen_kv), given,
                                   default_workers(std::nullopt));
   });
   c = prepared.config;
@@ -160,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     p.out_sn = out.stride(bnsd ? 1 : 2);
   }
   p.out_sd = out.stride(-1);
-  if (return_softmax_lse) {
+  if (call.return_softmax_lse) {
     const auto lse_options = q.options().dtype(at::kFloat);
     const std::vector<int64_t> shape =
         q_tnd ? std::vector<int64_t>{nq, q.size(0)} : std::vector<int64_t>{batch, nq, q.size(qa.s)};
@@ -178,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
   p.dtype = dtype;
   p.q = view_of(q, c.layout_q);
   p.k = view_of(k, c.layout_kv);
-  p.v = view_of(v, c.layout_kv);
+  p.v = view_of(call.v, c.layout_kv);
   if (paged) {
     p.block_table = shapes.table;
     p.bt_sb = shapes.table_stride_b;
@@ -186,8 +162,8 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
     p.block_size = shapes.block_size;
   }
   at::Tensor sink_values;
-  if (sinks.has_value()) {
-    sink_values = sinks->contiguous();
+  if (call.sinks.has_value()) {
+    sink_values = call.sinks->contiguous();
     p.sinks = sink_values.data_ptr<float>();
   }
   p.softmax_scale = args.softmax_scale;
@@ -202,14 +178,14 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opmesh, CPU, m) {
-  m.impl("flash_attn_metadata", &metadata_cpu);
-  m.impl("flash_attn", &flash_attn_cpu);
+  impl<FlashAttnMetadataCall, metadata_cpu>(m);
+  impl<FlashAttnCall, flash_attn_cpu>(m);
 }
 
 // With no tensor argument at all (fixed-length batches) the dispatcher has no backend to choose
 // from; the metadata is a host-side plan either way.
 TORCH_LIBRARY_IMPL(opmesh, CompositeExplicitAutograd, m) {
-  m.impl("flash_attn_metadata", &metadata_cpu);
+  impl<FlashAttnMetadataCall, metadata_cpu>(m);
 }
 
 }  // namespace opmesh::binding

@@ -13,6 +13,7 @@
 #include "dtypes.h"
 #include "flash_attn_args.h"
 #include "indexer/indexer.h"
+#include "op_call.h"
 
 namespace opmesh::binding {
 
@@ -20,24 +21,13 @@ namespace opmesh::binding {
 // when absent.
 std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens);
 
+// The indexer family's convention (conventions.h), failures as ValueError.
 inline core::Layout indexer_layout(std::string_view layout) {
-  if (layout == "BSND") return core::Layout::kBSND;
-  if (layout == "TND") return core::Layout::kTND;
-  TORCH_CHECK_VALUE(false, "layout: expected 'BSND' or 'TND', got '", layout, "'");
+  return rethrow([&] { return conventions::indexer_layout(layout); });
 }
 
-inline core::MaskMode indexer_sparse_mode(int64_t mode) {
-  TORCH_CHECK_VALUE(mode == 0 || mode == 3,
-                    "sparse_mode: expected 0 (no mask) or 3 (causal, bottom-right), got ", mode);
-  return static_cast<core::MaskMode>(mode);
-}
-
-// sparse_mode, pre_tokens and next_tokens as the core's mask (a ValueError naming the argument).
 inline core::Mask indexer_mask(int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
-  indexer_sparse_mode(sparse_mode);
-  return rethrow([&] {
-    return core::indexer_mask(static_cast<core::MaskMode>(sparse_mode), pre_tokens, next_tokens);
-  });
+  return rethrow([&] { return conventions::indexer_mask(sparse_mode, pre_tokens, next_tokens); });
 }
 
 inline void check_indexer_devices(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w) {
@@ -63,14 +53,14 @@ inline void check_indexer_ranks(const at::Tensor& q, const at::Tensor& k, const 
 // Everything shapes, dtypes and argument values decide, for the CPU and Meta kernels alike:
 // devices (length tensors too), dtypes, layout and ranks, shapes, size limits, length arrays'
 // dtype, rank and entry count.
-inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w,
-                               const std::optional<at::Tensor>& actual_seq_qlen,
-                               const std::optional<at::Tensor>& actual_seq_klen,
-                               std::string_view layout, int64_t sparse_mode, int64_t pre_tokens,
-                               int64_t next_tokens) {
+template <class Call>
+void check_indexer_args(const Call& a) {
+  const at::Tensor& q = a.query_index;
+  const at::Tensor& k = a.key_index;
+  const at::Tensor& w = a.weights;
   check_indexer_devices(q, k, w);
-  for (const auto& [t, name] :
-       {std::pair{&actual_seq_qlen, "actual_seq_qlen"}, {&actual_seq_klen, "actual_seq_klen"}}) {
+  for (const auto& [t, name] : {std::pair{&a.actual_seq_qlen, "actual_seq_qlen"},
+                                {&a.actual_seq_klen, "actual_seq_klen"}}) {
     if (t->has_value()) {
       TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
                         " like query_index, got ", (*t)->device());
@@ -82,8 +72,8 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK_TYPE(w.scalar_type() == q.scalar_type() || w.scalar_type() == at::kFloat,
                    "weights: expected dtype ", q.scalar_type(), " or float32, got ",
                    w.scalar_type());
-  const core::Layout parsed = indexer_layout(layout);
-  indexer_mask(sparse_mode, pre_tokens, next_tokens);
+  const core::Layout parsed = indexer_layout(a.layout);
+  indexer_mask(a.sparse_mode, a.pre_tokens, a.next_tokens);
   check_indexer_ranks(q, k, w, parsed);
   const bool tnd = parsed == core::Layout::kTND;
   const int off = tnd ? -1 : 0;  // TND has no batch dim
@@ -112,8 +102,8 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const a
     TORCH_CHECK_VALUE(holds(k.sym_size(0) == q.sym_size(0)), "key_index: batch ", k.sym_size(0),
                       " differs from query_index's ", q.sym_size(0));
   }
-  for (const auto& [t, name] :
-       {std::pair{&actual_seq_qlen, "actual_seq_qlen"}, {&actual_seq_klen, "actual_seq_klen"}}) {
+  for (const auto& [t, name] : {std::pair{&a.actual_seq_qlen, "actual_seq_qlen"},
+                                {&a.actual_seq_klen, "actual_seq_klen"}}) {
     if (!t->has_value()) {
       TORCH_CHECK_VALUE(!tnd, name, ": required for layout TND (cumulative lengths)");
       continue;
@@ -128,9 +118,9 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& k, const a
     }
   }
   if (tnd) {
-    TORCH_CHECK_VALUE(holds(actual_seq_klen->sym_size(0) == actual_seq_qlen->sym_size(0)),
-                      "actual_seq_klen: expected ", actual_seq_qlen->sym_size(0),
-                      " entries like actual_seq_qlen, got ", actual_seq_klen->sym_size(0));
+    TORCH_CHECK_VALUE(holds(a.actual_seq_klen->sym_size(0) == a.actual_seq_qlen->sym_size(0)),
+                      "actual_seq_klen: expected ", a.actual_seq_qlen->sym_size(0),
+                      " entries like actual_seq_qlen, got ", a.actual_seq_klen->sym_size(0));
   }
 }
 

@@ -20,33 +20,26 @@ std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens) {
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
-                                               const at::Tensor& key_index,
-                                               const at::Tensor& weights,
-                                               const std::optional<at::Tensor>& actual_seq_qlen,
-                                               const std::optional<at::Tensor>& actual_seq_klen,
-                                               c10::string_view layout, int64_t sparse_mode,
-                                               int64_t pre_tokens, int64_t next_tokens) {
-  const at::Tensor& q = query_index;
-  const at::Tensor& k = key_index;
-  const at::Tensor& w = weights;
+Outputs2 indexer_cpu(const IndexerCall& a) {
+  const at::Tensor& q = a.query_index;
+  const at::Tensor& k = a.key_index;
+  const at::Tensor& w = a.weights;
   TORCH_CHECK_VALUE(q.device().is_cpu(), "query_index: expected a CPU tensor, got ", q.device());
-  check_indexer_args(q, k, w, actual_seq_qlen, actual_seq_klen, layout, sparse_mode, pre_tokens,
-                     next_tokens);
+  check_indexer_args(a);
   const core::DType qk_dtype = to_core_dtype(q.scalar_type(), "query_index");
-  const core::Layout parsed = indexer_layout(layout);
-  const core::MaskMode mode = indexer_sparse_mode(sparse_mode);
+  const core::Layout parsed = indexer_layout(a.layout);
+  const core::MaskMode mode = static_cast<core::MaskMode>(a.sparse_mode);  // checked above
   const bool tnd = parsed == core::Layout::kTND;
   const int64_t off = tnd ? -1 : 0;  // TND has no batch dim
   const int64_t n1 = q.size(2 + off), n2 = k.size(2 + off), d = q.size(3 + off);
-  const std::vector<int64_t> qlens = read_lengths(actual_seq_qlen);
-  const std::vector<int64_t> klens = read_lengths(actual_seq_klen);
+  const std::vector<int64_t> qlens = read_lengths(a.actual_seq_qlen);
+  const std::vector<int64_t> klens = read_lengths(a.actual_seq_klen);
 
   core::IndexerParams p;
   p.layout = parsed;
   p.sparse_mode = mode;
-  p.pre_tokens = pre_tokens;
-  p.next_tokens = next_tokens;
+  p.pre_tokens = a.pre_tokens;
+  p.next_tokens = a.next_tokens;
   p.batch = tnd ? static_cast<int64_t>(qlens.size()) : q.size(0);
   p.seq_q = q.size(1 + off);
   p.seq_k = k.size(1 + off);
@@ -91,6 +84,6 @@ std::tuple<at::Tensor, at::Tensor> indexer_cpu(const at::Tensor& query_index,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("dense_lightning_indexer_softmax_lse", &indexer_cpu); }
+TORCH_LIBRARY_IMPL(opmesh, CPU, m) { impl<IndexerCall, indexer_cpu>(m); }
 
 }  // namespace opmesh::binding

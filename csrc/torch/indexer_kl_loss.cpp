@@ -33,114 +33,106 @@ struct KlShapes {
   bool no_heads = false;  // the main attention's or the indexer's heads are none
 };
 
-KlShapes check_kl_args(const at::Tensor& query, const at::Tensor& key,
-                       const at::Tensor& query_index, const at::Tensor& key_index,
-                       const at::Tensor& weights, const at::Tensor& softmax_max,
-                       const at::Tensor& softmax_sum, const at::Tensor& softmax_max_index,
-                       const at::Tensor& softmax_sum_index, double scale_value,
-                       const std::optional<at::Tensor>& query_rope,
-                       const std::optional<at::Tensor>& key_rope,
-                       const std::optional<at::Tensor>& actual_seq_qlen,
-                       const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout,
-                       int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
-  check_indexer_args(query_index, key_index, weights, actual_seq_qlen, actual_seq_klen, layout,
-                     sparse_mode, pre_tokens, next_tokens);
-  const bool tnd = indexer_layout(layout) == core::Layout::kTND;
-  const at::Device device = query_index.device();
+KlShapes check_kl_args(const KlLossCall& a) {
+  check_indexer_args(a);
+  const bool tnd = indexer_layout(a.layout) == core::Layout::kTND;
+  const at::Device device = a.query_index.device();
   const std::pair<const at::Tensor*, const char*> tensors[] = {
-      {&query, "query"},
-      {&key, "key"},
-      {&softmax_max, "softmax_max"},
-      {&softmax_sum, "softmax_sum"},
-      {&softmax_max_index, "softmax_max_index"},
-      {&softmax_sum_index, "softmax_sum_index"},
-      {query_rope ? &*query_rope : nullptr, "query_rope"},
-      {key_rope ? &*key_rope : nullptr, "key_rope"},
+      {&a.query, "query"},
+      {&a.key, "key"},
+      {&a.softmax_max, "softmax_max"},
+      {&a.softmax_sum, "softmax_sum"},
+      {&a.softmax_max_index, "softmax_max_index"},
+      {&a.softmax_sum_index, "softmax_sum_index"},
+      {a.query_rope ? &*a.query_rope : nullptr, "query_rope"},
+      {a.key_rope ? &*a.key_rope : nullptr, "key_rope"},
   };
   for (const auto& [t, name] : tensors) {
     if (t == nullptr) continue;
     TORCH_CHECK_VALUE(t->device() == device, name, ": expected a tensor on ", device,
                       " like query_index, got ", t->device());
   }
-  to_core_dtype(query.scalar_type(), "query");
-  TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type(), "key: expected dtype ",
-                   query.scalar_type(), " like query, got ", key.scalar_type());
+  to_core_dtype(a.query.scalar_type(), "query");
+  TORCH_CHECK_TYPE(a.key.scalar_type() == a.query.scalar_type(), "key: expected dtype ",
+                   a.query.scalar_type(), " like query, got ", a.key.scalar_type());
   const int64_t rank = tnd ? 3 : 4;
-  TORCH_CHECK_VALUE(query.dim() == rank, "query: expected a ", rank, "-D ", layout,
-                    " tensor, got shape ", query.sizes());
-  TORCH_CHECK_VALUE(key.dim() == rank, "key: expected a ", rank, "-D ", layout,
-                    " tensor, got shape ", key.sizes());
+  TORCH_CHECK_VALUE(a.query.dim() == rank, "query: expected a ", rank, "-D ", a.layout,
+                    " tensor, got shape ", a.query.sizes());
+  TORCH_CHECK_VALUE(a.key.dim() == rank, "key: expected a ", rank, "-D ", a.layout,
+                    " tensor, got shape ", a.key.sizes());
   const int off = tnd ? -1 : 0;
   KlShapes s{tnd, 0, 0, 0, 0, 0, 0, 0, false};
-  s.n1 = concrete(query.sym_size(2 + off));
-  s.n2 = concrete(key.sym_size(2 + off));
-  s.d = concrete(query.sym_size(3 + off));
-  s.n1i = concrete(query_index.sym_size(2 + off));
-  s.n2i = concrete(key_index.sym_size(2 + off));
-  s.di = concrete(query_index.sym_size(3 + off));
+  s.n1 = concrete(a.query.sym_size(2 + off));
+  s.n2 = concrete(a.key.sym_size(2 + off));
+  s.d = concrete(a.query.sym_size(3 + off));
+  s.n1i = concrete(a.query_index.sym_size(2 + off));
+  s.n2i = concrete(a.key_index.sym_size(2 + off));
+  s.di = concrete(a.query_index.sym_size(3 + off));
   // No heads on either side (N1 = N2 = 0) leaves nothing to compare: the loss is 0.
   s.no_heads = (s.n1 == 0 && s.n2 == 0) || (s.n1i == 0 && s.n2i == 0);
   const bool main_none = s.n1 == 0 && s.n2 == 0;
   TORCH_CHECK_VALUE(main_none || (s.n1 >= 1 && s.n1 <= attn::kMaxHeads),
                     "query: N1 must be in [1, ", attn::kMaxHeads, "], got shape ",
-                    query.sym_sizes());
+                    a.query.sym_sizes());
   TORCH_CHECK_VALUE(main_none || (s.n2 >= 1 && s.n2 <= attn::kMaxHeads), "key: N2 must be in [1, ",
-                    attn::kMaxHeads, "], got shape ", key.sym_sizes());
+                    attn::kMaxHeads, "], got shape ", a.key.sym_sizes());
   TORCH_CHECK_VALUE(main_none || s.n1 % s.n2 == 0, "key: query heads N1=", s.n1,
                     " must be a multiple of key heads N2=", s.n2);
   TORCH_CHECK_VALUE(s.d >= 1 && s.d <= attn::kMaxHeadDim, "query: head dim D must be in [1, ",
-                    attn::kMaxHeadDim, "], got shape ", query.sym_sizes());
-  SymSizes qlead(query_index.sym_sizes().begin(), query_index.sym_sizes().end() - 2);
-  SymSizes klead(key_index.sym_sizes().begin(), key_index.sym_sizes().end() - 2);
+                    attn::kMaxHeadDim, "], got shape ", a.query.sym_sizes());
+  SymSizes qlead(a.query_index.sym_sizes().begin(), a.query_index.sym_sizes().end() - 2);
+  SymSizes klead(a.key_index.sym_sizes().begin(), a.key_index.sym_sizes().end() - 2);
   auto with = [](SymSizes lead, std::initializer_list<c10::SymInt> tail) {
     lead.insert(lead.end(), tail.begin(), tail.end());
     return lead;
   };
-  expect_shape(query, "query", with(qlead, {c10::SymInt(s.n1), c10::SymInt(s.d)}),
+  expect_shape(a.query, "query", with(qlead, {c10::SymInt(s.n1), c10::SymInt(s.d)}),
                "query_index's tokens, N1 heads, D");
-  expect_shape(key, "key", with(klead, {c10::SymInt(s.n2), c10::SymInt(s.d)}),
+  expect_shape(a.key, "key", with(klead, {c10::SymInt(s.n2), c10::SymInt(s.d)}),
                "key_index's tokens, N2 heads, query's D");
-  TORCH_CHECK_VALUE(query_rope.has_value() == key_rope.has_value(),
-                    query_rope ? "key_rope" : "query_rope",
+  TORCH_CHECK_VALUE(a.query_rope.has_value() == a.key_rope.has_value(),
+                    a.query_rope ? "key_rope" : "query_rope",
                     ": query_rope and key_rope are given together or not at all");
-  if (query_rope.has_value()) {
-    TORCH_CHECK_TYPE(query_rope->scalar_type() == query.scalar_type(),
-                     "query_rope: expected dtype ", query.scalar_type(), " like query, got ",
-                     query_rope->scalar_type());
-    TORCH_CHECK_TYPE(key_rope->scalar_type() == query.scalar_type(), "key_rope: expected dtype ",
-                     query.scalar_type(), " like query, got ", key_rope->scalar_type());
-    TORCH_CHECK_VALUE(query_rope->dim() == rank, "query_rope: expected a ", rank,
-                      "-D tensor, got shape ", query_rope->sizes());
-    s.dr = concrete(query_rope->sym_size(3 + off));
+  if (a.query_rope.has_value()) {
+    TORCH_CHECK_TYPE(a.query_rope->scalar_type() == a.query.scalar_type(),
+                     "query_rope: expected dtype ", a.query.scalar_type(), " like query, got ",
+                     a.query_rope->scalar_type());
+    TORCH_CHECK_TYPE(a.key_rope->scalar_type() == a.query.scalar_type(),
+                     "key_rope: expected dtype ", a.query.scalar_type(), " like query, got ",
+                     a.key_rope->scalar_type());
+    TORCH_CHECK_VALUE(a.query_rope->dim() == rank, "query_rope: expected a ", rank,
+                      "-D tensor, got shape ", a.query_rope->sizes());
+    s.dr = concrete(a.query_rope->sym_size(3 + off));
     TORCH_CHECK_VALUE(s.dr >= 1 && s.d + s.dr <= attn::kMaxHeadDim,
                       "query_rope: rope dim Dr must be >= 1 with D + Dr <= ", attn::kMaxHeadDim,
-                      ", got shape ", query_rope->sym_sizes());
-    expect_shape(*query_rope, "query_rope", with(qlead, {c10::SymInt(s.n1), c10::SymInt(s.dr)}),
+                      ", got shape ", a.query_rope->sym_sizes());
+    expect_shape(*a.query_rope, "query_rope", with(qlead, {c10::SymInt(s.n1), c10::SymInt(s.dr)}),
                  "query's tokens and heads");
-    expect_shape(*key_rope, "key_rope", with(klead, {c10::SymInt(s.n2), c10::SymInt(s.dr)}),
+    expect_shape(*a.key_rope, "key_rope", with(klead, {c10::SymInt(s.n2), c10::SymInt(s.dr)}),
                  "key's tokens and heads, query_rope's Dr");
   }
   const c10::SymInt g(main_none ? 0 : s.n1 / s.n2);
   const SymSizes stats =
-      tnd ? SymSizes{c10::SymInt(s.n2), query_index.sym_size(0), g}
-          : SymSizes{query_index.sym_size(0), c10::SymInt(s.n2), query_index.sym_size(1), g};
+      tnd ? SymSizes{c10::SymInt(s.n2), a.query_index.sym_size(0), g}
+          : SymSizes{a.query_index.sym_size(0), c10::SymInt(s.n2), a.query_index.sym_size(1), g};
   const SymSizes index_stats =
-      tnd ? SymSizes{c10::SymInt(s.n2i), query_index.sym_size(0)}
-          : SymSizes{query_index.sym_size(0), c10::SymInt(s.n2i), query_index.sym_size(1)};
+      tnd ? SymSizes{c10::SymInt(s.n2i), a.query_index.sym_size(0)}
+          : SymSizes{a.query_index.sym_size(0), c10::SymInt(s.n2i), a.query_index.sym_size(1)};
   const char* stats_what = tnd ? "[N2, T1, N1 / N2]" : "[B, N2, S1, N1 / N2]";
   const char* index_what = tnd ? "[N2index, T1]" : "[B, N2index, S1]";
   const std::tuple<const at::Tensor*, const char*, const SymSizes*, const char*> all_stats[] = {
-      {&softmax_max, "softmax_max", &stats, stats_what},
-      {&softmax_sum, "softmax_sum", &stats, stats_what},
-      {&softmax_max_index, "softmax_max_index", &index_stats, index_what},
-      {&softmax_sum_index, "softmax_sum_index", &index_stats, index_what},
+      {&a.softmax_max, "softmax_max", &stats, stats_what},
+      {&a.softmax_sum, "softmax_sum", &stats, stats_what},
+      {&a.softmax_max_index, "softmax_max_index", &index_stats, index_what},
+      {&a.softmax_sum_index, "softmax_sum_index", &index_stats, index_what},
   };
   for (const auto& [t, name, shape, what] : all_stats) {
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, ": expected float32, got ",
                      t->scalar_type());
     expect_shape(*t, name, *shape, what);
   }
-  TORCH_CHECK_VALUE(std::isfinite(scale_value), "scale_value: must be finite, got ", scale_value);
+  TORCH_CHECK_VALUE(std::isfinite(a.scale_value), "scale_value: must be finite, got ",
+                    a.scale_value);
   return s;
 }
 
@@ -164,42 +156,29 @@ core::KlGradient gradient(at::Tensor& t, bool tnd) {
   return g;
 }
 
-using KlResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-KlResult kl_loss_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& query_index,
-                     const at::Tensor& key_index, const at::Tensor& weights,
-                     const at::Tensor& softmax_max, const at::Tensor& softmax_sum,
-                     const at::Tensor& softmax_max_index, const at::Tensor& softmax_sum_index,
-                     double scale_value, const std::optional<at::Tensor>& query_rope,
-                     const std::optional<at::Tensor>& key_rope,
-                     const std::optional<at::Tensor>& actual_seq_qlen,
-                     const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout,
-                     int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
-  TORCH_CHECK_VALUE(query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
-                    query_index.device());
-  const KlShapes s =
-      check_kl_args(query, key, query_index, key_index, weights, softmax_max, softmax_sum,
-                    softmax_max_index, softmax_sum_index, scale_value, query_rope, key_rope,
-                    actual_seq_qlen, actual_seq_klen, layout, sparse_mode, pre_tokens, next_tokens);
-  const std::vector<int64_t> qlens = read_lengths(actual_seq_qlen);
-  const std::vector<int64_t> klens = read_lengths(actual_seq_klen);
-  const at::Tensor max_c = softmax_max.contiguous(), sum_c = softmax_sum.contiguous();
-  const at::Tensor max_ic = softmax_max_index.contiguous();
-  const at::Tensor sum_ic = softmax_sum_index.contiguous();
+Outputs4 kl_loss_cpu(const KlLossCall& a) {
+  TORCH_CHECK_VALUE(a.query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
+                    a.query_index.device());
+  const KlShapes s = check_kl_args(a);
+  const std::vector<int64_t> qlens = read_lengths(a.actual_seq_qlen);
+  const std::vector<int64_t> klens = read_lengths(a.actual_seq_klen);
+  const at::Tensor max_c = a.softmax_max.contiguous(), sum_c = a.softmax_sum.contiguous();
+  const at::Tensor max_ic = a.softmax_max_index.contiguous();
+  const at::Tensor sum_ic = a.softmax_sum_index.contiguous();
   // Rows no sequence covers keep a zero gradient.
-  at::Tensor d_query_index = at::zeros_like(query_index, at::MemoryFormat::Contiguous);
-  at::Tensor d_key_index = at::zeros_like(key_index, at::MemoryFormat::Contiguous);
-  at::Tensor d_weights = at::zeros_like(weights, at::MemoryFormat::Contiguous);
-  at::Tensor loss = at::zeros({1}, query_index.options().dtype(at::kFloat));
+  at::Tensor d_query_index = at::zeros_like(a.query_index, at::MemoryFormat::Contiguous);
+  at::Tensor d_key_index = at::zeros_like(a.key_index, at::MemoryFormat::Contiguous);
+  at::Tensor d_weights = at::zeros_like(a.weights, at::MemoryFormat::Contiguous);
+  at::Tensor loss = at::zeros({1}, a.query_index.options().dtype(at::kFloat));
 
   core::IndexerKlLossParams p;
-  p.layout = indexer_layout(layout);
-  p.sparse_mode = static_cast<core::MaskMode>(sparse_mode);
-  p.pre_tokens = pre_tokens;
-  p.next_tokens = next_tokens;
-  p.batch = s.tnd ? static_cast<int64_t>(qlens.size()) : query_index.size(0);
-  p.seq_q = query_index.size(s.tnd ? 0 : 1);
-  p.seq_k = key_index.size(s.tnd ? 0 : 1);
+  p.layout = indexer_layout(a.layout);
+  p.sparse_mode = static_cast<core::MaskMode>(a.sparse_mode);
+  p.pre_tokens = a.pre_tokens;
+  p.next_tokens = a.next_tokens;
+  p.batch = s.tnd ? static_cast<int64_t>(qlens.size()) : a.query_index.size(0);
+  p.seq_q = a.query_index.size(s.tnd ? 0 : 1);
+  p.seq_k = a.key_index.size(s.tnd ? 0 : 1);
   p.heads_q = s.n1;
   p.heads_k = s.n2;
   p.head_dim = s.d;
@@ -207,16 +186,16 @@ KlResult kl_loss_cpu(const at::Tensor& query, const at::Tensor& key, const at::T
   p.index_heads_q = s.n1i;
   p.index_heads_k = s.n2i;
   p.index_dim = s.di;
-  p.scale = static_cast<float>(scale_value);
-  p.query = operand(query, s.tnd, "query");
-  p.key = operand(key, s.tnd, "key");
-  if (query_rope.has_value()) {
-    p.query_rope = operand(*query_rope, s.tnd, "query_rope");
-    p.key_rope = operand(*key_rope, s.tnd, "key_rope");
+  p.scale = static_cast<float>(a.scale_value);
+  p.query = operand(a.query, s.tnd, "query");
+  p.key = operand(a.key, s.tnd, "key");
+  if (a.query_rope.has_value()) {
+    p.query_rope = operand(*a.query_rope, s.tnd, "query_rope");
+    p.key_rope = operand(*a.key_rope, s.tnd, "key_rope");
   }
-  p.query_index = operand(query_index, s.tnd, "query_index");
-  p.key_index = operand(key_index, s.tnd, "key_index");
-  p.weights = operand(weights, s.tnd, "weights");
+  p.query_index = operand(a.query_index, s.tnd, "query_index");
+  p.key_index = operand(a.key_index, s.tnd, "key_index");
+  p.weights = operand(a.weights, s.tnd, "weights");
   p.softmax_max = max_c.data_ptr<float>();
   p.softmax_sum = sum_c.data_ptr<float>();
   p.softmax_max_index = max_ic.data_ptr<float>();
@@ -244,31 +223,19 @@ KlResult kl_loss_cpu(const at::Tensor& query, const at::Tensor& key, const at::T
   return {d_query_index, d_key_index, d_weights, loss};
 }
 
-KlResult kl_loss_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& query_index,
-                      const at::Tensor& key_index, const at::Tensor& weights,
-                      const at::Tensor& softmax_max, const at::Tensor& softmax_sum,
-                      const at::Tensor& softmax_max_index, const at::Tensor& softmax_sum_index,
-                      double scale_value, const std::optional<at::Tensor>& query_rope,
-                      const std::optional<at::Tensor>& key_rope,
-                      const std::optional<at::Tensor>& actual_seq_qlen,
-                      const std::optional<at::Tensor>& actual_seq_klen, c10::string_view layout,
-                      int64_t sparse_mode, int64_t pre_tokens, int64_t next_tokens) {
-  check_kl_args(query, key, query_index, key_index, weights, softmax_max, softmax_sum,
-                softmax_max_index, softmax_sum_index, scale_value, query_rope, key_rope,
-                actual_seq_qlen, actual_seq_klen, layout, sparse_mode, pre_tokens, next_tokens);
+Outputs4 kl_loss_meta(const KlLossCall& a) {
+  check_kl_args(a);
   auto like = [](const at::Tensor& t) {
     return at::empty_symint(t.sym_sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
   };
-  return {like(query_index), like(key_index), like(weights),
-          at::empty({1}, query_index.options().dtype(at::kFloat))};
+  return {like(a.query_index), like(a.key_index), like(a.weights),
+          at::empty({1}, a.query_index.options().dtype(at::kFloat))};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opmesh, CPU, m) { m.impl("dense_lightning_indexer_grad_kl_loss", &kl_loss_cpu); }
+TORCH_LIBRARY_IMPL(opmesh, CPU, m) { impl<KlLossCall, kl_loss_cpu>(m); }
 
-TORCH_LIBRARY_IMPL(opmesh, Meta, m) {
-  m.impl("dense_lightning_indexer_grad_kl_loss", &kl_loss_meta);
-}
+TORCH_LIBRARY_IMPL(opmesh, Meta, m) { impl<KlLossCall, kl_loss_meta>(m); }
 
 }  // namespace opmesh::binding

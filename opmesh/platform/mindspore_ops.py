@@ -73,10 +73,11 @@ def extension():
     return builder.load()
 
 
-def _call(name: str, *args):
-    """Calls the binding. Each of its functions returns once its kernel has run (see
-    csrc/mindspore/runtime.cpp), so an error in a kernel raises at its call."""
-    return getattr(extension(), name)(*args)
+def _call(name: str, **kwargs):
+    """Calls the binding with its operator's schema arguments by name (csrc/common/op_defs.h).
+    Each of its functions returns once its kernel has run (see csrc/mindspore/runtime.cpp), so an
+    error in a kernel raises at its call."""
+    return getattr(extension(), name)(**kwargs)
 
 
 # MindSpore dtype names -> the torch dtype of the meta stand-in the shared checks see.
@@ -167,23 +168,25 @@ def _empty_lse():
 
 def _indexer_mask(mask):
     """``mask``: the indexer's keyword arguments (lengths, layout, sparse_mode, band). Returns
-    them for the shared checks (lengths as meta stand-ins) and as the binding takes them."""
+    them for the shared checks (lengths as meta stand-ins) and as the binding takes them (lengths
+    as host values)."""
     qlen, qlen_meta = _host(mask["actual_seq_qlen"], "actual_seq_qlen")
     klen, klen_meta = _host(mask["actual_seq_klen"], "actual_seq_klen")
     checks = dict(mask, actual_seq_qlen=qlen_meta, actual_seq_klen=klen_meta)
-    binding = (qlen, klen, mask["layout"] == "TND", mask["sparse_mode"])
-    return checks, (*binding, mask["pre_tokens"], mask["next_tokens"])
+    return checks, dict(mask, actual_seq_qlen=qlen, actual_seq_klen=klen)
 
 
 def indexer(query_index, key_index, weights, mask):
-    checks, binding = _indexer_mask(mask)
+    checks, host = _indexer_mask(mask)
     torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
         _meta(query_index, "query_index"),
         _meta(key_index, "key_index"),
         _meta(weights, "weights"),
         **checks,
     )
-    return tuple(_call("indexer", query_index, key_index, weights, *binding))
+    return tuple(
+        _call("indexer", query_index=query_index, key_index=key_index, weights=weights, **host)
+    )
 
 
 _KL_TENSORS = (
@@ -205,7 +208,7 @@ def grad_kl_loss(args, query_rope, key_rope, mask, differentiable=True):
     query_index, key_index and weights through MindSpore's autograd, as on PyTorch (the main
     attention and the statistics are a fixed target, like ``ops.stop_gradient`` inputs)."""
     *tensors, scale_value = args
-    checks, binding = _indexer_mask(mask)
+    checks, host = _indexer_mask(mask)
     torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
         *(_meta(t, name) for t, name in zip(tensors, _KL_TENSORS, strict=True)),
         scale_value,
@@ -213,18 +216,20 @@ def grad_kl_loss(args, query_rope, key_rope, mask, differentiable=True):
         key_rope=_meta(key_rope, "key_rope"),
         **checks,
     )
-    call = (tensors, float(scale_value), query_rope, key_rope, binding)
+    call = dict(
+        zip(_KL_TENSORS, tensors, strict=True),
+        scale_value=float(scale_value),
+        query_rope=query_rope,
+        key_rope=key_rope,
+        **host,
+    )
     if differentiable:
-        query, key, query_index, key_index, weights, *_ = tensors
-        return _kl_function().apply(query_index, key_index, weights, call)
+        return _kl_function().apply(call["query_index"], call["key_index"], call["weights"], call)
     return _grad_kl_loss_call(call)
 
 
 def _grad_kl_loss_call(call):
-    tensors, scale_value, query_rope, key_rope, binding = call
-    return tuple(
-        _call("indexer_grad_kl_loss", *tensors, scale_value, query_rope, key_rope, *binding)
-    )
+    return tuple(_call("indexer_grad_kl_loss", **call))
 
 
 @functools.cache
@@ -266,25 +271,17 @@ def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
             raise ValueError(f"{name}: must be contiguous on MindSpore (it is written in place)")
     if key_cache is value_cache:
         raise ValueError("value_cache: must not be key_cache")
-    _call("kv_cache_write", key, value, key_cache, value_cache, slots)
+    _call(
+        "kv_cache_write",
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slots,
+    )
 
 
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
-# flash_attn_metadata's options after the lengths, in the binding's order.
-_PLAN_OPTIONS = (
-    "batch_size",
-    "max_seqlen_q",
-    "max_seqlen_kv",
-    "mask_mode",
-    "win_left",
-    "win_right",
-    "layout_q",
-    "layout_kv",
-    "layout_out",
-    "num_workers",
-    "deterministic",
-    "backward",
-)
 
 
 def flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs):
@@ -294,7 +291,7 @@ def flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs):
 
     batch_size = kwargs["batch_size"]
     counts = dict(cu_seqlens_q=batch_size + 1, cu_seqlens_kv=batch_size + 1)
-    host = []
+    host = {}
     for name in _LENGTHS:
         values, meta = _host(kwargs[name], name, int32=True)
         if values is not None:
@@ -303,17 +300,13 @@ def flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs):
             count = counts.get(name, batch_size)
             if len(values) != count:
                 raise ValueError(f"{name}: expected {count} entries, got {len(values)}")
-        host.append(values)
-    head_dim_v = kwargs["head_dim_v"]
-    options = [kwargs[name] for name in _PLAN_OPTIONS]
+        host[name] = values
     words = _call(
         "flash_attn_metadata",
-        num_heads_q,
-        num_heads_kv,
-        head_dim,
-        head_dim if head_dim_v is None else head_dim_v,
-        *host,
-        *options,
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+        **dict(kwargs, **host),
     )
     return mindspore.Tensor(np.asarray(words, dtype=np.int32))
 
@@ -331,53 +324,33 @@ def _plan_words(metadata):
 
 
 def _flash_host(kwargs):
-    """The host arrays of a flash_attn call and their meta stand-ins."""
+    """The host arrays of a flash_attn call (the block table as rows) and their meta
+    stand-ins."""
     host, metas = {}, {}
     for name in _LENGTHS:
         host[name], metas[name] = _host(kwargs[name], name, int32=True)
     table, metas["block_table"] = _host(kwargs["block_table"], "block_table", int32=True)
-    blocks_per_seq = 0
-    if table is not None:
-        blocks_per_seq = metas["block_table"].shape[-1] if metas["block_table"].dim() else 0
+    if table is not None and metas["block_table"].dim() == 2:
+        cols = metas["block_table"].shape[1]
+        table = [table[i * cols : (i + 1) * cols] for i in range(metas["block_table"].shape[0])]
+    host["block_table"] = table
     host["metadata"], metas["metadata"] = _plan_words(kwargs["metadata"])
-    return host, table, blocks_per_seq, metas
-
-
-_OPTIONS = (
-    "softmax_scale",
-    "mask_mode",
-    "win_left",
-    "win_right",
-    "max_seqlen_q",
-    "max_seqlen_kv",
-    "layout_q",
-    "layout_kv",
-    "layout_out",
-)
+    return host, metas
 
 
 def flash_attn(q, k, v, kwargs):
     """``kwargs``: flash_attn's keyword arguments with the layouts resolved."""
-    host, table, blocks_per_seq, metas = _flash_host(kwargs)
-    options = {name: kwargs[name] for name in _OPTIONS}
+    host, metas = _flash_host(kwargs)
+    options = {n: x for n, x in kwargs.items() if n not in host and n != "sinks"}
     torch.ops.opmesh.flash_attn(
         _meta(q, "q"),
         _meta(k, "k"),
         _meta(v, "v"),
         sinks=_meta(kwargs["sinks"], "sinks"),
-        return_softmax_lse=kwargs["return_softmax_lse"],
         **metas,
         **options,
     )
-    return _flash_function().apply(
-        q,
-        k,
-        v,
-        kwargs["sinks"],
-        (host, table, blocks_per_seq),
-        options,
-        kwargs["return_softmax_lse"],
-    )
+    return _flash_function().apply(q, k, v, kwargs["sinks"], host, options)
 
 
 _BACKWARD = ("dout", "q", "k", "v", "out", "lse")
@@ -385,14 +358,6 @@ _BACKWARD = ("dout", "q", "k", "v", "out", "lse")
 
 def _int32_meta(values):
     return None if values is None else torch.empty(len(values), dtype=torch.int32, device="meta")
-
-
-def _lengths_args(host):
-    return [host[name] for name in _LENGTHS]
-
-
-def _options_args(options):
-    return [options[name] for name in _OPTIONS]
 
 
 @functools.cache
@@ -405,36 +370,34 @@ def _flash_function():
         (on MindSpore it runs as MindSpore's autograd Function)."""
 
         @staticmethod
-        def forward(ctx, q, k, v, sinks, host, options, return_softmax_lse):
-            lengths, table, blocks_per_seq = host
+        def forward(ctx, q, k, v, sinks, host, options):
+            # The lse is computed whether asked or not: the backward needs it.
             out, lse = _call(
                 "flash_attn",
-                q,
-                k,
-                v,
-                sinks,
-                *_lengths_args(lengths),
-                table,
-                blocks_per_seq,
-                lengths["metadata"],
-                *_options_args(options),
-                True,
+                q=q,
+                k=k,
+                v=v,
+                sinks=sinks,
+                **host,
+                **dict(options, return_softmax_lse=True),
             )
             ctx.save_for_backward(q, k, v, out, lse, sinks)
-            ctx.call = (lengths, options, return_softmax_lse)
-            return out, (lse if return_softmax_lse else _empty_lse())
+            ctx.call = (host, options)
+            return out, (lse if options["return_softmax_lse"] else _empty_lse())
 
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, sinks = ctx.saved_tensors
-            lengths, options, return_softmax_lse = ctx.call
-            dlse = dlse if return_softmax_lse else None
+            host, options = ctx.call
+            lengths = {n: host[n] for n in _LENGTHS}
+            options = {n: x for n, x in options.items() if n != "return_softmax_lse"}
+            dlse = dlse if ctx.call[1]["return_softmax_lse"] else None
             # The backward's checks are the torch binding's too (e.g. paged keys have none).
             torch.ops.opmesh.flash_attn_backward(
                 *(_meta(x, n) for x, n in zip((dout, q, k, v, out, lse), _BACKWARD, strict=True)),
                 dlse=_meta(dlse, "dlse"),
                 sinks=_meta(sinks, "sinks"),
-                **{n: _int32_meta(lengths[n]) for n in _LENGTHS},
+                **{n: _int32_meta(x) for n, x in lengths.items()},
                 **options,
             )
             # Inside MindSpore's backward, a pending result (a stub) handed to an extension
@@ -444,18 +407,12 @@ def _flash_function():
             )
             dq, dk, dv, dsinks = _call(
                 "flash_attn_backward",
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                dlse,
-                sinks,
-                *_lengths_args(lengths),
-                None,
-                *_options_args(options),
+                **dict(zip(_BACKWARD, (dout, q, k, v, out, lse), strict=True)),
+                dlse=dlse,
+                sinks=sinks,
+                **lengths,
+                **options,
             )
-            return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None
+            return dq, dk, dv, (dsinks if sinks is not None else None), None, None
 
     return FlashAttnFunction

@@ -218,6 +218,31 @@ def test_flash_attn_without_lse_returns_an_empty_second_output():
     assert tuple(m_lse.shape) == tuple(t_lse.shape) == (0,)
 
 
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_no_heads_gives_empty_outputs_as_on_torch(layout):
+    """A rank's empty shard of the heads: q, k and v with 0 heads give empty outputs and zero
+    gradients on both frameworks; the indexer and its KL loss likewise (loss 0)."""
+    arrays, lengths = attn_case(layout)
+    no_heads = [a[..., :0, :] for a in arrays]
+    m_in, t_in = zip(*(both(a) for a in no_heads), strict=True)
+    kw = dict(layout_q=layout, return_softmax_lse=True, mask_mode=3, **lengths)
+    outs = [opmesh.flash_attn(*x, **kw) for x in (m_in, t_in)]
+    for a, b in zip(*outs, strict=True):
+        assert_same(a, b)
+    m_grads = ms.grad(lambda q, k, v: opmesh.flash_attn(q, k, v, **kw)[0].sum(), (0, 1, 2))(*m_in)
+    for g, x in zip(m_grads, m_in, strict=True):
+        assert tuple(g.shape) == tuple(x.shape)
+    qlens, klens = ([4, 4, 11], [6, 6, 19]) if layout == "TND" else (None, None)
+    idx = indexer_inputs(layout, "float32", qlens, klens, n1=0, n2=0)
+    ikw = dict(layout=layout, actual_seq_qlen=qlens, actual_seq_klen=klens)
+    stats = [
+        opmesh.dense_lightning_indexer_softmax_lse(*(pair[i] for pair in idx), **ikw)
+        for i in (0, 1)
+    ]
+    for a, b in zip(*stats, strict=True):
+        assert_same(a, b)
+
+
 def paged_case():
     block_size, nkv, d = 4, 2, 16
     k_cache, v_cache = randn(9, block_size, nkv, d), randn(9, block_size, nkv, d)
@@ -570,22 +595,26 @@ def test_the_binding_refuses_what_would_read_out_of_bounds_when_called_directly(
     ext = mindspore_ops.extension()
     q, k, w = ms.Tensor(randn(9, 4, 16)), ms.Tensor(randn(2, 9, 1, 16)), ms.Tensor(randn(2, 9, 4))
     with pytest.raises(ValueError, match="^query_index: expected 4 dims"):
-        ext.indexer(q, k, w, None, None, False, 3, 2**62, 2**62)
+        ext.indexer(query_index=q, key_index=k, weights=w, pre_tokens=2**62, next_tokens=2**62)
     key, value = ms.Tensor(randn(2, 2, 16)), ms.Tensor(randn(2, 2, 16))
     small = ms.Tensor(np.zeros((3, 4, 2, 8), np.float32))
+    caches = dict(key=key, value=value, key_cache=small, value_cache=small)
     with pytest.raises(ValueError, match="^value_cache: shapes"):
-        ext.kv_cache_write(key, value, small, small, [0, 1])
+        ext.kv_cache_write(**caches, slot_mapping=[0, 1])
     with pytest.raises(ValueError, match="^slot_mapping: expected one entry per token"):
-        ext.kv_cache_write(key, value, small, small, [0])
+        ext.kv_cache_write(**caches, slot_mapping=[0])
     arrays, _ = attn_case("TND")
-    tnd = [ms.Tensor(a) for a in arrays]
-    options = [None, 0, -1, -1, None, None, "TND", "TND", "TND"]
+    tnd = dict(zip("qkv", (ms.Tensor(a) for a in arrays), strict=True))
+    layouts = dict(layout_q="TND", layout_kv="TND", layout_out="TND")
     with pytest.raises(ValueError, match="^cu_seqlens_q: required"):
-        ext.flash_attn(*tnd, None, None, None, None, None, None, 0, None, *options, False)
+        ext.flash_attn(**tnd, **layouts)
     with pytest.raises(ValueError, match="^cu_seqlens_kv: expected 4 entries"):
-        ext.flash_attn(
-            *tnd, None, [0, 5, 5, 14], [0, 23], None, None, None, 0, None, *options, False
-        )
+        ext.flash_attn(**tnd, **layouts, cu_seqlens_q=[0, 5, 5, 14], cu_seqlens_kv=[0, 23])
+    # Arguments are the operator's schema, by name.
+    with pytest.raises(TypeError, match="^flash_attn: missing argument q"):
+        ext.flash_attn(k=tnd["k"], v=tnd["v"])
+    with pytest.raises(TypeError, match="^flash_attn: an argument is not in its schema"):
+        ext.flash_attn(**tnd, **layouts, window=3)
 
 
 def test_paged_backward_is_refused_as_on_torch():

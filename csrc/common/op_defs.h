@@ -1,0 +1,220 @@
+// Every operator's arguments, declared once. Each binding (csrc/torch, csrc/mindspore) turns these
+// lists into its own call struct by naming its types for the kinds below, and reads that struct:
+// the torch binding builds the schema string, the boxed CPU/Meta/Autograd kernels and the C++
+// callers from it (csrc/torch/op_call.h); the MindSpore binding fills it from keyword arguments
+// (csrc/mindspore/ms_call.h).
+//
+// An operator is a list of items, in schema order:
+//   ARG(kind, name)            an argument without a default
+//   ARG_D(kind, name, value)   an argument with a default (a C++ value of the kind's type)
+//   KWONLY                     the arguments after it are keyword-only (the schema's `*`)
+// Kinds: Tensor, OptTensor, MutTensor (written in place), Ints and OptInts (integer tensors the
+// kernels read on the host: lengths, block tables, slots, plans; a binding may take them as host
+// arrays), Float, OptFloat, Int, OptInt, SymInt, OptSymInt, Str, Bool.
+//
+// The file includes no framework: a struct is `OpCall<Types>` with `Types` giving the binding's
+// C++ type for each kind (`typename Types::Tensor`, ...).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+namespace opmesh::ops {
+
+// Unbounded window sides of the indexer family (its public default).
+inline constexpr int64_t kUnboundedTokens = std::numeric_limits<int64_t>::max();
+
+// One argument as a binding sees it while visiting a call struct.
+struct Field {
+  const char* name;
+  const char* kind;  // the kind's name: "Tensor", "OptTensor", ...
+  bool has_default;
+  bool kw_only;
+};
+
+}  // namespace opmesh::ops
+
+// The arguments flash_attn and flash_attn_backward share after their tensors.
+#define OPMESH_ATTN_LENGTHS(ARG, ARG_D)       \
+  ARG_D(OptInts, cu_seqlens_q, std::nullopt)  \
+  ARG_D(OptInts, cu_seqlens_kv, std::nullopt) \
+  ARG_D(OptInts, seqused_q, std::nullopt)     \
+  ARG_D(OptInts, seqused_kv, std::nullopt)
+
+#define OPMESH_ATTN_OPTIONS(ARG, ARG_D)         \
+  ARG_D(OptFloat, softmax_scale, std::nullopt)  \
+  ARG_D(Int, mask_mode, 0)                      \
+  ARG_D(Int, win_left, -1)                      \
+  ARG_D(Int, win_right, -1)                     \
+  ARG_D(OptSymInt, max_seqlen_q, std::nullopt)  \
+  ARG_D(OptSymInt, max_seqlen_kv, std::nullopt) \
+  ARG_D(Str, layout_q, "BSND")                  \
+  ARG_D(Str, layout_kv, "BSND")                 \
+  ARG_D(Str, layout_out, "BSND")
+
+// flash_attn(q, k, v, *, ...) -> (attn_out, softmax_lse)
+#define OPMESH_OP_FLASH_ATTN(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, q)                                 \
+  ARG(Tensor, k)                                 \
+  ARG(Tensor, v)                                 \
+  KWONLY                                         \
+  ARG_D(OptInts, block_table, std::nullopt)      \
+  OPMESH_ATTN_LENGTHS(ARG, ARG_D)                \
+  ARG_D(OptTensor, sinks, std::nullopt)          \
+  ARG_D(OptInts, metadata, std::nullopt)         \
+  OPMESH_ATTN_OPTIONS(ARG, ARG_D)                \
+  ARG_D(Bool, return_softmax_lse, false)
+#define OPMESH_OP_FLASH_ATTN_RETURNS "(Tensor attn_out, Tensor softmax_lse)"
+
+// flash_attn_backward(dout, q, k, v, out, lse, *, ...) -> (dq, dk, dv, dsinks): flash_attn's
+// gradients, an operator of its own so compiled graphs hold it as an ordinary node.
+#define OPMESH_OP_FLASH_ATTN_BACKWARD(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, dout)                                       \
+  ARG(Tensor, q)                                          \
+  ARG(Tensor, k)                                          \
+  ARG(Tensor, v)                                          \
+  ARG(Tensor, out)                                        \
+  ARG(Tensor, lse)                                        \
+  KWONLY                                                  \
+  ARG_D(OptTensor, dlse, std::nullopt)                    \
+  OPMESH_ATTN_LENGTHS(ARG, ARG_D)                         \
+  ARG_D(OptTensor, sinks, std::nullopt)                   \
+  OPMESH_ATTN_OPTIONS(ARG, ARG_D)                         \
+  ARG_D(OptInts, metadata, std::nullopt)
+#define OPMESH_OP_FLASH_ATTN_BACKWARD_RETURNS "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"
+
+// flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, *, ...) -> plan words
+#define OPMESH_OP_FLASH_ATTN_METADATA(ARG, ARG_D, KWONLY) \
+  ARG(Int, num_heads_q)                                   \
+  ARG(Int, num_heads_kv)                                  \
+  ARG(Int, head_dim)                                      \
+  KWONLY                                                  \
+  ARG_D(OptInt, head_dim_v, std::nullopt)                 \
+  OPMESH_ATTN_LENGTHS(ARG, ARG_D)                         \
+  ARG(SymInt, batch_size)                                 \
+  ARG(SymInt, max_seqlen_q)                               \
+  ARG(SymInt, max_seqlen_kv)                              \
+  ARG_D(Int, mask_mode, 0)                                \
+  ARG_D(Int, win_left, -1)                                \
+  ARG_D(Int, win_right, -1)                               \
+  ARG_D(Str, layout_q, "BSND")                            \
+  ARG_D(Str, layout_kv, "BSND")                           \
+  ARG_D(Str, layout_out, "BSND")                          \
+  ARG_D(OptInt, num_workers, std::nullopt)                \
+  ARG_D(Bool, deterministic, false)                       \
+  ARG_D(Bool, backward, false)
+#define OPMESH_OP_FLASH_ATTN_METADATA_RETURNS "Tensor"
+
+// The indexer family's mask and lengths (the Ascend convention: cumulative ends without a
+// leading 0, sparse_mode, pre_tokens/next_tokens).
+#define OPMESH_INDEXER_OPTIONS(ARG, ARG_D)                \
+  ARG_D(OptInts, actual_seq_qlen, std::nullopt)           \
+  ARG_D(OptInts, actual_seq_klen, std::nullopt)           \
+  ARG_D(Str, layout, "BSND")                              \
+  ARG_D(Int, sparse_mode, 3)                              \
+  ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens) \
+  ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens)
+
+// dense_lightning_indexer_softmax_lse(query_index, key_index, weights, *, ...)
+#define OPMESH_OP_INDEXER(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, query_index)                    \
+  ARG(Tensor, key_index)                      \
+  ARG(Tensor, weights)                        \
+  KWONLY                                      \
+  OPMESH_INDEXER_OPTIONS(ARG, ARG_D)
+#define OPMESH_OP_INDEXER_RETURNS "(Tensor softmax_max, Tensor softmax_sum)"
+
+// dense_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, softmax_max,
+// softmax_sum, softmax_max_index, softmax_sum_index, scale_value=1.0, *, ...)
+#define OPMESH_OP_KL_LOSS(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, query)                          \
+  ARG(Tensor, key)                            \
+  ARG(Tensor, query_index)                    \
+  ARG(Tensor, key_index)                      \
+  ARG(Tensor, weights)                        \
+  ARG(Tensor, softmax_max)                    \
+  ARG(Tensor, softmax_sum)                    \
+  ARG(Tensor, softmax_max_index)              \
+  ARG(Tensor, softmax_sum_index)              \
+  ARG_D(Float, scale_value, 1.0)              \
+  KWONLY                                      \
+  ARG_D(OptTensor, query_rope, std::nullopt)  \
+  ARG_D(OptTensor, key_rope, std::nullopt)    \
+  OPMESH_INDEXER_OPTIONS(ARG, ARG_D)
+#define OPMESH_OP_KL_LOSS_RETURNS \
+  "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)"
+
+// kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping) -> ()
+#define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, key)                                   \
+  ARG(Tensor, value)                                 \
+  ARG(MutTensor, key_cache)                          \
+  ARG(MutTensor, value_cache)                        \
+  ARG(Ints, slot_mapping)
+#define OPMESH_OP_KV_CACHE_WRITE_RETURNS "()"
+
+// merge_attn_states(out_a, lse_a, out_b, lse_b, *, layout="BSND") -> (out, lse)
+#define OPMESH_OP_MERGE_ATTN_STATES(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, out_a)                                    \
+  ARG(Tensor, lse_a)                                    \
+  ARG(Tensor, out_b)                                    \
+  ARG(Tensor, lse_b)                                    \
+  KWONLY                                                \
+  ARG_D(Str, layout, "BSND")
+#define OPMESH_OP_MERGE_ATTN_STATES_RETURNS "(Tensor out, Tensor lse)"
+
+// The call struct of one operator for a binding's `Types`: its fields in schema order with their
+// defaults, the operator's name and returns, and visit(f), which calls f(Field, value&) for each
+// field in order.
+#define OPMESH_DETAIL_FIELD(kind, name) typename Types::kind name{};
+#define OPMESH_DETAIL_FIELD_D(kind, name, value) typename Types::kind name = value;
+#define OPMESH_DETAIL_VISIT(kind, name) f(::opmesh::ops::Field{#name, #kind, false, kw}, name);
+#define OPMESH_DETAIL_VISIT_D(kind, name, value) \
+  f(::opmesh::ops::Field{#name, #kind, true, kw}, name);
+#define OPMESH_DETAIL_NOTHING
+#define OPMESH_DETAIL_KWONLY kw = true;
+#define OPMESH_DETAIL_COUNT(...) +1
+#define OPMESH_DEFINE_CALL(Struct, op_name, LIST)                                \
+  template <class Types>                                                         \
+  struct Struct {                                                                \
+    static constexpr const char* kName = op_name;                                \
+    static constexpr const char* kReturns = LIST##_RETURNS;                      \
+    static constexpr int kNumFields =                                            \
+        0 LIST(OPMESH_DETAIL_COUNT, OPMESH_DETAIL_COUNT, OPMESH_DETAIL_NOTHING); \
+    LIST(OPMESH_DETAIL_FIELD, OPMESH_DETAIL_FIELD_D, OPMESH_DETAIL_NOTHING)      \
+    template <class F>                                                           \
+    void visit(F&& f) {                                                          \
+      [[maybe_unused]] bool kw = false;                                          \
+      LIST(OPMESH_DETAIL_VISIT, OPMESH_DETAIL_VISIT_D, OPMESH_DETAIL_KWONLY)     \
+    }                                                                            \
+    template <class F>                                                           \
+    void visit(F&& f) const {                                                    \
+      [[maybe_unused]] bool kw = false;                                          \
+      LIST(OPMESH_DETAIL_VISIT, OPMESH_DETAIL_VISIT_D, OPMESH_DETAIL_KWONLY)     \
+    }                                                                            \
+  };
+
+namespace opmesh::ops {
+
+OPMESH_DEFINE_CALL(FlashAttnCall, "flash_attn", OPMESH_OP_FLASH_ATTN)
+OPMESH_DEFINE_CALL(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH_ATTN_BACKWARD)
+OPMESH_DEFINE_CALL(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)
+OPMESH_DEFINE_CALL(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)
+OPMESH_DEFINE_CALL(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)
+OPMESH_DEFINE_CALL(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)
+OPMESH_DEFINE_CALL(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
+
+// Copies the arguments flash_attn and flash_attn_backward share (lengths and options).
+template <class To, class From>
+void copy_attn_shared(const From& from, To& to) {
+#define OPMESH_DETAIL_COPY(kind, name) to.name = from.name;
+#define OPMESH_DETAIL_COPY_D(kind, name, value) to.name = from.name;
+  OPMESH_ATTN_LENGTHS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+  OPMESH_ATTN_OPTIONS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+  to.sinks = from.sinks;
+#undef OPMESH_DETAIL_COPY
+#undef OPMESH_DETAIL_COPY_D
+}
+
+}  // namespace opmesh::ops

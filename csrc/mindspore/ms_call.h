@@ -1,0 +1,117 @@
+// The MindSpore binding's side of csrc/common/op_defs.h: each operator's call struct with
+// MindSpore types, filled from the keyword arguments of a binding function (the schema's names),
+// so the binding's functions take one struct and the Python side passes arguments by name.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ms_binding.h"
+#include "op_defs.h"
+
+namespace opmesh::ms_binding {
+
+// An integer tensor the kernels read on the host (lengths, block tables, slots, plans), as host
+// values: a flat list (1-D) or a list of rows (2-D, flattened here row by row).
+struct HostInts {
+  std::vector<int64_t> values;
+  int64_t rows = 0;
+  int64_t cols = 0;  // 1-D: the entry count
+};
+
+// The C++ type of each kind in the MindSpore binding.
+struct MsTypes {
+  using Tensor = ms::Tensor;
+  using MutTensor = ms::Tensor;
+  using OptTensor = std::optional<ms::Tensor>;
+  using Ints = HostInts;
+  using OptInts = std::optional<HostInts>;
+  using Float = double;
+  using OptFloat = std::optional<double>;
+  using Int = int64_t;
+  using OptInt = std::optional<int64_t>;
+  using SymInt = int64_t;
+  using OptSymInt = std::optional<int64_t>;
+  using Str = std::string;
+  using Bool = bool;
+};
+
+using FlashAttnCall = ops::FlashAttnCall<MsTypes>;
+using FlashAttnBackwardCall = ops::FlashAttnBackwardCall<MsTypes>;
+using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<MsTypes>;
+using IndexerCall = ops::IndexerCall<MsTypes>;
+using KlLossCall = ops::KlLossCall<MsTypes>;
+using KvCacheWriteCall = ops::KvCacheWriteCall<MsTypes>;
+
+// Host values of an optional integer argument (int64), as the binding's helpers take them.
+inline IntList values_of(const std::optional<HostInts>& h) {
+  if (!h.has_value()) return std::nullopt;
+  return h->values;
+}
+
+namespace detail {
+
+HostInts host_ints_from(const py::handle& value, const char* name);
+
+template <class T>
+void from_py(const py::handle& value, const char* name, T& out) {
+  try {
+    out = value.cast<T>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(std::string(name) + ": cannot take a " +
+                         std::string(py::str(py::type::of(value).attr("__name__"))));
+  }
+}
+inline void from_py(const py::handle& value, const char* name, HostInts& out) {
+  out = host_ints_from(value, name);
+}
+template <class T>
+void from_py(const py::handle& value, const char* name, std::optional<T>& out) {
+  if (value.is_none()) {
+    out.reset();
+    return;
+  }
+  T v{};
+  from_py(value, name, v);
+  out = std::move(v);
+}
+
+}  // namespace detail
+
+// The binding's operators (module.cpp binds them), each a function of its call struct.
+py::object indexer(const IndexerCall& call);
+py::object indexer_grad_kl_loss(const KlLossCall& call);
+py::object kv_cache_write(const KvCacheWriteCall& call);
+std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call);
+py::object flash_attn(const FlashAttnCall& call);
+py::object flash_attn_backward(const FlashAttnBackwardCall& call);
+
+// Call's struct from keyword arguments: every argument without a default must be given, and no
+// name outside the operator's schema is accepted.
+template <class Call>
+Call call_from_kwargs(const py::kwargs& kwargs) {
+  Call call;
+  size_t used = 0;
+  call.visit([&](const ops::Field& f, auto& value) {
+    if (kwargs.contains(f.name)) {
+      detail::from_py(kwargs[f.name], f.name, value);
+      ++used;
+    } else if (!f.has_default) {
+      throw py::type_error(std::string(Call::kName) + ": missing argument " + f.name);
+    }
+  });
+  if (used != kwargs.size()) {
+    throw py::type_error(std::string(Call::kName) + ": an argument is not in its schema");
+  }
+  return call;
+}
+
+// Binds `fn(const Call&)` as a module function taking keyword arguments.
+template <class Call, class Fn>
+void def_op(py::module_& m, const char* name, Fn fn) {
+  m.def(name, [fn](const py::kwargs& kwargs) { return fn(call_from_kwargs<Call>(kwargs)); });
+}
+
+}  // namespace opmesh::ms_binding
