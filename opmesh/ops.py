@@ -10,13 +10,13 @@ from collections.abc import Sequence
 import torch
 
 from . import platform as _platform
+from ._schema import UNBOUNDED, positional
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
+from .distributed.ops.indexer_kl_loss import PARAMETERS as _KL_PARAMETERS
 from .platform import mindspore_ops as _ms
 
 LengthsLike = torch.Tensor | Sequence[int] | None
-# pre_tokens / next_tokens default: an unbounded band.
-UNBOUNDED = 2**63 - 1
 
 
 def _int_list(value, name: str) -> list[int]:
@@ -39,6 +39,27 @@ def _int_list(value, name: str) -> list[int]:
 def _on_mindspore(*values) -> bool:
     """Whether a call's tensors are MindSpore tensors (platform/mindspore_ops.py runs it then)."""
     return not torch.compiler.is_compiling() and _platform.on_mindspore(*values)
+
+
+def _pick(call: dict, names) -> tuple:
+    """The values of ``names`` in ``call``. (The public functions take their arguments with
+    ``locals()``; a comprehension in their body would turn a local into a closure cell, which
+    torch.compile cannot read there.)"""
+    return tuple(call[n] for n in names)
+
+
+def _run(name: str, call: dict, **dispatch_only):
+    """The one route of a call on PyTorch tensors: ``call`` holds the operator's arguments by
+    schema name. With a DTensor among them, the dispatcher runs the operator's DistributedOp
+    (docs/distributed.md), which also gets ``dispatch_only``; otherwise the operator runs
+    directly. (MindSpore tensors take platform/mindspore_ops.py before this.)"""
+    op = getattr(torch.ops.opmesh, name)
+    call = dict(call)
+    args = tuple(call.pop(n) for n in positional(name))
+    is_dtensor = _platform.current().is_dtensor
+    if any(is_dtensor(v) for v in (*args, *call.values())):
+        return DISPATCHER.dispatch(name, op, args, {**call, **dispatch_only})
+    return op(*args, **call)
 
 
 def _as_lengths(value: LengthsLike, name: str) -> torch.Tensor | None:
@@ -105,65 +126,24 @@ def dense_lightning_indexer_softmax_lse(
 
     MindSpore tensors in, MindSpore tensors out (docs/mindspore.md).
     """
-    mask = dict(
-        actual_seq_qlen=actual_seq_qlen,
-        actual_seq_klen=actual_seq_klen,
-        layout=layout,
-        sparse_mode=sparse_mode,
-        pre_tokens=pre_tokens,
-        next_tokens=next_tokens,
-    )
+    call = dict(locals())
     if _on_mindspore(query_index, key_index, weights):
-        return _ms.indexer(query_index, key_index, weights, mask)
-    return _IndexerFunction.apply(query_index, key_index, weights, **_torch_lengths(mask))
+        return _ms.indexer(query_index, key_index, weights, _mask(call))
+    return _run("dense_lightning_indexer_softmax_lse", _torch_lengths(call))
 
 
 _LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
+# The indexer family's mask and length arguments, which its three functions share.
+_MASK_NAMES = (*_LENGTH_NAMES, "layout", "sparse_mode", "pre_tokens", "next_tokens")
 
 
-def _torch_lengths(mask: dict) -> dict:
-    """The indexer's keyword arguments with the length lists as torch tensors."""
-    return {k: _as_lengths(v, k) if k in _LENGTH_NAMES else v for k, v in mask.items()}
+def _mask(call: dict) -> dict:
+    return {n: call[n] for n in _MASK_NAMES}
 
 
-class _IndexerFunction(DFunction):
-    """The indexer as a DFunction: plain tensors take the op directly; DTensors go through the
-    layout rules of opmesh/distributed/ops/indexer.py. The outputs have no gradient."""
-
-    _op_name = "dense_lightning_indexer_softmax_lse"
-
-    @staticmethod
-    def forward(
-        ctx,
-        query_index,
-        key_index,
-        weights,
-        actual_seq_qlen=None,
-        actual_seq_klen=None,
-        layout="BSND",
-        sparse_mode=3,
-        pre_tokens=UNBOUNDED,
-        next_tokens=UNBOUNDED,
-    ):
-        out = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
-            query_index,
-            key_index,
-            weights,
-            actual_seq_qlen=actual_seq_qlen,
-            actual_seq_klen=actual_seq_klen,
-            layout=layout,
-            sparse_mode=sparse_mode,
-            pre_tokens=pre_tokens,
-            next_tokens=next_tokens,
-        )
-        ctx.mark_non_differentiable(*out)
-        return out
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # Never reached (the outputs are non-differentiable statistics); one entry per input of
-        # forward, as autograd requires.
-        return (None,) * 9
+def _torch_lengths(call: dict) -> dict:
+    """A call's arguments with the length lists as torch tensors."""
+    return {k: _as_lengths(v, k) if k in _LENGTH_NAMES else v for k, v in call.items()}
 
 
 def dense_lightning_indexer_grad_kl_loss(
@@ -223,34 +203,11 @@ def dense_lightning_indexer_grad_kl_loss(
         the main attention and the statistics are a fixed target and may not require a
         gradient.
     """
-    args = (
-        query,
-        key,
-        query_index,
-        key_index,
-        weights,
-        softmax_max,
-        softmax_sum,
-        softmax_max_index,
-        softmax_sum_index,
-        scale_value,
-    )
-    mask = dict(
-        actual_seq_qlen=actual_seq_qlen,
-        actual_seq_klen=actual_seq_klen,
-        layout=layout,
-        sparse_mode=sparse_mode,
-        pre_tokens=pre_tokens,
-        next_tokens=next_tokens,
-    )
+    call = dict(locals())
     if _on_mindspore(query, key, query_index, key_index, weights):
-        return _ms.grad_kl_loss(args, query_rope, key_rope, mask)
-    kwargs = dict(query_rope=query_rope, key_rope=key_rope, **_torch_lengths(mask))
-    if any(_platform.current().is_dtensor(t) for t in (*args, query_rope, key_rope)):
-        # The local call takes every argument by its schema name.
-        local = torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss
-        return DISPATCHER.dispatch("dense_lightning_indexer_grad_kl_loss", local, args, kwargs)
-    return torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(*args, **kwargs)
+        args = _pick(call, _KL_PARAMETERS["dense_lightning_indexer_grad_kl_loss"])
+        return _ms.grad_kl_loss(args, query_rope, key_rope, _mask(call))
+    return _run("dense_lightning_indexer_grad_kl_loss", _torch_lengths(call))
 
 
 def indexer_kl_loss(
@@ -280,10 +237,10 @@ def indexer_kl_loss(
 
     A ``DFunction``: with plain tensors it is ordinary autograd, eagerly and under
     ``torch.compile``, and MindSpore's autograd on MindSpore tensors."""
+    call = dict(locals())
     on_mindspore = _on_mindspore(query_index, key_index, weights)
-    lengths = (actual_seq_qlen, actual_seq_klen)
     if not on_mindspore:
-        lengths = tuple(_as_lengths(x, n) for x, n in zip(lengths, _LENGTH_NAMES, strict=True))
+        call = _torch_lengths(call)
     if torch.is_grad_enabled() and not on_mindspore:
         fixed = dict(query=query, key=key, query_rope=query_rope, key_rope=key_rope)
         fixed.update(softmax_max=softmax_max, softmax_sum=softmax_sum)
@@ -293,90 +250,37 @@ def indexer_kl_loss(
                     f"{name}: requires a gradient, but the KL loss treats the main attention as "
                     f"a fixed target and has no gradient for it; pass {name}.detach()"
                 )
-    return _KlLossFunction.apply(
-        query_index,
-        key_index,
-        weights,
-        query,
-        key,
-        softmax_max,
-        softmax_sum,
-        scale_value,
-        query_rope,
-        key_rope,
-        *lengths,
-        layout,
-        sparse_mode,
-        pre_tokens,
-        next_tokens,
-    )
+    return _KlLossFunction.apply(*_pick(call, _KL_PARAMETERS["indexer_kl_loss"]))
 
 
 class _KlLossFunction(DFunction):
     """The indexer's KL loss: forward on local tensors runs the two operators; backward scales
-    the gradients the fused operator returned."""
+    the gradients the fused operator returned. Its parameters are indexer_kl_loss's, in the
+    order of ``PARAMETERS["indexer_kl_loss"]`` (opmesh/distributed/ops/indexer_kl_loss.py)."""
 
     _op_name = "indexer_kl_loss"
 
     @staticmethod
-    def forward(
-        ctx,
-        query_index,
-        key_index,
-        weights,
-        query,
-        key,
-        softmax_max,
-        softmax_sum,
-        scale_value,
-        query_rope,
-        key_rope,
-        actual_seq_qlen,
-        actual_seq_klen,
-        layout,
-        sparse_mode,
-        pre_tokens,
-        next_tokens,
-    ):
-        mask = dict(
-            actual_seq_qlen=actual_seq_qlen,
-            actual_seq_klen=actual_seq_klen,
-            layout=layout,
-            sparse_mode=sparse_mode,
-            pre_tokens=pre_tokens,
-            next_tokens=next_tokens,
-        )
+    def forward(ctx, *values):
+        call = dict(zip(_KL_PARAMETERS["indexer_kl_loss"], values, strict=True))
+        q_side = {n: call[n] for n in ("query_index", "key_index", "weights")}
         # The operators of the tensors' framework (the forward is written once for both).
-        if _on_mindspore(query_index):
-            max_index, sum_index = _ms.indexer(query_index, key_index, weights, mask)
-            args = (query, key, query_index, key_index, weights, softmax_max, softmax_sum)
+        if _on_mindspore(call["query_index"]):
+            max_index, sum_index = _ms.indexer(*q_side.values(), _mask(call))
+            call.update(softmax_max_index=max_index, softmax_sum_index=sum_index)
+            args = tuple(call[n] for n in _KL_PARAMETERS["dense_lightning_indexer_grad_kl_loss"])
             d_query_index, d_key_index, d_weights, loss = _ms.grad_kl_loss(
-                (*args, max_index, sum_index, scale_value),
-                query_rope,
-                key_rope,
-                mask,
-                differentiable=False,
+                args, call["query_rope"], call["key_rope"], _mask(call), differentiable=False
             )
         else:
             max_index, sum_index = torch.ops.opmesh.dense_lightning_indexer_softmax_lse(
-                query_index, key_index, weights, **mask
+                *q_side.values(), **_mask(call)
             )
+            call.update(softmax_max_index=max_index, softmax_sum_index=sum_index)
+            names = _KL_PARAMETERS["dense_lightning_indexer_grad_kl_loss"]
+            args = [call.pop(n) for n in names]
             d_query_index, d_key_index, d_weights, loss = (
-                torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(
-                    query,
-                    key,
-                    query_index,
-                    key_index,
-                    weights,
-                    softmax_max,
-                    softmax_sum,
-                    max_index,
-                    sum_index,
-                    scale_value,
-                    query_rope=query_rope,
-                    key_rope=key_rope,
-                    **mask,
-                )
+                torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(*args, **call)
             )
         ctx.save_for_backward(d_query_index, d_key_index, d_weights)
         return loss
@@ -384,7 +288,8 @@ class _KlLossFunction(DFunction):
     @staticmethod
     def backward(ctx, grad_loss):
         # The main attention and the rest are a fixed target (no gradient).
-        return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * 13
+        rest = len(_KL_PARAMETERS["indexer_kl_loss"]) - 3
+        return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * rest
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
@@ -459,27 +364,10 @@ def flash_attn_metadata(
     """
     layout_kv = layout_q if layout_kv is None else layout_kv
     layout_out = layout_q if layout_out is None else layout_out
-    kwargs = dict(
-        head_dim_v=head_dim_v,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv,
-        seqused_q=seqused_q,
-        seqused_kv=seqused_kv,
-        batch_size=batch_size,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
-        mask_mode=mask_mode,
-        win_left=win_left,
-        win_right=win_right,
-        layout_q=layout_q,
-        layout_kv=layout_kv,
-        layout_out=layout_out,
-        num_workers=num_workers,
-        deterministic=deterministic,
-        backward=backward,
-    )
-    lengths = [kwargs[name] for name in _FLASH_LENGTHS]
-    if _on_mindspore(*lengths) or _platform.current().name == "mindspore":
+    kwargs = dict(locals())
+    for name in positional("flash_attn_metadata"):
+        del kwargs[name]
+    if _on_mindspore(*_pick(kwargs, _FLASH_LENGTHS)) or _platform.current().name == "mindspore":
         return _ms.flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs)
     for name in _FLASH_LENGTHS:
         kwargs[name] = _as_int32(kwargs[name], name)
@@ -567,42 +455,18 @@ def flash_attn(
         raise ValueError(
             f"context_parallel: expected 'all_gather' or 'ring', got {context_parallel!r}"
         )
-    kwargs = dict(
-        block_table=block_table,
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv,
-        seqused_q=seqused_q,
-        seqused_kv=seqused_kv,
-        sinks=sinks,
-        metadata=metadata,
-        softmax_scale=softmax_scale,
-        mask_mode=mask_mode,
-        win_left=win_left,
-        win_right=win_right,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
-        layout_q=layout_q,
-        layout_kv=layout_kv,
-        layout_out=layout_out,
-        return_softmax_lse=return_softmax_lse,
-    )
+    call = dict(locals())
+    del call["context_parallel"]
     if _on_mindspore(q, k, v):
-        return _ms.flash_attn(q, k, v, kwargs)
+        return _ms.flash_attn(q, k, v, {n: x for n, x in call.items() if n not in ("q", "k", "v")})
     for name in _FLASH_LENGTHS:
-        kwargs[name] = _as_int32(kwargs[name], name)
-    if any(_platform.current().is_dtensor(x) for x in (q, k, v)):
-        # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
-        # operator (and its autograd) on each rank's local tensors.
-        kwargs["context_parallel"] = context_parallel
-        return DISPATCHER.dispatch("flash_attn", _flash_attn_local, (q, k, v), kwargs)
-    return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
+        call[name] = _as_int32(call[name], name)
+    # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
+    # operator (and its autograd) on each rank's local tensors.
+    return _run("flash_attn", call, context_parallel=context_parallel)
 
 
 _FLASH_LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
-
-
-def _flash_attn_local(q, k, v, **kwargs):
-    return torch.ops.opmesh.flash_attn(q, k, v, **kwargs)
 
 
 def merge_attn_states(

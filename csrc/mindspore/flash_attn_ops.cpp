@@ -207,15 +207,11 @@ std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call) {
 }
 
 py::object flash_attn(const FlashAttnCall& call) {
-  const ms::Tensor& q = call.q;
-  const ms::Tensor& k = call.k;
-  const ms::Tensor& v = call.v;
-  const std::optional<ms::Tensor>& sinks = call.sinks;
   const bool return_softmax_lse = call.return_softmax_lse;
-  resolve({&q, &k, &v});
-  resolve(sinks);
+  resolve({&call.q, &call.k, &call.v});
+  resolve(call.sinks);
   attn::PlanConfig c = base_config(call, checked_batch(call));
-  calls::FlashAttnShapes shapes = shapes_of(q, k, c);
+  calls::FlashAttnShapes shapes = shapes_of(call.q, call.k, c);
   const auto lengths = host_lengths(call);
   auto table = std::make_shared<std::vector<int32_t>>(as_int32(block_table_of(call)));
   if (shapes.paged) {
@@ -241,21 +237,21 @@ py::object flash_attn(const FlashAttnCall& call) {
   const int64_t nq = c.num_heads_q;
   std::vector<int64_t> out_shape, lse_shape;
   if (q_tnd) {
-    out_shape = {q.shape()[0], nq, c.head_dim_v};
-    lse_shape = {nq, q.shape()[0]};
+    out_shape = {call.q.shape()[0], nq, c.head_dim_v};
+    lse_shape = {nq, call.q.shape()[0]};
   } else {
-    const int64_t s1 = q.shape()[qa.s];
+    const int64_t s1 = call.q.shape()[qa.s];
     out_shape = c.layout_out == attn::Layout::kBNSD
                     ? std::vector<int64_t>{c.batch_size, nq, s1, c.head_dim_v}
                     : std::vector<int64_t>{c.batch_size, s1, nq, c.head_dim_v};
     lse_shape = {c.batch_size, nq, s1};
   }
   if (!return_softmax_lse) lse_shape = {0};
-  const std::vector<OutputSpec> outs{{q.data_type(), out_shape},
+  const std::vector<OutputSpec> outs{{call.q.data_type(), out_shape},
                                      {mindspore::kNumberTypeFloat32, lse_shape}};
-  std::vector<ms::Tensor> inputs{q, k, v};
-  const bool has_sinks = sinks.has_value();
-  if (has_sinks) inputs.push_back(*sinks);
+  std::vector<ms::Tensor> inputs{call.q, call.k, call.v};
+  const bool has_sinks = call.sinks.has_value();
+  if (has_sinks) inputs.push_back(*call.sinks);
   const float scale = scale_of(call, c.head_dim);
   return launch("OpmeshFlashAttn", inputs, outs,
                 [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale, no_heads](
@@ -308,21 +304,13 @@ py::object flash_attn(const FlashAttnCall& call) {
 }
 
 py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
-  const ms::Tensor& dout = call.dout;
-  const ms::Tensor& q = call.q;
-  const ms::Tensor& k = call.k;
-  const ms::Tensor& v = call.v;
-  const ms::Tensor& out = call.out;
-  const ms::Tensor& lse = call.lse;
-  const std::optional<ms::Tensor>& dlse = call.dlse;
-  const std::optional<ms::Tensor>& sinks = call.sinks;
   attn::PlanConfig c = base_config(call, checked_batch(call));
   if (c.layout_kv == attn::Layout::kPagedBBND) value_error("layout_kv: PA_BBND has no backward");
   const attn::Layout lo = c.layout_out;
-  require_rank(dout, lo == attn::Layout::kTND ? 3 : 4, "dout");
-  require_rank(out, lo == attn::Layout::kTND ? 3 : 4, "out");
-  require_rank(lse, lo == attn::Layout::kTND ? 2 : 3, "lse");
-  const calls::FlashAttnShapes shapes = shapes_of(q, k, c);
+  require_rank(call.dout, lo == attn::Layout::kTND ? 3 : 4, "dout");
+  require_rank(call.out, lo == attn::Layout::kTND ? 3 : 4, "out");
+  require_rank(call.lse, lo == attn::Layout::kTND ? 2 : 3, "lse");
+  const calls::FlashAttnShapes shapes = shapes_of(call.q, call.k, c);
   const auto lengths = host_lengths(call);
   const IntList metadata = values_of(call.metadata);
   const std::vector<int32_t> words = as_int32(metadata);
@@ -331,17 +319,17 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
     return calls::prepare_backward(with_heads(c), shapes, lengths->arrays(), call.max_seqlen_q,
                                    call.max_seqlen_kv, plan_words_of(words, metadata));
   }));
-  const bool has_sinks = sinks.has_value();
-  const bool has_dlse = dlse.has_value();
-  std::vector<ms::Tensor> inputs{dout, q, k, v, out, lse};
-  if (has_sinks) inputs.push_back(*sinks);
-  if (has_dlse) inputs.push_back(*dlse);
+  const bool has_sinks = call.sinks.has_value();
+  const bool has_dlse = call.dlse.has_value();
+  std::vector<ms::Tensor> inputs{call.dout, call.q, call.k, call.v, call.out, call.lse};
+  if (has_sinks) inputs.push_back(*call.sinks);
+  if (has_dlse) inputs.push_back(*call.dlse);
   auto spec = [](const ms::Tensor& t) {
     return OutputSpec{t.data_type(), std::vector<int64_t>(t.shape().begin(), t.shape().end())};
   };
   const std::vector<OutputSpec> outs{
-      spec(q), spec(k), spec(v),
-      has_sinks ? spec(*sinks) : OutputSpec{mindspore::kNumberTypeFloat32, {0}}};
+      spec(call.q), spec(call.k), spec(call.v),
+      has_sinks ? spec(*call.sinks) : OutputSpec{mindspore::kNumberTypeFloat32, {0}}};
   const float scale = scale_of(call, c.head_dim);
   return launch("OpmeshFlashAttnBackward", inputs, outs,
                 [prepared, lengths, shapes, has_sinks, has_dlse, scale, no_heads](

@@ -74,15 +74,12 @@ core::IndexerParams indexer_params(const Call& call, const std::vector<int64_t>&
 }  // namespace
 
 py::object indexer(const IndexerCall& call) {
-  const ms::Tensor& query_index = call.query_index;
-  const ms::Tensor& key_index = call.key_index;
-  const ms::Tensor& weights = call.weights;
   const bool tnd = is_tnd(call);
-  resolve({&query_index, &key_index, &weights});
+  resolve({&call.query_index, &call.key_index, &call.weights});
   const size_t rank = tnd ? 3 : 4;
-  require_rank(query_index, rank, "query_index");
-  require_rank(key_index, rank, "key_index");
-  require_rank(weights, rank - 1, "weights");
+  require_rank(call.query_index, rank, "query_index");
+  require_rank(call.key_index, rank, "key_index");
+  require_rank(call.weights, rank - 1, "weights");
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_klen));
   const core::IndexerParams base = indexer_params(call, *qlens, *klens);
@@ -94,7 +91,7 @@ py::object indexer(const IndexerCall& call) {
           : std::vector<int64_t>{base.batch, base.heads_k, base.seq_q};
   const std::vector<OutputSpec> outs{{mindspore::kNumberTypeFloat32, shape},
                                      {mindspore::kNumberTypeFloat32, shape}};
-  return launch("OpmeshIndexer", {query_index, key_index, weights}, outs,
+  return launch("OpmeshIndexer", {call.query_index, call.key_index, call.weights}, outs,
                 [base, qlens, klens, tnd, no_heads](const std::vector<ms::Tensor>& in,
                                                     std::vector<ms::Tensor>& out) {
                   if (no_heads) return;
@@ -118,32 +115,25 @@ py::object indexer(const IndexerCall& call) {
 }
 
 py::object indexer_grad_kl_loss(const KlLossCall& call) {
-  const ms::Tensor& query = call.query;
-  const ms::Tensor& key = call.key;
-  const ms::Tensor& query_index = call.query_index;
-  const ms::Tensor& key_index = call.key_index;
-  const ms::Tensor& weights = call.weights;
-  const std::optional<ms::Tensor>& query_rope = call.query_rope;
-  const std::optional<ms::Tensor>& key_rope = call.key_rope;
   const bool tnd = is_tnd(call);
-  resolve({&query, &key, &query_index, &key_index, &weights, &call.softmax_max, &call.softmax_sum,
-           &call.softmax_max_index, &call.softmax_sum_index});
-  resolve(query_rope);
-  resolve(key_rope);
+  resolve({&call.query, &call.key, &call.query_index, &call.key_index, &call.weights,
+           &call.softmax_max, &call.softmax_sum, &call.softmax_max_index, &call.softmax_sum_index});
+  resolve(call.query_rope);
+  resolve(call.key_rope);
   const size_t rank = tnd ? 3 : 4;
-  for (const auto& [t, name] : {std::pair{&query, "query"},
-                                {&key, "key"},
-                                {&query_index, "query_index"},
-                                {&key_index, "key_index"}}) {
+  for (const auto& [t, name] : {std::pair{&call.query, "query"},
+                                {&call.key, "key"},
+                                {&call.query_index, "query_index"},
+                                {&call.key_index, "key_index"}}) {
     require_rank(*t, rank, name);
   }
-  require_rank(weights, rank - 1, "weights");
-  if (query_rope.has_value() != key_rope.has_value()) {
+  require_rank(call.weights, rank - 1, "weights");
+  if (call.query_rope.has_value() != call.key_rope.has_value()) {
     value_error("query_rope: query_rope and key_rope are given together or not at all");
   }
-  if (query_rope.has_value()) {
-    require_rank(*query_rope, rank, "query_rope");
-    require_rank(*key_rope, rank, "key_rope");
+  if (call.query_rope.has_value()) {
+    require_rank(*call.query_rope, rank, "query_rope");
+    require_rank(*call.key_rope, rank, "key_rope");
   }
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_klen));
@@ -156,39 +146,41 @@ py::object indexer_grad_kl_loss(const KlLossCall& call) {
   base.sparse_mode = index.sparse_mode;
   base.pre_tokens = call.pre_tokens;
   base.next_tokens = call.next_tokens;
-  base.batch = tnd ? static_cast<int64_t>(qlens->size()) : query_index.shape()[0];
-  base.seq_q = query_index.shape()[1 + off];
-  base.seq_k = key_index.shape()[1 + off];
-  base.heads_q = query.shape()[2 + off];
-  base.heads_k = key.shape()[2 + off];
-  base.head_dim = query.shape()[3 + off];
-  base.rope_dim = query_rope.has_value() ? query_rope->shape()[3 + off] : 0;
-  base.index_heads_q = query_index.shape()[2 + off];
-  base.index_heads_k = key_index.shape()[2 + off];
-  base.index_dim = query_index.shape()[3 + off];
+  base.batch = tnd ? static_cast<int64_t>(qlens->size()) : call.query_index.shape()[0];
+  base.seq_q = call.query_index.shape()[1 + off];
+  base.seq_k = call.key_index.shape()[1 + off];
+  base.heads_q = call.query.shape()[2 + off];
+  base.heads_k = call.key.shape()[2 + off];
+  base.head_dim = call.query.shape()[3 + off];
+  base.rope_dim = call.query_rope.has_value() ? call.query_rope->shape()[3 + off] : 0;
+  base.index_heads_q = call.query_index.shape()[2 + off];
+  base.index_heads_k = call.key_index.shape()[2 + off];
+  base.index_dim = call.query_index.shape()[3 + off];
   base.scale = static_cast<float>(call.scale_value);
   // No heads on either side: nothing to compare, the loss is 0 and the gradients zero.
   const bool no_heads = (base.heads_q == 0 && base.heads_k == 0) ||
                         (base.index_heads_q == 0 && base.index_heads_k == 0);
-  const bool rope = query_rope.has_value();
-  std::vector<ms::Tensor> inputs{query,
-                                 key,
-                                 query_index,
-                                 key_index,
-                                 weights,
+  const bool rope = call.query_rope.has_value();
+  std::vector<ms::Tensor> inputs{call.query,
+                                 call.key,
+                                 call.query_index,
+                                 call.key_index,
+                                 call.weights,
                                  call.softmax_max,
                                  call.softmax_sum,
                                  call.softmax_max_index,
                                  call.softmax_sum_index};
   if (rope) {
-    inputs.push_back(*query_rope);
-    inputs.push_back(*key_rope);
+    inputs.push_back(*call.query_rope);
+    inputs.push_back(*call.key_rope);
   }
   auto spec = [](const ms::Tensor& t) {
     return OutputSpec{t.data_type(), std::vector<int64_t>(t.shape().begin(), t.shape().end())};
   };
-  const std::vector<OutputSpec> outs{
-      spec(query_index), spec(key_index), spec(weights), {mindspore::kNumberTypeFloat32, {1}}};
+  const std::vector<OutputSpec> outs{spec(call.query_index),
+                                     spec(call.key_index),
+                                     spec(call.weights),
+                                     {mindspore::kNumberTypeFloat32, {1}}};
   return launch("OpmeshIndexerKlLoss", inputs, outs,
                 [base, qlens, klens, tnd, rope, no_heads](const std::vector<ms::Tensor>& in,
                                                           std::vector<ms::Tensor>& out) {
@@ -240,37 +232,37 @@ py::object indexer_grad_kl_loss(const KlLossCall& call) {
 }
 
 py::object kv_cache_write(const KvCacheWriteCall& call) {
-  const ms::Tensor& key = call.key;
-  const ms::Tensor& value = call.value;
-  const ms::Tensor& key_cache = call.key_cache;
-  const ms::Tensor& value_cache = call.value_cache;
   const std::vector<int64_t>& slot_mapping = call.slot_mapping.values;
-  resolve({&key, &value, &key_cache, &value_cache});
-  require_rank(key, 3, "key");
-  require_rank(value, 3, "value");
-  require_rank(key_cache, 4, "key_cache");
-  require_rank(value_cache, 4, "value_cache");
-  if (static_cast<int64_t>(slot_mapping.size()) != key.shape()[0]) {
+  resolve({&call.key, &call.value, &call.key_cache, &call.value_cache});
+  require_rank(call.key, 3, "key");
+  require_rank(call.value, 3, "value");
+  require_rank(call.key_cache, 4, "key_cache");
+  require_rank(call.value_cache, 4, "value_cache");
+  if (static_cast<int64_t>(slot_mapping.size()) != call.key.shape()[0]) {
     value_error("slot_mapping: expected one entry per token of key");
   }
-  for (const auto& [t, name] :
-       {std::pair{&value, "value"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"}}) {
-    if (t->data_type() != key.data_type()) value_error(std::string(name) + ": dtype differs");
+  for (const auto& [t, name] : {std::pair{&call.value, "value"},
+                                {&call.key_cache, "key_cache"},
+                                {&call.value_cache, "value_cache"}}) {
+    if (t->data_type() != call.key.data_type()) value_error(std::string(name) + ": dtype differs");
   }
-  if (key_cache.shape()[2] != key.shape()[1] || key_cache.shape()[3] != key.shape()[2] ||
-      value_cache.shape()[2] != value.shape()[1] || value_cache.shape()[3] != value.shape()[2] ||
-      value.shape()[0] != key.shape()[0] || value_cache.shape()[0] != key_cache.shape()[0] ||
-      value_cache.shape()[1] != key_cache.shape()[1]) {
+  if (call.key_cache.shape()[2] != call.key.shape()[1] ||
+      call.key_cache.shape()[3] != call.key.shape()[2] ||
+      call.value_cache.shape()[2] != call.value.shape()[1] ||
+      call.value_cache.shape()[3] != call.value.shape()[2] ||
+      call.value.shape()[0] != call.key.shape()[0] ||
+      call.value_cache.shape()[0] != call.key_cache.shape()[0] ||
+      call.value_cache.shape()[1] != call.key_cache.shape()[1]) {
     value_error("value_cache: shapes of key, value and the caches do not agree");
   }
   core::KvCacheWriteParams base;
-  base.tokens = key.shape()[0];
-  base.heads = key.shape()[1];
-  base.dim_k = key.shape()[2];
-  base.dim_v = value.shape()[2];
-  base.elem_bytes = element_bytes(key);
-  base.num_blocks = key_cache.shape()[0];
-  base.block_size = key_cache.shape()[1];
+  base.tokens = call.key.shape()[0];
+  base.heads = call.key.shape()[1];
+  base.dim_k = call.key.shape()[2];
+  base.dim_v = call.value.shape()[2];
+  base.elem_bytes = element_bytes(call.key);
+  base.num_blocks = call.key_cache.shape()[0];
+  base.block_size = call.key_cache.shape()[1];
   auto slots = std::make_shared<std::vector<int64_t>>(slot_mapping);
   base.slots = slots->data();
   checked([&] {
@@ -279,7 +271,7 @@ py::object kv_cache_write(const KvCacheWriteCall& call) {
   });
   // The caches are written in place: they are the runner's inputs (contiguous, so MindSpore hands
   // over their own memory), and the runner has no output.
-  return launch("OpmeshKvCacheWrite", {key, value, key_cache, value_cache}, {},
+  return launch("OpmeshKvCacheWrite", {call.key, call.value, call.key_cache, call.value_cache}, {},
                 [base, slots](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>&) {
                   core::KvCacheWriteParams p = base;
                   p.slots = slots->data();

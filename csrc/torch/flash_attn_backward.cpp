@@ -32,43 +32,39 @@ FlashAttnArgs check_backward_args(const FlashAttnBackwardCall& g) {
   forward.metadata = g.metadata;
   ops::copy_attn_shared(g, forward);
   const FlashAttnArgs args = check_flash_attn_args(forward);
-  const at::Tensor& dout = g.dout;
-  const at::Tensor& q = g.q;
-  const at::Tensor& v = g.v;
-  const at::Tensor& out = g.out;
-  const at::Tensor& lse = g.lse;
-  const std::optional<at::Tensor>& dlse = g.dlse;
   for (const auto& [t, name] :
-       {std::pair<const at::Tensor&, const char*>{dout, "dout"}, {out, "out"}}) {
-    TORCH_CHECK_VALUE(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
+       {std::pair<const at::Tensor&, const char*>{g.dout, "dout"}, {g.out, "out"}}) {
+    TORCH_CHECK_VALUE(t.device() == g.q.device(), name, ": expected a tensor on ", g.q.device(),
                       " like q, got ", t.device());
-    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
-                     " like q, got ", t.scalar_type());
+    TORCH_CHECK_TYPE(t.scalar_type() == g.q.scalar_type(), name, ": expected dtype ",
+                     g.q.scalar_type(), " like q, got ", t.scalar_type());
   }
-  TORCH_CHECK_VALUE(holds(dout.sym_sizes().equals(out.sym_sizes())), "dout: expected shape ",
-                    out.sym_sizes(), " (the output's), got ", dout.sym_sizes());
+  TORCH_CHECK_VALUE(holds(g.dout.sym_sizes().equals(g.out.sym_sizes())), "dout: expected shape ",
+                    g.out.sym_sizes(), " (the output's), got ", g.dout.sym_sizes());
   const Axes qa = args.qa;
-  TORCH_CHECK_VALUE(out.dim() == qa.rank, "out: expected ", qa.rank, " dims, got ", out.dim());
-  const c10::SymInt nq = q.sym_size(qa.n);
+  TORCH_CHECK_VALUE(g.out.dim() == qa.rank, "out: expected ", qa.rank, " dims, got ", g.out.dim());
+  const c10::SymInt nq = g.q.sym_size(qa.n);
   std::vector<c10::SymInt> lse_shape;
   if (args.q_tnd) {
-    lse_shape = {nq, q.sym_size(0)};
+    lse_shape = {nq, g.q.sym_size(0)};
   } else {
-    lse_shape = {q.sym_size(qa.b), nq, q.sym_size(qa.s)};
+    lse_shape = {g.q.sym_size(qa.b), nq, g.q.sym_size(qa.s)};
   }
   const std::vector<c10::SymInt> out_shape =
-      args.q_tnd ? std::vector<c10::SymInt>{q.sym_size(0), nq, v.sym_size(args.ka.d)}
+      args.q_tnd ? std::vector<c10::SymInt>{g.q.sym_size(0), nq, g.v.sym_size(args.ka.d)}
       : args.config.layout_out == attn::Layout::kBNSD
-          ? std::vector<c10::SymInt>{q.sym_size(qa.b), nq, q.sym_size(qa.s), v.sym_size(args.ka.d)}
-          : std::vector<c10::SymInt>{q.sym_size(qa.b), q.sym_size(qa.s), nq, v.sym_size(args.ka.d)};
-  TORCH_CHECK_VALUE(holds(out.sym_sizes().equals(out_shape)), "out: expected shape ",
-                    c10::SymIntArrayRef(out_shape), ", got ", out.sym_sizes());
-  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&lse, "lse"},
-                                {dlse.has_value() ? &*dlse : nullptr, "dlse"}}) {
+          ? std::vector<c10::SymInt>{g.q.sym_size(qa.b), nq, g.q.sym_size(qa.s),
+                                     g.v.sym_size(args.ka.d)}
+          : std::vector<c10::SymInt>{g.q.sym_size(qa.b), g.q.sym_size(qa.s), nq,
+                                     g.v.sym_size(args.ka.d)};
+  TORCH_CHECK_VALUE(holds(g.out.sym_sizes().equals(out_shape)), "out: expected shape ",
+                    c10::SymIntArrayRef(out_shape), ", got ", g.out.sym_sizes());
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&g.lse, "lse"},
+                                {g.dlse.has_value() ? &*g.dlse : nullptr, "dlse"}}) {
     if (t == nullptr) continue;
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, ": expected float32, got ",
                      t->scalar_type());
-    TORCH_CHECK_VALUE(t->device() == q.device(), name, ": expected a tensor on ", q.device());
+    TORCH_CHECK_VALUE(t->device() == g.q.device(), name, ": expected a tensor on ", g.q.device());
     TORCH_CHECK_VALUE(holds(t->sym_sizes().equals(lse_shape)), name, ": expected shape ",
                       c10::SymIntArrayRef(lse_shape), ", got ", t->sym_sizes());
   }

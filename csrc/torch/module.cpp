@@ -328,4 +328,13 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "opmesh operators (loaded for
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__C() {
+  PyObject* m = PyModule_Create(&module);
+  // The kernels' token limit, which the Python layer compares band sides and windows with.
+  if (m != nullptr &&
+      PyModule_AddIntConstant(m, "MAX_TOKENS", opmesh::core::attention::kMaxTokens) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, TupleStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
+from .._schema import MAX_TOKENS, UNBOUNDED
 from .ops.flash_attn import DIMS, LSE_DIMS, keeps_gqa_groups
 from .ops.indexer_kl_loss import PARAMETERS
 
@@ -106,7 +107,7 @@ def _indexer(query_index, key_index, weights, **kwargs):
     args = (query_index, key_index, weights)
     # Data parallel: the batch dim of every tensor, lengths included.
     strategies.append(([Shard(0), Shard(0)], _inputs(INDEXER, args, kwargs, lambda _n: Shard(0))))
-    unbounded = all(kwargs.get(n, 2**63 - 1) >= 2**31 - 256 for n in ("pre_tokens", "next_tokens"))
+    unbounded = all(kwargs.get(n, UNBOUNDED) >= MAX_TOKENS for n in ("pre_tokens", "next_tokens"))
     lengths = any(kwargs.get(n) is not None for n in ("actual_seq_qlen", "actual_seq_klen"))
     if kwargs.get("sparse_mode", 3) == 0 and unbounded and not lengths:
         # No mask: query rows are independent and see every key.

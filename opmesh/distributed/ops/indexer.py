@@ -20,6 +20,7 @@ import torch
 
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
+from ..._schema import MAX_TOKENS, UNBOUNDED
 from ..context_parallel import chunk_pair, head_tail_order
 from ..distributed_op import DistributedOp
 from ..layout import Layout
@@ -31,9 +32,6 @@ DIM_NAMES = {
 }
 
 
-UNBOUNDED = 2**63 - 1
-# A band side this long or longer covers every key (the kernels' token limit).
-MAX_TOKENS = 2**31 - 256
 RANKS = {"BSND": (4, 4, 3), "TND": (3, 3, 2)}
 LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 import torch
 
 from ... import platform as _platform
+from ..._schema import MAX_TOKENS, defaults, positional
 from ..context_parallel import head_tail_order
 from ..distributed_op import DistributedOp
 from ..layout import Layout
-from .indexer import MAX_TOKENS, UNBOUNDED, _BsndLocal, _TndLocal, local_lengths
+from .indexer import _BsndLocal, _TndLocal, local_lengths
 
-# The positional parameters of each op this class serves.
+# The positional parameters of each op this class serves: the DFunction's, and the operator's
+# from its schema.
 PARAMETERS = {
     "indexer_kl_loss": (
         "query_index",
@@ -49,30 +51,10 @@ PARAMETERS = {
         "pre_tokens",
         "next_tokens",
     ),
-    "dense_lightning_indexer_grad_kl_loss": (
-        "query",
-        "key",
-        "query_index",
-        "key_index",
-        "weights",
-        "softmax_max",
-        "softmax_sum",
-        "softmax_max_index",
-        "softmax_sum_index",
-        "scale_value",
-    ),
+    "dense_lightning_indexer_grad_kl_loss": positional("dense_lightning_indexer_grad_kl_loss"),
 }
-DEFAULTS = dict(
-    scale_value=1.0,
-    query_rope=None,
-    key_rope=None,
-    actual_seq_qlen=None,
-    actual_seq_klen=None,
-    layout="BSND",
-    sparse_mode=3,
-    pre_tokens=UNBOUNDED,
-    next_tokens=UNBOUNDED,
-)
+# The defaults of both (the DFunction takes the operator's).
+DEFAULTS = defaults("dense_lightning_indexer_grad_kl_loss")
 # name -> (rank, batch dim, query-sequence dim); key-side tensors have no query-sequence dim.
 TENSORS = {
     "BSND": {
@@ -296,7 +278,10 @@ class _KlLocal:
                     call[name] = value[tuple(index)]
                 elif seq_dim is None and keys is not None:
                     call[name] = value[:keys]
-            outs.append(self.func(**call))
+            # By position as far as the op's signature goes (the DFunction's forward takes its
+            # parameters by position only), the rest by name.
+            args = [call.pop(n) for n in PARAMETERS[self.op_name]]
+            outs.append(self.func(*args, **call))
         if self.op_name == "indexer_kl_loss":
             return sum(outs[1:], outs[0])
         key_rows = named["key_index"].shape[0]

@@ -1,0 +1,40 @@
+"""The operators' schemas as Python reads them: each operator's arguments (names, order, which
+are positional, defaults) come from its one declaration in csrc/common/op_defs.h, through the
+schema the extension registers, so no Python module writes them again. Read once at import, as
+plain tuples and dicts (torch.compile reads those without tracing the schema objects)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # (loading it registers torch.ops.opmesh.*)
+
+_SCHEMAS = {
+    s.name.split("::", 1)[1]: s.arguments
+    for s in torch._C._jit_get_all_schemas()
+    if s.name.startswith("opmesh::")
+}
+_POSITIONAL = {
+    name: tuple(a.name for a in arguments if not a.kwarg_only)
+    for name, arguments in _SCHEMAS.items()
+}
+_DEFAULTS = {
+    name: {a.name: a.default_value for a in arguments if a.has_default_value()}
+    for name, arguments in _SCHEMAS.items()
+}
+
+
+def positional(op_name: str) -> tuple[str, ...]:
+    """The names of ``op_name``'s positional parameters, in order."""
+    return _POSITIONAL[op_name]
+
+
+def defaults(op_name: str) -> dict:
+    """``op_name``'s parameters that have a default, with it."""
+    return dict(_DEFAULTS[op_name])
+
+
+#: The indexer family's unbounded band (the default of ``pre_tokens`` and ``next_tokens``).
+UNBOUNDED = _DEFAULTS["dense_lightning_indexer_softmax_lse"]["pre_tokens"]
+#: The kernels' token limit: a band side or window this long or longer covers every key.
+MAX_TOKENS = _C.MAX_TOKENS
