@@ -1,6 +1,7 @@
-"""Per-call overhead of a DFunction call on DTensors (warm layout cache) against the plain local
-call and against PyTorch's own DTensor paths for the same custom op, in one run: local_map (a
-function run on local shards) and register_sharding (a sharding rule for the op itself).
+"""Per-call overhead of an opmesh call on DTensors through the dispatcher (warm layout cache)
+against the plain local call and against PyTorch's own DTensor paths for the same custom op, in
+one run: local_map (a function run on local shards) and register_sharding (a sharding rule for
+the op itself).
 
 The op is the indexer on tiny inputs, so the times are almost all dispatch; overhead is the
 difference to the raw op call. Also reports the causal work per context-parallel rank with and
@@ -88,7 +89,7 @@ def main():
         "opmesh function, local tensors": per_call_us(
             lambda: opmesh.dense_lightning_indexer_softmax_lse(q, k, w)
         ),
-        "opmesh DFunction, DTensors": per_call_us(
+        "opmesh function, DTensors": per_call_us(
             lambda: opmesh.dense_lightning_indexer_softmax_lse(dq, dk, dw)
         ),
         "torch local_map, DTensors": per_call_us(lambda: mapped(dq, dk, dw)),

@@ -53,13 +53,13 @@ def _run(name: str, call: dict, **dispatch_only):
     schema name. With a DTensor among them, the dispatcher runs the operator's DistributedOp
     (docs/distributed.md), which also gets ``dispatch_only``; otherwise the operator runs
     directly. (MindSpore tensors take platform/mindspore_ops.py before this.)"""
-    op = getattr(torch.ops.opmesh, name)
-    call = dict(call)
-    args = tuple(call.pop(n) for n in positional(name))
-    is_dtensor = _platform.current().is_dtensor
-    if any(is_dtensor(v) for v in (*args, *call.values())):
-        return DISPATCHER.dispatch(name, op, args, {**call, **dispatch_only})
-    return op(*args, **call)
+    op = getattr(torch.ops.opmesh, name).default  # the overload: no overload resolution per call
+    dtensor = _platform.current().DTensor
+    kwargs = dict(call)
+    args = [kwargs.pop(n) for n in positional(name)]
+    if any(isinstance(v, dtensor) for v in call.values()):
+        return DISPATCHER.dispatch(name, op, tuple(args), {**kwargs, **dispatch_only})
+    return op(*args, **kwargs)
 
 
 def _as_lengths(value: LengthsLike, name: str) -> torch.Tensor | None:

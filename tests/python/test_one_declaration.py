@@ -1,0 +1,81 @@
+"""Each operator's arguments are declared once (csrc/common/op_defs.h): the registered schemas,
+the Python functions' defaults and the MindSpore binding's keyword arguments all come from it.
+These tests pin what the declaration produces and that the public functions agree with it."""
+
+import inspect
+
+import pytest
+import torch
+
+import opmesh
+from opmesh import _schema
+
+# Schemas written out by hand: the declaration must produce exactly these names, kinds, defaults,
+# alias annotations and keyword-only markers.
+EXPECTED = {
+    "dense_lightning_indexer_softmax_lse": (
+        "(Tensor query_index, Tensor key_index, Tensor weights, *, Tensor? actual_seq_qlen=None, "
+        'Tensor? actual_seq_klen=None, str layout="BSND", int sparse_mode=3, '
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
+        "(Tensor softmax_max, Tensor softmax_sum)"
+    ),
+    "kv_cache_write_": (
+        "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()"
+    ),
+    "merge_attn_states": (
+        '(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, str layout="BSND") -> '
+        "(Tensor out, Tensor lse)"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_schema_is_generated_from_the_declaration(name):
+    schema = str(getattr(torch.ops.opmesh, name).default._schema)
+    assert schema == f"opmesh::{name}{EXPECTED[name]}"
+
+
+def test_every_operator_has_a_schema_read_by_python():
+    assert set(_schema._POSITIONAL) == {
+        "dense_lightning_indexer_softmax_lse",
+        "dense_lightning_indexer_grad_kl_loss",
+        "flash_attn_metadata",
+        "flash_attn",
+        "flash_attn_backward",
+        "kv_cache_write_",
+        "merge_attn_states",
+    }
+    assert _schema.positional("flash_attn") == ("q", "k", "v")
+    assert _schema.defaults("dense_lightning_indexer_grad_kl_loss")["scale_value"] == 1.0
+    assert _schema.UNBOUNDED == 2**63 - 1
+    assert _schema.MAX_TOKENS == 2**31 - 256
+
+
+# Public defaults that differ from the operator's on purpose: the public function derives them
+# (layout_kv and layout_out follow layout_q; a block_table implies PA_BBND).
+DERIVED = {"layout_kv", "layout_out"}
+
+
+@pytest.mark.parametrize(
+    "function, op",
+    [
+        (opmesh.dense_lightning_indexer_softmax_lse, "dense_lightning_indexer_softmax_lse"),
+        (opmesh.dense_lightning_indexer_grad_kl_loss, "dense_lightning_indexer_grad_kl_loss"),
+        (opmesh.indexer_kl_loss, "dense_lightning_indexer_grad_kl_loss"),
+        (opmesh.flash_attn, "flash_attn"),
+        (opmesh.flash_attn_metadata, "flash_attn_metadata"),
+        (opmesh.merge_attn_states, "merge_attn_states"),
+    ],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_public_defaults_are_the_operators(function, op):
+    schema_defaults = _schema.defaults(op)
+    checked = 0
+    for name, param in inspect.signature(function).parameters.items():
+        if name in DERIVED or param.default is inspect.Parameter.empty:
+            continue
+        if name in schema_defaults:
+            assert param.default == schema_defaults[name], name
+            checked += 1
+    assert checked >= 1
