@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, TupleStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
-from .._schema import MAX_TOKENS, UNBOUNDED
+from .._schema import MAX_TOKENS, UNBOUNDED, positional
+from .ops import indexer as _indexer_op
+from .ops import indexer_kl_loss as _kl_op
 from .ops.flash_attn import DIMS, LSE_DIMS, keeps_gqa_groups
-from .ops.indexer_kl_loss import PARAMETERS
 
 R = Replicate()
 
@@ -96,28 +97,38 @@ def _heads_divide(mesh, nq, nkv) -> bool:
     return all(keeps_gqa_groups(nq, nkv, m) for m in [*mesh.shape, mesh.size()])
 
 
-INDEXER = ("query_index", "key_index", "weights")
+INDEXER = _indexer_op.NAMES
+
+
+def _bsnd_dims(dim_name: str) -> dict:
+    """Where each of the indexer's tensors has ``dim_name`` in BSND, from its DistributedOp's
+    layout table: name -> Shard(dim), or Replicate where it has no such dim."""
+    dims = dict(zip(INDEXER, _indexer_op.DIM_NAMES["BSND"], strict=True))
+    return {n: Shard(d.index(dim_name)) if dim_name in d else R for n, d in dims.items()}
 
 
 @register_sharding(torch.ops.opmesh.dense_lightning_indexer_softmax_lse.default)
 def _indexer(query_index, key_index, weights, **kwargs):
-    strategies = [_replicated(INDEXER, (query_index, key_index, weights), kwargs, 2)]
-    if kwargs.get("layout", "BSND") != "BSND":
-        return strategies  # TND token shards need rewritten lengths: the DFunction path
     args = (query_index, key_index, weights)
-    # Data parallel: the batch dim of every tensor, lengths included.
-    strategies.append(([Shard(0), Shard(0)], _inputs(INDEXER, args, kwargs, lambda _n: Shard(0))))
+    strategies = [_replicated(INDEXER, args, kwargs, 2)]
+    if kwargs.get("layout", "BSND") != "BSND":
+        return strategies  # TND token shards need rewritten lengths: the dispatcher's path
+    # Data parallel: the batch dim of every tensor, lengths included; outputs [B, N2, S1].
+    batch = {**_bsnd_dims("B"), **dict.fromkeys(_indexer_op.LENGTH_NAMES, Shard(0))}
+    strategies.append(([Shard(0), Shard(0)], _inputs(INDEXER, args, kwargs, batch.get)))
     unbounded = all(kwargs.get(n, UNBOUNDED) >= MAX_TOKENS for n in ("pre_tokens", "next_tokens"))
-    lengths = any(kwargs.get(n) is not None for n in ("actual_seq_qlen", "actual_seq_klen"))
+    lengths = any(kwargs.get(n) is not None for n in _indexer_op.LENGTH_NAMES)
     if kwargs.get("sparse_mode", 3) == 0 and unbounded and not lengths:
-        # No mask: query rows are independent and see every key.
-        rows = {"query_index": Shard(1), "weights": Shard(1), "key_index": R}
-        strategies.append(([Shard(2), Shard(2)], _inputs(INDEXER, args, kwargs, rows.get)))
+        # No mask: query rows are independent and see every key (which key_index, having no
+        # S1, keeps whole).
+        strategies.append(
+            ([Shard(2), Shard(2)], _inputs(INDEXER, args, kwargs, _bsnd_dims("S1").get))
+        )
     return strategies
 
 
-ATTN = ("q", "k", "v")
-ATTN_BACKWARD = ("dout", "q", "k", "v", "out", "lse")
+ATTN = positional("flash_attn")
+ATTN_BACKWARD = positional("flash_attn_backward")
 
 
 def _attn_strategies(mesh, names, args, kwargs, outputs, nq, nkv):
@@ -174,7 +185,7 @@ def _flash_attn_backward(dout, q, k, v, out, lse, **kwargs):
     )
 
 
-MERGE = ("out_a", "lse_a", "out_b", "lse_b")
+MERGE = positional("merge_attn_states")
 
 
 @register_sharding(torch.ops.opmesh.merge_attn_states.default)
@@ -194,7 +205,7 @@ def _merge(out_a, lse_a, out_b, lse_b, **kwargs):
 
 
 # The fused KL op's tensor arguments, in schema order (the scale follows them).
-KL = PARAMETERS["dense_lightning_indexer_grad_kl_loss"][:-1]
+KL = positional("dense_lightning_indexer_grad_kl_loss")[:-1]
 
 
 @register_sharding(torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss.default)
@@ -202,7 +213,10 @@ def _kl_loss(*args, **kwargs):
     tensors = args[: len(KL)]
     strategies = [_replicated(KL, tensors, kwargs, 4)]
     if kwargs.get("layout", "BSND") == "BSND":
-        # Data parallel: every tensor by its batch; the loss is a sum over the ranks.
-        outputs = [Shard(0), Shard(0), Shard(0), Partial()]
-        strategies.append((outputs, _inputs(KL, tensors, kwargs, lambda _n: Shard(0))))
+        # Data parallel: every tensor by its batch dim (the DistributedOp's table; the lengths
+        # by their entries); the gradients like their inputs, the loss a sum over the ranks.
+        batch = {n: Shard(dims[1]) for n, dims in _kl_op.TENSORS["BSND"].items()}
+        batch.update(dict.fromkeys(_indexer_op.LENGTH_NAMES, Shard(0)))
+        outputs = [batch["query_index"], batch["key_index"], batch["weights"], Partial()]
+        strategies.append((outputs, _inputs(KL, tensors, kwargs, batch.get)))
     return strategies

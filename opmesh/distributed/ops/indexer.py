@@ -20,19 +20,21 @@ import torch
 
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
-from ..._schema import MAX_TOKENS, UNBOUNDED
+from ..._schema import MAX_TOKENS, UNBOUNDED, positional
 from ..context_parallel import chunk_pair, head_tail_order
 from ..distributed_op import DistributedOp
 from ..layout import Layout
 
-NAMES = ("query_index", "key_index", "weights")
+NAMES = positional("dense_lightning_indexer_softmax_lse")
+# The indexer's layout table (its DistributedOp's rules and the raw operator's sharding
+# strategies read it): the named dims of query_index, key_index and weights.
 DIM_NAMES = {
     "BSND": (("B", "S1", "N1", "D"), ("B", "S2", "N2", "D"), ("B", "S1", "N1")),
     "TND": (("T1", "N1", "D"), ("T2", "N2", "D"), ("T1", "N1")),
 }
 
 
-RANKS = {"BSND": (4, 4, 3), "TND": (3, 3, 2)}
+RANKS = {layout: tuple(len(d) for d in dims) for layout, dims in DIM_NAMES.items()}
 LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
 
 
