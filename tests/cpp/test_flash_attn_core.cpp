@@ -91,13 +91,13 @@ void reference(const Batch& x, const PlanConfig& c, bool sinks, std::vector<doub
   }
 }
 
-void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads) {
-  const std::vector<int32_t> lengths{130, 0, 1, 1100, 67};
-  const Batch x = make_batch(lengths, 3);
-  const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
-  const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
-  const Plan plan = make_plan(c, seqs);
+// The params of a float32 TND call on batch `x` with lengths `arrays`, writing `out` and `lse`
+// (sized for the batch's query tokens).
+FlashAttnParams tnd_params(const PlanConfig& c, const Batch& x, const LengthArrays& arrays,
+                           std::vector<float>& out, std::vector<float>& lse) {
   const int64_t total = x.cu.back();
+  out.resize(total * kHeadsQ * kDimV);
+  lse.resize(kHeadsQ * total);
   FlashAttnParams p;
   p.config = c;
   p.lengths = arrays;
@@ -105,12 +105,7 @@ void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads) {
   p.q = {x.q.data(), 0, kHeadsQ * kDim, kDim, 1};
   p.k = {x.k.data(), 0, kHeadsKv * kDim, kDim, 1};
   p.v = {x.v.data(), 0, kHeadsKv * kDimV, kDimV, 1};
-  p.sinks = sinks ? x.sinks.data() : nullptr;
   p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)));
-  // No padding rows here: the kernel must write every element, so start from NaN.
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> out(total * kHeadsQ * kDimV, nan);
-  std::vector<float> lse(kHeadsQ * total, nan);
   p.out = out.data();
   p.out_ss = kHeadsQ * kDimV;
   p.out_sn = kDimV;
@@ -118,6 +113,20 @@ void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads) {
   p.lse = lse.data();
   p.lse_sn = total;
   p.lse_ss = 1;
+  return p;
+}
+
+void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads) {
+  const std::vector<int32_t> lengths{130, 0, 1, 1100, 67};
+  const Batch x = make_batch(lengths, 3);
+  const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
+  const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
+  const Plan plan = make_plan(c, seqs);
+  // No padding rows here: the kernel must write every element, so start from NaN.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> out(x.cu.back() * kHeadsQ * kDimV, nan), lse(kHeadsQ * x.cu.back(), nan);
+  FlashAttnParams p = tnd_params(c, x, arrays, out, lse);
+  p.sinks = sinks ? x.sinks.data() : nullptr;
   std::vector<float> workspace(std::max<int64_t>(1, workspace_floats(c, plan)));
   std::vector<int64_t> busy(plan.workers.size());
   flash_attn(p, seqs, plan, ThreadExecutor(threads), isa, workspace.data(), busy.data());
@@ -238,20 +247,9 @@ TEST(FlashAttnCore, EmptyOperandsNeedNoBuffer) {
   const int64_t rows = x.cu.back();
   std::vector<float> out(rows * kHeadsQ * kDimV, 7.0f), lse(kHeadsQ * rows, 7.0f);
   std::vector<float> workspace(std::max<int64_t>(1, workspace_floats(c, plan)));
-  FlashAttnParams p;
-  p.config = c;
-  p.lengths = arrays;
-  p.q = {x.q.data(), 0, kHeadsQ * kDim, kDim, 1};
-  p.k = {nullptr, 0, kHeadsKv * kDim, kDim, 1};
-  p.v = {nullptr, 0, kHeadsKv * kDimV, kDimV, 1};
-  p.out = out.data();
-  p.out_ss = kHeadsQ * kDimV;
-  p.out_sn = kDimV;
-  p.out_sd = 1;
-  p.lse = lse.data();
-  p.lse_sn = rows;
-  p.lse_ss = 1;
-  p.softmax_scale = 0.1f;
+  FlashAttnParams p = tnd_params(c, x, arrays, out, lse);
+  p.k.data = nullptr;
+  p.v.data = nullptr;
   const SerialExecutor serial;
   flash_attn(p, seqs, plan, serial, Isa::kScalar, workspace.data(), nullptr);
   for (float o : out) EXPECT_EQ(o, 0.0f);

@@ -88,8 +88,10 @@ class FlashAttnDistributedOp(DistributedOp):
         self._check_global_call(args, kwargs)
         call = _MeshInputs.of(args, kwargs)
         kwargs = dict(kwargs)
-        strategy = _STRATEGIES[_strategy_name(call, kwargs)]
-        args, kwargs = strategy.prepare(call, list(args), kwargs)
+        name, runs = _strategy_name(call, kwargs)
+        if runs is not None:
+            kwargs["_whole_sequence_runs"] = runs
+        args, kwargs = _STRATEGIES[name].prepare(call, list(args), kwargs)
         kwargs, slice_sinks = _local_sinks(call, kwargs)
         local_args = (call.p.to_local(args[0]),) + tuple(
             call.p.to_local(x, call.grad_placements(x)) for x in args[1:]
@@ -105,7 +107,7 @@ class FlashAttnDistributedOp(DistributedOp):
             return_lse=bool(kwargs.get("return_softmax_lse", False)),
             slice_sinks=slice_sinks,
             order=call.order,
-            strategy=strategy.name if q_layout.tensor_map[call.s] else "all_gather",
+            strategy=name if q_layout.tensor_map[call.s] else "all_gather",
         )
         return local_args, kwargs, result
 
@@ -327,28 +329,30 @@ class _MeshInputs:
                 )
 
 
-def _strategy_name(call: _MeshInputs, kwargs) -> str:
-    """The strategy that serves the call (and the checks that choose it)."""
+def _strategy_name(call: _MeshInputs, kwargs) -> tuple[str, list | None]:
+    """The strategy that serves the call (and the checks that choose it), with the whole
+    sequences of each shard when it is TND data parallel."""
     requested = kwargs.pop("context_parallel", "all_gather")
     qm, km, vm = call.maps()
     s = call.s
     if not qm[s]:
-        return "no_context_parallel"
+        return "no_context_parallel", None
     if (
         call.layout_q == "TND"
         and km[s] == qm[s] == vm[s]
         and requested == "all_gather"
         and call.order is None
-        and _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1]) is not None
     ):
-        return "tnd_data_parallel"
+        runs = _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1])
+        if runs is not None:
+            return "tnd_data_parallel", runs
     if kwargs.get("metadata") is not None:
         raise ValueError(
             "metadata: not supported with the query sequence sharded (the local calls' key "
             "ranges are set inside the op); without context parallel, pass each rank's plan "
             "of its local problem"
         )
-    return requested
+    return requested, None
 
 
 class _NoContextParallel:
@@ -372,7 +376,7 @@ class _TndWholeSequences:
 
     @staticmethod
     def prepare(call, args, kwargs):
-        runs = _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1])
+        runs = kwargs.pop("_whole_sequence_runs")  # found when the strategy was chosen
         return args, _rebased_lengths(kwargs, *runs[call.layouts[0].shard_index(call.s)])
 
 
