@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from . import _C, _schema
 
 LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
@@ -42,33 +42,15 @@ def _check_lengths(batch_size, arrays):
 
 
 @torch.library.register_fake("opmesh::flash_attn_metadata")
-def _flash_attn_metadata_fake(
-    num_heads_q,
-    num_heads_kv,
-    head_dim,
-    *,
-    head_dim_v=None,
-    cu_seqlens_q=None,
-    cu_seqlens_kv=None,
-    seqused_q=None,
-    seqused_kv=None,
-    batch_size,
-    max_seqlen_q,
-    max_seqlen_kv,
-    mask_mode=0,
-    win_left=-1,
-    win_right=-1,
-    layout_q="BSND",
-    layout_kv="BSND",
-    layout_out="BSND",
-    num_workers=None,
-    deterministic=False,
-    backward=False,
-):
-    _check_lengths(
-        batch_size,
-        dict(zip(LENGTHS, (cu_seqlens_q, cu_seqlens_kv, seqused_q, seqused_kv), strict=True)),
-    )
+def _flash_attn_metadata_fake(*args, **kwargs):
+    # The operator's arguments by their schema names (opmesh/_schema.py), defaults filled in.
+    call = {
+        **_schema.defaults("flash_attn_metadata"),
+        **dict(zip(_schema.positional("flash_attn_metadata"), args, strict=False)),
+        **kwargs,
+    }
+    _check_lengths(call["batch_size"], {name: call[name] for name in LENGTHS})
+    num_workers = call["num_workers"]
     if num_workers is not None:
         return torch.empty(_C._metadata_words(num_workers), dtype=torch.int32, device="cpu")
     smallest = _C._metadata_words(1)
