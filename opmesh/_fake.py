@@ -15,8 +15,6 @@ import torch
 
 from . import _C, _schema
 
-LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
-
 
 def _check_lengths(batch_size, arrays):
     """What the CPU kernel checks without reading values: int32, 1-D, entry counts, and a device
@@ -49,7 +47,7 @@ def _flash_attn_metadata_fake(*args, **kwargs):
         **dict(zip(_schema.positional("flash_attn_metadata"), args, strict=False)),
         **kwargs,
     }
-    _check_lengths(call["batch_size"], {name: call[name] for name in LENGTHS})
+    _check_lengths(call["batch_size"], {name: call[name] for name in _schema.ATTN_LENGTHS})
     num_workers = call["num_workers"]
     if num_workers is not None:
         return torch.empty(_C._metadata_words(num_workers), dtype=torch.int32, device="cpu")

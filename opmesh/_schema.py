@@ -34,6 +34,10 @@ def defaults(op_name: str) -> dict:
     return dict(_DEFAULTS[op_name])
 
 
+#: flash_attn's length arrays (the tensors flash_attn_metadata plans from).
+ATTN_LENGTHS = tuple(
+    a.name for a in _SCHEMAS["flash_attn_metadata"] if str(a.type) == "Optional[Tensor]"
+)
 #: The indexer family's unbounded band (the default of ``pre_tokens`` and ``next_tokens``).
 UNBOUNDED = _DEFAULTS["dense_lightning_indexer_softmax_lse"]["pre_tokens"]
 #: The kernels' token limit: a band side or window this long or longer covers every key.

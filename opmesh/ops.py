@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from . import platform as _platform
-from ._schema import UNBOUNDED, positional
+from ._schema import ATTN_LENGTHS, UNBOUNDED, positional
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
 from .distributed.ops.indexer_kl_loss import PARAMETERS as _KL_PARAMETERS
@@ -367,9 +367,9 @@ def flash_attn_metadata(
     kwargs = dict(locals())
     for name in positional("flash_attn_metadata"):
         del kwargs[name]
-    if _on_mindspore(*_pick(kwargs, _FLASH_LENGTHS)) or _platform.current().name == "mindspore":
+    if _on_mindspore(*_pick(kwargs, ATTN_LENGTHS)) or _platform.current().name == "mindspore":
         return _ms.flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs)
-    for name in _FLASH_LENGTHS:
+    for name in ATTN_LENGTHS:
         kwargs[name] = _as_int32(kwargs[name], name)
     return torch.ops.opmesh.flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, **kwargs)
 
@@ -459,14 +459,11 @@ def flash_attn(
     del call["context_parallel"]
     if _on_mindspore(q, k, v):
         return _ms.flash_attn(q, k, v, {n: x for n, x in call.items() if n not in ("q", "k", "v")})
-    for name in _FLASH_LENGTHS:
+    for name in ATTN_LENGTHS:
         call[name] = _as_int32(call[name], name)
     # On a device mesh: the layout rules of opmesh/distributed/ops/flash_attn.py, then the
     # operator (and its autograd) on each rank's local tensors.
     return _run("flash_attn", call, context_parallel=context_parallel)
-
-
-_FLASH_LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
 
 
 def merge_attn_states(

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from .. import _schema
 from . import is_mindspore_tensor as is_tensor
 from . import scaled_gradients
 
@@ -189,17 +190,8 @@ def indexer(query_index, key_index, weights, mask):
     )
 
 
-_KL_TENSORS = (
-    "query",
-    "key",
-    "query_index",
-    "key_index",
-    "weights",
-    "softmax_max",
-    "softmax_sum",
-    "softmax_max_index",
-    "softmax_sum_index",
-)
+# The fused KL op's tensors (its positional parameters but the scale).
+_KL_TENSORS = _schema.positional("dense_lightning_indexer_grad_kl_loss")[:-1]
 
 
 def grad_kl_loss(args, query_rope, key_rope, mask, differentiable=True):
@@ -281,7 +273,7 @@ def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
     )
 
 
-_LENGTHS = ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv")
+_LENGTHS = _schema.ATTN_LENGTHS
 
 
 def flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs):
@@ -353,7 +345,7 @@ def flash_attn(q, k, v, kwargs):
     return _flash_function().apply(q, k, v, kwargs["sinks"], host, options)
 
 
-_BACKWARD = ("dout", "q", "k", "v", "out", "lse")
+_BACKWARD = _schema.positional("flash_attn_backward")
 
 
 def _int32_meta(values):
