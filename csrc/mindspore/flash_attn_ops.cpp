@@ -74,18 +74,6 @@ attn::PlanConfig parsed_config(const Call& call) {
   });
 }
 
-template <class Call>
-attn::PlanConfig base_config(const Call& call, int64_t batch) {
-  attn::PlanConfig c = parsed_config(call);
-  const Axes qa = axes_of(c.layout_q), ka = axes_of(c.layout_kv);
-  c.num_heads_q = call.q.shape()[qa.n];
-  c.num_heads_kv = call.k.shape()[ka.n];
-  c.head_dim = call.q.shape()[qa.d];
-  c.head_dim_v = call.v.shape()[ka.d];
-  c.batch_size = batch;
-  return c;
-}
-
 // The block table's row length (forward only: the backward has no paged keys).
 int64_t blocks_per_seq(const FlashAttnCall& c) {
   return c.block_table.has_value() ? c.block_table->cols : 0;
@@ -97,8 +85,7 @@ IntList block_table_of(const FlashAttnBackwardCall&) { return std::nullopt; }
 // The call's batch, after the guards that keep the binding within its tensors' shapes and its
 // host arrays' ends (the shared checks have normally refused such calls already).
 template <class Call>
-int64_t checked_batch(const Call& call) {
-  const attn::PlanConfig parsed = parsed_config(call);
+int64_t checked_batch(const Call& call, const attn::PlanConfig& parsed) {
   const attn::Layout lq = parsed.layout_q, lkv = parsed.layout_kv;
   require_rank(call.q, lq == attn::Layout::kTND ? 3 : 4, "q");
   require_rank(call.k, lkv == attn::Layout::kTND ? 3 : 4, "k");
@@ -123,6 +110,20 @@ int64_t checked_batch(const Call& call) {
     require_entries(block_table_of(call), batch * blocks_per_seq(call), "block_table");
   }
   return batch;
+}
+
+// The call's configuration: its conventions parsed once, heads and dims from the tensors, and the
+// checked batch.
+template <class Call>
+attn::PlanConfig base_config(const Call& call) {
+  attn::PlanConfig c = parsed_config(call);
+  c.batch_size = checked_batch(call, c);
+  const Axes qa = axes_of(c.layout_q), ka = axes_of(c.layout_kv);
+  c.num_heads_q = call.q.shape()[qa.n];
+  c.num_heads_kv = call.k.shape()[ka.n];
+  c.head_dim = call.q.shape()[qa.d];
+  c.head_dim_v = call.v.shape()[ka.d];
+  return c;
 }
 
 calls::FlashAttnShapes shapes_of(const ms::Tensor& q, const ms::Tensor& k,
@@ -210,7 +211,7 @@ py::object flash_attn(const FlashAttnCall& call) {
   const bool return_softmax_lse = call.return_softmax_lse;
   resolve({&call.q, &call.k, &call.v});
   resolve(call.sinks);
-  attn::PlanConfig c = base_config(call, checked_batch(call));
+  attn::PlanConfig c = base_config(call);
   calls::FlashAttnShapes shapes = shapes_of(call.q, call.k, c);
   const auto lengths = host_lengths(call);
   auto table = std::make_shared<std::vector<int32_t>>(as_int32(block_table_of(call)));
@@ -304,7 +305,7 @@ py::object flash_attn(const FlashAttnCall& call) {
 }
 
 py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
-  attn::PlanConfig c = base_config(call, checked_batch(call));
+  attn::PlanConfig c = base_config(call);
   if (c.layout_kv == attn::Layout::kPagedBBND) value_error("layout_kv: PA_BBND has no backward");
   const attn::Layout lo = c.layout_out;
   require_rank(call.dout, lo == attn::Layout::kTND ? 3 : 4, "dout");

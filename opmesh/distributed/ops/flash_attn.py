@@ -88,10 +88,8 @@ class FlashAttnDistributedOp(DistributedOp):
         self._check_global_call(args, kwargs)
         call = _MeshInputs.of(args, kwargs)
         kwargs = dict(kwargs)
-        name, runs = _strategy_name(call, kwargs)
-        if runs is not None:
-            kwargs["_whole_sequence_runs"] = runs
-        args, kwargs = _STRATEGIES[name].prepare(call, list(args), kwargs)
+        strategy = _strategy(call, kwargs)
+        args, kwargs = strategy.prepare(call, list(args), kwargs)
         kwargs, slice_sinks = _local_sinks(call, kwargs)
         local_args = (call.p.to_local(args[0]),) + tuple(
             call.p.to_local(x, call.grad_placements(x)) for x in args[1:]
@@ -107,7 +105,7 @@ class FlashAttnDistributedOp(DistributedOp):
             return_lse=bool(kwargs.get("return_softmax_lse", False)),
             slice_sinks=slice_sinks,
             order=call.order,
-            strategy=name if q_layout.tensor_map[call.s] else "all_gather",
+            strategy=strategy.name if q_layout.tensor_map[call.s] else "all_gather",
         )
         return local_args, kwargs, result
 
@@ -329,14 +327,13 @@ class _MeshInputs:
                 )
 
 
-def _strategy_name(call: _MeshInputs, kwargs) -> tuple[str, list | None]:
-    """The strategy that serves the call (and the checks that choose it), with the whole
-    sequences of each shard when it is TND data parallel."""
+def _strategy(call: _MeshInputs, kwargs):
+    """The strategy that serves the call (and the checks that choose it)."""
     requested = kwargs.pop("context_parallel", "all_gather")
     qm, km, vm = call.maps()
     s = call.s
     if not qm[s]:
-        return "no_context_parallel", None
+        return _NoContextParallel
     if (
         call.layout_q == "TND"
         and km[s] == qm[s] == vm[s]
@@ -345,14 +342,14 @@ def _strategy_name(call: _MeshInputs, kwargs) -> tuple[str, list | None]:
     ):
         runs = _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1])
         if runs is not None:
-            return "tnd_data_parallel", runs
+            return _TndWholeSequences(runs)
     if kwargs.get("metadata") is not None:
         raise ValueError(
             "metadata: not supported with the query sequence sharded (the local calls' key "
             "ranges are set inside the op); without context parallel, pass each rank's plan "
             "of its local problem"
         )
-    return requested, None
+    return _STRATEGIES[requested]
 
 
 class _NoContextParallel:
@@ -374,10 +371,11 @@ class _TndWholeSequences:
 
     name = "tnd_data_parallel"
 
-    @staticmethod
-    def prepare(call, args, kwargs):
-        runs = kwargs.pop("_whole_sequence_runs")  # found when the strategy was chosen
-        return args, _rebased_lengths(kwargs, *runs[call.layouts[0].shard_index(call.s)])
+    def __init__(self, runs):
+        self.runs = runs  # each shard's sequences [lo, hi), found when the strategy was chosen
+
+    def prepare(self, call, args, kwargs):
+        return args, _rebased_lengths(kwargs, *self.runs[call.layouts[0].shard_index(call.s)])
 
 
 class _ContextParallel:
@@ -468,8 +466,7 @@ class _Ring(_ContextParallel):
 
 
 _STRATEGIES = {
-    strategy.name: strategy
-    for strategy in (_NoContextParallel, _TndWholeSequences, _ContextParallel, _Ring)
+    strategy.name: strategy for strategy in (_NoContextParallel, _ContextParallel, _Ring)
 }
 
 
