@@ -10,6 +10,11 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3
 
 const char* dtype_name(DType dtype);
 
+// Bytes per element.
+inline int64_t dtype_size(DType dtype) {
+  return dtype == DType::kFloat64 ? 8 : dtype == DType::kFloat32 ? 4 : 2;
+}
+
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float out;

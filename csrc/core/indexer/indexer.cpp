@@ -12,6 +12,7 @@
 #include "../kernels/kernel_set.h"
 #include "../online_softmax.h"
 #include "../row_loads.h"
+#include "packing.h"
 #include "tiling.h"
 
 namespace opmesh::core {
@@ -21,9 +22,11 @@ using indexer::kKeyTile;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-void check_lengths(const int64_t* lens, int64_t batch, int64_t total, Layout layout,
-                   const char* name) {
-  if (layout == Layout::kTND) {
+}  // namespace
+
+void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bool cumulative,
+                           const char* name) {
+  if (cumulative) {
     // An empty batch has no lengths to give; then no tokens may be present either.
     if (lens == nullptr && batch > 0) throw ArgumentError(name, "is required for layout TND");
     int64_t prev = 0;
@@ -48,8 +51,6 @@ void check_lengths(const int64_t* lens, int64_t batch, int64_t total, Layout lay
     }
   }
 }
-
-}  // namespace
 
 std::vector<Sequence> indexer_sequences(const IndexerParams& p) {
   std::vector<Sequence> out(p.batch);
@@ -138,20 +139,33 @@ attention::CostModel cost_model(const IndexerParams& p, const kernels::KernelSet
   return m;
 }
 
+indexer::Operands operands(const IndexerParams& p) {
+  indexer::Operands o;
+  o.qk_dtype = p.qk_dtype;
+  o.weights_dtype = p.weights_dtype;
+  o.query = p.query;
+  o.key = p.key;
+  o.weights = p.weights;
+  std::copy(p.query_stride, p.query_stride + 4, o.query_stride);
+  std::copy(p.key_stride, p.key_stride + 4, o.key_stride);
+  std::copy(p.weights_stride, p.weights_stride + 3, o.weights_stride);
+  o.batched_query = o.batched_key = p.layout == Layout::kBSND;
+  o.heads_q = p.heads_q;
+  o.heads_k = p.heads_k;
+  o.head_dim = p.head_dim;
+  return o;
+}
+
 class IndexerRun {
  public:
   IndexerRun(const IndexerParams& p, Isa isa, int64_t workers)
       : p_(p),
         groups_(p.heads_q / p.heads_k),
         set_(kernels::select_set(isa, p.qk_dtype, p.bf16_pairs, true)),
-        bf16_pairs_(set_.word == kernels::Word::kBf16Pair),
-        words_(bf16_pairs_ ? (p.head_dim + 1) / 2 : p.head_dim),
-        depth_(kernels::round_up(words_, set_.depth_align)),
-        elem_(p.qk_dtype == DType::kFloat64   ? 8
-              : p.qk_dtype == DType::kFloat32 ? 4
-                                              : 2),
+        operands_(operands(p)),
+        packer_(operands_, set_),
         sequences_(indexer_sequences(p)),
-        config_(plan_config(p, sequences_, workers, depth_)),
+        config_(plan_config(p, sequences_, workers, packer_.depth())),
         plan_(attention::make_plan(config_, sequences_, cost_model(p, set_))),
         walker_(config_, sequences_),
         rows_(kernels::round_up(plan_.geometry.positions, set_.row_align)),
@@ -161,7 +175,7 @@ class IndexerRun {
   const attention::UnitWalker& walker() const { return walker_; }
   const kernels::KernelSet& kernel_set() const { return set_; }
   std::unique_ptr<Scratch> make_scratch() const {
-    return std::make_unique<Scratch>(groups_, rows_, depth_, words_);
+    return std::make_unique<Scratch>(groups_, rows_, packer_.depth(), packer_.words());
   }
 
   // Key tiles [k_from, k_to) of unit (b, g, t); `slots` holds the partial statistics of split
@@ -193,7 +207,7 @@ class IndexerRun {
     if (k_to > k_from) {
       KeyRange row_keys[kMaxUnitPositions];
       for (int r = 0; r < rows; ++r) row_keys[r] = visible_keys(mask_, seq, p0 + r);
-      pack_queries(seq, p0, rows, g, sc);
+      packer_.pack_queries(seq, p0, rows, g, rows_, sc.query.data(), sc.weights.data());
       int row_begin = 0;
       for (int64_t j = k_from; j < k_to; ++j) {
         if (pending && j % plan_.chunk_tiles == 0) flush();
@@ -205,11 +219,12 @@ class IndexerRun {
         int row_end = rows;
         while (row_end > row_begin && row_keys[row_end - 1].begin >= j0 + kKeyTile) --row_end;
         if (row_begin == row_end) continue;
-        pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), sc);
+        packer_.pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), sc.key.data(),
+                          sc.stage.data(), reinterpret_cast<uint32_t*>(sc.row.data()));
         std::fill(sc.scores.data() + row_begin * kKeyTile, sc.scores.data() + row_end * kKeyTile,
                   0.0f);
         set_.score_tile({sc.query.data(), rows_, sc.key.data(), sc.weights.data(), sc.scores.data(),
-                         row_begin, row_end, static_cast<int>(groups_), depth_});
+                         row_begin, row_end, static_cast<int>(groups_), packer_.depth()});
         for (int r = row_begin; r < row_end; ++r) {
           const int64_t lo = std::max<int64_t>(row_keys[r].begin - j0, 0);
           const int64_t hi = std::min<int64_t>(kKeyTile, row_keys[r].end - j0);
@@ -256,81 +271,11 @@ class IndexerRun {
     return (seq.batch * p_.heads_k + g) * p_.seq_q;
   }
 
-  int64_t batch_offset(const int64_t* stride, const Sequence& seq) const {
-    return p_.layout == Layout::kBSND ? seq.batch * stride[0] : 0;
-  }
-
-  // Query rows [p0, p0 + rows) of every query head of group g, and their weights.
-  void pack_queries(const Sequence& seq, int64_t p0, int rows, int64_t g, Scratch& sc) const {
-    const int64_t* qs = p_.query_stride;
-    const int64_t* ws = p_.weights_stride;
-    for (int64_t h = 0; h < groups_; ++h) {
-      const int64_t head = g * groups_ + h;
-      for (int r = 0; r < rows; ++r) {
-        const int64_t token = seq.q_begin + p0 + r;
-        const int64_t offset = batch_offset(qs, seq) + token * qs[1] + head * qs[2];
-        uint32_t* dst = sc.query.data() + (h * rows_ + r) * depth_;
-        if (bf16_pairs_) {
-          load_row_bf16_pairs(p_.query, offset, qs[3], p_.head_dim, dst);
-        } else if (qs[3] == 1) {
-          set_.widen(static_cast<const char*>(p_.query) + offset * elem_, p_.qk_dtype, p_.head_dim,
-                     reinterpret_cast<float*>(dst));
-        } else {
-          load_row(p_.query, p_.qk_dtype, offset, qs[3], p_.head_dim,
-                   reinterpret_cast<float*>(dst));
-        }
-        std::fill(dst + words_, dst + depth_, 0u);
-        const int64_t w_offset = batch_offset(ws, seq) + token * ws[1] + head * ws[2];
-        load_row(p_.weights, p_.weights_dtype, w_offset, 1, 1, sc.weights.data() + r * groups_ + h);
-      }
-    }
-  }
-
-  // Transposes keys [j0, j0 + count) of key head g into [depth][kKeyTile], zero-filling the rest.
-  // Contiguous rows go through the kernel set's transpose: as they are when already in the word
-  // type (float32, or bf16 pairs of an even D), else widened first.
-  void pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, Scratch& sc) const {
-    const int64_t* ks = p_.key_stride;
-    uint32_t* dst = sc.key.data();
-    auto offset_of = [&](int64_t j) {
-      return batch_offset(ks, seq) + (seq.k_begin + j0 + j) * ks[1] + g * ks[2];
-    };
-    if (ks[3] == 1 && (!bf16_pairs_ || p_.head_dim % 2 == 0)) {
-      const bool direct = bf16_pairs_ || p_.qk_dtype == DType::kFloat32;
-      const char* rows[kKeyTile];
-      for (int64_t j = 0; j < count; ++j) {
-        rows[j] = static_cast<const char*>(p_.key) + offset_of(j) * elem_;
-        if (!direct) {
-          float* staged = sc.stage.data() + j * words_;
-          set_.widen(rows[j], p_.qk_dtype, p_.head_dim, staged);
-          rows[j] = reinterpret_cast<const char*>(staged);
-        }
-      }
-      set_.pack_keys(rows, count, words_, dst);
-      std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
-      return;
-    }
-    if (count < kKeyTile) std::fill(dst, dst + depth_ * kKeyTile, 0u);
-    uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
-    for (int64_t j = 0; j < count; ++j) {
-      if (bf16_pairs_) {
-        load_row_bf16_pairs(p_.key, offset_of(j), ks[3], p_.head_dim, row);
-      } else {
-        load_row(p_.key, p_.qk_dtype, offset_of(j), ks[3], p_.head_dim,
-                 reinterpret_cast<float*>(row));
-      }
-      for (int64_t l = 0; l < words_; ++l) dst[l * kKeyTile + j] = row[l];
-    }
-    if (count == kKeyTile) std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
-  }
-
   const IndexerParams& p_;
   int64_t groups_;
   const kernels::KernelSet& set_;
-  bool bf16_pairs_;
-  int64_t words_;  // packed words per row
-  int64_t depth_;  // words_ padded to the set's depth_align (zero words)
-  int64_t elem_;   // bytes per query/key element
+  indexer::Operands operands_;
+  indexer::Packer packer_;
   std::vector<Sequence> sequences_;
   attention::PlanConfig config_;
   attention::Plan plan_;
@@ -397,8 +342,8 @@ void validate(const IndexerParams& p) {
   if (p.layout == Layout::kTND && p.batch == 0 && (p.seq_q != 0 || p.seq_k != 0)) {
     throw ArgumentError("actual_seq_qlen", "is empty but the inputs hold tokens");
   }
-  check_lengths(p.seq_q_lens, p.batch, p.seq_q, p.layout, "actual_seq_qlen");
-  check_lengths(p.seq_k_lens, p.batch, p.seq_k, p.layout, "actual_seq_klen");
+  check_indexer_lengths(p.seq_q_lens, p.batch, p.seq_q, p.layout == Layout::kTND, "actual_seq_qlen");
+  check_indexer_lengths(p.seq_k_lens, p.batch, p.seq_k, p.layout == Layout::kTND, "actual_seq_klen");
 }
 
 void dense_lightning_indexer_softmax_lse(const IndexerParams& p, const Executor& executor,

@@ -64,6 +64,12 @@ Mask indexer_mask(MaskMode sparse_mode, int64_t pre_tokens, int64_t next_tokens)
 // Throws ArgumentError naming the first argument that is wrong.
 void validate(const IndexerParams& params);
 
+// Checks a length array of `batch` entries against `total` tokens: cumulative ends (no leading
+// 0, non-decreasing, last == total; required when batch > 0) or per-sequence lengths in
+// [0, total] (nullptr allowed). Throws ArgumentError naming `name`.
+void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bool cumulative,
+                           const char* name);
+
 // The sequences of a validated call, in token coordinates of the inputs.
 std::vector<Sequence> indexer_sequences(const IndexerParams& params);
 

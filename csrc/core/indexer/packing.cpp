@@ -1,0 +1,90 @@
+#include "packing.h"
+
+#include <algorithm>
+
+#include "../row_loads.h"
+
+namespace opmesh::core::indexer {
+
+using kernels::kKeyTile;
+
+Packer::Packer(const Operands& ops, const kernels::KernelSet& set)
+    : o_(ops),
+      set_(set),
+      groups_(ops.heads_q / ops.heads_k),
+      bf16_pairs_(set.word == kernels::Word::kBf16Pair),
+      words_(bf16_pairs_ ? (ops.head_dim + 1) / 2 : ops.head_dim),
+      depth_(kernels::round_up(words_, set.depth_align)),
+      elem_(dtype_size(ops.qk_dtype)) {}
+
+void Packer::pack_queries(const Sequence& seq, int64_t p0, int rows, int64_t g,
+                          int64_t row_capacity, uint32_t* query, float* weights) const {
+  const int64_t* qs = o_.query_stride;
+  const int64_t* ws = o_.weights_stride;
+  const int64_t q_base = o_.batched_query ? seq.batch * qs[0] : 0;
+  const int64_t w_base = o_.batched_query ? seq.batch * ws[0] : 0;
+  for (int64_t h = 0; h < groups_; ++h) {
+    const int64_t head = g * groups_ + h;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t token = seq.q_begin + p0 + r;
+      const int64_t offset = q_base + token * qs[1] + head * qs[2];
+      uint32_t* dst = query + (h * row_capacity + r) * depth_;
+      if (bf16_pairs_) {
+        load_row_bf16_pairs(o_.query, offset, qs[3], o_.head_dim, dst);
+      } else if (qs[3] == 1) {
+        set_.widen(static_cast<const char*>(o_.query) + offset * elem_, o_.qk_dtype, o_.head_dim,
+                   reinterpret_cast<float*>(dst));
+      } else {
+        load_row(o_.query, o_.qk_dtype, offset, qs[3], o_.head_dim, reinterpret_cast<float*>(dst));
+      }
+      std::fill(dst + words_, dst + depth_, 0u);
+      load_row(o_.weights, o_.weights_dtype, w_base + token * ws[1] + head * ws[2], 1, 1,
+               weights + r * groups_ + h);
+    }
+  }
+}
+
+int64_t Packer::key_offset(const Sequence& seq, int64_t g, int64_t j) const {
+  const int64_t* ks = o_.key_stride;
+  if (o_.block_table != nullptr) {
+    const int64_t block = o_.block_table[seq.batch * o_.block_table_stride + j / o_.block_size];
+    return block * ks[0] + (j % o_.block_size) * ks[1] + g * ks[2];
+  }
+  const int64_t base = o_.batched_key ? seq.batch * ks[0] : 0;
+  return base + (seq.k_begin + j) * ks[1] + g * ks[2];
+}
+
+// Contiguous rows go through the kernel set's transpose: as they are when already in the word
+// type (float32, or bf16 pairs of an even D), else widened first.
+void Packer::pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, uint32_t* dst,
+                       float* stage, uint32_t* row) const {
+  const int64_t* ks = o_.key_stride;
+  if (ks[3] == 1 && (!bf16_pairs_ || o_.head_dim % 2 == 0)) {
+    const bool direct = bf16_pairs_ || o_.qk_dtype == DType::kFloat32;
+    const char* rows[kKeyTile];
+    for (int64_t j = 0; j < count; ++j) {
+      rows[j] = static_cast<const char*>(o_.key) + key_offset(seq, g, j0 + j) * elem_;
+      if (!direct) {
+        float* staged = stage + j * words_;
+        set_.widen(rows[j], o_.qk_dtype, o_.head_dim, staged);
+        rows[j] = reinterpret_cast<const char*>(staged);
+      }
+    }
+    set_.pack_keys(rows, count, words_, dst);
+    std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
+    return;
+  }
+  if (count < kKeyTile) std::fill(dst, dst + depth_ * kKeyTile, 0u);
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t offset = key_offset(seq, g, j0 + j);
+    if (bf16_pairs_) {
+      load_row_bf16_pairs(o_.key, offset, ks[3], o_.head_dim, row);
+    } else {
+      load_row(o_.key, o_.qk_dtype, offset, ks[3], o_.head_dim, reinterpret_cast<float*>(row));
+    }
+    for (int64_t l = 0; l < words_; ++l) dst[l * kKeyTile + j] = row[l];
+  }
+  if (count == kKeyTile) std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
+}
+
+}  // namespace opmesh::core::indexer
