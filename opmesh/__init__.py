@@ -58,6 +58,7 @@ cmake_prefix_path = os.path.dirname(os.path.abspath(_C.__file__))
 from .ops import (  # noqa: E402
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
+    lightning_indexer,
     describe_metadata,
     flash_attn,
     flash_attn_metadata,
@@ -85,6 +86,7 @@ __all__ = [
     "dense_lightning_indexer_softmax_lse",
     "dense_lightning_indexer_grad_kl_loss",
     "indexer_kl_loss",
+    "lightning_indexer",
     "flash_attn",
     "flash_attn_metadata",
     "describe_metadata",

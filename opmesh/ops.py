@@ -292,6 +292,90 @@ class _KlLossFunction(DFunction):
         return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * rest
 
 
+def lightning_indexer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    actual_seq_lengths_query: LengthsLike = None,
+    actual_seq_lengths_key: LengthsLike = None,
+    block_table: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    layout_query: str = "BSND",
+    layout_key: str = "BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
+    return_value: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The ``sparse_count`` keys with the highest lightning-indexer score, per token and key head.
+
+    For token ``t``, key head ``g`` and key ``s`` of ``t``'s sequence::
+
+        I[t, g, s] = sum_{h in group g} weights[t, h] * relu(query[t, h, :] . key[s, g, :])
+
+    ``sparse_indices[t, g]`` lists the positions ``s`` (within the sequence) of the
+    ``sparse_count`` highest ``I[t, g, s]`` among the keys ``t`` sees, in descending score, ties
+    to the lower position, padded with ``-1`` when fewer are visible. (A NaN score ranks above
+    every number; ``-0.0`` equals ``0.0``.) Query head ``h`` belongs to key head
+    ``h // (N1 // N2)``. No scale is applied.
+
+    Args:
+        query: ``[B, S1, N1, D]`` (``layout_query="BSND"``) or ``[T1, N1, D]`` (``"TND"``);
+            float32, bfloat16, float16 or float64 (read as float32). Any N1, any D.
+        key: the layout of ``query`` with ``N2`` heads (``N1 % N2 == 0``), or
+            ``layout_key="PA_BSND"``: a paged cache ``[block_count, block_size, N2, D]`` read
+            through ``block_table``. Same dtype as ``query``.
+        weights: ``[B, S1, N1]`` or ``[T1, N1]``; the dtype of ``query`` or float32.
+        actual_seq_lengths_query: BSND: optional per-sequence query lengths ``[B]``; TND:
+            required cumulative ends ``[B]`` (no leading 0, non-decreasing, last ``== T1``).
+        actual_seq_lengths_key: BSND: optional per-sequence key lengths; TND: required
+            cumulative ends; PA_BSND: required per-sequence lengths (one per query sequence).
+        block_table: PA_BSND only: ``[B, max_blocks]`` int32/int64, the cache blocks of each
+            sequence in order.
+        layout_query: ``"BSND"`` or ``"TND"``.
+        layout_key: ``layout_query``'s value, or ``"PA_BSND"``.
+        sparse_count: K, from 1 to 65536; K may exceed the visible keys (the rest is ``-1``).
+        sparse_mode: 0 = every key visible; 3 = causal aligned to the bottom-right corner of each
+            sequence: key ``s`` is visible to query ``i`` iff ``s <= i + s2 - s1``.
+        pre_tokens, next_tokens: a band around that diagonal ``d``: key ``s`` is visible only if
+            ``d - pre_tokens <= s <= d + next_tokens`` (unbounded by default).
+        return_value: also return the selected scores.
+
+    Returns:
+        ``(sparse_indices, sparse_values)``: int32 ``[B, S1, N2, K]`` (BSND) or ``[T1, N2, K]``
+        (TND), and the float32 scores alongside (``-inf`` where the index is ``-1``) when
+        ``return_value``, else an empty tensor. BSND rows past a sequence's length are all
+        ``-1``. The outputs are not differentiable (no gradient flows through a selection).
+
+    Streaming over 64-key tiles with the relu and weighted head sum fused: no ``S1 x S2`` score
+    matrix; extra memory is O(tile + rows x K). The result is the same bits for any thread
+    count.
+
+    MindSpore tensors in, MindSpore tensors out (docs/mindspore.md).
+    """
+    call = dict(locals())
+    if _on_mindspore(query, key, weights):
+        return _ms.lightning_indexer(call)
+    call["actual_seq_lengths_query"] = _as_lengths(
+        actual_seq_lengths_query, "actual_seq_lengths_query"
+    )
+    call["actual_seq_lengths_key"] = _as_lengths(actual_seq_lengths_key, "actual_seq_lengths_key")
+    call["block_table"] = _as_table(block_table)
+    return _run("lightning_indexer", call)
+
+
+def _as_table(value) -> torch.Tensor | None:
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        return torch.tensor([_int_list(row, "block_table") for row in value], dtype=torch.int64)
+    raise TypeError(
+        f"block_table: expected a 2-D int32/int64 tensor, a list of lists of ints or None, "
+        f"got {type(value).__name__}"
+    )
+
+
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
     if value is None:
         return value

@@ -43,10 +43,18 @@ core::Mask attention_mask(int64_t mode, int64_t win_left, int64_t win_right) {
   return {mask_mode(mode), window(win_left, "win_left"), window(win_right, "win_right")};
 }
 
-core::Layout indexer_layout(std::string_view value) {
+core::Layout indexer_layout(std::string_view value, const char* argument) {
   if (value == "BSND") return core::Layout::kBSND;
   if (value == "TND") return core::Layout::kTND;
-  throw core::ArgumentError("layout", "expected 'BSND' or 'TND', got " + quoted(value));
+  throw core::ArgumentError(argument, "expected 'BSND' or 'TND', got " + quoted(value));
+}
+
+core::Layout indexer_key_layout(std::string_view value) {
+  if (value == "BSND") return core::Layout::kBSND;
+  if (value == "TND") return core::Layout::kTND;
+  if (value == "PA_BSND") return core::Layout::kPagedBBND;
+  throw core::ArgumentError("layout_key",
+                            "expected 'BSND', 'TND' or 'PA_BSND', got " + quoted(value));
 }
 
 core::MaskMode sparse_mode(int64_t value) {

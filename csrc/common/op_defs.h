@@ -145,6 +145,25 @@ struct Field {
 #define OPMESH_OP_KL_LOSS_RETURNS \
   "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)"
 
+// lightning_indexer(query, key, weights, *, ...) -> (sparse_indices, sparse_values): the top-k
+// keys of the indexer score per token and key head (Ascend's call form).
+#define OPMESH_OP_LIGHTNING_INDEXER(ARG, ARG_D, KWONLY)    \
+  ARG(Tensor, query)                                       \
+  ARG(Tensor, key)                                         \
+  ARG(Tensor, weights)                                     \
+  KWONLY                                                   \
+  ARG_D(OptInts, actual_seq_lengths_query, std::nullopt)   \
+  ARG_D(OptInts, actual_seq_lengths_key, std::nullopt)     \
+  ARG_D(OptInts, block_table, std::nullopt)                \
+  ARG_D(Str, layout_query, "BSND")                         \
+  ARG_D(Str, layout_key, "BSND")                           \
+  ARG_D(Int, sparse_count, 2048)                           \
+  ARG_D(Int, sparse_mode, 3)                               \
+  ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens)  \
+  ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens) \
+  ARG_D(Bool, return_value, false)
+#define OPMESH_OP_LIGHTNING_INDEXER_RETURNS "(Tensor sparse_indices, Tensor sparse_values)"
+
 // kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping) -> ()
 #define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
   ARG(Tensor, key)                                   \
@@ -202,6 +221,7 @@ OPMESH_DEFINE_CALL(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH
 OPMESH_DEFINE_CALL(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)
 OPMESH_DEFINE_CALL(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)
 OPMESH_DEFINE_CALL(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)
+OPMESH_DEFINE_CALL(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)
 OPMESH_DEFINE_CALL(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)
 OPMESH_DEFINE_CALL(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
 

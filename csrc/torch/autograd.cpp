@@ -6,8 +6,9 @@
 //   asked (the backward needs it) and returns it only when requested; the lse output is
 //   differentiable too. Paged keys and values (PA_BBND) have no backward: the backward operator
 //   refuses them when it runs.
-// - dense_lightning_indexer_softmax_lse returns softmax statistics, which are not
-//   differentiable: its outputs never require a gradient.
+// - dense_lightning_indexer_softmax_lse returns softmax statistics and lightning_indexer a top-k
+//   selection with its scores, which are not differentiable: their outputs never require a
+//   gradient (the sparse KL loss trains the indexer).
 // - dense_lightning_indexer_grad_kl_loss returns a loss and its gradients with respect to
 //   query_index, key_index and weights: the loss is differentiable in those three (its backward
 //   scales the returned gradients by the loss's gradient), the returned gradients are not (no
@@ -111,6 +112,10 @@ Outputs2 indexer_autograd(const IndexerCall& call) {
   return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
 }
 
+Outputs2 lightning_indexer_autograd(const LightningIndexerCall& call) {
+  return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
+}
+
 class KlLossFunction : public torch::autograd::Function<KlLossFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& qi, const at::Tensor& ki,
@@ -166,6 +171,7 @@ TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
   impl<KlLossCall, kl_loss_autograd>(m);
   impl<FlashAttnCall, flash_attn_autograd>(m);
   impl<IndexerCall, indexer_autograd>(m);
+  impl<LightningIndexerCall, lightning_indexer_autograd>(m);
 }
 
 }  // namespace opmesh::binding

@@ -15,7 +15,7 @@ TORCH_LIBRARY(opmesh, m) {
       b::schema_of<b::IndexerCall>(),           b::schema_of<b::KlLossCall>(),
       b::schema_of<b::FlashAttnMetadataCall>(), b::schema_of<b::FlashAttnCall>(),
       b::schema_of<b::FlashAttnBackwardCall>(), b::schema_of<b::KvCacheWriteCall>(),
-      b::schema_of<b::MergeAttnStatesCall>(),
+      b::schema_of<b::MergeAttnStatesCall>(),   b::schema_of<b::LightningIndexerCall>(),
   };
   for (const std::string& s : schemas) m.def(s.c_str());
 }

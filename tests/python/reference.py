@@ -159,3 +159,109 @@ def indexer_kl_loss(
     for g in range(n2i):
         loss = loss + torch.nn.functional.kl_div(log_q[g], target, reduction="sum")
     return loss
+
+
+def _paged_to_dense(key, block_table, k_lengths):
+    """Paged keys ``[blocks, block_size, N2, D]`` as BSND ``[B, max_len, N2, D]`` (zeros past each
+    sequence's length)."""
+    block_size = key.shape[1]
+    longest = max([int(n) for n in k_lengths] + [0])
+    dense = key.new_zeros(len(k_lengths), longest, *key.shape[2:])
+    for b, n in enumerate(k_lengths):
+        for j in range(int(n)):
+            dense[b, j] = key[int(block_table[b][j // block_size]), j % block_size]
+    return dense
+
+
+def lightning_indexer_scores(
+    query,
+    key,
+    weights,
+    *,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None,
+    block_table=None,
+    layout_query="BSND",
+    layout_key="BSND",
+    sparse_mode=3,
+    pre_tokens=UNBOUNDED,
+    next_tokens=UNBOUNDED,
+    **_,
+):
+    """Reference scores of ``lightning_indexer``: float64 ``[R, N2, L]`` with
+    ``I[t, g, s] = sum_{h in group g} w[t, h] relu(q[t, h] . k[s, g])`` for the keys ``s`` row
+    ``t`` sees and ``-inf`` elsewhere, and the visibility mask; ``R`` the output rows (``B * S1``
+    or ``T1``), ``L`` the longest key sequence."""
+    q, k, w = query.double(), key.double(), weights.double()
+    tnd = layout_query == "TND"
+    if tnd:
+        batch = len(actual_seq_lengths_query)
+        qcum = [int(x) for x in actual_seq_lengths_query]
+        qb = [
+            (0 if b == 0 else qcum[b - 1], qcum[b] - (0 if b == 0 else qcum[b - 1]))
+            for b in range(batch)
+        ]
+        rows = q.shape[0]
+    else:
+        batch, s1 = q.shape[0], q.shape[1]
+        lens = (
+            [s1] * batch
+            if actual_seq_lengths_query is None
+            else [int(x) for x in actual_seq_lengths_query]
+        )
+        qb = [(b * s1, lens[b]) for b in range(batch)]
+        q, w = q.flatten(0, 1), w.flatten(0, 1)
+        rows = batch * s1
+    if layout_key == "PA_BSND":
+        k_lens = [int(x) for x in actual_seq_lengths_key]
+        dense = _paged_to_dense(k, block_table, k_lens)
+        kb = [(dense[b], k_lens[b]) for b in range(batch)]
+    elif layout_key == "TND":
+        kcum = [int(x) for x in actual_seq_lengths_key]
+        kb = []
+        for b in range(batch):
+            k0 = 0 if b == 0 else kcum[b - 1]
+            kb.append((k[k0 : kcum[b]], kcum[b] - k0))
+    else:
+        s2 = k.shape[1]
+        lens = (
+            [s2] * batch
+            if actual_seq_lengths_key is None
+            else [int(x) for x in actual_seq_lengths_key]
+        )
+        kb = [(k[b, : lens[b]], lens[b]) for b in range(batch)]
+    n1, n2 = q.shape[1], k.shape[-2]
+    group = n1 // n2 if n2 else 0
+    longest = max([n for _, n in kb] + [0])
+    scores = torch.full((rows, n2, longest), float("-inf"), dtype=torch.float64)
+    visible_all = torch.zeros((rows, n2, longest), dtype=torch.bool)
+    for b in range(batch):
+        q0, s1 = qb[b]
+        keys, s2 = kb[b]
+        visible = indexer_visible(s1, s2, sparse_mode, pre_tokens, next_tokens)
+        for g in range(n2):
+            heads = slice(g * group, (g + 1) * group)
+            dots = torch.einsum("ihd,jd->ihj", q[q0 : q0 + s1, heads], keys[:s2, g])
+            s = torch.einsum("ih,ihj->ij", w[q0 : q0 + s1, heads], dots.clamp_min(0))
+            scores[q0 : q0 + s1, g, :s2] = s.masked_fill(~visible, float("-inf"))
+            visible_all[q0 : q0 + s1, g, :s2] = visible
+    return scores, visible_all
+
+
+def lightning_indexer(query, key, weights, *, sparse_count=2048, **kwargs):
+    """Reference for ``lightning_indexer``: ``(indices int64, values float64)`` of shape
+    ``[R, N2, K]``: the visible keys by descending score, ties to the lower position (a stable
+    sort), ``-1`` / ``-inf`` past the visible ones."""
+    scores, visible = lightning_indexer_scores(query, key, weights, **kwargs)
+    rows, n2, longest = scores.shape
+    indices = torch.full((rows, n2, sparse_count), -1, dtype=torch.int64)
+    values = torch.full((rows, n2, sparse_count), float("-inf"), dtype=torch.float64)
+    order = torch.sort(
+        scores.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True
+    )
+    count = visible.sum(-1).clamp(max=sparse_count)
+    take = min(sparse_count, longest)
+    keep = torch.arange(take)[None, None, :] < count[..., None]
+    indices[..., :take] = torch.where(keep, order.indices[..., :take], -1)
+    values[..., :take] = torch.where(keep, order.values[..., :take], float("-inf"))
+    return indices, values

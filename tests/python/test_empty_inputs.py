@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from attention_reference import flash_attn_reference
-from reference import indexer_softmax_lse
+from reference import indexer_softmax_lse, lightning_indexer
 
 import opmesh
 
@@ -182,6 +182,41 @@ def test_indexer_softmax_lse(case, sparse_mode):
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+
+
+def _lightning_kwargs(kw):
+    renamed = {"layout": "layout_query", "actual_seq_qlen": "actual_seq_lengths_query"}
+    renamed["actual_seq_klen"] = "actual_seq_lengths_key"
+    out = {renamed[k]: v for k, v in kw.items()}
+    out.setdefault("layout_query", "BSND")
+    out["layout_key"] = out["layout_query"]
+    return out
+
+
+@pytest.mark.parametrize("sparse_mode", [0, 3])
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=[c[0] for c in INDEXER_CASES])
+def test_lightning_indexer(case, sparse_mode):
+    _, qs, ks, kw = case
+    qi, ki, w = _indexer_inputs(qs, ks)
+    kw = _lightning_kwargs(kw)
+    got = opmesh.lightning_indexer(
+        qi, ki, w, sparse_count=3, sparse_mode=sparse_mode, return_value=True, **kw
+    )
+    want = lightning_indexer(qi, ki, w, sparse_count=3, sparse_mode=sparse_mode, **kw)
+    rows = got[0] if kw["layout_query"] == "TND" else got[0].flatten(0, 1)
+    assert got[0].shape == (*qs[:-2], ks[-2], 3) and got[1].shape == got[0].shape
+    assert torch.equal(rows.long(), want[0])
+
+
+def test_lightning_indexer_paged_with_no_keys():
+    qi, w = rand(2, 3, 4, _D), rand(2, 3, 4)
+    cache = rand(0, 16, 1, _D)
+    table = torch.zeros(2, 0, dtype=torch.int32)
+    indices, _ = opmesh.lightning_indexer(
+        qi, cache, w, block_table=table, actual_seq_lengths_key=[0, 0], layout_key="PA_BSND",
+        sparse_count=5,
+    )  # fmt: skip
+    assert indices.shape == (2, 3, 1, 5) and (indices == -1).all()
 
 
 @pytest.mark.parametrize("case", INDEXER_CASES, ids=[c[0] for c in INDEXER_CASES])

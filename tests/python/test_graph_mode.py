@@ -41,6 +41,7 @@ def samples():
             dict(sparse_mode=3, pre_tokens=30),
         ),
         "dense_lightning_indexer_softmax_lse": ((q, k, w), dict(sparse_mode=3)),
+        "lightning_indexer": ((q, k, w), dict(sparse_count=7, return_value=True)),
         "flash_attn": ((q, k, v), dict(sinks=sinks, mask_mode=3, return_softmax_lse=True)),
         "flash_attn_backward": (
             (torch.randn_like(out), q, k, v, out, lse),

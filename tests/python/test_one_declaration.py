@@ -19,6 +19,14 @@ EXPECTED = {
         "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
         "(Tensor softmax_max, Tensor softmax_sum)"
     ),
+    "lightning_indexer": (
+        "(Tensor query, Tensor key, Tensor weights, *, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, "
+        'str layout_query="BSND", str layout_key="BSND", int sparse_count=2048, '
+        "int sparse_mode=3, int pre_tokens=9223372036854775807, "
+        "int next_tokens=9223372036854775807, bool return_value=False) -> "
+        "(Tensor sparse_indices, Tensor sparse_values)"
+    ),
     "kv_cache_write_": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()"
@@ -45,6 +53,7 @@ def test_every_operator_has_a_schema_read_by_python():
         "flash_attn_backward",
         "kv_cache_write_",
         "merge_attn_states",
+        "lightning_indexer",
     }
     assert _schema.positional("flash_attn") == ("q", "k", "v")
     assert _schema.defaults("dense_lightning_indexer_grad_kl_loss")["scale_value"] == 1.0
@@ -66,6 +75,7 @@ DERIVED = {"layout_kv", "layout_out"}
         (opmesh.flash_attn, "flash_attn"),
         (opmesh.flash_attn_metadata, "flash_attn_metadata"),
         (opmesh.merge_attn_states, "merge_attn_states"),
+        (opmesh.lightning_indexer, "lightning_indexer"),
     ],
     ids=lambda x: getattr(x, "__name__", x),
 )

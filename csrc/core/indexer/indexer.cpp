@@ -342,8 +342,10 @@ void validate(const IndexerParams& p) {
   if (p.layout == Layout::kTND && p.batch == 0 && (p.seq_q != 0 || p.seq_k != 0)) {
     throw ArgumentError("actual_seq_qlen", "is empty but the inputs hold tokens");
   }
-  check_indexer_lengths(p.seq_q_lens, p.batch, p.seq_q, p.layout == Layout::kTND, "actual_seq_qlen");
-  check_indexer_lengths(p.seq_k_lens, p.batch, p.seq_k, p.layout == Layout::kTND, "actual_seq_klen");
+  check_indexer_lengths(p.seq_q_lens, p.batch, p.seq_q, p.layout == Layout::kTND,
+                        "actual_seq_qlen");
+  check_indexer_lengths(p.seq_k_lens, p.batch, p.seq_k, p.layout == Layout::kTND,
+                        "actual_seq_klen");
 }
 
 void dense_lightning_indexer_softmax_lse(const IndexerParams& p, const Executor& executor,

@@ -63,8 +63,8 @@ int64_t select_sorted(uint64_t* c, int64_t n, int64_t k) {
 // A query tile of one sequence and key head, and the keys its rows see.
 struct Unit {
   int32_t b, g;
-  int64_t p0;    // first query position
-  int32_t rows;  // query positions
+  int64_t p0;         // first query position
+  int32_t rows;       // query positions
   int64_t lo, hi;     // the union of the rows' visible keys
   int32_t chunks;     // key chunks, each a task; > 1 leaves candidates in slots to merge
   int64_t slot_base;  // first slot row (chunks > 1)
@@ -248,8 +248,8 @@ class TopKRun {
       Unit& u = units_[i];
       const int64_t tiles = tile_count(u);
       if (n < target) {
-        u.chunks = static_cast<int32_t>(std::clamp<int64_t>(
-            std::min((target + n - 1) / n, tiles / 4), 1, 1024));
+        u.chunks = static_cast<int32_t>(
+            std::clamp<int64_t>(std::min((target + n - 1) / n, tiles / 4), 1, 1024));
       }
       if (u.chunks > 1) {
         u.slot_base = slot_rows;
@@ -287,8 +287,8 @@ class TopKRun {
 
   void write(const Unit& u, int r, const uint64_t* best, int64_t n) const {
     const Sequence& seq = seqs_[u.b];
-    const int64_t token = p_.layout_query == Layout::kTND ? seq.q_begin + u.p0 + r
-                                                          : seq.batch * p_.seq_q + u.p0 + r;
+    const int64_t token =
+        p_.layout_query == Layout::kTND ? seq.q_begin + u.p0 + r : seq.batch * p_.seq_q + u.p0 + r;
     const int64_t out = (token * p_.heads_k + u.g) * k_;
     for (int64_t i = 0; i < n; ++i) p_.indices[out + i] = position_of(best[i]);
     if (p_.values != nullptr) {
@@ -348,24 +348,24 @@ void validate(const LightningIndexerParams& p) {
   }
   indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
   if (p.sparse_count < 1 || p.sparse_count > kMaxSparseCount) {
-    throw ArgumentError("sparse_count", "must be in [1, " + str(kMaxSparseCount) + "], got " +
-                                            str(p.sparse_count));
+    throw ArgumentError("sparse_count",
+                        "must be in [1, " + str(kMaxSparseCount) + "], got " + str(p.sparse_count));
   }
   if (p.batch < 0 || p.batch > attention::kMaxBatch) {
-    throw ArgumentError("query", "batch must be in [0, " + str(attention::kMaxBatch) + "], got " +
-                                     str(p.batch));
+    throw ArgumentError(
+        "query", "batch must be in [0, " + str(attention::kMaxBatch) + "], got " + str(p.batch));
   }
   if (p.seq_q < 0 || p.seq_q > attention::kMaxTokens) {
-    throw ArgumentError("query", "at most " + str(attention::kMaxTokens) + " tokens, got " +
-                                     str(p.seq_q));
+    throw ArgumentError("query",
+                        "at most " + str(attention::kMaxTokens) + " tokens, got " + str(p.seq_q));
   }
   if (!paged && (p.seq_k < 0 || p.seq_k > attention::kMaxTokens)) {
-    throw ArgumentError("key", "at most " + str(attention::kMaxTokens) + " tokens, got " +
-                                   str(p.seq_k));
+    throw ArgumentError("key",
+                        "at most " + str(attention::kMaxTokens) + " tokens, got " + str(p.seq_k));
   }
   if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
-    throw ArgumentError("query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " +
-                                     str(p.heads_q));
+    throw ArgumentError(
+        "query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_q));
   }
   if (p.heads_k < 1 || p.heads_q % p.heads_k != 0) {
     throw ArgumentError("key", "key heads N2=" + str(p.heads_k) +
@@ -403,8 +403,8 @@ void validate(const LightningIndexerParams& p) {
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t len = p.seq_k_lens[b];
     if (len < 0 || len > attention::kMaxTokens) {
-      throw ArgumentError("actual_seq_lengths_key", "entry " + str(b) + " is " + str(len) +
-                                                        ", expected a length >= 0");
+      throw ArgumentError("actual_seq_lengths_key",
+                          "entry " + str(b) + " is " + str(len) + ", expected a length >= 0");
     }
     const int64_t blocks = (len + p.block_size - 1) / p.block_size;
     if (blocks > p.max_blocks) {

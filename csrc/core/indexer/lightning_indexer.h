@@ -1,6 +1,7 @@
 // lightning_indexer: for every query token and key head, the positions of the sparse_count keys
 // with the highest lightning-indexer score
-//   I[t, s] = sum over the query heads h of key head g: weights[t, h] * relu(query[t, h] . key[s, g])
+//   I[t, s] = sum over the query heads h of key head g: weights[t, h] * relu(query[t, h] . key[s,
+//   g])
 // among the keys the token sees, streamed over key tiles: no S1 x S2 score matrix, extra memory
 // O(tile + rows x sparse_count) per worker.
 #pragma once
@@ -30,12 +31,12 @@ struct LightningIndexerParams {
   int64_t pre_tokens = std::numeric_limits<int64_t>::max();
   int64_t next_tokens = std::numeric_limits<int64_t>::max();
 
-  int64_t batch = 0;      // B; for TND queries the number of sequences
-  int64_t seq_q = 0;      // BSND: S1; TND: T1
-  int64_t seq_k = 0;      // BSND: S2; TND: T2; paged: unused
-  int64_t heads_q = 0;    // N1, a multiple of N2
-  int64_t heads_k = 0;    // N2
-  int64_t head_dim = 0;   // D
+  int64_t batch = 0;         // B; for TND queries the number of sequences
+  int64_t seq_q = 0;         // BSND: S1; TND: T1
+  int64_t seq_k = 0;         // BSND: S2; TND: T2; paged: unused
+  int64_t heads_q = 0;       // N1, a multiple of N2
+  int64_t heads_k = 0;       // N2
+  int64_t head_dim = 0;      // D
   int64_t sparse_count = 0;  // K, in [1, kMaxSparseCount]
 
   DType qk_dtype = DType::kFloat32;
