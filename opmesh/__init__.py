@@ -58,12 +58,12 @@ cmake_prefix_path = os.path.dirname(os.path.abspath(_C.__file__))
 from .ops import (  # noqa: E402
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
-    lightning_indexer,
     describe_metadata,
     flash_attn,
     flash_attn_metadata,
     indexer_kl_loss,
     kv_cache_write_,
+    lightning_indexer,
     merge_attn_states,
 )
 from .plan import FlashAttnPlan  # noqa: E402

@@ -44,6 +44,7 @@ using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<MsTypes>;
 using IndexerCall = ops::IndexerCall<MsTypes>;
 using KlLossCall = ops::KlLossCall<MsTypes>;
 using KvCacheWriteCall = ops::KvCacheWriteCall<MsTypes>;
+using LightningIndexerCall = ops::LightningIndexerCall<MsTypes>;
 
 // Host values of an optional integer argument (int64), as the binding's helpers take them.
 inline IntList values_of(const std::optional<HostInts>& h) {
@@ -84,6 +85,7 @@ void from_py(const py::handle& value, const char* name, std::optional<T>& out) {
 py::object indexer(const IndexerCall& call);
 py::object indexer_grad_kl_loss(const KlLossCall& call);
 py::object kv_cache_write(const KvCacheWriteCall& call);
+py::object lightning_indexer(const LightningIndexerCall& call);
 std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call);
 py::object flash_attn(const FlashAttnCall& call);
 py::object flash_attn_backward(const FlashAttnBackwardCall& call);

@@ -190,6 +190,40 @@ def indexer(query_index, key_index, weights, mask):
     )
 
 
+def _table(value, name: str):
+    """(rows of values, meta stand-in) of a 2-D integer argument: a MindSpore integer tensor or
+    a list of lists of ints; (None, None) when absent."""
+    if value is None or is_tensor(value):
+        flat, meta = _host(value, name)
+        if meta is None or meta.dim() != 2:
+            return flat, meta
+        cols = meta.shape[1]
+        return [flat[i * cols : (i + 1) * cols] for i in range(meta.shape[0])], meta
+    if isinstance(value, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in value):
+        rows = [_ints(r, name) for r in value]
+        cols = len(rows[0]) if rows else 0
+        if any(len(r) != cols for r in rows):
+            raise ValueError(f"{name}: rows of different lengths")
+        return rows, torch.empty((len(rows), cols), dtype=torch.int64, device="meta")
+    raise TypeError(
+        f"{name}: expected a 2-D int32/int64 MindSpore tensor, a list of lists of ints or None, "
+        f"got {type(value).__name__}"
+    )
+
+
+def lightning_indexer(call):
+    """``call``: lightning_indexer's arguments by schema name. The shapes are checked by the
+    torch shape function on meta stand-ins; the binding reads the lengths and table as host
+    values."""
+    host, metas = dict(call), dict(call)
+    for name in ("actual_seq_lengths_query", "actual_seq_lengths_key"):
+        host[name], metas[name] = _host(call[name], name)
+    host["block_table"], metas["block_table"] = _table(call["block_table"], "block_table")
+    tensors = [_meta(metas.pop(n), n) for n in _schema.positional("lightning_indexer")]
+    torch.ops.opmesh.lightning_indexer(*tensors, **metas)
+    return tuple(_call("lightning_indexer", **host))
+
+
 # The fused KL op's tensors (its positional parameters but the scale).
 _KL_TENSORS = _schema.positional("dense_lightning_indexer_grad_kl_loss")[:-1]
 

@@ -84,6 +84,87 @@ def test_indexer_lengths_as_mindspore_tensors():
     assert_same(m[1], t[1])
 
 
+LIGHTNING_CASES = [
+    # (layout_query, layout_key, sparse_mode, qlens, klens, band)
+    ("BSND", "BSND", 3, None, None, None),
+    ("BSND", "BSND", 0, [13, 0, 7], [17, 5, 0], (4, 2)),
+    ("TND", "TND", 3, [4, 4, 11], [6, 6, 19], None),
+    ("BSND", "PA_BSND", 3, None, [17, 1, 9], None),
+    ("TND", "PA_BSND", 3, [1, 3, 5], [17, 1, 9], None),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", LIGHTNING_CASES, ids=lambda c: f"{c[0]}-{c[1]}-m{c[2]}")
+def test_lightning_indexer_matches_torch(case, dtype):
+    layout_query, layout_key, mode, qlens, klens, band = case
+    n1, n2, d = 8, 2, 32
+    if layout_key == "PA_BSND":
+        lead = (3, 13) if layout_query == "BSND" else (qlens[-1],)
+        keys = randn(9, 4, n2, d)  # 9 blocks of 4: enough for 17 + 1 + 9 keys
+        table = [[0, 1, 2, 3, 4], [5, 0, 0, 0, 0], [6, 7, 8, 0, 0]]
+        kw = dict(block_table=table, actual_seq_lengths_key=klens)
+    elif layout_query == "BSND":
+        lead, keys = (3, 13), randn(3, 17, n2, d)
+        kw = dict(actual_seq_lengths_key=klens)
+    else:
+        lead, keys = (qlens[-1],), randn(klens[-1], n2, d)
+        kw = dict(actual_seq_lengths_key=klens)
+    (mq, tq), (mk, tk), (mw, tw) = (
+        both(randn(*lead, n1, d), dtype),
+        both(keys, dtype),
+        both(randn(*lead, n1, scale=0.2), "float32"),
+    )
+    kw.update(
+        actual_seq_lengths_query=qlens,
+        layout_query=layout_query,
+        layout_key=layout_key,
+        sparse_mode=mode,
+        sparse_count=6,
+        return_value=True,
+    )
+    if band:
+        kw.update(pre_tokens=band[0], next_tokens=band[1])
+    m_idx, m_val = opmesh.lightning_indexer(mq, mk, mw, **kw)
+    t_idx, t_val = opmesh.lightning_indexer(tq, tk, tw, **kw)
+    assert isinstance(m_idx, ms.Tensor) and m_idx.dtype == ms.int32
+    assert_same(m_idx, t_idx)
+    assert_same(m_val, t_val)
+    assert (as_numpy(t_idx) >= 0).any()
+
+
+def test_lightning_indexer_block_table_as_a_mindspore_tensor_and_no_values():
+    (mq, tq), (mk, tk), (mw, tw) = (
+        both(randn(2, 3, 4, 16)),
+        both(randn(6, 8, 1, 16)),
+        both(randn(2, 3, 4)),
+    )
+    table = np.array([[4, 2], [1, 0]], np.int32)
+    kw = dict(actual_seq_lengths_key=[11, 16], layout_key="PA_BSND", sparse_count=5)
+    m_idx, m_val = opmesh.lightning_indexer(mq, mk, mw, block_table=ms.Tensor(table), **kw)
+    t_idx, t_val = opmesh.lightning_indexer(tq, tk, tw, block_table=torch.from_numpy(table), **kw)
+    assert_same(m_idx, t_idx)
+    assert tuple(m_val.shape) == tuple(t_val.shape) == (0,)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(sparse_count=0), "sparse_count"),
+        (dict(layout_key="PA_BSND", actual_seq_lengths_key=[3, 3]), "block_table"),
+        (
+            dict(layout_key="PA_BSND", block_table=[[0], [9]], actual_seq_lengths_key=[3, 3]),
+            "block_table",
+        ),
+        (dict(actual_seq_lengths_query=[5, 1]), "actual_seq_lengths_query"),
+    ],
+)
+def test_lightning_indexer_errors_are_the_torch_bindings(kwargs, argument):
+    arrays = [randn(2, 3, 4, 16), randn(2, 4, 1, 16), randn(2, 3, 4)]
+    msg = _same_error(lambda conv: opmesh.lightning_indexer(*map(conv, arrays), **kwargs))
+    assert msg.startswith(f"{argument}:"), msg
+
+
 # ------------------------------------------------------------------------------ KL loss
 
 

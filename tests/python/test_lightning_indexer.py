@@ -328,28 +328,28 @@ def _base():
 
 
 ERRORS = [
-    ("sparse_count", ValueError, lambda q, k, w, kw: dict(kw, sparse_count=0)),
-    ("sparse_count", ValueError, lambda q, k, w, kw: dict(kw, sparse_count=65537)),
-    ("sparse_mode", ValueError, lambda q, k, w, kw: dict(kw, sparse_mode=1)),
-    ("pre_tokens", ValueError, lambda q, k, w, kw: dict(kw, pre_tokens=-1)),
-    ("layout_query", ValueError, lambda q, k, w, kw: dict(kw, layout_query="BNSD")),
-    ("layout_key", ValueError, lambda q, k, w, kw: dict(kw, layout_key="PA_BBND")),
-    ("block_table", ValueError, lambda q, k, w, kw: {**kw, "block_table": None}),
-    ("block_table", ValueError, lambda q, k, w, kw: {**kw, "block_table": kw["block_table"][:2]}),
-    ("block_table", ValueError, lambda q, k, w, kw: {**kw, "block_table": kw["block_table"] + 100}),
-    ("block_table", ValueError, lambda q, k, w, kw: {**kw, "block_table": kw["block_table"][:, :2]}),
-    ("block_table", TypeError, lambda q, k, w, kw: {**kw, "block_table": kw["block_table"].float()}),
-    ("actual_seq_lengths_key", ValueError, lambda q, k, w, kw: {**kw, "actual_seq_lengths_key": None}),
-    ("actual_seq_lengths_key", ValueError, lambda q, k, w, kw: {**kw, "actual_seq_lengths_key": [5, -1, 3]}),
-    ("actual_seq_lengths_query", ValueError, lambda q, k, w, kw: {**kw, "actual_seq_lengths_query": [5, 1, 1]}),
-    ("actual_seq_lengths_query", TypeError, lambda q, k, w, kw: {**kw, "actual_seq_lengths_query": [1.5, 1, 1]}),
+    ("sparse_count", ValueError, lambda kw: dict(kw, sparse_count=0)),
+    ("sparse_count", ValueError, lambda kw: dict(kw, sparse_count=65537)),
+    ("sparse_mode", ValueError, lambda kw: dict(kw, sparse_mode=1)),
+    ("pre_tokens", ValueError, lambda kw: dict(kw, pre_tokens=-1)),
+    ("layout_query", ValueError, lambda kw: dict(kw, layout_query="BNSD")),
+    ("layout_key", ValueError, lambda kw: dict(kw, layout_key="PA_BBND")),
+    ("block_table", ValueError, lambda kw: {**kw, "block_table": None}),
+    ("block_table", ValueError, lambda kw: {**kw, "block_table": kw["block_table"][:2]}),
+    ("block_table", ValueError, lambda kw: {**kw, "block_table": kw["block_table"] + 100}),
+    ("block_table", ValueError, lambda kw: {**kw, "block_table": kw["block_table"][:, :2]}),
+    ("block_table", TypeError, lambda kw: {**kw, "block_table": kw["block_table"].float()}),
+    ("actual_seq_lengths_key", ValueError, lambda kw: {**kw, "actual_seq_lengths_key": None}),
+    ("actual_seq_lengths_key", ValueError, lambda kw: {**kw, "actual_seq_lengths_key": [5, -1, 3]}),
+    ("actual_seq_lengths_query", ValueError, lambda kw: dict(kw, actual_seq_lengths_query=[5, 1])),
+    ("actual_seq_lengths_query", TypeError, lambda kw: dict(kw, actual_seq_lengths_query=[1.5, 1])),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name,exc,edit", ERRORS, ids=[f"{e[0]}-{i}" for i, e in enumerate(ERRORS)])
 def test_bad_arguments_name_themselves(name, exc, edit):
     q, k, w, kwargs = _base()
-    bad = edit(q, k, w, kwargs)
+    bad = edit(kwargs)
     assert_raises_named(exc, name, lambda: opmesh.lightning_indexer(q, k, w, **bad))
 
 
