@@ -103,7 +103,8 @@ class TopKRun {
           stage(r.packer_.stage_words()),
           best(r.rows_ * r.cap_),
           count(r.rows_),
-          floor(r.rows_) {}
+          floor(r.rows_),
+          limit(r.rows_) {}
     AlignedBuffer<uint32_t> query;  // [groups][rows][depth] words
     AlignedBuffer<uint32_t> key;    // [depth][kKeyTile] words
     AlignedBuffer<float> weights;   // [rows][groups]
@@ -113,6 +114,7 @@ class TopKRun {
     AlignedBuffer<uint64_t> best;  // [rows][cap] candidates of each row
     std::vector<int64_t> count;    // candidates held per row
     std::vector<uint64_t> floor;   // per row: a candidate must rank above it to be kept
+    std::vector<float> limit;      // per row: floor's score (NaN: no floor yet)
   };
 
   const std::vector<Task>& tasks() const { return tasks_; }
@@ -124,6 +126,7 @@ class TopKRun {
     const Sequence& seq = seqs_[u.b];
     std::fill(sc.count.begin(), sc.count.begin() + u.rows, 0);
     std::fill(sc.floor.begin(), sc.floor.begin() + u.rows, 0);
+    std::fill(sc.limit.begin(), sc.limit.begin() + u.rows, std::numeric_limits<float>::quiet_NaN());
     KeyRange keys[kernels::kKeyTile];
     for (int r = 0; r < u.rows; ++r) keys[r] = visible_keys(mask_, seq, u.p0 + r);
     // The chunk's share of the key tiles the unit touches (tile j: keys [64 j, 64 j + 64)).
@@ -266,12 +269,17 @@ class TopKRun {
     slot_counts_.assign(slot_rows, 0);
   }
 
-  // Offers the visible scores [lo, hi) of one tile row to row r's candidates.
+  // Offers the visible scores [lo, hi) of one tile row to row r's candidates. Keys arrive in
+  // increasing position, so a score equal to the row's K-th best loses its tie: a plain float
+  // comparison with that score (`limit`, NaN while everything is taken) rejects most keys before
+  // their candidate word is formed.
   void absorb(Scratch& sc, int r, const float* s, int64_t j0, int64_t lo, int64_t hi) const {
     uint64_t* best = sc.best.data() + r * cap_;
     int64_t n = sc.count[r];
     uint64_t floor = sc.floor[r];
+    float limit = sc.limit[r];
     for (int64_t c = lo; c < hi; ++c) {
+      if (s[c] <= limit) continue;
       const uint64_t cand = candidate(s[c], j0 + c);
       if (cand <= floor) continue;
       best[n++] = cand;
@@ -279,10 +287,12 @@ class TopKRun {
         std::nth_element(best, best + k_ - 1, best + n, std::greater<uint64_t>());
         n = k_;
         floor = best[k_ - 1];
+        limit = score_of(floor);
       }
     }
     sc.count[r] = n;
     sc.floor[r] = floor;
+    sc.limit[r] = limit;
   }
 
   void write(const Unit& u, int r, const uint64_t* best, int64_t n) const {
