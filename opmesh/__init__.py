@@ -65,6 +65,7 @@ from .ops import (  # noqa: E402
     kv_cache_write_,
     lightning_indexer,
     merge_attn_states,
+    sparse_flash_attention,
 )
 from .plan import FlashAttnPlan  # noqa: E402
 
@@ -87,6 +88,7 @@ __all__ = [
     "dense_lightning_indexer_grad_kl_loss",
     "indexer_kl_loss",
     "lightning_indexer",
+    "sparse_flash_attention",
     "flash_attn",
     "flash_attn_metadata",
     "describe_metadata",

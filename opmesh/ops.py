@@ -365,6 +365,78 @@ def lightning_indexer(
     return _run("lightning_indexer", call)
 
 
+def sparse_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    scale_value: float,
+    *,
+    block_table: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    actual_seq_lengths_query: LengthsLike = None,
+    actual_seq_lengths_kv: LengthsLike = None,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    sparse_block_size: int = 1,
+    layout_query: str = "BSND",
+    layout_kv: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
+    attention_mode: int = 0,
+    return_softmax_lse: bool = False,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Attention of each query token over the keys its ``sparse_indices`` select.
+
+    For token ``t`` and query head ``h`` of key head ``g = h // (N1 // N2)``, the selected keys
+    ``S`` are the blocks ``[i * sparse_block_size, (i + 1) * sparse_block_size)`` of the row's
+    indices ``i >= 0`` (``-1`` is skipped), intersected with the keys the token sees::
+
+        s[j] = scale_value * (query[t, h] . key[j, g] + query_rope[t, h] . key_rope[j, g])
+        out[t, h] = sum_{j in S} exp(s[j] - m) value[j, g] / (l + exp(sinks[h] - m))
+        m = max_{j in S} s[j],  l = sum_{j in S} exp(s[j] - m)
+
+    (no sink term without ``sinks``). A row that selects nothing gives zeros.
+
+    Args:
+        query: ``[B, S1, N1, D]`` (``layout_query="BSND"``) or ``[T1, N1, D]`` (``"TND"``);
+            float32, bfloat16, float16 or float64.
+        key, value: ``layout_query``'s layout with ``N2`` heads (``N1 % N2 == 0``), or
+            ``layout_kv="PA_BSND"``: paged ``[block_count, block_size, N2, D]`` read through
+            ``block_table``. ``value`` may have its own head dim ``Dv``; with
+            ``attention_mode=2`` (MLA absorb) it is the same tensor as ``key``.
+        sparse_indices: int32/int64 ``[B, S1, N2, K]`` / ``[T1, N2, K]``, block indices within
+            the row's sequence; a key-head dim of 1 applies one selection to every key head. An
+            entry below -1, past the sequence's blocks, or repeated in a row raises
+            ``ValueError`` naming the row.
+        scale_value: the score scale.
+        block_table, actual_seq_lengths_query, actual_seq_lengths_kv: as for
+            :func:`lightning_indexer` (``actual_seq_lengths_kv`` for keys and values).
+        query_rope, key_rope: optional ``[.., N1, Dr]`` / ``[.., N2, Dr]`` in query's and key's
+            layouts, added to the score's dot product; both or neither.
+        sparse_mode, pre_tokens, next_tokens: the mask, as for :func:`lightning_indexer`.
+        return_softmax_lse: also return the statistics.
+        sinks: optional ``[N1]`` per-head sink logits (a key with no value in every row).
+
+    Returns:
+        ``(attention_out, softmax_max, softmax_sum)``: attention_out in query's layout with
+        ``Dv``; with ``return_softmax_lse`` float32 ``m`` and ``l`` above, ``[B, N2, S1, G]`` /
+        ``[N2, T1, G]`` (``G = N1 // N2``; ``(-inf, 0)`` where nothing is selected), the form
+        the indexer KL losses take; otherwise empty tensors.
+
+    Differentiable in query, key, value, the ropes and sinks (not with paged keys); the
+    statistics are not. Deterministic: the same bits for any thread count, backward included.
+    """
+    call = dict(locals())
+    call["actual_seq_lengths_query"] = _as_lengths(
+        actual_seq_lengths_query, "actual_seq_lengths_query"
+    )
+    call["actual_seq_lengths_kv"] = _as_lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv")
+    call["block_table"] = _as_table(block_table)
+    return _run("sparse_flash_attention", call)
+
+
 def _as_table(value) -> torch.Tensor | None:
     if value is None or isinstance(value, torch.Tensor):
         return value

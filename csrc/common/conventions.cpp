@@ -49,12 +49,11 @@ core::Layout indexer_layout(std::string_view value, const char* argument) {
   throw core::ArgumentError(argument, "expected 'BSND' or 'TND', got " + quoted(value));
 }
 
-core::Layout indexer_key_layout(std::string_view value) {
+core::Layout indexer_key_layout(std::string_view value, const char* argument) {
   if (value == "BSND") return core::Layout::kBSND;
   if (value == "TND") return core::Layout::kTND;
   if (value == "PA_BSND") return core::Layout::kPagedBBND;
-  throw core::ArgumentError("layout_key",
-                            "expected 'BSND', 'TND' or 'PA_BSND', got " + quoted(value));
+  throw core::ArgumentError(argument, "expected 'BSND', 'TND' or 'PA_BSND', got " + quoted(value));
 }
 
 core::MaskMode sparse_mode(int64_t value) {

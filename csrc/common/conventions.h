@@ -30,9 +30,9 @@ core::Mask attention_mask(int64_t mode, int64_t win_left, int64_t win_right);
 // The indexer family: its layout argument (BSND or TND); `argument` names it.
 core::Layout indexer_layout(std::string_view value, const char* argument = "layout");
 
-// lightning_indexer's layout_key: BSND or TND (as its layout_query), or PA_BSND (paged keys
-// [block_count, block_size, N2, D], the core's kPagedBBND).
-core::Layout indexer_key_layout(std::string_view value);
+// lightning_indexer's layout_key and sparse_flash_attention's layout_kv: BSND or TND (as its
+// layout_query), or PA_BSND (paged keys [block_count, block_size, N2, D], the core's kPagedBBND).
+core::Layout indexer_key_layout(std::string_view value, const char* argument = "layout_key");
 
 // The indexer family: sparse_mode (0 or 3).
 core::MaskMode sparse_mode(int64_t value);

@@ -164,6 +164,55 @@ struct Field {
   ARG_D(Bool, return_value, false)
 #define OPMESH_OP_LIGHTNING_INDEXER_RETURNS "(Tensor sparse_indices, Tensor sparse_values)"
 
+// The arguments sparse_flash_attention and its backward share after their tensors.
+#define OPMESH_SPARSE_ATTN_OPTIONS(ARG, ARG_D)             \
+  ARG_D(OptInts, block_table, std::nullopt)                \
+  ARG_D(OptInts, actual_seq_lengths_query, std::nullopt)   \
+  ARG_D(OptInts, actual_seq_lengths_kv, std::nullopt)      \
+  ARG_D(OptTensor, query_rope, std::nullopt)               \
+  ARG_D(OptTensor, key_rope, std::nullopt)                 \
+  ARG_D(Int, sparse_block_size, 1)                         \
+  ARG_D(Str, layout_query, "BSND")                         \
+  ARG_D(Str, layout_kv, "BSND")                            \
+  ARG_D(Int, sparse_mode, 3)                               \
+  ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens)  \
+  ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens) \
+  ARG_D(Int, attention_mode, 0)
+
+// sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, ...)
+//   -> (attention_out, softmax_max, softmax_sum)
+#define OPMESH_OP_SPARSE_FLASH_ATTENTION(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, query)                                         \
+  ARG(Tensor, key)                                           \
+  ARG(Tensor, value)                                         \
+  ARG(Tensor, sparse_indices)                                \
+  ARG(Float, scale_value)                                    \
+  KWONLY                                                     \
+  OPMESH_SPARSE_ATTN_OPTIONS(ARG, ARG_D)                     \
+  ARG_D(Bool, return_softmax_lse, false)                     \
+  ARG_D(OptTensor, sinks, std::nullopt)
+#define OPMESH_OP_SPARSE_FLASH_ATTENTION_RETURNS \
+  "(Tensor attention_out, Tensor softmax_max, Tensor softmax_sum)"
+
+// sparse_flash_attention_backward(dout, query, key, value, sparse_indices, attention_out,
+// softmax_max, softmax_sum, scale_value, *, ...) -> the gradients, an operator of its own.
+#define OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, dout)                                                   \
+  ARG(Tensor, query)                                                  \
+  ARG(Tensor, key)                                                    \
+  ARG(Tensor, value)                                                  \
+  ARG(Tensor, sparse_indices)                                         \
+  ARG(Tensor, attention_out)                                          \
+  ARG(Tensor, softmax_max)                                            \
+  ARG(Tensor, softmax_sum)                                            \
+  ARG(Float, scale_value)                                             \
+  KWONLY                                                              \
+  OPMESH_SPARSE_ATTN_OPTIONS(ARG, ARG_D)                              \
+  ARG_D(OptTensor, sinks, std::nullopt)
+#define OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD_RETURNS                                   \
+  "(Tensor d_query, Tensor d_key, Tensor d_value, Tensor d_query_rope, Tensor d_key_rope, " \
+  "Tensor d_sinks)"
+
 // kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping) -> ()
 #define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
   ARG(Tensor, key)                                   \
@@ -222,6 +271,10 @@ OPMESH_DEFINE_CALL(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH
 OPMESH_DEFINE_CALL(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)
 OPMESH_DEFINE_CALL(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)
 OPMESH_DEFINE_CALL(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)
+OPMESH_DEFINE_CALL(SparseFlashAttentionCall, "sparse_flash_attention",
+                   OPMESH_OP_SPARSE_FLASH_ATTENTION)
+OPMESH_DEFINE_CALL(SparseFlashAttentionBackwardCall, "sparse_flash_attention_backward",
+                   OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)
 OPMESH_DEFINE_CALL(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)
 OPMESH_DEFINE_CALL(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
 
@@ -235,6 +288,17 @@ void copy_attn_shared(const From& from, To& to) {
   to.sinks = from.sinks;
 #undef OPMESH_DETAIL_COPY
 #undef OPMESH_DETAIL_COPY_D
+}
+
+// Copies the options and scale sparse_flash_attention and its backward share.
+template <class To, class From>
+void copy_sparse_attn_shared(const From& from, To& to) {
+#define OPMESH_DETAIL_COPY(kind, name) to.name = from.name;
+#define OPMESH_DETAIL_COPY_D(kind, name, value) to.name = from.name;
+  OPMESH_SPARSE_ATTN_OPTIONS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+#undef OPMESH_DETAIL_COPY
+#undef OPMESH_DETAIL_COPY_D
+  to.scale_value = from.scale_value;
 }
 
 }  // namespace opmesh::ops

@@ -14,6 +14,9 @@
 //   scales the returned gradients by the loss's gradient), the returned gradients are not (no
 //   second order), and the main attention's tensors and the statistics, which the loss treats
 //   as a fixed target, refuse to require a gradient.
+// - sparse_flash_attention's gradients come from opmesh::sparse_flash_attention_backward, as
+//   flash_attn's do; its statistics outputs are not differentiable. Paged keys and values have
+//   no backward (the backward operator refuses them).
 // - kv_cache_write_ refuses grad-requiring arguments (kv_cache_cpu.cpp).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -112,6 +115,81 @@ Outputs2 indexer_autograd(const IndexerCall& call) {
   return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
 }
 
+// sparse_flash_attention: gradients through opmesh::sparse_flash_attention_backward; the
+// statistics outputs are not differentiable (the KL ops read them as a fixed target).
+class SparseAttentionFunction : public torch::autograd::Function<SparseAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const std::optional<at::Tensor>& query_rope,
+                               const std::optional<at::Tensor>& key_rope,
+                               const std::optional<at::Tensor>& sinks,
+                               const SparseFlashAttentionCall& call) {
+    SparseFlashAttentionCall with_stats = call;
+    with_stats.return_softmax_lse = true;
+    auto [out, smax, ssum] = tensors_of<3>(call_below_autograd(with_stats));
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["has_rope"] = query_rope.has_value();
+    ctx->saved_data["has_sinks"] = sinks.has_value();
+    SparseFlashAttentionBackwardCall backward;
+    ops::copy_sparse_attn_shared(call, backward);
+    backward.query_rope.reset();
+    backward.key_rope.reset();
+    ctx->saved_data["backward"] = pack(backward);
+    variable_list saved{q, k, v, call.sparse_indices, out, smax, ssum};
+    if (query_rope) saved.insert(saved.end(), {*query_rope, *key_rope});
+    if (sinks) saved.push_back(*sinks);
+    ctx->save_for_backward(saved);
+    if (!call.return_softmax_lse) {
+      smax = smax.new_empty({0});
+      ssum = ssum.new_empty({0});
+    }
+    ctx->mark_non_differentiable({smax, ssum});
+    return {out, smax, ssum};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const bool has_rope = ctx->saved_data["has_rope"].toBool();
+    const bool has_sinks = ctx->saved_data["has_sinks"].toBool();
+    auto g = unpack<SparseFlashAttentionBackwardCall>(ctx->saved_data["backward"]);
+    g.query = saved[0];
+    g.key = saved[1];
+    g.value = saved[2];
+    g.sparse_indices = saved[3];
+    g.attention_out = saved[4];
+    g.softmax_max = saved[5];
+    g.softmax_sum = saved[6];
+    size_t next = 7;
+    if (has_rope) {
+      g.query_rope = saved[next++];
+      g.key_rope = saved[next++];
+    }
+    if (has_sinks) g.sinks = saved[next++];
+    g.dout = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(g.attention_out);
+    const torch::jit::Stack grads = call_op(g);
+    auto grad = [&](size_t i, bool present) {
+      return present ? grads[i].toTensor() : at::Tensor();
+    };
+    return {grad(0, true),     grad(1, true),      grad(2, true), grad(3, has_rope),
+            grad(4, has_rope), grad(5, has_sinks), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_autograd(
+    const SparseFlashAttentionCall& call) {
+  const auto wants_grad = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->requires_grad();
+  };
+  const bool needs_grad =
+      at::GradMode::is_enabled() &&
+      (call.query.requires_grad() || call.key.requires_grad() || call.value.requires_grad() ||
+       wants_grad(call.query_rope) || wants_grad(call.key_rope) || wants_grad(call.sinks));
+  if (!needs_grad) return tensors_of<3>(call_below_autograd(call));
+  const variable_list out = SparseAttentionFunction::apply(
+      call.query, call.key, call.value, call.query_rope, call.key_rope, call.sinks, call);
+  return {out[0], out[1], out[2]};
+}
+
 Outputs2 lightning_indexer_autograd(const LightningIndexerCall& call) {
   return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
 }
@@ -172,6 +250,7 @@ TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
   impl<FlashAttnCall, flash_attn_autograd>(m);
   impl<IndexerCall, indexer_autograd>(m);
   impl<LightningIndexerCall, lightning_indexer_autograd>(m);
+  impl<SparseFlashAttentionCall, sparse_attention_autograd>(m);
 }
 
 }  // namespace opmesh::binding

@@ -45,6 +45,8 @@ using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<TorchTypes>;
 using IndexerCall = ops::IndexerCall<TorchTypes>;
 using KlLossCall = ops::KlLossCall<TorchTypes>;
 using LightningIndexerCall = ops::LightningIndexerCall<TorchTypes>;
+using SparseFlashAttentionCall = ops::SparseFlashAttentionCall<TorchTypes>;
+using SparseFlashAttentionBackwardCall = ops::SparseFlashAttentionBackwardCall<TorchTypes>;
 using KvCacheWriteCall = ops::KvCacheWriteCall<TorchTypes>;
 using MergeAttnStatesCall = ops::MergeAttnStatesCall<TorchTypes>;
 

@@ -12,10 +12,16 @@ namespace b = opmesh::binding;
 
 TORCH_LIBRARY(opmesh, m) {
   const std::string schemas[] = {
-      b::schema_of<b::IndexerCall>(),           b::schema_of<b::KlLossCall>(),
-      b::schema_of<b::FlashAttnMetadataCall>(), b::schema_of<b::FlashAttnCall>(),
-      b::schema_of<b::FlashAttnBackwardCall>(), b::schema_of<b::KvCacheWriteCall>(),
-      b::schema_of<b::MergeAttnStatesCall>(),   b::schema_of<b::LightningIndexerCall>(),
+      b::schema_of<b::IndexerCall>(),
+      b::schema_of<b::KlLossCall>(),
+      b::schema_of<b::FlashAttnMetadataCall>(),
+      b::schema_of<b::FlashAttnCall>(),
+      b::schema_of<b::FlashAttnBackwardCall>(),
+      b::schema_of<b::KvCacheWriteCall>(),
+      b::schema_of<b::MergeAttnStatesCall>(),
+      b::schema_of<b::LightningIndexerCall>(),
+      b::schema_of<b::SparseFlashAttentionCall>(),
+      b::schema_of<b::SparseFlashAttentionBackwardCall>(),
   };
   for (const std::string& s : schemas) m.def(s.c_str());
 }

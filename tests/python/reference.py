@@ -265,3 +265,110 @@ def lightning_indexer(query, key, weights, *, sparse_count=2048, **kwargs):
     indices[..., :take] = torch.where(keep, order.indices[..., :take], -1)
     values[..., :take] = torch.where(keep, order.values[..., :take], float("-inf"))
     return indices, values
+
+
+def sparse_flash_attention(
+    query,
+    key,
+    value,
+    sparse_indices,
+    scale_value,
+    *,
+    block_table=None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    query_rope=None,
+    key_rope=None,
+    sparse_block_size=1,
+    layout_query="BSND",
+    layout_kv="BSND",
+    sparse_mode=3,
+    pre_tokens=UNBOUNDED,
+    next_tokens=UNBOUNDED,
+    sinks=None,
+    **_,
+):
+    """Reference for ``sparse_flash_attention`` in float64 torch ops (differentiable, so its
+    gradients are the reference gradients): ``(out [R, N1, Dv], max [R, N1], sum [R, N1])``
+    with ``R`` the output rows (``B * S1`` or ``T1``); rows selecting nothing give ``0`` and
+    ``(-inf, 0)``."""
+    q = query if layout_query == "TND" else query.flatten(0, 1)
+    qr = (
+        None
+        if query_rope is None
+        else (query_rope if layout_query == "TND" else query_rope.flatten(0, 1))
+    )
+    idx = sparse_indices if layout_query == "TND" else sparse_indices.flatten(0, 1)
+    tnd = layout_query == "TND"
+    if tnd:
+        cum = [int(x) for x in actual_seq_lengths_query]
+        qb = [
+            (0 if b == 0 else cum[b - 1], cum[b] - (0 if b == 0 else cum[b - 1]))
+            for b in range(len(cum))
+        ]
+    else:
+        s1 = query.shape[1]
+        lens = (
+            [s1] * query.shape[0]
+            if actual_seq_lengths_query is None
+            else [int(x) for x in actual_seq_lengths_query]
+        )
+        qb = [(b * s1, lens[b]) for b in range(query.shape[0])]
+    batch = len(qb)
+
+    def keys_of(t, b):
+        if t is None:
+            return None
+        if layout_kv == "PA_BSND":
+            return _paged_to_dense(t, block_table, actual_seq_lengths_kv)[b]
+        if layout_kv == "TND":
+            cum = [int(x) for x in actual_seq_lengths_kv]
+            return t[(0 if b == 0 else cum[b - 1]) : cum[b]]
+        n = t.shape[1] if actual_seq_lengths_kv is None else int(actual_seq_lengths_kv[b])
+        return t[b, :n]
+
+    n1, n2 = q.shape[-2], key.shape[-2]
+    group = n1 // n2 if n2 else 0
+    rows = q.shape[0]
+    outs = [[None] * n1 for _ in range(rows)]
+    smax = torch.full((rows, n1), float("-inf"), dtype=torch.float64)
+    ssum = torch.zeros((rows, n1), dtype=torch.float64)
+    zero = q.new_zeros(value.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        q0, sq = qb[b]
+        k, v, kr = keys_of(key, b), keys_of(value, b), keys_of(key_rope, b)
+        sk = k.shape[0]
+        visible = indexer_visible(sq, sk, sparse_mode, pre_tokens, next_tokens)
+        for i in range(sq):
+            for h in range(n1):
+                g = h // group
+                sel_row = idx[q0 + i, 0 if idx.shape[-2] == 1 else g]
+                chosen = []
+                for blk in sel_row.tolist():
+                    if blk < 0:
+                        continue
+                    for j in range(blk * sparse_block_size, min((blk + 1) * sparse_block_size, sk)):
+                        if visible[i, j]:
+                            chosen.append(j)
+                if not chosen:
+                    outs[q0 + i][h] = zero
+                    continue
+                sel = torch.tensor(chosen)
+                s = k[sel, g].double() @ q[q0 + i, h].double()
+                if qr is not None:
+                    s = s + kr[sel, g].double() @ qr[q0 + i, h].double()
+                s = s * scale_value
+                m = s.max()
+                e = torch.exp(s - m)
+                denom = e.sum()
+                smax[q0 + i, h] = m.detach()
+                ssum[q0 + i, h] = denom.detach()
+                if sinks is not None:
+                    denom = denom + torch.exp(sinks[h].double() - m)
+                outs[q0 + i][h] = (e / denom) @ v[sel, g].double()
+    out = (
+        torch.stack([torch.stack(r) for r in outs])
+        if rows
+        else q.new_zeros((0, n1, value.shape[-1]), dtype=torch.float64)
+    )
+    return out, smax, ssum

@@ -1,0 +1,338 @@
+#include "sparse_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../aligned_buffer.h"
+#include "../errors.h"
+#include "../kernels/kernel_set.h"
+#include "config.h"
+#include "sparse_attention_detail.h"
+
+namespace opmesh::core {
+namespace {
+
+using kernels::kKeyTile;
+using kernels::round_up;
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Tokens per task: enough work to amortise a task, few enough to balance.
+constexpr int64_t kTokensPerTask = 8;
+
+}  // namespace
+
+std::vector<Sequence> sparse_attention_sequences(const SparseAttentionParams& p) {
+  std::vector<Sequence> out(p.batch);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    Sequence& s = out[b];
+    s.batch = b;
+    if (p.layout_query == Layout::kTND) {
+      s.q_begin = b == 0 ? 0 : p.seq_q_lens[b - 1];
+      s.q_len = p.seq_q_lens[b] - s.q_begin;
+    } else {
+      s.q_len = p.seq_q_lens ? p.seq_q_lens[b] : p.seq_q;
+    }
+    if (p.layout_kv == Layout::kTND) {
+      s.k_begin = b == 0 ? 0 : p.seq_k_lens[b - 1];
+      s.k_len = p.seq_k_lens[b] - s.k_begin;
+    } else {
+      s.k_len = p.seq_k_lens ? p.seq_k_lens[b] : p.seq_k;
+    }
+  }
+  return out;
+}
+
+void validate(const SparseAttentionParams& p) {
+  if (p.layout_query != Layout::kBSND && p.layout_query != Layout::kTND) {
+    throw ArgumentError("layout_query", "expected BSND or TND");
+  }
+  const bool paged = p.layout_kv == Layout::kPagedBBND;
+  if (!paged && p.layout_kv != p.layout_query) {
+    throw ArgumentError("layout_kv", std::string("expected ") + layout_name(p.layout_query) +
+                                         " like layout_query, or PA_BSND");
+  }
+  indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
+  if (p.sparse_block_size < 1 || p.sparse_block_size > attention::kMaxTokens) {
+    throw ArgumentError("sparse_block_size", "must be >= 1, got " + str(p.sparse_block_size));
+  }
+  if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
+  if (p.batch < 0 || p.batch > attention::kMaxBatch) {
+    throw ArgumentError("query", "batch out of range: " + str(p.batch));
+  }
+  if (p.seq_q < 0 || p.seq_q > attention::kMaxTokens ||
+      (!paged && (p.seq_k < 0 || p.seq_k > attention::kMaxTokens))) {
+    throw ArgumentError(p.seq_q > attention::kMaxTokens ? "query" : "key",
+                        "at most " + str(attention::kMaxTokens) + " tokens");
+  }
+  if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
+    throw ArgumentError(
+        "query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_q));
+  }
+  if (p.heads_k < 1 || p.heads_q % p.heads_k != 0) {
+    throw ArgumentError("key", "key heads N2=" + str(p.heads_k) +
+                                   " must divide the query heads N1=" + str(p.heads_q));
+  }
+  if (p.index_heads != 1 && p.index_heads != p.heads_k) {
+    throw ArgumentError("sparse_indices", "key-head dim must be 1 or N2=" + str(p.heads_k) +
+                                              ", got " + str(p.index_heads));
+  }
+  if (p.head_dim < 1 || p.head_dim + p.rope_dim > attention::kMaxHeadDim) {
+    throw ArgumentError("query",
+                        "head dim D + Dr must be in [1, " + str(attention::kMaxHeadDim) + "]");
+  }
+  if (p.value_dim < 1 || p.value_dim > attention::kMaxHeadDim) {
+    throw ArgumentError("value", "head dim must be in [1, " + str(attention::kMaxHeadDim) + "]");
+  }
+  const bool tnd = p.layout_query == Layout::kTND;
+  if (tnd && p.batch == 0 && p.seq_q != 0) {
+    throw ArgumentError("actual_seq_lengths_query", "is empty but the query holds tokens");
+  }
+  check_indexer_lengths(p.seq_q_lens, p.batch, p.seq_q, tnd, "actual_seq_lengths_query");
+  if (paged) {
+    if (p.batch > 0 && p.seq_k_lens == nullptr) {
+      throw ArgumentError("actual_seq_lengths_kv", "is required for layout_kv PA_BSND");
+    }
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t len = p.seq_k_lens[b];
+      if (len < 0 || len > attention::kMaxTokens) {
+        throw ArgumentError("actual_seq_lengths_kv",
+                            "entry " + str(b) + " is " + str(len) + ", expected a length >= 0");
+      }
+      const int64_t blocks = p.block_size > 0 ? (len + p.block_size - 1) / p.block_size : 0;
+      if (blocks > p.max_blocks || (len > 0 && p.block_size < 1)) {
+        throw ArgumentError("block_table", "sequence " + str(b) + " has " + str(len) +
+                                               " keys, more than its " + str(p.max_blocks) +
+                                               " blocks hold");
+      }
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t block = p.block_table[b * p.max_blocks + i];
+        if (block < 0 || block >= p.block_count) {
+          throw ArgumentError("block_table", "entry [" + str(b) + ", " + str(i) + "] is " +
+                                                 str(block) + ", expected a block in [0, " +
+                                                 str(p.block_count) + ")");
+        }
+      }
+    }
+  } else {
+    if (tnd && p.batch == 0 && p.seq_k != 0) {
+      throw ArgumentError("actual_seq_lengths_kv", "is empty but the key holds tokens");
+    }
+    check_indexer_lengths(p.seq_k_lens, p.batch, p.seq_k, tnd, "actual_seq_lengths_kv");
+  }
+  // sparse_indices' values: O(K) per row with a stamp per key block.
+  const std::vector<Sequence> seqs = sparse_attention_sequences(p);
+  int64_t longest = 0;
+  for (const Sequence& s : seqs) longest = std::max(longest, s.k_len);
+  const int64_t bs = p.sparse_block_size;
+  std::vector<int64_t> stamp((longest + bs - 1) / bs, -1);
+  int64_t row_id = 0;
+  const int64_t* st = p.indices_stride;
+  for (const Sequence& s : seqs) {
+    const int64_t blocks = (s.k_len + bs - 1) / bs;
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      for (int64_t n = 0; n < p.index_heads; ++n, ++row_id) {
+        const int64_t base = (tnd ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
+        for (int64_t e = 0; e < p.sparse_count; ++e) {
+          const int64_t v = p.indices[base + e * st[3]];
+          if (v == -1) continue;
+          const auto row = [&] {
+            std::string r = "[";
+            if (!tnd) r += str(s.batch) + ", ";
+            return r + str(tnd ? s.q_begin + i : i) + ", " + str(n) + "]";
+          };
+          if (v < -1 || v >= blocks) {
+            throw ArgumentError("sparse_indices", "row " + row() + " entry " + str(e) + " is " +
+                                                      str(v) + ", expected -1 or a block in [0, " +
+                                                      str(blocks) + ")");
+          }
+          if (stamp[v] == row_id) {
+            throw ArgumentError("sparse_indices",
+                                "row " + row() + " selects block " + str(v) + " twice");
+          }
+          stamp[v] = row_id;
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+class Forward {
+ public:
+  Forward(const SparseAttentionParams& p, Isa isa)
+      : p_(p),
+        geo_(p),
+        k_(kernels::float32_set(isa)),
+        g_(geo_.groups()),
+        dqk_(p.head_dim + p.rope_dim),
+        dw_(round_up(dqk_, k_.depth_align)),
+        dvp_(round_up(p.value_dim, 16)),
+        rows_(round_up(g_, k_.row_align)) {}
+
+  struct Scratch {
+    explicit Scratch(const Forward& f)
+        : q(f.rows_ * f.dw_),
+          kp(f.dw_ * kKeyTile),
+          vp(kKeyTile * f.dvp_),
+          s(f.rows_ * kKeyTile),
+          o(f.rows_ * f.dvp_),
+          stage(kKeyTile * f.dqk_),
+          m(f.rows_),
+          l(f.rows_),
+          corr(f.rows_) {}
+    AlignedBuffer<float> q;      // [rows][dw] query rows of the group (query | rope)
+    AlignedBuffer<uint32_t> kp;  // [dw][64] selected keys, transposed
+    AlignedBuffer<float> vp;     // [64][dvp] selected values
+    AlignedBuffer<float> s;      // [rows][64] scores, then probabilities
+    AlignedBuffer<float> o;      // [rows][dvp] output accumulator
+    AlignedBuffer<float> stage;  // [64][dqk] key rows (key | rope) before the transpose
+    std::vector<float> m, l, corr;
+    std::vector<int32_t> keys;
+  };
+
+  const kernels::KernelSet& kernel_set() const { return k_; }
+  const sparse::Geometry& geometry() const { return geo_; }
+
+  void row(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    geo_.select(s, i, g, sc.keys);
+    std::fill(sc.m.begin(), sc.m.end(), -kInf);
+    std::fill(sc.l.begin(), sc.l.end(), 0.0f);
+    std::fill(sc.o.data(), sc.o.data() + rows_ * dvp_, 0.0f);
+    if (!sc.keys.empty()) pack_queries(sc, s, i, g);
+    for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
+      const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
+      pack(sc, s, g, sc.keys.data() + c0, n);
+      float* sv = sc.s.data();
+      k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
+               p_.scale});
+      for (int64_t r = 0; r < g_; ++r)
+        std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
+      k_.softmax(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data());
+      k_.gemm({sv, kKeyTile, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_, kKeyTile,
+               sc.corr.data(), 1.0f});
+    }
+    write(sc, s, i, g);
+  }
+
+ private:
+  void pack_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    for (int64_t r = 0; r < g_; ++r) {
+      const int64_t h = g * g_ + r;
+      float* dst = sc.q.data() + r * dw_;
+      sparse::load(p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
+                   p_.query_stride[3], p_.head_dim, dst);
+      if (p_.rope_dim > 0) {
+        sparse::load(p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
+                     p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+      }
+      std::fill(dst + dqk_, dst + dw_, 0.0f);
+    }
+  }
+
+  // Keys and values of n selected positions: keys transposed into kp, values as rows of vp.
+  void pack(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n) const {
+    const char* rows[kKeyTile];
+    for (int64_t c = 0; c < n; ++c) {
+      float* dst = sc.stage.data() + c * dqk_;
+      sparse::load(p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, keys[c], g),
+                   p_.key_stride[3], p_.head_dim, dst);
+      if (p_.rope_dim > 0) {
+        sparse::load(p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
+                     p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+      }
+      rows[c] = reinterpret_cast<const char*>(dst);
+      float* v = sc.vp.data() + c * dvp_;
+      sparse::load(p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, keys[c], g),
+                   p_.value_stride[3], p_.value_dim, v);
+      std::fill(v + p_.value_dim, v + dvp_, 0.0f);
+    }
+    std::fill(sc.vp.data() + n * dvp_, sc.vp.data() + kKeyTile * dvp_, 0.0f);
+    k_.pack_keys(rows, n, dqk_, sc.kp.data());
+    std::fill(sc.kp.data() + dqk_ * kKeyTile, sc.kp.data() + dw_ * kKeyTile, 0u);
+  }
+
+  void write(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    const int64_t stats = geo_.stats_offset(s, i, g);
+    for (int64_t r = 0; r < g_; ++r) {
+      const int64_t h = g * g_ + r;
+      const float m = sc.m[r];
+      float denom = sc.l[r];
+      if (p_.sinks != nullptr && m > -kInf) denom += std::exp(p_.sinks[h] - m);
+      const float inv = m > -kInf && denom > 0.0f ? 1.0f / denom : 0.0f;
+      store_row(p_.out, p_.dtype, geo_.query_offset(p_.out_stride, s, i, h), p_.out_stride[3],
+                p_.value_dim, sc.o.data() + r * dvp_, inv);
+      if (p_.softmax_max != nullptr) {
+        p_.softmax_max[stats + r] = m;
+        p_.softmax_sum[stats + r] = sc.l[r];
+      }
+    }
+  }
+
+  const SparseAttentionParams& p_;
+  sparse::Geometry geo_;
+  const kernels::KernelSet& k_;
+  int64_t g_;    // query heads per key head: the rows of one product
+  int64_t dqk_;  // D + Dr
+  int64_t dw_;   // dqk_ padded to the set's depth_align
+  int64_t dvp_;  // Dv padded to 16
+  int64_t rows_;
+};
+
+}  // namespace
+
+void sparse_flash_attention(const SparseAttentionParams& p, const Executor& executor, Isa isa) {
+  validate(p);
+  if (!isa_supported(isa)) {
+    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
+  }
+  const Forward run(p, isa);
+  const std::vector<Sequence>& seqs = run.geometry().sequences();
+  // Rows no task reaches (BSND rows past a length): zero output, statistics (-inf, 0).
+  if (p.layout_query == Layout::kBSND) {
+    const std::vector<float> zeros(p.value_dim, 0.0f);
+    for (const Sequence& s : seqs) {
+      for (int64_t i = s.q_len; i < p.seq_q; ++i) {
+        for (int64_t h = 0; h < p.heads_q; ++h) {
+          store_row(p.out, p.dtype,
+                    s.batch * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2],
+                    p.out_stride[3], p.value_dim, zeros.data(), 1.0f);
+        }
+      }
+    }
+  }
+  if (p.softmax_max != nullptr) {
+    const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
+    std::fill(p.softmax_max, p.softmax_max + rows * p.heads_q, -kInf);
+    std::fill(p.softmax_sum, p.softmax_sum + rows * p.heads_q, 0.0f);
+  }
+  struct Task {
+    int32_t b;
+    int64_t i0, i1;
+  };
+  std::vector<Task> tasks;
+  for (const Sequence& s : seqs) {
+    for (int64_t i = 0; i < s.q_len; i += kTokensPerTask) {
+      tasks.push_back({static_cast<int32_t>(s.batch), i, std::min(s.q_len, i + kTokensPerTask)});
+    }
+  }
+  const int threads = std::max(1, executor.num_workers());
+  std::vector<std::unique_ptr<Forward::Scratch>> scratch(threads);
+  run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int thread) {
+    if (!scratch[thread]) scratch[thread] = std::make_unique<Forward::Scratch>(run);
+    const kernels::WorkerScope scope(run.kernel_set());
+    const Task& task = tasks[t];
+    for (int64_t i = task.i0; i < task.i1; ++i) {
+      for (int64_t g = 0; g < p.heads_k; ++g) run.row(*scratch[thread], seqs[task.b], i, g);
+    }
+  });
+}
+
+}  // namespace opmesh::core

@@ -1,0 +1,105 @@
+// sparse_flash_attention: attention of each query token over the keys its sparse_indices select
+// (blocks of sparse_block_size keys, intersected with the mask), forward and backward:
+//   s[t, h, j] = scale * (q[t, h] . k[j, g] + q_rope[t, h] . k_rope[j, g]),  g = h / (N1 / N2)
+//   out[t, h]  = sum_j p[t, h, j] v[j, g],  p = softmax over the selected j (and the sink)
+// Work and memory: O(tile) per worker, no S1 x S2 buffer; the results, gradients included, are
+// the same bits for any executor.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "../vocabulary.h"
+
+namespace opmesh::core {
+
+struct SparseAttentionParams {
+  Layout layout_query = Layout::kBSND;  // BSND or TND
+  Layout layout_kv = Layout::kBSND;     // layout_query's, or kPagedBBND (the public PA_BSND)
+  // The indexer family's mask, bottom-right aligned per sequence (see IndexerParams).
+  MaskMode sparse_mode = MaskMode::kCausal;
+  int64_t pre_tokens = std::numeric_limits<int64_t>::max();
+  int64_t next_tokens = std::numeric_limits<int64_t>::max();
+
+  int64_t batch = 0;         // B; for TND queries the number of sequences
+  int64_t seq_q = 0;         // BSND: S1; TND: T1
+  int64_t seq_k = 0;         // BSND: S2; TND: T2; paged: unused
+  int64_t heads_q = 0;       // N1, a multiple of N2
+  int64_t heads_k = 0;       // N2
+  int64_t head_dim = 0;      // D of query and key
+  int64_t rope_dim = 0;      // Dr of query_rope and key_rope (0: none)
+  int64_t value_dim = 0;     // Dv of value and the output
+  int64_t index_heads = 1;   // the key-head dim of sparse_indices: N2, or 1 (one selection for all)
+  int64_t sparse_count = 0;  // K, entries per selection row
+  int64_t sparse_block_size = 1;
+  float scale = 1.0f;
+
+  DType dtype = DType::kFloat32;  // query, key, value, the ropes and the output
+  // Element strides {b, s, n, d} (TND {unused, t, n, d}; paged {block, slot, n, d}).
+  const void* query = nullptr;
+  int64_t query_stride[4] = {0, 0, 0, 0};
+  const void* key = nullptr;
+  int64_t key_stride[4] = {0, 0, 0, 0};
+  const void* value = nullptr;
+  int64_t value_stride[4] = {0, 0, 0, 0};
+  const void* query_rope = nullptr;  // [.., N1, Dr] in query's layout, or nullptr (Dr = 0)
+  int64_t query_rope_stride[4] = {0, 0, 0, 0};
+  const void* key_rope = nullptr;  // [.., N2, Dr] in key's layout
+  int64_t key_rope_stride[4] = {0, 0, 0, 0};
+  // sparse_indices [B, S1, index_heads, K] / [T1, index_heads, K], strides {b, s, n, k}.
+  const int32_t* indices = nullptr;
+  int64_t indices_stride[4] = {0, 0, 0, 0};
+  const float* sinks = nullptr;  // [N1] or nullptr
+
+  const int64_t* seq_q_lens = nullptr;  // as LightningIndexerParams
+  const int64_t* seq_k_lens = nullptr;
+  const int64_t* block_table = nullptr;  // paged: [B][max_blocks]
+  int64_t max_blocks = 0;
+  int64_t block_size = 0;
+  int64_t block_count = 0;
+
+  // Forward outputs: out in query's layout with Dv (dtype), strides out_stride; the statistics
+  // float32 contiguous [B, N2, S1, G] / [N2, T1, G] (G = N1 / N2), or nullptr.
+  void* out = nullptr;
+  int64_t out_stride[4] = {0, 0, 0, 0};
+  float* softmax_max = nullptr;
+  float* softmax_sum = nullptr;
+};
+
+// The backward's extra inputs and its outputs. Gradients are written contiguous in their
+// input's shape and dtype (dsinks float32 [N1]); rows no token reaches get zeros.
+struct SparseAttentionGrads {
+  const void* dout = nullptr;  // out's shape, layout and dtype
+  int64_t dout_stride[4] = {0, 0, 0, 0};
+  const void* out = nullptr;
+  int64_t out_stride[4] = {0, 0, 0, 0};
+  const float* softmax_max = nullptr;  // the forward's statistics, contiguous
+  const float* softmax_sum = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  void* dq_rope = nullptr;  // when rope_dim > 0
+  void* dk_rope = nullptr;
+  float* dsinks = nullptr;  // when sinks
+};
+
+// Throws ArgumentError naming the first argument that is wrong, sparse_indices' values included
+// (an entry below -1, past its sequence's blocks, or repeated in one row).
+void validate(const SparseAttentionParams& params);
+
+std::vector<Sequence> sparse_attention_sequences(const SparseAttentionParams& params);
+
+// Validates, then writes out and (when given) the statistics. A row that selects no key gets a
+// zero output and statistics (-inf, 0).
+void sparse_flash_attention(const SparseAttentionParams& params, const Executor& executor, Isa isa);
+
+// Validates, then writes the gradients (paged keys have none: kPagedBBND is refused).
+void sparse_flash_attention_backward(const SparseAttentionParams& params,
+                                     const SparseAttentionGrads& grads, const Executor& executor,
+                                     Isa isa);
+
+}  // namespace opmesh::core

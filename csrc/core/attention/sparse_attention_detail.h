@@ -1,0 +1,86 @@
+// What sparse attention's forward and backward share: element offsets of a token's rows in every
+// layout, and the keys one selection row picks.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../indexer/indexer.h"
+#include "../row_loads.h"
+#include "sparse_attention.h"
+
+namespace opmesh::core::sparse {
+
+class Geometry {
+ public:
+  explicit Geometry(const SparseAttentionParams& p)
+      : p_(p),
+        seqs_(sparse_attention_sequences(p)),
+        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
+        groups_(p.heads_q / p.heads_k) {}
+
+  const std::vector<Sequence>& sequences() const { return seqs_; }
+  int64_t groups() const { return groups_; }
+
+  // Offset of query-layout row (b, i, head) for a tensor with these strides.
+  int64_t query_offset(const int64_t* st, const Sequence& s, int64_t i, int64_t head) const {
+    const int64_t base = p_.layout_query == Layout::kTND ? 0 : s.batch * st[0];
+    return base + (s.q_begin + i) * st[1] + head * st[2];
+  }
+
+  // Offset of key-layout row (b, j, g).
+  int64_t key_offset(const int64_t* st, const Sequence& s, int64_t j, int64_t g) const {
+    if (p_.layout_kv == Layout::kPagedBBND) {
+      const int64_t block = p_.block_table[s.batch * p_.max_blocks + j / p_.block_size];
+      return block * st[0] + (j % p_.block_size) * st[1] + g * st[2];
+    }
+    const int64_t base = p_.layout_kv == Layout::kTND ? 0 : s.batch * st[0];
+    return base + (s.k_begin + j) * st[1] + g * st[2];
+  }
+
+  // The output row of token i of s: BSND b * S1 + i, TND q_begin + i.
+  int64_t token(const Sequence& s, int64_t i) const {
+    return p_.layout_query == Layout::kTND ? s.q_begin + i : s.batch * p_.seq_q + i;
+  }
+
+  // Statistics offset of (token, g, head-in-group 0): [B, N2, S1, G] / [N2, T1, G].
+  int64_t stats_offset(const Sequence& s, int64_t i, int64_t g) const {
+    if (p_.layout_query == Layout::kTND) return (g * p_.seq_q + s.q_begin + i) * groups_;
+    return ((s.batch * p_.heads_k + g) * p_.seq_q + i) * groups_;
+  }
+
+  // The key positions row (s, i) selects for key head g, in index order then key order: each
+  // index v >= 0 picks [v * bs, (v + 1) * bs) within the sequence and the row's visible keys.
+  void select(const Sequence& s, int64_t i, int64_t g, std::vector<int32_t>& out) const {
+    out.clear();
+    const KeyRange vis = visible_keys(mask_, s, i);
+    if (vis.end <= vis.begin) return;
+    const int64_t* st = p_.indices_stride;
+    const int64_t n = p_.index_heads == 1 ? 0 : g;
+    const int64_t base = (p_.layout_query == Layout::kTND ? 0 : s.batch * st[0]) +
+                         (s.q_begin + i) * st[1] + n * st[2];
+    const int64_t bs = p_.sparse_block_size;
+    for (int64_t e = 0; e < p_.sparse_count; ++e) {
+      const int64_t v = p_.indices[base + e * st[3]];
+      if (v < 0) continue;
+      const int64_t lo = std::max(v * bs, vis.begin);
+      const int64_t hi = std::min((v + 1) * bs, vis.end);
+      for (int64_t j = lo; j < hi; ++j) out.push_back(static_cast<int32_t>(j));
+    }
+  }
+
+ private:
+  const SparseAttentionParams& p_;
+  std::vector<Sequence> seqs_;
+  Mask mask_;
+  int64_t groups_;
+};
+
+// Loads n elements (stride st) at `offset` of `base` as float.
+inline void load(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
+                 float* dst) {
+  load_row(base, dtype, offset, stride, n, dst);
+}
+
+}  // namespace opmesh::core::sparse

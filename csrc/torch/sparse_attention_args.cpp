@@ -1,0 +1,289 @@
+#include "sparse_attention_args.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "dtypes.h"
+#include "indexer_checks.h"
+
+namespace opmesh::binding {
+namespace {
+
+void check_int_tensor(const at::Tensor& t, const char* name, int64_t rank) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
+                   ": expected int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == rank, name, ": expected a ", rank, "-D tensor, got shape ",
+                    t.sizes());
+}
+
+// Every dim of `t` but the last two equals `like`'s (the leading dims of a layout).
+void check_leading(const at::Tensor& t, const at::Tensor& like, const char* name,
+                   const char* like_name) {
+  for (int64_t i = 0; i + 2 < like.dim(); ++i) {
+    TORCH_CHECK_VALUE(holds(t.sym_size(i) == like.sym_size(i)), name, ": expected leading dims ",
+                      like.sym_sizes().slice(0, like.dim() - 2), " like ", like_name, ", got ",
+                      t.sym_sizes());
+  }
+}
+
+}  // namespace
+
+template <class Call>
+SparseAttnArgs check_sparse_attention_args(const Call& c) {
+  const at::Tensor& q = c.query;
+  const at::Tensor& k = c.key;
+  const at::Tensor& v = c.value;
+  const at::Tensor& idx = c.sparse_indices;
+  const std::pair<const at::Tensor*, const char*> tensors[] = {
+      {&k, "key"}, {&v, "value"}, {&idx, "sparse_indices"}};
+  for (const auto& [t, name] : tensors) {
+    TORCH_CHECK_VALUE(t->device() == q.device(), name, ": expected a tensor on ", q.device(),
+                      " like query, got ", t->device());
+  }
+  const std::pair<const std::optional<at::Tensor>*, const char*> optional[] = {
+      {&c.query_rope, "query_rope"},
+      {&c.key_rope, "key_rope"},
+      {&c.sinks, "sinks"},
+      {&c.block_table, "block_table"},
+      {&c.actual_seq_lengths_query, "actual_seq_lengths_query"},
+      {&c.actual_seq_lengths_kv, "actual_seq_lengths_kv"}};
+  for (const auto& [t, name] : optional) {
+    if (t->has_value()) {
+      TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
+                        " like query, got ", (*t)->device());
+    }
+  }
+  to_core_dtype(q.scalar_type(), "query");
+  for (const auto& [t, name] : {std::pair{&k, "key"}, {&v, "value"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, ": expected dtype ",
+                     q.scalar_type(), " like query, got ", t->scalar_type());
+  }
+  for (const auto& [t, name] :
+       {std::pair{&c.query_rope, "query_rope"}, {&c.key_rope, "key_rope"}}) {
+    if (t->has_value()) {
+      TORCH_CHECK_TYPE((*t)->scalar_type() == q.scalar_type(), name, ": expected dtype ",
+                       q.scalar_type(), " like query, got ", (*t)->scalar_type());
+    }
+  }
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong,
+                   "sparse_indices: expected int32 or int64, got ", idx.scalar_type());
+  if (c.sinks) {
+    TORCH_CHECK_TYPE(at::isFloatingType(c.sinks->scalar_type()),
+                     "sinks: expected a floating dtype, got ", c.sinks->scalar_type());
+  }
+
+  SparseAttnArgs a;
+  a.layout_query =
+      rethrow([&] { return conventions::indexer_layout(c.layout_query, "layout_query"); });
+  a.layout_kv = rethrow([&] { return conventions::indexer_key_layout(c.layout_kv, "layout_kv"); });
+  a.tnd = a.layout_query == core::Layout::kTND;
+  a.paged = a.layout_kv == core::Layout::kPagedBBND;
+  TORCH_CHECK_VALUE(a.paged || a.layout_kv == a.layout_query, "layout_kv: expected '",
+                    c.layout_query, "' like layout_query, or 'PA_BSND', got '", c.layout_kv, "'");
+  rethrow([&] { return conventions::indexer_mask(c.sparse_mode, c.pre_tokens, c.next_tokens); });
+  TORCH_CHECK_VALUE(c.attention_mode == 0 || c.attention_mode == 2,
+                    "attention_mode: expected 0 (key and value apart) or 2 (MLA absorb: key and "
+                    "value the same tensor), got ",
+                    c.attention_mode);
+  TORCH_CHECK_VALUE(c.sparse_block_size >= 1, "sparse_block_size: must be >= 1, got ",
+                    c.sparse_block_size);
+  TORCH_CHECK_VALUE(std::isfinite(c.scale_value), "scale_value: must be finite, got ",
+                    c.scale_value);
+
+  const int64_t q_rank = a.tnd ? 3 : 4;
+  const int64_t kv_rank = a.paged ? 4 : q_rank;
+  TORCH_CHECK_VALUE(q.dim() == q_rank, "query: expected a ", q_rank, "-D ", a.tnd ? "TND" : "BSND",
+                    " tensor, got shape ", q.sizes());
+  for (const auto& [t, name] : {std::pair{&k, "key"}, {&v, "value"}}) {
+    TORCH_CHECK_VALUE(t->dim() == kv_rank, name, ": expected a ", kv_rank, "-D ",
+                      a.paged ? "PA_BSND" : (a.tnd ? "TND" : "BSND"), " tensor, got shape ",
+                      t->sizes());
+  }
+  TORCH_CHECK_VALUE(idx.dim() == q_rank, "sparse_indices: expected a ", q_rank,
+                    "-D tensor (query's leading dims, key heads, K), got shape ", idx.sizes());
+  a.n1 = concrete(q.sym_size(-2));
+  a.d = concrete(q.sym_size(-1));
+  a.n2 = concrete(k.sym_size(-2));
+  a.dv = concrete(v.sym_size(-1));
+  a.no_heads = a.n1 == 0 && a.n2 == 0;
+  TORCH_CHECK_VALUE(a.no_heads || (a.n1 >= 1 && a.n1 <= attn::kMaxHeads),
+                    "query: N1 must be in [1, ", attn::kMaxHeads, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(a.no_heads || (a.n2 >= 1 && a.n1 % a.n2 == 0), "key: key heads N2=", a.n2,
+                    " must divide the query heads N1=", a.n1);
+  TORCH_CHECK_VALUE(a.d >= 1 && a.d <= attn::kMaxHeadDim, "query: head dim D must be in [1, ",
+                    attn::kMaxHeadDim, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(concrete(k.sym_size(-1)) == a.d, "key: head dim ", k.sym_size(-1),
+                    " differs from query's ", a.d);
+  TORCH_CHECK_VALUE(concrete(v.sym_size(-2)) == a.n2, "value: expected ", a.n2,
+                    " heads like key, got shape ", v.sym_sizes());
+  TORCH_CHECK_VALUE(a.dv >= 1 && a.dv <= attn::kMaxHeadDim, "value: head dim must be in [1, ",
+                    attn::kMaxHeadDim, "], got shape ", v.sym_sizes());
+  for (int64_t i = 0; i + 2 < k.dim(); ++i) {
+    TORCH_CHECK_VALUE(holds(v.sym_size(i) == k.sym_size(i)), "value: expected leading dims ",
+                      k.sym_sizes().slice(0, k.dim() - 2), " like key, got ", v.sym_sizes());
+  }
+  if (c.attention_mode == 2) {
+    TORCH_CHECK_VALUE(
+        v.is_same(k) || (v.data_ptr() == k.data_ptr() && v.sym_sizes() == k.sym_sizes() &&
+                         v.sym_strides() == k.sym_strides()),
+        "value: attention_mode=2 (MLA absorb) takes key and value as the same "
+        "tensor");
+  }
+  if (!a.tnd && !a.paged) {
+    TORCH_CHECK_VALUE(holds(k.sym_size(0) == q.sym_size(0)), "key: batch ", k.sym_size(0),
+                      " differs from query's ", q.sym_size(0));
+  }
+  check_leading(idx, q, "sparse_indices", "query");
+  a.index_heads = concrete(idx.sym_size(-2));
+  a.k = concrete(idx.sym_size(-1));
+  TORCH_CHECK_VALUE(a.no_heads || a.index_heads == 1 || a.index_heads == a.n2,
+                    "sparse_indices: key-head dim must be 1 or N2=", a.n2, ", got shape ",
+                    idx.sym_sizes());
+  TORCH_CHECK_VALUE(c.query_rope.has_value() == c.key_rope.has_value(),
+                    c.query_rope.has_value() ? "key_rope" : "query_rope",
+                    ": query_rope and key_rope are given together or not at all");
+  if (c.query_rope) {
+    const at::Tensor& qr = *c.query_rope;
+    const at::Tensor& kr = *c.key_rope;
+    TORCH_CHECK_VALUE(qr.dim() == q_rank, "query_rope: expected a ", q_rank,
+                      "-D tensor like query, got shape ", qr.sizes());
+    TORCH_CHECK_VALUE(kr.dim() == kv_rank, "key_rope: expected a ", kv_rank,
+                      "-D tensor like key, got shape ", kr.sizes());
+    check_leading(qr, q, "query_rope", "query");
+    check_leading(kr, k, "key_rope", "key");
+    a.dr = concrete(qr.sym_size(-1));
+    TORCH_CHECK_VALUE(concrete(qr.sym_size(-2)) == a.n1, "query_rope: expected ", a.n1,
+                      " heads like query, got shape ", qr.sym_sizes());
+    TORCH_CHECK_VALUE(concrete(kr.sym_size(-2)) == a.n2, "key_rope: expected ", a.n2,
+                      " heads like key, got shape ", kr.sym_sizes());
+    TORCH_CHECK_VALUE(concrete(kr.sym_size(-1)) == a.dr, "key_rope: head dim ", kr.sym_size(-1),
+                      " differs from query_rope's ", a.dr);
+    TORCH_CHECK_VALUE(a.d + a.dr <= attn::kMaxHeadDim,
+                      "query_rope: D + Dr must be <= ", attn::kMaxHeadDim);
+  }
+  if (c.sinks) {
+    TORCH_CHECK_VALUE(c.sinks->dim() == 1 && concrete(c.sinks->sym_size(0)) == a.n1,
+                      "sinks: expected shape [", a.n1, "] (one per query head), got ",
+                      c.sinks->sym_sizes());
+  }
+  const auto& ql = c.actual_seq_lengths_query;
+  const auto& kl = c.actual_seq_lengths_kv;
+  TORCH_CHECK_VALUE(!a.tnd || ql.has_value(),
+                    "actual_seq_lengths_query: required for layout_query TND (cumulative lengths)");
+  if (ql) check_int_tensor(*ql, "actual_seq_lengths_query", 1);
+  const c10::SymInt batch = a.tnd ? ql->sym_size(0) : q.sym_size(0);
+  if (!a.tnd && ql) {
+    TORCH_CHECK_VALUE(holds(ql->sym_size(0) == batch), "actual_seq_lengths_query: expected ", batch,
+                      " entries (one per batch), got ", ql->sym_size(0));
+  }
+  TORCH_CHECK_VALUE(
+      !(a.tnd || a.paged) || kl.has_value(), "actual_seq_lengths_kv: required for ",
+      a.paged ? "layout_kv PA_BSND (per-sequence lengths)" : "layout_kv TND (cumulative lengths)");
+  if (kl) {
+    check_int_tensor(*kl, "actual_seq_lengths_kv", 1);
+    TORCH_CHECK_VALUE(holds(kl->sym_size(0) == batch), "actual_seq_lengths_kv: expected ", batch,
+                      " entries (one per sequence), got ", kl->sym_size(0));
+  }
+  if (a.paged) {
+    TORCH_CHECK_VALUE(c.block_table.has_value(), "block_table: required for layout_kv PA_BSND");
+    check_int_tensor(*c.block_table, "block_table", 2);
+    TORCH_CHECK_VALUE(holds(c.block_table->sym_size(0) == batch), "block_table: expected ", batch,
+                      " rows (one per sequence), got shape ", c.block_table->sym_sizes());
+  } else {
+    TORCH_CHECK_VALUE(!c.block_table.has_value(),
+                      "block_table: only read with layout_kv PA_BSND, got layout_kv '", c.layout_kv,
+                      "'");
+  }
+  return a;
+}
+
+template SparseAttnArgs check_sparse_attention_args(const SparseFlashAttentionCall&);
+template SparseAttnArgs check_sparse_attention_args(const SparseFlashAttentionBackwardCall&);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_outputs(const at::Tensor& q,
+                                                                        const SparseAttnArgs& a,
+                                                                        bool return_lse) {
+  std::vector<c10::SymInt> out_shape(q.sym_sizes().begin(), q.sym_sizes().end());
+  out_shape.back() = c10::SymInt(a.dv);
+  at::Tensor out = at::empty_symint(out_shape, q.options());
+  const auto f32 = q.options().dtype(at::kFloat);
+  if (!return_lse) return {out, at::empty({0}, f32), at::empty({0}, f32)};
+  const c10::SymInt g(a.n2 > 0 ? a.n1 / a.n2 : 0);
+  std::vector<c10::SymInt> shape;
+  if (a.tnd) {
+    shape = {c10::SymInt(a.n2), q.sym_size(0), g};
+  } else {
+    shape = {q.sym_size(0), c10::SymInt(a.n2), q.sym_size(1), g};
+  }
+  return {out, at::empty_symint(shape, f32), at::empty_symint(shape, f32)};
+}
+
+template <class Call>
+core::SparseAttentionParams sparse_attention_params(const Call& c, const SparseAttnArgs& a,
+                                                    SparseAttnHost& host) {
+  host.qlens = read_lengths(c.actual_seq_lengths_query);
+  host.klens = read_lengths(c.actual_seq_lengths_kv);
+  if (a.paged) host.table = read_lengths(c.block_table->flatten());
+  host.indices =
+      c.sparse_indices.scalar_type() == at::kInt ? c.sparse_indices : c.sparse_indices.to(at::kInt);
+  if (c.sinks) host.sinks = c.sinks->to(at::kFloat).contiguous();
+  core::SparseAttentionParams p;
+  p.layout_query = a.layout_query;
+  p.layout_kv = a.layout_kv;
+  p.sparse_mode = static_cast<core::MaskMode>(c.sparse_mode);
+  p.pre_tokens = c.pre_tokens;
+  p.next_tokens = c.next_tokens;
+  const at::Tensor& q = c.query;
+  const at::Tensor& k = c.key;
+  p.batch = a.tnd ? static_cast<int64_t>(host.qlens.size()) : q.size(0);
+  p.seq_q = q.size(a.tnd ? 0 : 1);
+  p.seq_k = a.paged ? 0 : k.size(a.tnd ? 0 : 1);
+  p.heads_q = a.n1;
+  p.heads_k = a.n2;
+  p.head_dim = a.d;
+  p.rope_dim = a.dr;
+  p.value_dim = a.dv;
+  p.index_heads = a.index_heads;
+  p.sparse_count = a.k;
+  p.sparse_block_size = c.sparse_block_size;
+  p.scale = static_cast<float>(c.scale_value);
+  p.dtype = to_core_dtype(q.scalar_type(), "query");
+  const int64_t qoff = a.tnd ? -1 : 0;
+  const int64_t koff = a.paged ? 0 : qoff;
+  auto strides = [](const at::Tensor& t, int64_t off, int64_t* dst) {
+    for (int64_t i = 0; i < 4; ++i) dst[i] = i + off >= 0 ? t.stride(i + off) : 0;
+  };
+  p.query = q.data_ptr();
+  strides(q, qoff, p.query_stride);
+  p.key = k.data_ptr();
+  strides(k, koff, p.key_stride);
+  p.value = c.value.data_ptr();
+  strides(c.value, koff, p.value_stride);
+  if (c.query_rope) {
+    p.query_rope = c.query_rope->data_ptr();
+    strides(*c.query_rope, qoff, p.query_rope_stride);
+    p.key_rope = c.key_rope->data_ptr();
+    strides(*c.key_rope, koff, p.key_rope_stride);
+  }
+  p.indices = host.indices.data_ptr<int32_t>();
+  strides(host.indices, qoff, p.indices_stride);
+  p.sinks = host.sinks.defined() ? host.sinks.data_ptr<float>() : nullptr;
+  p.seq_q_lens = host.qlens.empty() ? nullptr : host.qlens.data();
+  p.seq_k_lens = host.klens.empty() ? nullptr : host.klens.data();
+  if (a.paged) {
+    p.block_table = host.table.data();
+    p.max_blocks = c.block_table->size(1);
+    p.block_size = k.size(1);
+    p.block_count = k.size(0);
+  }
+  return p;
+}
+
+template core::SparseAttentionParams sparse_attention_params(const SparseFlashAttentionCall&,
+                                                             const SparseAttnArgs&,
+                                                             SparseAttnHost&);
+template core::SparseAttentionParams sparse_attention_params(
+    const SparseFlashAttentionBackwardCall&, const SparseAttnArgs&, SparseAttnHost&);
+
+}  // namespace opmesh::binding
