@@ -320,7 +320,8 @@ def sparse_flash_attention(
         if t is None:
             return None
         if layout_kv == "PA_BSND":
-            return _paged_to_dense(t, block_table, actual_seq_lengths_kv)[b]
+            n = int(actual_seq_lengths_kv[b])
+            return _paged_to_dense(t, block_table, actual_seq_lengths_kv)[b, :n]
         if layout_kv == "TND":
             cum = [int(x) for x in actual_seq_lengths_kv]
             return t[(0 if b == 0 else cum[b - 1]) : cum[b]]
@@ -330,10 +331,10 @@ def sparse_flash_attention(
     n1, n2 = q.shape[-2], key.shape[-2]
     group = n1 // n2 if n2 else 0
     rows = q.shape[0]
-    outs = [[None] * n1 for _ in range(rows)]
+    zero = q.new_zeros(value.shape[-1], dtype=torch.float64)
+    outs = [[zero] * n1 for _ in range(rows)]
     smax = torch.full((rows, n1), float("-inf"), dtype=torch.float64)
     ssum = torch.zeros((rows, n1), dtype=torch.float64)
-    zero = q.new_zeros(value.shape[-1], dtype=torch.float64)
     for b in range(batch):
         q0, sq = qb[b]
         k, v, kr = keys_of(key, b), keys_of(value, b), keys_of(key_rope, b)
