@@ -39,7 +39,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_cpu(
   }
   run_core([&] {
     if (a.no_heads) {
+      // No rows to read: the lengths, table and band are still checked as with heads.
       p.heads_q = p.heads_k = p.index_heads = 1;
+      p.sparse_count = 0;
       core::validate(p);
       return;
     }

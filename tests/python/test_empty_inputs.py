@@ -219,6 +219,42 @@ def test_lightning_indexer_paged_with_no_keys():
     assert indices.shape == (2, 3, 1, 5) and (indices == -1).all()
 
 
+SPARSE_CASES = [
+    ("batch_0", (0, 5, 4, _D), (0, 7, 2, _D), (0, 5, 2, 3), {}),
+    ("queries_0", (2, 0, 4, _D), (2, 7, 2, _D), (2, 0, 2, 3), {}),
+    ("keys_0", (2, 5, 4, _D), (2, 0, 2, _D), (2, 5, 2, 3), {}),
+    ("heads_0", (2, 5, 0, _D), (2, 7, 0, _D), (2, 5, 0, 3), {}),
+    ("k_0", (2, 5, 4, _D), (2, 7, 2, _D), (2, 5, 2, 0), {}),
+    (
+        "tnd_tokens_0",
+        (0, 4, _D),
+        (9, 2, _D),
+        (0, 2, 3),
+        {
+            "layout_query": "TND",
+            "layout_kv": "TND",
+            "actual_seq_lengths_query": [0, 0],
+            "actual_seq_lengths_kv": [4, 9],
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+def test_sparse_flash_attention_and_its_gradients(case):
+    _, qs, ks, idx_shape, kw = case
+    q, k, v = (rand(*s).requires_grad_(True) for s in (qs, ks, ks))
+    idx = torch.full(idx_shape, -1, dtype=torch.int32)
+    out, smax, ssum = opmesh.sparse_flash_attention(
+        q, k, v, idx, 0.5, return_softmax_lse=True, **kw
+    )
+    assert out.shape == q.shape and not out.any()
+    assert torch.isneginf(smax).all() and not ssum.any()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and not t.grad.any()
+
+
 @pytest.mark.parametrize("case", INDEXER_CASES, ids=[c[0] for c in INDEXER_CASES])
 def test_indexer_kl_loss_and_its_gradients(case):
     """The main attention has the indexer's shapes here (N1 query heads over N2 key heads); with

@@ -34,6 +34,9 @@ def samples():
         layout_q="TND", layout_kv="TND", layout_out="TND", num_workers=3,
     )  # fmt: skip
     out2, lse2 = opmesh.flash_attn(q, k, v, return_softmax_lse=True)
+    sel = torch.stack([torch.randperm(50, generator=g)[:6] for _ in range(2 * 40 * 2)])
+    sel = sel.view(2, 40, 2, 6).int()
+    s_out, s_max, s_sum = opmesh.sparse_flash_attention(q, k, v, sel, 0.25, return_softmax_lse=True)
     return {
         "merge_attn_states": ((out, lse, out2, lse2), {}),
         "dense_lightning_indexer_grad_kl_loss": (
@@ -42,6 +45,14 @@ def samples():
         ),
         "dense_lightning_indexer_softmax_lse": ((q, k, w), dict(sparse_mode=3)),
         "lightning_indexer": ((q, k, w), dict(sparse_count=7, return_value=True)),
+        "sparse_flash_attention": (
+            (q, k, v, sel, 0.25),
+            dict(sinks=sinks, return_softmax_lse=True),
+        ),
+        "sparse_flash_attention_backward": (
+            (torch.randn_like(s_out), q, k, v, sel, s_out, s_max, s_sum, 0.25),
+            dict(sparse_mode=0),
+        ),
         "flash_attn": ((q, k, v), dict(sinks=sinks, mask_mode=3, return_softmax_lse=True)),
         "flash_attn_backward": (
             (torch.randn_like(out), q, k, v, out, lse),

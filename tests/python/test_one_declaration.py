@@ -54,6 +54,8 @@ def test_every_operator_has_a_schema_read_by_python():
         "kv_cache_write_",
         "merge_attn_states",
         "lightning_indexer",
+        "sparse_flash_attention",
+        "sparse_flash_attention_backward",
     }
     assert _schema.positional("flash_attn") == ("q", "k", "v")
     assert _schema.defaults("dense_lightning_indexer_grad_kl_loss")["scale_value"] == 1.0
@@ -76,6 +78,7 @@ DERIVED = {"layout_kv", "layout_out"}
         (opmesh.flash_attn_metadata, "flash_attn_metadata"),
         (opmesh.merge_attn_states, "merge_attn_states"),
         (opmesh.lightning_indexer, "lightning_indexer"),
+        (opmesh.sparse_flash_attention, "sparse_flash_attention"),
     ],
     ids=lambda x: getattr(x, "__name__", x),
 )
