@@ -429,6 +429,8 @@ def sparse_flash_attention(
     statistics are not. Deterministic: the same bits for any thread count, backward included.
     """
     call = dict(locals())
+    if _on_mindspore(query, key, value):
+        return _ms.sparse_flash_attention(call)
     call["actual_seq_lengths_query"] = _as_lengths(
         actual_seq_lengths_query, "actual_seq_lengths_query"
     )

@@ -44,6 +44,9 @@ PYBIND11_MODULE(MS_EXTENSION_NAME, m) {
   b::def_op<b::KlLossCall>(m, "indexer_grad_kl_loss", &b::indexer_grad_kl_loss);
   b::def_op<b::KvCacheWriteCall>(m, "kv_cache_write", &b::kv_cache_write);
   b::def_op<b::LightningIndexerCall>(m, "lightning_indexer", &b::lightning_indexer);
+  b::def_op<b::SparseFlashAttentionCall>(m, "sparse_flash_attention", &b::sparse_flash_attention);
+  b::def_op<b::SparseFlashAttentionBackwardCall>(m, "sparse_flash_attention_backward",
+                                                 &b::sparse_flash_attention_backward);
   b::def_op<b::FlashAttnMetadataCall>(m, "flash_attn_metadata", &b::flash_attn_metadata);
   b::def_op<b::FlashAttnCall>(m, "flash_attn", &b::flash_attn);
   b::def_op<b::FlashAttnBackwardCall>(m, "flash_attn_backward", &b::flash_attn_backward);

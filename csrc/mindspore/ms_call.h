@@ -45,6 +45,8 @@ using IndexerCall = ops::IndexerCall<MsTypes>;
 using KlLossCall = ops::KlLossCall<MsTypes>;
 using KvCacheWriteCall = ops::KvCacheWriteCall<MsTypes>;
 using LightningIndexerCall = ops::LightningIndexerCall<MsTypes>;
+using SparseFlashAttentionCall = ops::SparseFlashAttentionCall<MsTypes>;
+using SparseFlashAttentionBackwardCall = ops::SparseFlashAttentionBackwardCall<MsTypes>;
 
 // Host values of an optional integer argument (int64), as the binding's helpers take them.
 inline IntList values_of(const std::optional<HostInts>& h) {
@@ -86,6 +88,8 @@ py::object indexer(const IndexerCall& call);
 py::object indexer_grad_kl_loss(const KlLossCall& call);
 py::object kv_cache_write(const KvCacheWriteCall& call);
 py::object lightning_indexer(const LightningIndexerCall& call);
+py::object sparse_flash_attention(const SparseFlashAttentionCall& call);
+py::object sparse_flash_attention_backward(const SparseFlashAttentionBackwardCall& call);
 std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call);
 py::object flash_attn(const FlashAttnCall& call);
 py::object flash_attn_backward(const FlashAttnBackwardCall& call);

@@ -148,8 +148,14 @@ py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs
     case 2:
       result = Runner::Call<2>(name, run);
       break;
+    case 3:
+      result = Runner::Call<3>(name, run);
+      break;
     case 4:
       result = Runner::Call<4>(name, run);
+      break;
+    case 6:
+      result = Runner::Call<6>(name, run);
       break;
     default:
       value_error("launch: unsupported output count " + std::to_string(outputs.size()));

@@ -224,6 +224,86 @@ def lightning_indexer(call):
     return tuple(_call("lightning_indexer", **host))
 
 
+_SPARSE_TENSORS = ("query", "key", "value", "query_rope", "key_rope", "sinks")
+_SPARSE_HOST = ("actual_seq_lengths_query", "actual_seq_lengths_kv", "block_table")
+
+
+def sparse_flash_attention(call):
+    """``call``: sparse_flash_attention's arguments by schema name. The torch shape function
+    checks the shapes on meta stand-ins; the binding runs forward and backward (differentiable
+    through MindSpore's autograd, as on PyTorch)."""
+    import mindspore
+
+    host, metas = {}, {}
+    for name in _SPARSE_HOST[:2]:
+        host[name], metas[name] = _host(call[name], name)
+    host["block_table"], metas["block_table"] = _table(call["block_table"], "block_table")
+    tensors = {n: call[n] for n in _SPARSE_TENSORS}
+    options = {
+        n: x
+        for n, x in call.items()
+        if n not in _SPARSE_TENSORS and n not in _SPARSE_HOST and n != "sparse_indices"
+    }
+    indices = call["sparse_indices"]
+    torch.ops.opmesh.sparse_flash_attention(
+        _meta(tensors["query"], "query"),
+        _meta(tensors["key"], "key"),
+        _meta(tensors["value"], "value"),
+        _meta(indices, "sparse_indices"),
+        **{n: _meta(tensors[n], n) for n in _SPARSE_TENSORS[3:]},
+        **metas,
+        **options,
+    )
+    indices = indices.astype(mindspore.int32)
+    if tensors["sinks"] is not None:
+        tensors["sinks"] = tensors["sinks"].astype(mindspore.float32)
+    return _sparse_function().apply(*(tensors[n] for n in _SPARSE_TENSORS), indices, host, options)
+
+
+@functools.cache
+def _sparse_function():
+    from ..distributed import DFunction
+
+    class SparseFlashAttentionFunction(DFunction):
+        """sparse_flash_attention on MindSpore tensors: the binding's forward and backward."""
+
+        @staticmethod
+        def forward(ctx, query, key, value, query_rope, key_rope, sinks, indices, host, options):
+            out, smax, ssum = _call(
+                "sparse_flash_attention",
+                query=query, key=key, value=value, sparse_indices=indices, query_rope=query_rope,
+                key_rope=key_rope, sinks=sinks, **host,
+                **dict(options, return_softmax_lse=True),
+            )  # fmt: skip
+            ctx.save_for_backward(query, key, value, query_rope, key_rope, sinks, indices, out,
+                                  smax, ssum)  # fmt: skip
+            ctx.call = (host, options)
+            if options["return_softmax_lse"]:
+                return out, smax, ssum
+            return out, _empty_lse(), _empty_lse()
+
+        @staticmethod
+        def backward(ctx, dout, _dmax, _dsum):
+            saved = [_concrete(x) for x in ctx.saved_tensors]
+            query, key, value, query_rope, key_rope, sinks, indices, out, smax, ssum = saved
+            host, options = ctx.call
+            options = {n: x for n, x in options.items() if n != "return_softmax_lse"}
+            grads = _call(
+                "sparse_flash_attention_backward",
+                dout=_concrete(dout), query=query, key=key, value=value,
+                sparse_indices=indices, attention_out=out, softmax_max=smax, softmax_sum=ssum,
+                query_rope=query_rope, key_rope=key_rope, sinks=sinks, **host, **options,
+            )  # fmt: skip
+            dq, dk, dv, dqr, dkr, dsinks = grads
+            rope = query_rope is not None
+            return (
+                dq, dk, dv, dqr if rope else None, dkr if rope else None,
+                dsinks if sinks is not None else None, None, None, None,
+            )  # fmt: skip
+
+    return SparseFlashAttentionFunction
+
+
 # The fused KL op's tensors (its positional parameters but the scale).
 _KL_TENSORS = _schema.positional("dense_lightning_indexer_grad_kl_loss")[:-1]
 

@@ -165,6 +165,90 @@ def test_lightning_indexer_errors_are_the_torch_bindings(kwargs, argument):
     assert msg.startswith(f"{argument}:"), msg
 
 
+def sparse_case(layout_query, layout_kv, rope):
+    """(arrays, indices, kwargs) of a small sparse attention call: N1 = 4 over N2 = 2."""
+    n1, n2, d, dv, k_sel = 4, 2, 16, 8, 5
+    if layout_query == "BSND":
+        lead_q, qlens = (2, 9), None
+    else:
+        lead_q, qlens = (14,), [9, 14]
+    if layout_kv == "PA_BSND":
+        lead_k, klens = (8, 4), [11, 7]
+        kw = dict(block_table=[[0, 1, 2, 3], [4, 5, 6, 7]], actual_seq_lengths_kv=klens)
+    elif layout_kv == "BSND":
+        lead_k, klens, kw = (2, 11), [11, 11], {}
+    else:
+        lead_k, klens, kw = (18,), [11, 18], dict(actual_seq_lengths_kv=[11, 18])
+    arrays = [randn(*lead_q, n1, d), randn(*lead_k, n2, d), randn(*lead_k, n2, dv)]
+    if rope:
+        arrays += [randn(*lead_q, n1, 4), randn(*lead_k, n2, 4)]
+    rows = 18 if layout_query == "BSND" else 14
+    idx = np.full((rows, n2, k_sel), -1, np.int32)
+    key_lens = klens if layout_kv != "TND" else [11, 7]
+    for r in range(rows):
+        b = r // 9 if layout_query == "BSND" else (0 if r < 9 else 1)
+        for n in range(n2):
+            idx[r, n, :4] = RNG.permutation(key_lens[b])[:4]
+    idx = idx.reshape(*lead_q, n2, k_sel)
+    kw.update(layout_query=layout_query, layout_kv=layout_kv, actual_seq_lengths_query=qlens)
+    return arrays, idx, kw
+
+
+@pytest.mark.parametrize(
+    "layouts, rope",
+    [(("BSND", "BSND"), True), (("TND", "TND"), False), (("BSND", "PA_BSND"), False)],
+    ids=["bsnd-rope", "tnd", "paged"],
+)
+def test_sparse_flash_attention_forward_and_backward_match_torch(layouts, rope):
+    arrays, idx, kw = sparse_case(*layouts, rope)
+    m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
+    m_sinks, t_sinks = both(randn(4))
+    m_idx, t_idx = ms.Tensor(idx), torch.from_numpy(idx)
+    names = ("query", "key", "value", "query_rope", "key_rope")[: len(arrays)]
+    paged = layouts[1] == "PA_BSND"
+
+    def run(idx_, sinks, *tensors):
+        named = dict(zip(names, tensors, strict=True))
+        q, k, v = named.pop("query"), named.pop("key"), named.pop("value")
+        return opmesh.sparse_flash_attention(
+            q, k, v, idx_, 0.3, sinks=sinks, return_softmax_lse=True, **named, **kw
+        )
+
+    m_out = run(m_idx, m_sinks, *m_in)
+    t_out = run(t_idx, t_sinks, *t_in)
+    assert isinstance(m_out[0], ms.Tensor)
+    for m, t in zip(m_out, t_out, strict=True):
+        assert_same(m, t)
+    if paged:
+        return
+
+    def loss(sinks, *tensors):
+        out = run(m_idx if isinstance(sinks, ms.Tensor) else t_idx, sinks, *tensors)[0]
+        return (out * out).sum()
+
+    m_grads = ms.grad(loss, grad_position=tuple(range(len(arrays) + 1)))(m_sinks, *m_in)
+    leaves = [x.clone().requires_grad_() for x in (t_sinks, *t_in)]
+    loss(*leaves).backward()
+    for g, leaf in zip(m_grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+
+
+def test_sparse_flash_attention_errors_are_the_torch_bindings():
+    arrays, idx, kw = sparse_case("BSND", "BSND", False)
+    bad = idx.copy()
+    bad[0, 2, 1, 0] = 40
+    msg = _same_error(
+        lambda conv: opmesh.sparse_flash_attention(*map(conv, arrays), conv(bad), 0.3, **kw)
+    )
+    assert msg.startswith("sparse_indices:"), msg
+    msg = _same_error(
+        lambda conv: opmesh.sparse_flash_attention(
+            *map(conv, arrays[:2]), conv(arrays[2][:, :, :1]), conv(idx), 0.3, **kw
+        )
+    )
+    assert msg.startswith("value:"), msg
+
+
 # ------------------------------------------------------------------------------ KL loss
 
 
