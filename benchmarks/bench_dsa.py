@@ -5,6 +5,9 @@ Parts (``--parts``):
 - ``indexer``: ``lightning_indexer`` (top-K keys per token) against a chunked PyTorch composition
   (matmul, relu, weighted head sum, causal mask, ``topk``), eager and compiled, at the chunk size
   that runs fastest; time, GFLOP/s (visible score entries x 2 N1 D) and peak extra memory.
+- ``attention``: ``sparse_flash_attention`` over the indexer's top-K (forward, and forward +
+  backward) against opmesh's dense causal ``flash_attn`` on the same q/k/v and against a
+  gather + batched-matmul composition (chunked over query rows, eager).
 - ``decode``: ``lightning_indexer`` on a paged cache (``PA_BSND``), one query token per sequence,
   against the same composition on the gathered keys.
 
@@ -129,7 +132,92 @@ def bench_decode(args, rows):
         )
 
 
-PARTS = {"indexer": bench_indexer, "decode": bench_decode}
+def gather_composition(q, k, v, idx, scale, chunk=256):
+    """Sparse attention by gathering each row's selected keys and values (B = 1, N2 = 1, causal):
+    ``[chunk, K, D]`` gathers, two batched matmuls and a masked softmax per chunk."""
+    s1 = q.shape[1]
+    keys, values = k[0, :, 0], v[0, :, 0]  # [S2, D]
+    out = torch.empty_like(q[0])
+    for c0 in range(0, s1, chunk):
+        sel = idx[0, c0 : c0 + chunk, 0].long()  # [c, K]
+        valid = (sel >= 0) & (sel <= torch.arange(c0, c0 + sel.shape[0])[:, None])
+        safe = sel.clamp(min=0)
+        kg, vg = keys[safe], values[safe]  # [c, K, D]
+        scores = torch.bmm(q[0, c0 : c0 + chunk], kg.transpose(1, 2)).float() * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        out[c0 : c0 + chunk] = torch.bmm(scores.softmax(-1).to(vg.dtype), vg)
+    return out[None]
+
+
+def bench_attention(args, rows):
+    s, n1, d, topk = args.seq, args.attn_heads, args.attn_dim, args.topk
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, s, n1, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, s, 1, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, s, 1, d, generator=g).to(torch.bfloat16)
+    qi = torch.randn(1, s, args.heads, args.dim, generator=g).to(torch.bfloat16)
+    ki = torch.randn(1, s, 1, args.dim, generator=g).to(torch.bfloat16)
+    wi = (torch.randn(1, s, args.heads, generator=g) * (args.heads * args.dim) ** -0.5).bfloat16()
+    idx = opmesh.lightning_indexer(qi, ki, wi, sparse_count=topk)[0]
+    scale = d**-0.5
+    selected = (idx >= 0).sum().item()
+    sparse_flops = selected * n1 * 4 * d  # QK and PV per selected key and head
+    dense_flops = s * (s + 1) / 2 * n1 * 4 * d
+
+    def sparse():
+        return opmesh.sparse_flash_attention(q, k, v, idx, scale)[0]
+
+    def dense():
+        return opmesh.flash_attn(q, k, v, mask_mode=3, softmax_scale=scale)[0]
+
+    def training(fn):
+        def step():
+            qq = q.detach().requires_grad_(True)
+            kk = k.detach().requires_grad_(True)
+            vv = v.detach().requires_grad_(True)
+            out = fn(qq, kk, vv)
+            out.backward(torch.ones_like(out))
+
+        return step
+
+    methods = {
+        "forward: opmesh sparse": (sparse, sparse_flops),
+        "forward: opmesh dense flash_attn": (dense, dense_flops),
+        "forward: gather + bmm": (partial(gather_composition, q, k, v, idx, scale), sparse_flops),
+        "fwd+bwd: opmesh sparse": (
+            training(lambda a, b, c: opmesh.sparse_flash_attention(a, b, c, idx, scale)[0]),
+            3.5 * sparse_flops,
+        ),
+        "fwd+bwd: opmesh dense flash_attn": (
+            training(
+                lambda a, b, c: opmesh.flash_attn(a, b, c, mask_mode=3, softmax_scale=scale)[0]
+            ),
+            3.5 * dense_flops,
+        ),
+    }
+    timed = {m: time_call(fn, budget_s=args.budget) for m, (fn, _) in methods.items()}
+    for method, (_, flops) in methods.items():
+        seconds = timed[method]
+        base = (
+            "fwd+bwd: opmesh sparse" if method.startswith("fwd+bwd") else "forward: opmesh sparse"
+        )
+        rows.append(
+            {
+                "part": "attention",
+                "shape": f"S={s} N1={n1} N2=1 D={d} K={topk}",
+                "method": method,
+                "ms": f"{seconds * 1e3:.1f}",
+                "GFLOP/s": f"{flops / seconds / 1e9:.1f}",
+                "opmesh speed-up": f"{seconds / timed[base]:.2f}x",
+                "note": "FLOPs of the selected keys"
+                if "sparse" in method or "gather" in method
+                else f"{dense_flops / sparse_flops:.1f}x the sparse FLOPs",
+            }
+        )
+        print(rows[-1], flush=True)
+
+
+PARTS = {"indexer": bench_indexer, "attention": bench_attention, "decode": bench_decode}
 
 
 def main():
@@ -141,6 +229,8 @@ def main():
     parser.add_argument("--decode-topk", type=int, default=2048, help="K for decode")
     parser.add_argument("--heads", type=int, default=64, help="indexer query heads N1")
     parser.add_argument("--dim", type=int, default=128, help="indexer head dim D")
+    parser.add_argument("--attn-heads", type=int, default=16, help="main attention heads N1")
+    parser.add_argument("--attn-dim", type=int, default=128, help="main attention head dim")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per method")
     args = parser.parse_args()

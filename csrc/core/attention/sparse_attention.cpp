@@ -227,10 +227,10 @@ class Forward {
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
       float* dst = sc.q.data() + r * dw_;
-      sparse::load(p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
+      sparse::load(k_, p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
                    p_.query_stride[3], p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::load(p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
+        sparse::load(k_, p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
                      p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
       }
       std::fill(dst + dqk_, dst + dw_, 0.0f);
@@ -242,15 +242,15 @@ class Forward {
     const char* rows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
       float* dst = sc.stage.data() + c * dqk_;
-      sparse::load(p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, keys[c], g),
+      sparse::load(k_, p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, keys[c], g),
                    p_.key_stride[3], p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::load(p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
+        sparse::load(k_, p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
                      p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(dst);
       float* v = sc.vp.data() + c * dvp_;
-      sparse::load(p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, keys[c], g),
+      sparse::load(k_, p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, keys[c], g),
                    p_.value_stride[3], p_.value_dim, v);
       std::fill(v + p_.value_dim, v + dvp_, 0.0f);
     }

@@ -1,7 +1,7 @@
 // sparse_flash_attention's backward, deterministic for any executor:
 // - pass 1, per query token: each head's log-sum-exp (from the statistics and the sink) and
-//   delta = dout . out, dq (a sum over the token's selected keys in selection order) and the
-//   token's share of dsinks;
+//   delta = dout . out, dq (products over the token's selected keys, 64 at a time, in selection
+//   order) and the token's share of dsinks;
 // - pass 2, per block of keys: dk and dv of each key, summed over the tokens that selected it in
 //   token order (each block owned by one worker, so no two workers add into one row);
 // - dsinks: the tokens' shares summed in token order.
@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "../aligned_buffer.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
 #include "sparse_attention.h"
@@ -28,20 +29,26 @@ void store_zeros(void* dst, DType dtype, int64_t n) {
   if (n > 0) std::memset(dst, 0, n * dtype_size(dtype));  // all-zero bits are 0 in every dtype
 }
 
+using kernels::kKeyTile;
+using kernels::round_up;
+
 float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.0f;
   for (int64_t e = 0; e < n; ++e) acc += a[e] * b[e];
   return acc;
 }
 
-void axpy(float w, const float* x, float* y, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) y[e] += w * x[e];
-}
-
 class Backward {
  public:
-  Backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr)
-      : p_(p), gr_(gr), geo_(p), g_(geo_.groups()), dqk_(p.head_dim + p.rope_dim) {
+  Backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr, Isa isa)
+      : p_(p),
+        gr_(gr),
+        geo_(p),
+        k_(kernels::float32_set(isa)),
+        g_(geo_.groups()),
+        dqk_(p.head_dim + p.rope_dim),
+        dq16_(round_up(dqk_, 16)),
+        dv16_(round_up(p.value_dim, 16)) {
     const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
     lse_.assign(rows * p.heads_q, kInf);
     delta_.assign(rows * p.heads_q, 0.0f);
@@ -49,137 +56,130 @@ class Backward {
   }
 
   const sparse::Geometry& geometry() const { return geo_; }
+  const kernels::KernelSet& kernel_set() const { return k_; }
 
-  // The rows of one token and key head: query (query | rope), dout and out, G heads each.
-  struct TokenRows {
-    std::vector<float> q, dout, out;
+  // One worker's buffers: O(G x 64 + 64 x (D + Dr + Dv)), whatever the sequence lengths.
+  struct Scratch {
+    explicit Scratch(const Backward& b)
+        : q(b.g_ * b.dq16_),
+          dout(b.g_ * b.dv16_),
+          acc(std::max(b.g_ * b.dq16_, kKeyTile * std::max(b.dq16_, b.dv16_))),
+          krow(kKeyTile * b.dq16_),
+          vrow(kKeyTile * b.dv16_),
+          kt(b.dq16_ * kKeyTile),
+          vt(b.dv16_ * kKeyTile),
+          s(b.g_ * kKeyTile),
+          dp(b.g_ * kKeyTile),
+          pt(kKeyTile * b.g_),
+          dst(kKeyTile * b.g_),
+          ones(b.g_, 1.0f),
+          row(std::max(b.dqk_, b.p_.value_dim)) {}
+    AlignedBuffer<float> q;      // [G][dq16] query rows (query | rope)
+    AlignedBuffer<float> dout;   // [G][dv16]
+    AlignedBuffer<float> acc;    // pass 1: dq [G][dq16]; pass 2: a product's [64][dq16 or dv16]
+    AlignedBuffer<float> krow;   // [64][dq16] selected key rows (key | rope)
+    AlignedBuffer<float> vrow;   // [64][dv16] selected value rows
+    AlignedBuffer<uint32_t> kt;  // [dq16][64] keys transposed
+    AlignedBuffer<uint32_t> vt;  // [dv16][64] values transposed
+    AlignedBuffer<float> s;      // [G][64] scores, then probabilities
+    AlignedBuffer<float> dp;     // [G][64] dP, then dS
+    AlignedBuffer<float> pt;     // [64][G] P transposed
+    AlignedBuffer<float> dst;    // [64][G] dS transposed
+    std::vector<float> ones;
+    std::vector<float> row;
+    std::vector<int32_t> keys;
+    std::vector<int32_t> hits;
   };
 
-  void load_token(TokenRows& t, const Sequence& s, int64_t i, int64_t g) const {
-    t.q.resize(g_ * dqk_);
-    t.dout.resize(g_ * p_.value_dim);
-    t.out.resize(g_ * p_.value_dim);
-    for (int64_t r = 0; r < g_; ++r) {
-      const int64_t h = g * g_ + r;
-      float* q = t.q.data() + r * dqk_;
-      sparse::load(p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
-                   p_.query_stride[3], p_.head_dim, q);
-      if (p_.rope_dim > 0) {
-        sparse::load(p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
-                     p_.query_rope_stride[3], p_.rope_dim, q + p_.head_dim);
-      }
-      sparse::load(gr_.dout, p_.dtype, geo_.query_offset(gr_.dout_stride, s, i, h),
-                   gr_.dout_stride[3], p_.value_dim, t.dout.data() + r * p_.value_dim);
-      sparse::load(gr_.out, p_.dtype, geo_.query_offset(gr_.out_stride, s, i, h), gr_.out_stride[3],
-                   p_.value_dim, t.out.data() + r * p_.value_dim);
-    }
-  }
-
-  void load_key(const Sequence& s, int64_t j, int64_t g, float* k, float* v) const {
-    sparse::load(p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, j, g), p_.key_stride[3],
-                 p_.head_dim, k);
-    if (p_.rope_dim > 0) {
-      sparse::load(p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, j, g),
-                   p_.key_rope_stride[3], p_.rope_dim, k + p_.head_dim);
-    }
-    sparse::load(p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, j, g), p_.value_stride[3],
-                 p_.value_dim, v);
-  }
-
-  // Pass 1 for token i of s and key head g.
-  // Writes the token's rows of lse_, delta_ and sink_share_ (no other task touches them).
-  void query_pass(const Sequence& s, int64_t i, int64_t g, std::vector<int32_t>& keys, TokenRows& t,
-                  std::vector<float>& kv) {
-    load_token(t, s, i, g);
+  // Writes the token's rows of lse_, delta_ and sink_share_ (no other task touches them) and its
+  // dq: the sum over its selected keys in selection order.
+  void query_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g) {
+    load_token(sc, s, i, g);
     const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
     const int64_t stats = geo_.stats_offset(s, i, g);
-    std::vector<float> dq(g_ * dqk_, 0.0f);
     float* lse = lse_.data() + row;
     float* delta = delta_.data() + row;
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
+      sparse::load(k_, gr_.out, p_.dtype, geo_.query_offset(gr_.out_stride, s, i, h),
+                   gr_.out_stride[3], p_.value_dim, sc.row.data());
+      delta[r] = dot(sc.dout.data() + r * dv16_, sc.row.data(), p_.value_dim);
       const float m = gr_.softmax_max[stats + r];
-      const float l = gr_.softmax_sum[stats + r];
-      delta[r] =
-          dot(t.dout.data() + r * p_.value_dim, t.out.data() + r * p_.value_dim, p_.value_dim);
-      if (m == -kInf) {
-        lse[r] = kInf;  // nothing selected: no probability anywhere
-        continue;
-      }
+      if (m == -kInf) continue;  // nothing selected: lse stays +inf, no probability anywhere
       const float sink = p_.sinks != nullptr ? std::exp(p_.sinks[h] - m) : 0.0f;
-      lse[r] = m + std::log(l + sink);
-      if (p_.sinks != nullptr) {
-        sink_share_[row + r] = -std::exp(p_.sinks[h] - lse[r]) * delta[r];
-      }
+      lse[r] = m + std::log(gr_.softmax_sum[stats + r] + sink);
+      if (p_.sinks != nullptr) sink_share_[row + r] = -std::exp(p_.sinks[h] - lse[r]) * delta[r];
     }
-    geo_.select(s, i, g, keys);
-    kv.resize(dqk_ + p_.value_dim);
-    float* k = kv.data();
-    float* v = k + dqk_;
-    for (int32_t j : keys) {
-      load_key(s, j, g, k, v);
-      for (int64_t r = 0; r < g_; ++r) {
-        if (lse[r] == kInf) continue;
-        const float* q = t.q.data() + r * dqk_;
-        const float p = std::exp(p_.scale * dot(q, k, dqk_) - lse[r]);
-        const float dp = dot(t.dout.data() + r * p_.value_dim, v, p_.value_dim);
-        axpy(p_.scale * p * (dp - delta[r]), k, dq.data() + r * dqk_, dqk_);
-      }
+    geo_.select(s, i, g, sc.keys);
+    float* dq = sc.acc.data();
+    std::fill(dq, dq + g_ * dq16_, 0.0f);
+    for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
+      const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
+      probabilities(sc, s, g, sc.keys.data() + c0, n, lse, delta);
+      // dq += scale dS K
+      k_.gemm({sc.dp.data(), kKeyTile, sc.krow.data(), dq16_, dq, dq16_, g_, dq16_, kKeyTile,
+               sc.ones.data(), p_.scale});
     }
     for (int64_t r = 0; r < g_; ++r) {
-      const int64_t h = g * g_ + r;
-      store_row(gr_.dq, p_.dtype, (geo_.token(s, i) * p_.heads_q + h) * p_.head_dim, 1, p_.head_dim,
-                dq.data() + r * dqk_, 1.0f);
+      const int64_t out = geo_.token(s, i) * p_.heads_q + g * g_ + r;
+      store_row(gr_.dq, p_.dtype, out * p_.head_dim, 1, p_.head_dim, dq + r * dq16_, 1.0f);
       if (p_.rope_dim > 0) {
-        store_row(gr_.dq_rope, p_.dtype, (geo_.token(s, i) * p_.heads_q + h) * p_.rope_dim, 1,
-                  p_.rope_dim, dq.data() + r * dqk_ + p_.head_dim, 1.0f);
+        store_row(gr_.dq_rope, p_.dtype, out * p_.rope_dim, 1, p_.rope_dim,
+                  dq + r * dq16_ + p_.head_dim, 1.0f);
       }
     }
   }
 
-  // Pass 2: keys [j0, j1) of sequence s and key head g.
-  void key_pass(const Sequence& s, int64_t g, int64_t j0, int64_t j1, std::vector<int32_t>& keys,
-                TokenRows& t) const {
-    const int64_t n = j1 - j0;
-    std::vector<float> dk(n * dqk_, 0.0f), dv(n * p_.value_dim, 0.0f);
-    std::vector<float> kv(dqk_ + p_.value_dim);
-    float* k = kv.data();
-    float* v = k + dqk_;
+  // dk and dv of keys [j0, j1) of s and key head g: summed over the tokens that select them,
+  // in token order.
+  void key_pass(Scratch& sc, const Sequence& s, int64_t g, int64_t j0, int64_t j1) const {
+    const int64_t n_keys = j1 - j0;
+    std::vector<float> dk(n_keys * dq16_, 0.0f), dv(n_keys * dv16_, 0.0f);
+    const Mask mask = indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens);
     for (int64_t i = 0; i < s.q_len; ++i) {
-      geo_.select(s, i, g, keys);
-      bool loaded = false;
+      const KeyRange vis = visible_keys(mask, s, i);
+      if (vis.end <= j0 || vis.begin >= j1) continue;
+      geo_.select(s, i, g, sc.keys);
+      sc.hits.clear();
+      for (int32_t j : sc.keys) {
+        if (j >= j0 && j < j1) sc.hits.push_back(j);
+      }
+      if (sc.hits.empty()) continue;
+      load_token(sc, s, i, g);
       const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
-      for (int32_t j : keys) {
-        if (j < j0 || j >= j1) continue;
-        if (!loaded) {
-          load_token(t, s, i, g);
-          loaded = true;
+      for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
+        const int64_t n = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
+        const int32_t* hits = sc.hits.data() + c0;
+        probabilities(sc, s, g, hits, n, lse_.data() + row, delta_.data() + row);
+        for (int64_t c = 0; c < n; ++c) {
+          for (int64_t r = 0; r < g_; ++r) {
+            sc.pt.data()[c * g_ + r] = sc.s.data()[r * kKeyTile + c];
+            sc.dst.data()[c * g_ + r] = sc.dp.data()[r * kKeyTile + c];
+          }
         }
-        load_key(s, j, g, k, v);
-        float* dkj = dk.data() + (j - j0) * dqk_;
-        float* dvj = dv.data() + (j - j0) * p_.value_dim;
-        for (int64_t r = 0; r < g_; ++r) {
-          const float lse = lse_[row + r];
-          if (lse == kInf) continue;
-          const float* q = t.q.data() + r * dqk_;
-          const float* dout = t.dout.data() + r * p_.value_dim;
-          const float p = std::exp(p_.scale * dot(q, k, dqk_) - lse);
-          const float dp = dot(dout, v, p_.value_dim);
-          axpy(p, dout, dvj, p_.value_dim);
-          axpy(p_.scale * p * (dp - delta_[row + r]), q, dkj, dqk_);
+        // dV rows += P^T dout; dK rows += scale dS^T Q.
+        float* tmp = sc.acc.data();
+        k_.gemm({sc.pt.data(), g_, sc.dout.data(), dv16_, tmp, dv16_, n, dv16_, g_, nullptr, 1.0f});
+        for (int64_t c = 0; c < n; ++c) {
+          k_.rows.add_into(dv.data() + (hits[c] - j0) * dv16_, tmp + c * dv16_, p_.value_dim);
+        }
+        k_.gemm(
+            {sc.dst.data(), g_, sc.q.data(), dq16_, tmp, dq16_, n, dq16_, g_, nullptr, p_.scale});
+        for (int64_t c = 0; c < n; ++c) {
+          k_.rows.add_into(dk.data() + (hits[c] - j0) * dq16_, tmp + c * dq16_, dqk_);
         }
       }
     }
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t key_row = key_row_of(s, j) * p_.heads_k + g;
-      store_row(gr_.dk, p_.dtype, key_row * p_.head_dim, 1, p_.head_dim,
-                dk.data() + (j - j0) * dqk_, 1.0f);
+      const float* dkj = dk.data() + (j - j0) * dq16_;
+      store_row(gr_.dk, p_.dtype, key_row * p_.head_dim, 1, p_.head_dim, dkj, 1.0f);
       if (p_.rope_dim > 0) {
-        store_row(gr_.dk_rope, p_.dtype, key_row * p_.rope_dim, 1, p_.rope_dim,
-                  dk.data() + (j - j0) * dqk_ + p_.head_dim, 1.0f);
+        store_row(gr_.dk_rope, p_.dtype, key_row * p_.rope_dim, 1, p_.rope_dim, dkj + p_.head_dim,
+                  1.0f);
       }
       store_row(gr_.dv, p_.dtype, key_row * p_.value_dim, 1, p_.value_dim,
-                dv.data() + (j - j0) * p_.value_dim, 1.0f);
+                dv.data() + (j - j0) * dv16_, 1.0f);
     }
   }
 
@@ -195,17 +195,81 @@ class Backward {
     for (int64_t h = 0; h < p_.heads_q; ++h) gr_.dsinks[h] = static_cast<float>(sum[h]);
   }
 
+ private:
+  // Query rows (query | rope, zero-padded to dq16) and dout rows of token i's group g.
+  void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    for (int64_t r = 0; r < g_; ++r) {
+      const int64_t h = g * g_ + r;
+      float* q = sc.q.data() + r * dq16_;
+      sparse::load(k_, p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
+                   p_.query_stride[3], p_.head_dim, q);
+      if (p_.rope_dim > 0) {
+        sparse::load(k_, p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
+                     p_.query_rope_stride[3], p_.rope_dim, q + p_.head_dim);
+      }
+      std::fill(q + dqk_, q + dq16_, 0.0f);
+      float* d = sc.dout.data() + r * dv16_;
+      sparse::load(k_, gr_.dout, p_.dtype, geo_.query_offset(gr_.dout_stride, s, i, h),
+                   gr_.dout_stride[3], p_.value_dim, d);
+      std::fill(d + p_.value_dim, d + dv16_, 0.0f);
+    }
+  }
+
+  // For n keys of one chunk: their rows and transposes, P = exp(scale q.k - lse) in sc.s and
+  // dS = P (dout.v - delta) in sc.dp (columns past n are 0).
+  void probabilities(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n,
+                     const float* lse, const float* delta) const {
+    const char* krows[kKeyTile];
+    const char* vrows[kKeyTile];
+    for (int64_t c = 0; c < n; ++c) {
+      float* k = sc.krow.data() + c * dq16_;
+      sparse::load(k_, p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, keys[c], g),
+                   p_.key_stride[3], p_.head_dim, k);
+      if (p_.rope_dim > 0) {
+        sparse::load(k_, p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
+                     p_.key_rope_stride[3], p_.rope_dim, k + p_.head_dim);
+      }
+      std::fill(k + dqk_, k + dq16_, 0.0f);
+      float* v = sc.vrow.data() + c * dv16_;
+      sparse::load(k_, p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, keys[c], g),
+                   p_.value_stride[3], p_.value_dim, v);
+      krows[c] = reinterpret_cast<const char*>(k);
+      vrows[c] = reinterpret_cast<const char*>(v);
+    }
+    std::fill(sc.krow.data() + n * dq16_, sc.krow.data() + kKeyTile * dq16_, 0.0f);
+    k_.pack_keys(krows, n, dq16_, sc.kt.data());
+    k_.pack_keys(vrows, n, p_.value_dim, sc.vt.data());
+    std::fill(sc.vt.data() + p_.value_dim * kKeyTile, sc.vt.data() + dv16_ * kKeyTile, 0u);
+    float* sv = sc.s.data();
+    float* dp = sc.dp.data();
+    k_.gemm({sc.q.data(), dq16_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dq16_, nullptr,
+             p_.scale});
+    for (int64_t r = 0; r < g_; ++r) {
+      std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
+    }
+    k_.exp_rows(sv, g_, kKeyTile, lse);
+    k_.gemm({sc.dout.data(), dv16_, sc.vt.data(), kKeyTile, dp, kKeyTile, g_, kKeyTile, dv16_,
+             nullptr, 1.0f});
+    for (int64_t r = 0; r < g_; ++r) {
+      for (int64_t c = 0; c < kKeyTile; ++c) {
+        dp[r * kKeyTile + c] = sv[r * kKeyTile + c] * (dp[r * kKeyTile + c] - delta[r]);
+      }
+    }
+  }
+
   // Key row j of s in the key tensor's token order (BSND b * S2 + j, TND k_begin + j).
   int64_t key_row_of(const Sequence& s, int64_t j) const {
     return p_.layout_kv == Layout::kTND ? s.k_begin + j : s.batch * p_.seq_k + j;
   }
 
- private:
   const SparseAttentionParams& p_;
   const SparseAttentionGrads& gr_;
   sparse::Geometry geo_;
+  const kernels::KernelSet& k_;
   int64_t g_;
   int64_t dqk_;
+  int64_t dq16_;  // dqk_ padded to 16: a product's output width
+  int64_t dv16_;
   std::vector<float> lse_;         // [rows][N1]: +inf where nothing is selected
   std::vector<float> delta_;       // [rows][N1]
   std::vector<float> sink_share_;  // [rows][N1]
@@ -232,7 +296,7 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
     store_zeros(gr.dq_rope, p.dtype, q_rows * p.heads_q * p.rope_dim);
     store_zeros(gr.dk_rope, p.dtype, k_rows * p.heads_k * p.rope_dim);
   }
-  Backward run(p, gr);
+  Backward run(p, gr, isa);
   const std::vector<Sequence>& seqs = run.geometry().sequences();
   const int threads = std::max(1, executor.num_workers());
 
@@ -247,13 +311,17 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
           {static_cast<int32_t>(s.batch), i, std::min(s.q_len, i + kTokensPerTask)});
     }
   }
-  run_dynamic(executor, static_cast<int64_t>(token_tasks.size()), [&](int64_t t, int) {
-    std::vector<int32_t> keys;
-    Backward::TokenRows rows;
-    std::vector<float> kv;
+  std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
+  auto scratch_of = [&](int thread) -> Backward::Scratch& {
+    if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
+    return *scratch[thread];
+  };
+  run_dynamic(executor, static_cast<int64_t>(token_tasks.size()), [&](int64_t t, int thread) {
+    Backward::Scratch& sc = scratch_of(thread);
+    const kernels::WorkerScope scope(run.kernel_set());
     const Tokens& task = token_tasks[t];
     for (int64_t i = task.i0; i < task.i1; ++i) {
-      for (int64_t g = 0; g < p.heads_k; ++g) run.query_pass(seqs[task.b], i, g, keys, rows, kv);
+      for (int64_t g = 0; g < p.heads_k; ++g) run.query_pass(sc, seqs[task.b], i, g);
     }
   });
 
@@ -271,11 +339,11 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
       }
     }
   }
-  run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int) {
-    std::vector<int32_t> keys;
-    Backward::TokenRows rows;
+  run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int thread) {
+    Backward::Scratch& sc = scratch_of(thread);
+    const kernels::WorkerScope scope(run.kernel_set());
     const Keys& task = key_tasks[t];
-    run.key_pass(seqs[task.b], task.g, task.j0, task.j1, keys, rows);
+    run.key_pass(sc, seqs[task.b], task.g, task.j0, task.j1);
   });
   run.finish_sinks();
 }

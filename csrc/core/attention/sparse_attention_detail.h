@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../indexer/indexer.h"
+#include "../kernels/kernel_set.h"
 #include "../row_loads.h"
 #include "sparse_attention.h"
 
@@ -77,10 +78,15 @@ class Geometry {
   int64_t groups_;
 };
 
-// Loads n elements (stride st) at `offset` of `base` as float.
-inline void load(const void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
-                 float* dst) {
-  load_row(base, dtype, offset, stride, n, dst);
+// Loads n elements (stride `stride`) at element `offset` of `base` as float: contiguous rows
+// through the kernel set's conversion, others element by element.
+inline void load(const kernels::KernelSet& set, const void* base, DType dtype, int64_t offset,
+                 int64_t stride, int64_t n, float* dst) {
+  if (stride == 1) {
+    set.widen(static_cast<const char*>(base) + offset * dtype_size(dtype), dtype, n, dst);
+  } else {
+    load_row(base, dtype, offset, stride, n, dst);
+  }
 }
 
 }  // namespace opmesh::core::sparse
