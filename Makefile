@@ -83,5 +83,6 @@ bench: build
 	$(PY) benchmarks/bench_bf16_kernels.py
 	$(PY) benchmarks/bench_flash_attn_backward.py
 	$(PY) benchmarks/bench_indexer_kl_loss.py
+	$(PY) benchmarks/bench_dsa.py
 	$(PY) benchmarks/bench_context_parallel.py
 	$(PY) benchmarks/model_context_parallel.py

@@ -223,6 +223,14 @@ def test_gradients(case, dtype):
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol, msg=name)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.name)
+def test_gradients_on_every_kernel_path(case, simd_level):
+    ours, ref = gradients(case, torch.bfloat16)
+    for name in ours:
+        tol = BACKWARD_TOL[torch.bfloat16]
+        torch.testing.assert_close(ours[name].grad.double(), ref[name].grad, atol=tol, rtol=tol)
+
+
 def test_mla_absorb_key_is_value():
     case = Case("mla", "BSND", "BSND", 1, 20, 20, 8, 1, 24, 24, 6, rope=8)
     q, k, _, idx, kwargs = make_inputs(case, torch.float32)
