@@ -8,8 +8,9 @@ Parts (``--parts``):
 - ``attention``: ``sparse_flash_attention`` over the indexer's top-K (forward, and forward +
   backward) against opmesh's dense causal ``flash_attn`` on the same q/k/v and against a
   gather + batched-matmul composition (chunked over query rows, eager).
-- ``decode``: ``lightning_indexer`` on a paged cache (``PA_BSND``), one query token per sequence,
-  against the same composition on the gathered keys.
+- ``decode``: one query token per sequence over paged caches (``PA_BSND``): ``lightning_indexer``
+  against the same composition on the gathered keys, and a DSA decode step (indexer top-K, then
+  ``sparse_flash_attention``) against dense paged ``flash_attn`` over the whole context.
 
     python benchmarks/bench_dsa.py [--seq 8192] [--topk 512] [--parts indexer decode]
 """
@@ -114,19 +115,54 @@ def bench_decode(args, rows):
         return [indexer_composition(q[b : b + 1], keys[b : b + 1], w[b : b + 1], topk, 1)
                 for b in range(batch)]  # fmt: skip
 
-    flops = batch * context * 2 * n1 * d
-    timed = {}
-    for method, fn in {"opmesh": ours, "eager gather + composition": composition}.items():
-        timed[method] = time_call(fn, budget_s=args.budget)
-    for method, seconds in timed.items():
+    # One decode step of a DSA layer against dense paged attention over the whole context: the
+    # indexer's top-K on its cache, then MLA-style main attention (absorbed: one latent cache of
+    # 512 dims as key and value, a 64-dim rope part, N2 = 1) over those keys only.
+    hm, dl, dr = args.mla_heads, 512, 64
+    latent = torch.randn(batch * blocks_per_seq, block, 1, dl, generator=g).to(torch.bfloat16)
+    rope = torch.randn(batch * blocks_per_seq, block, 1, dr, generator=g).to(torch.bfloat16)
+    qm = torch.randn(batch, 1, hm, dl, generator=g).to(torch.bfloat16)
+    qr = torch.randn(batch, 1, hm, dr, generator=g).to(torch.bfloat16)
+    scale = (dl + dr) ** -0.5
+    k_dense = torch.cat([latent, rope], dim=-1)  # the dense kernel's keys: latent | rope
+    q_dense = torch.cat([qm, qr], dim=-1)
+
+    def sparse_step():
+        top = ours()[0]
+        return opmesh.sparse_flash_attention(
+            qm, latent, latent, top, scale, block_table=table, actual_seq_lengths_kv=lengths,
+            query_rope=qr, key_rope=rope, layout_kv="PA_BSND", attention_mode=2,
+        )[0]  # fmt: skip
+
+    def dense_step():
+        return opmesh.flash_attn(
+            q_dense, k_dense, latent, block_table=table, seqused_kv=lengths, layout_kv="PA_BBND",
+            mask_mode=3, softmax_scale=scale,
+        )[0]  # fmt: skip
+
+    parts = {
+        "indexer: opmesh": (ours, batch * context * 2 * n1 * d),
+        "indexer: eager gather + composition": (composition, batch * context * 2 * n1 * d),
+        "step: indexer + sparse attention": (sparse_step, None),
+        "step: dense paged flash_attn": (dense_step, batch * context * 2 * hm * (2 * dl + dr)),
+    }
+    timed = {m: time_call(fn, budget_s=args.budget) for m, (fn, _) in parts.items()}
+    for method, (_, flops) in parts.items():
+        seconds = timed[method]
+        base = (
+            "indexer: opmesh"
+            if method.startswith("indexer")
+            else "step: indexer + sparse attention"
+        )
         rows.append(
             {
                 "part": "decode (PA_BSND)",
-                "shape": f"B={batch} context={context} N1={n1} D={d} K={topk}",
+                "shape": f"B={batch} context={context} indexer N1={n1} D={d}, MLA N1={hm} "
+                f"D={dl}+{dr}, K={topk}",
                 "method": method,
                 "ms": f"{seconds * 1e3:.2f}",
-                "GFLOP/s": f"{flops / seconds / 1e9:.1f}",
-                "opmesh speed-up": f"{seconds / timed['opmesh']:.2f}x",
+                "GFLOP/s": f"{flops / seconds / 1e9:.1f}" if flops else "",
+                "opmesh speed-up": f"{seconds / timed[base]:.2f}x",
                 "note": f"{batch / seconds:.0f} tokens/s",
             }
         )
@@ -231,6 +267,7 @@ def main():
     parser.add_argument("--dim", type=int, default=128, help="indexer head dim D")
     parser.add_argument("--attn-heads", type=int, default=16, help="main attention heads N1")
     parser.add_argument("--attn-dim", type=int, default=128, help="main attention head dim")
+    parser.add_argument("--mla-heads", type=int, default=128, help="decode: MLA query heads")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per method")
     args = parser.parse_args()

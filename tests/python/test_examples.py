@@ -10,13 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run(command, timeout):
+    """Runs an example; a failure shows its output and errors (not only its exit status)."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (
+        f"exit status {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n"
+        f"{result.stderr[-4000:]}"
+    )
+    return result
+
+
 def test_train_indexer_warmup_learns():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_indexer_warmup.py"), "--steps", "40"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+    result = run(
+        [sys.executable, str(ROOT / "examples" / "train_indexer_warmup.py"), "--steps", "40"], 300
     )
     out = result.stdout
     before = float(re.search(r"recall before training: ([0-9.]+)", out).group(1))
@@ -29,15 +35,12 @@ def test_train_indexer_warmup_learns():
 def test_train_context_parallel_learns_and_matches_one_process():
     """torchrun with 2 ranks: the loss falls, and every step's loss equals that of the same model
     trained in one process on whole sequences."""
-    result = subprocess.run(
+    result = run(
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             "2", str(ROOT / "examples" / "train_context_parallel.py"), "--check",
         ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
+        600,
     )  # fmt: skip
     out = result.stdout
     first, last = map(float, re.search(r"loss ([0-9.]+) -> ([0-9.]+) on 2 ranks", out).groups())
