@@ -18,6 +18,38 @@ void check_int_tensor(const at::Tensor& t, const char* name, int64_t rank) {
 
 }  // namespace
 
+c10::SymInt check_query_key_lengths(const at::Tensor& q, const std::optional<at::Tensor>& ql,
+                                    const std::optional<at::Tensor>& kl,
+                                    const std::optional<at::Tensor>& table, bool tnd, bool paged,
+                                    const char* key_layout, const char* k_lens_name,
+                                    std::string_view key_layout_value) {
+  TORCH_CHECK_VALUE(!tnd || ql.has_value(),
+                    "actual_seq_lengths_query: required for layout_query TND (cumulative lengths)");
+  if (ql) check_int_tensor(*ql, "actual_seq_lengths_query", 1);
+  const c10::SymInt batch = tnd ? ql->sym_size(0) : q.sym_size(0);
+  if (!tnd && ql) {
+    TORCH_CHECK_VALUE(holds(ql->sym_size(0) == batch), "actual_seq_lengths_query: expected ", batch,
+                      " entries (one per batch), got ", ql->sym_size(0));
+  }
+  TORCH_CHECK_VALUE(!(tnd || paged) || kl.has_value(), k_lens_name, ": required for ", key_layout,
+                    paged ? " PA_BSND (per-sequence lengths)" : " TND (cumulative lengths)");
+  if (kl) {
+    check_int_tensor(*kl, k_lens_name, 1);
+    TORCH_CHECK_VALUE(holds(kl->sym_size(0) == batch), k_lens_name, ": expected ", batch,
+                      " entries (one per sequence), got ", kl->sym_size(0));
+  }
+  if (paged) {
+    TORCH_CHECK_VALUE(table.has_value(), "block_table: required for ", key_layout, " PA_BSND");
+    check_int_tensor(*table, "block_table", 2);
+    TORCH_CHECK_VALUE(holds(table->sym_size(0) == batch), "block_table: expected ", batch,
+                      " rows (one per sequence), got shape ", table->sym_sizes());
+  } else {
+    TORCH_CHECK_VALUE(!table.has_value(), "block_table: only read with ", key_layout,
+                      " PA_BSND, got ", key_layout, " '", key_layout_value, "'");
+  }
+  return batch;
+}
+
 LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a) {
   const at::Tensor& q = a.query;
   const at::Tensor& k = a.key;
@@ -88,36 +120,9 @@ LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a)
                       " differs from query's ", q.sym_size(0));
   }
 
-  // Length arrays and the block table: dtype, rank, entry counts. Sequences: B (BSND) or the
-  // query lengths' entries (TND).
-  const auto& ql = a.actual_seq_lengths_query;
-  const auto& kl = a.actual_seq_lengths_key;
-  TORCH_CHECK_VALUE(!r.tnd || ql.has_value(),
-                    "actual_seq_lengths_query: required for layout_query TND (cumulative lengths)");
-  if (ql) check_int_tensor(*ql, "actual_seq_lengths_query", 1);
-  r.batch = r.tnd ? ql->sym_size(0) : q.sym_size(0);
-  if (!r.tnd && ql) {
-    TORCH_CHECK_VALUE(holds(ql->sym_size(0) == r.batch), "actual_seq_lengths_query: expected ",
-                      r.batch, " entries (one per batch), got ", ql->sym_size(0));
-  }
-  TORCH_CHECK_VALUE(!(r.tnd || r.paged) || kl.has_value(), "actual_seq_lengths_key: required for ",
-                    r.paged ? "layout_key PA_BSND (per-sequence lengths)"
-                            : "layout_key TND (cumulative lengths)");
-  if (kl) {
-    check_int_tensor(*kl, "actual_seq_lengths_key", 1);
-    TORCH_CHECK_VALUE(holds(kl->sym_size(0) == r.batch), "actual_seq_lengths_key: expected ",
-                      r.batch, " entries (one per sequence), got ", kl->sym_size(0));
-  }
-  if (r.paged) {
-    TORCH_CHECK_VALUE(a.block_table.has_value(), "block_table: required for layout_key PA_BSND");
-    check_int_tensor(*a.block_table, "block_table", 2);
-    TORCH_CHECK_VALUE(holds(a.block_table->sym_size(0) == r.batch), "block_table: expected ",
-                      r.batch, " rows (one per sequence), got shape ", a.block_table->sym_sizes());
-  } else {
-    TORCH_CHECK_VALUE(!a.block_table.has_value(),
-                      "block_table: only read with layout_key PA_BSND, got layout_key '",
-                      a.layout_key, "'");
-  }
+  r.batch = check_query_key_lengths(q, a.actual_seq_lengths_query, a.actual_seq_lengths_key,
+                                    a.block_table, r.tnd, r.paged, "layout_key",
+                                    "actual_seq_lengths_key", a.layout_key);
   return r;
 }
 

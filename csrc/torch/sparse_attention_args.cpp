@@ -6,16 +6,10 @@
 
 #include "dtypes.h"
 #include "indexer_checks.h"
+#include "lightning_indexer_args.h"
 
 namespace opmesh::binding {
 namespace {
-
-void check_int_tensor(const at::Tensor& t, const char* name, int64_t rank) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
-                   ": expected int32 or int64, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == rank, name, ": expected a ", rank, "-D tensor, got shape ",
-                    t.sizes());
-}
 
 // Every dim of `t` but the last two equals `like`'s (the leading dims of a layout).
 void check_leading(const at::Tensor& t, const at::Tensor& like, const char* name,
@@ -167,34 +161,8 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
                       "sinks: expected shape [", a.n1, "] (one per query head), got ",
                       c.sinks->sym_sizes());
   }
-  const auto& ql = c.actual_seq_lengths_query;
-  const auto& kl = c.actual_seq_lengths_kv;
-  TORCH_CHECK_VALUE(!a.tnd || ql.has_value(),
-                    "actual_seq_lengths_query: required for layout_query TND (cumulative lengths)");
-  if (ql) check_int_tensor(*ql, "actual_seq_lengths_query", 1);
-  const c10::SymInt batch = a.tnd ? ql->sym_size(0) : q.sym_size(0);
-  if (!a.tnd && ql) {
-    TORCH_CHECK_VALUE(holds(ql->sym_size(0) == batch), "actual_seq_lengths_query: expected ", batch,
-                      " entries (one per batch), got ", ql->sym_size(0));
-  }
-  TORCH_CHECK_VALUE(
-      !(a.tnd || a.paged) || kl.has_value(), "actual_seq_lengths_kv: required for ",
-      a.paged ? "layout_kv PA_BSND (per-sequence lengths)" : "layout_kv TND (cumulative lengths)");
-  if (kl) {
-    check_int_tensor(*kl, "actual_seq_lengths_kv", 1);
-    TORCH_CHECK_VALUE(holds(kl->sym_size(0) == batch), "actual_seq_lengths_kv: expected ", batch,
-                      " entries (one per sequence), got ", kl->sym_size(0));
-  }
-  if (a.paged) {
-    TORCH_CHECK_VALUE(c.block_table.has_value(), "block_table: required for layout_kv PA_BSND");
-    check_int_tensor(*c.block_table, "block_table", 2);
-    TORCH_CHECK_VALUE(holds(c.block_table->sym_size(0) == batch), "block_table: expected ", batch,
-                      " rows (one per sequence), got shape ", c.block_table->sym_sizes());
-  } else {
-    TORCH_CHECK_VALUE(!c.block_table.has_value(),
-                      "block_table: only read with layout_kv PA_BSND, got layout_kv '", c.layout_kv,
-                      "'");
-  }
+  check_query_key_lengths(q, c.actual_seq_lengths_query, c.actual_seq_lengths_kv, c.block_table,
+                          a.tnd, a.paged, "layout_kv", "actual_seq_lengths_kv", c.layout_kv);
   return a;
 }
 

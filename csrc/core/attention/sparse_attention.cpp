@@ -28,49 +28,25 @@ constexpr int64_t kTokensPerTask = 8;
 
 }  // namespace
 
+namespace {
+
+QueryKeyLayout query_key_layout(const SparseAttentionParams& p) {
+  return query_key_layout_of(p, p.layout_kv);
+}
+
+}  // namespace
+
 std::vector<Sequence> sparse_attention_sequences(const SparseAttentionParams& p) {
-  std::vector<Sequence> out(p.batch);
-  for (int64_t b = 0; b < p.batch; ++b) {
-    Sequence& s = out[b];
-    s.batch = b;
-    if (p.layout_query == Layout::kTND) {
-      s.q_begin = b == 0 ? 0 : p.seq_q_lens[b - 1];
-      s.q_len = p.seq_q_lens[b] - s.q_begin;
-    } else {
-      s.q_len = p.seq_q_lens ? p.seq_q_lens[b] : p.seq_q;
-    }
-    if (p.layout_kv == Layout::kTND) {
-      s.k_begin = b == 0 ? 0 : p.seq_k_lens[b - 1];
-      s.k_len = p.seq_k_lens[b] - s.k_begin;
-    } else {
-      s.k_len = p.seq_k_lens ? p.seq_k_lens[b] : p.seq_k;
-    }
-  }
-  return out;
+  return query_key_sequences(query_key_layout(p));
 }
 
 void validate(const SparseAttentionParams& p) {
-  if (p.layout_query != Layout::kBSND && p.layout_query != Layout::kTND) {
-    throw ArgumentError("layout_query", "expected BSND or TND");
-  }
-  const bool paged = p.layout_kv == Layout::kPagedBBND;
-  if (!paged && p.layout_kv != p.layout_query) {
-    throw ArgumentError("layout_kv", std::string("expected ") + layout_name(p.layout_query) +
-                                         " like layout_query, or PA_BSND");
-  }
+  validate(query_key_layout(p), "layout_kv", "actual_seq_lengths_query", "actual_seq_lengths_kv");
   indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
   if (p.sparse_block_size < 1 || p.sparse_block_size > attention::kMaxTokens) {
     throw ArgumentError("sparse_block_size", "must be >= 1, got " + str(p.sparse_block_size));
   }
   if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
-  if (p.batch < 0 || p.batch > attention::kMaxBatch) {
-    throw ArgumentError("query", "batch out of range: " + str(p.batch));
-  }
-  if (p.seq_q < 0 || p.seq_q > attention::kMaxTokens ||
-      (!paged && (p.seq_k < 0 || p.seq_k > attention::kMaxTokens))) {
-    throw ArgumentError(p.seq_q > attention::kMaxTokens ? "query" : "key",
-                        "at most " + str(attention::kMaxTokens) + " tokens");
-  }
   if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
     throw ArgumentError(
         "query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_q));
@@ -91,41 +67,6 @@ void validate(const SparseAttentionParams& p) {
     throw ArgumentError("value", "head dim must be in [1, " + str(attention::kMaxHeadDim) + "]");
   }
   const bool tnd = p.layout_query == Layout::kTND;
-  if (tnd && p.batch == 0 && p.seq_q != 0) {
-    throw ArgumentError("actual_seq_lengths_query", "is empty but the query holds tokens");
-  }
-  check_indexer_lengths(p.seq_q_lens, p.batch, p.seq_q, tnd, "actual_seq_lengths_query");
-  if (paged) {
-    if (p.batch > 0 && p.seq_k_lens == nullptr) {
-      throw ArgumentError("actual_seq_lengths_kv", "is required for layout_kv PA_BSND");
-    }
-    for (int64_t b = 0; b < p.batch; ++b) {
-      const int64_t len = p.seq_k_lens[b];
-      if (len < 0 || len > attention::kMaxTokens) {
-        throw ArgumentError("actual_seq_lengths_kv",
-                            "entry " + str(b) + " is " + str(len) + ", expected a length >= 0");
-      }
-      const int64_t blocks = p.block_size > 0 ? (len + p.block_size - 1) / p.block_size : 0;
-      if (blocks > p.max_blocks || (len > 0 && p.block_size < 1)) {
-        throw ArgumentError("block_table", "sequence " + str(b) + " has " + str(len) +
-                                               " keys, more than its " + str(p.max_blocks) +
-                                               " blocks hold");
-      }
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t block = p.block_table[b * p.max_blocks + i];
-        if (block < 0 || block >= p.block_count) {
-          throw ArgumentError("block_table", "entry [" + str(b) + ", " + str(i) + "] is " +
-                                                 str(block) + ", expected a block in [0, " +
-                                                 str(p.block_count) + ")");
-        }
-      }
-    }
-  } else {
-    if (tnd && p.batch == 0 && p.seq_k != 0) {
-      throw ArgumentError("actual_seq_lengths_kv", "is empty but the key holds tokens");
-    }
-    check_indexer_lengths(p.seq_k_lens, p.batch, p.seq_k, tnd, "actual_seq_lengths_kv");
-  }
   // sparse_indices' values: O(K) per row with a stamp per key block.
   const std::vector<Sequence> seqs = sparse_attention_sequences(p);
   int64_t longest = 0;

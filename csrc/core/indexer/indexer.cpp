@@ -52,6 +52,91 @@ void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bo
   }
 }
 
+void validate(const QueryKeyLayout& l, const char* key_layout, const char* q_lens_name,
+              const char* k_lens_name) {
+  if (l.query != Layout::kBSND && l.query != Layout::kTND) {
+    throw ArgumentError("layout_query", "expected BSND or TND");
+  }
+  const bool paged = l.key == Layout::kPagedBBND;
+  if (!paged && l.key != l.query) {
+    throw ArgumentError(key_layout, std::string("expected ") + layout_name(l.query) +
+                                        " like layout_query, or PA_BSND");
+  }
+  if (l.batch < 0 || l.batch > attention::kMaxBatch) {
+    throw ArgumentError(
+        "query", "batch must be in [0, " + str(attention::kMaxBatch) + "], got " + str(l.batch));
+  }
+  if (l.seq_q < 0 || l.seq_q > attention::kMaxTokens) {
+    throw ArgumentError("query",
+                        "at most " + str(attention::kMaxTokens) + " tokens, got " + str(l.seq_q));
+  }
+  if (!paged && (l.seq_k < 0 || l.seq_k > attention::kMaxTokens)) {
+    throw ArgumentError("key",
+                        "at most " + str(attention::kMaxTokens) + " tokens, got " + str(l.seq_k));
+  }
+  const bool tnd = l.query == Layout::kTND;
+  if (tnd && l.batch == 0 && l.seq_q != 0) {
+    throw ArgumentError(q_lens_name, "is empty but the query holds tokens");
+  }
+  check_indexer_lengths(l.q_lens, l.batch, l.seq_q, tnd, q_lens_name);
+  if (!paged) {
+    if (tnd && l.batch == 0 && l.seq_k != 0) {
+      throw ArgumentError(k_lens_name, "is empty but the key holds tokens");
+    }
+    check_indexer_lengths(l.k_lens, l.batch, l.seq_k, tnd, k_lens_name);
+    return;
+  }
+  if (l.block_count < 0 || l.max_blocks < 0) throw ArgumentError("block_table", "negative size");
+  if (l.batch > 0 && l.k_lens == nullptr) {
+    throw ArgumentError(k_lens_name, std::string("is required for ") + key_layout + " PA_BSND");
+  }
+  for (int64_t b = 0; b < l.batch; ++b) {
+    const int64_t len = l.k_lens[b];
+    if (len < 0 || len > attention::kMaxTokens) {
+      throw ArgumentError(k_lens_name,
+                          "entry " + str(b) + " is " + str(len) + ", expected a length >= 0");
+    }
+    if (len > 0 && l.block_size < 1) {
+      throw ArgumentError("key", "block_size must be >= 1, got " + str(l.block_size));
+    }
+    const int64_t blocks = len > 0 ? (len + l.block_size - 1) / l.block_size : 0;
+    if (blocks > l.max_blocks) {
+      throw ArgumentError("block_table", "sequence " + str(b) + " has " + str(len) +
+                                             " keys, more than its " + str(l.max_blocks) +
+                                             " blocks of " + str(l.block_size) + " hold");
+    }
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t block = l.block_table[b * l.max_blocks + i];
+      if (block < 0 || block >= l.block_count) {
+        throw ArgumentError("block_table", "entry [" + str(b) + ", " + str(i) + "] is " +
+                                               str(block) + ", expected a block in [0, " +
+                                               str(l.block_count) + ")");
+      }
+    }
+  }
+}
+
+std::vector<Sequence> query_key_sequences(const QueryKeyLayout& l) {
+  std::vector<Sequence> out(l.batch);
+  for (int64_t b = 0; b < l.batch; ++b) {
+    Sequence& s = out[b];
+    s.batch = b;
+    if (l.query == Layout::kTND) {
+      s.q_begin = b == 0 ? 0 : l.q_lens[b - 1];
+      s.q_len = l.q_lens[b] - s.q_begin;
+    } else {
+      s.q_len = l.q_lens ? l.q_lens[b] : l.seq_q;
+    }
+    if (l.key == Layout::kTND) {
+      s.k_begin = b == 0 ? 0 : l.k_lens[b - 1];
+      s.k_len = l.k_lens[b] - s.k_begin;
+    } else {
+      s.k_len = l.k_lens ? l.k_lens[b] : l.seq_k;
+    }
+  }
+  return out;
+}
+
 std::vector<Sequence> indexer_sequences(const IndexerParams& p) {
   std::vector<Sequence> out(p.batch);
   for (int64_t b = 0; b < p.batch; ++b) {

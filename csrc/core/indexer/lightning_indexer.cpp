@@ -326,52 +326,20 @@ class TopKRun {
 
 }  // namespace
 
+QueryKeyLayout query_key_layout(const LightningIndexerParams& p) {
+  return query_key_layout_of(p, p.layout_key);
+}
+
 std::vector<Sequence> lightning_indexer_sequences(const LightningIndexerParams& p) {
-  std::vector<Sequence> out(p.batch);
-  for (int64_t b = 0; b < p.batch; ++b) {
-    Sequence& s = out[b];
-    s.batch = b;
-    if (p.layout_query == Layout::kTND) {
-      s.q_begin = b == 0 ? 0 : p.seq_q_lens[b - 1];
-      s.q_len = p.seq_q_lens[b] - s.q_begin;
-    } else {
-      s.q_len = p.seq_q_lens ? p.seq_q_lens[b] : p.seq_q;
-    }
-    if (p.layout_key == Layout::kTND) {
-      s.k_begin = b == 0 ? 0 : p.seq_k_lens[b - 1];
-      s.k_len = p.seq_k_lens[b] - s.k_begin;
-    } else {
-      s.k_len = p.seq_k_lens ? p.seq_k_lens[b] : p.seq_k;
-    }
-  }
-  return out;
+  return query_key_sequences(query_key_layout(p));
 }
 
 void validate(const LightningIndexerParams& p) {
-  if (p.layout_query != Layout::kBSND && p.layout_query != Layout::kTND) {
-    throw ArgumentError("layout_query", "expected BSND or TND");
-  }
-  const bool paged = p.layout_key == Layout::kPagedBBND;
-  if (!paged && p.layout_key != p.layout_query) {
-    throw ArgumentError("layout_key", std::string("expected ") + layout_name(p.layout_query) +
-                                          " like layout_query, or PA_BSND");
-  }
+  validate(query_key_layout(p), "layout_key", "actual_seq_lengths_query", "actual_seq_lengths_key");
   indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
   if (p.sparse_count < 1 || p.sparse_count > kMaxSparseCount) {
     throw ArgumentError("sparse_count",
                         "must be in [1, " + str(kMaxSparseCount) + "], got " + str(p.sparse_count));
-  }
-  if (p.batch < 0 || p.batch > attention::kMaxBatch) {
-    throw ArgumentError(
-        "query", "batch must be in [0, " + str(attention::kMaxBatch) + "], got " + str(p.batch));
-  }
-  if (p.seq_q < 0 || p.seq_q > attention::kMaxTokens) {
-    throw ArgumentError("query",
-                        "at most " + str(attention::kMaxTokens) + " tokens, got " + str(p.seq_q));
-  }
-  if (!paged && (p.seq_k < 0 || p.seq_k > attention::kMaxTokens)) {
-    throw ArgumentError("key",
-                        "at most " + str(attention::kMaxTokens) + " tokens, got " + str(p.seq_k));
   }
   if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
     throw ArgumentError(
@@ -388,48 +356,6 @@ void validate(const LightningIndexerParams& p) {
   if (p.weights_dtype != p.qk_dtype && p.weights_dtype != DType::kFloat32) {
     throw ArgumentError("weights", std::string("dtype must be ") + dtype_name(p.qk_dtype) +
                                        " or float32, got " + dtype_name(p.weights_dtype));
-  }
-  const bool tnd = p.layout_query == Layout::kTND;
-  if (tnd && p.batch == 0 && p.seq_q != 0) {
-    throw ArgumentError("actual_seq_lengths_query", "is empty but the query holds tokens");
-  }
-  check_indexer_lengths(p.seq_q_lens, p.batch, p.seq_q, tnd, "actual_seq_lengths_query");
-  if (!paged) {
-    if (tnd && p.batch == 0 && p.seq_k != 0) {
-      throw ArgumentError("actual_seq_lengths_key", "is empty but the key holds tokens");
-    }
-    check_indexer_lengths(p.seq_k_lens, p.batch, p.seq_k, tnd, "actual_seq_lengths_key");
-    return;
-  }
-  if (p.block_size < 1) {
-    throw ArgumentError("key", "block_size must be >= 1, got " + str(p.block_size));
-  }
-  if (p.block_count < 0 || p.max_blocks < 0) {
-    throw ArgumentError("block_table", "negative size");
-  }
-  if (p.batch > 0 && p.seq_k_lens == nullptr) {
-    throw ArgumentError("actual_seq_lengths_key", "is required for layout_key PA_BSND");
-  }
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t len = p.seq_k_lens[b];
-    if (len < 0 || len > attention::kMaxTokens) {
-      throw ArgumentError("actual_seq_lengths_key",
-                          "entry " + str(b) + " is " + str(len) + ", expected a length >= 0");
-    }
-    const int64_t blocks = (len + p.block_size - 1) / p.block_size;
-    if (blocks > p.max_blocks) {
-      throw ArgumentError("block_table", "sequence " + str(b) + " has " + str(len) +
-                                             " keys, more than its " + str(p.max_blocks) +
-                                             " blocks of " + str(p.block_size) + " hold");
-    }
-    for (int64_t i = 0; i < blocks; ++i) {
-      const int64_t block = p.block_table[b * p.max_blocks + i];
-      if (block < 0 || block >= p.block_count) {
-        throw ArgumentError("block_table", "entry [" + str(b) + ", " + str(i) + "] is " +
-                                               str(block) + ", expected a block in [0, " +
-                                               str(p.block_count) + ")");
-      }
-    }
   }
 }
 

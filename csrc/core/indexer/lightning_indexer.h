@@ -14,6 +14,7 @@
 #include "../dtype.h"
 #include "../executor.h"
 #include "../vocabulary.h"
+#include "indexer.h"
 
 namespace opmesh::core {
 
@@ -75,6 +76,9 @@ struct LightningIndexerParams {
 // Throws ArgumentError naming the first argument that is wrong (values of the length arrays and
 // the block table included).
 void validate(const LightningIndexerParams& params);
+
+// The call's query and key layout (shared with sparse_flash_attention's checks).
+QueryKeyLayout query_key_layout(const LightningIndexerParams& params);
 
 // The sequences of a validated call (key positions within each sequence; paged keys have
 // k_begin 0).
