@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <random>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "errors.h"
 #include "indexer/indexer.h"
 #include "indexer/indexer_kl_loss.h"
+#include "indexer/sparse_kl_loss.h"
 #include "thread_executor.h"
 
 namespace opmesh::core {
@@ -119,8 +121,15 @@ struct Result {
   std::vector<double> dqi, dki, dw;
 };
 
-// The loss and gradients from the formula, with the indexer's softmax computed exactly.
-Result reference(const Problem& x) {
+// Whether token t's row for index key head g selects key j (sequence position): every key for
+// the dense loss, sparse_indices' choice for the sparse one.
+using Picked = std::function<bool(int64_t t, int64_t g, int64_t j)>;
+
+// The loss and gradients from the formula, with the indexer's softmax computed exactly, over the
+// visible keys each row picks.
+Result reference(const Problem& x, const Picked& picked = [](int64_t, int64_t, int64_t) {
+  return true;
+}) {
   const int64_t group = kN1 / kN2, igroup = kN1i / kN2i;
   Result r;
   r.dqi.assign(x.qi.size(), 0.0);
@@ -129,22 +138,23 @@ Result reference(const Problem& x) {
   for (const Seq& s : seqs(x)) {
     for (int64_t i = 0; i < s.ql; ++i) {
       const int64_t t = s.q0 + i;
-      std::vector<double> p(s.kl, 0.0);
-      double z = 0.0;
-      for (int64_t j = 0; j < s.kl; ++j) {
-        if (!visible(x, s, i, j)) continue;
-        for (int64_t h = 0; h < kN1; ++h) {
-          const int64_t at = ((h / group) * x.t1 + t) * group + h % group;
-          p[j] += std::exp(main_logit(x, t, h, s.k0 + j) - x.smax[at]) / x.ssum[at];
-        }
-        z += p[j];
-      }
-      if (z <= 0.0) continue;
       for (int64_t g = 0; g < kN2i; ++g) {
+        auto seen = [&](int64_t j) { return visible(x, s, i, j) && picked(t, g, j); };
+        std::vector<double> p(s.kl, 0.0);
+        double z = 0.0;
+        for (int64_t j = 0; j < s.kl; ++j) {
+          if (!seen(j)) continue;
+          for (int64_t h = 0; h < kN1; ++h) {
+            const int64_t at = ((h / group) * x.t1 + t) * group + h % group;
+            p[j] += std::exp(main_logit(x, t, h, s.k0 + j) - x.smax[at]) / x.ssum[at];
+          }
+          z += p[j];
+        }
+        if (z <= 0.0) continue;
         std::vector<double> score(s.kl, -INFINITY);
         double m = -INFINITY;
         for (int64_t j = 0; j < s.kl; ++j) {
-          if (!visible(x, s, i, j)) continue;
+          if (!seen(j)) continue;
           double acc = 0.0;
           for (int64_t hl = 0; hl < igroup; ++hl) {
             const int64_t h = g * igroup + hl;
@@ -154,9 +164,9 @@ Result reference(const Problem& x) {
           m = std::max(m, acc);
         }
         double l = 0.0;
-        for (int64_t j = 0; j < s.kl; ++j) l += visible(x, s, i, j) ? std::exp(score[j] - m) : 0.0;
+        for (int64_t j = 0; j < s.kl; ++j) l += seen(j) ? std::exp(score[j] - m) : 0.0;
         for (int64_t j = 0; j < s.kl; ++j) {
-          if (!visible(x, s, i, j)) continue;
+          if (!seen(j)) continue;
           const double phat = p[j] / z;
           const double logq = score[j] - m - std::log(l);
           if (phat > 0.0) r.loss += phat * (std::log(phat) - logq);
@@ -319,6 +329,138 @@ TEST(IndexerKlLoss, ErrorsNameTheArgument) {
   EXPECT_TRUE(starts(message([](auto& p) { p.index_heads_k = 3; }), "key_index"));
   EXPECT_TRUE(starts(message([](auto& p) { p.scale = NAN; }), "scale_value"));
   EXPECT_TRUE(starts(message([](auto& p) { p.loss = nullptr; }), "loss"));
+}
+
+// sparse_indices [T1, heads, K] for the TND problem: per row, `choose(t, n, j)` decides whether
+// key j (sequence position) is listed; listed keys in descending order (an order the operator
+// must not depend on), -1 padding mixed in at the front and the back.
+struct Indices {
+  std::vector<int32_t> data;
+  int64_t heads = 1, count = 0;
+};
+
+Indices make_indices(const Problem& x, int64_t heads,
+                     const std::function<bool(int64_t, int64_t, int64_t)>& choose) {
+  Indices ix;
+  ix.heads = heads;
+  int64_t longest = 0;
+  for (const Seq& s : seqs(x)) longest = std::max(longest, s.kl);
+  ix.count = longest + 3;
+  ix.data.assign(x.t1 * heads * ix.count, -1);
+  for (const Seq& s : seqs(x)) {
+    for (int64_t i = 0; i < s.ql; ++i) {
+      for (int64_t n = 0; n < heads; ++n) {
+        int32_t* row = ix.data.data() + ((s.q0 + i) * heads + n) * ix.count;
+        int64_t e = 1;  // entry 0 stays -1
+        for (int64_t j = s.kl - 1; j >= 0; --j) {
+          if (choose(s.q0 + i, n, j)) row[e++] = static_cast<int32_t>(j);
+        }
+      }
+    }
+  }
+  return ix;
+}
+
+SparseKlLossParams sparse_params(const Problem& x, Output& o, const Indices& ix) {
+  SparseKlLossParams p;
+  p.dense = params(x, o);
+  p.dense.softmax_max_index = nullptr;  // not read
+  p.dense.softmax_sum_index = nullptr;
+  p.indices = ix.data.data();
+  p.indices_stride[1] = ix.heads * ix.count;
+  p.indices_stride[2] = ix.count;
+  p.indices_stride[3] = 1;
+  p.index_heads = ix.heads;
+  p.sparse_count = ix.count;
+  return p;
+}
+
+void expect_same(const Output& a, const Output& b) {
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(a.dqi, b.dqi);
+  EXPECT_EQ(a.dki, b.dki);
+  EXPECT_EQ(a.dw, b.dw);
+}
+
+TEST(SparseKlLoss, EveryKeySelectedIsTheDenseLoss) {
+  Problem x = make(5);
+  statistics(x);
+  const Result want = reference(x);
+  const Indices all = make_indices(x, 1, [](int64_t, int64_t, int64_t) { return true; });
+  Output serial;
+  sparse_lightning_indexer_grad_kl_loss(sparse_params(x, serial, all), SerialExecutor(),
+                                        active_isa());
+  EXPECT_NEAR(serial.loss, want.loss, 1e-5 + 2e-5 * std::abs(want.loss));
+  expect_near_all(serial.dqi, want.dqi, "d_query_index");
+  expect_near_all(serial.dki, want.dki, "d_key_index");
+  expect_near_all(serial.dw, want.dw, "d_weights");
+}
+
+TEST(SparseKlLoss, MatchesTheFormulaOnSubsetsOnEveryWorkerCount) {
+  Problem x = make(6);
+  statistics(x);  // the dense statistics: the target is renormalised on the selected keys
+  // Per index key head a different pseudo-random half of the keys (some rows pick none of the
+  // visible ones), then one selection shared by both heads.
+  auto choose = [](int64_t t, int64_t n, int64_t j) { return (t * 7 + j * 13 + n * 5) % 11 < 5; };
+  for (int64_t heads : {kN2i, int64_t{1}}) {
+    const Indices ix = make_indices(x, heads, choose);
+    const Result want = reference(x, [&](int64_t t, int64_t g, int64_t j) {
+      return choose(t, heads == 1 ? 0 : g, j);
+    });
+    for (Isa isa : supported_isas()) {
+      SCOPED_TRACE(isa_name(isa));
+      Output o;
+      sparse_lightning_indexer_grad_kl_loss(sparse_params(x, o, ix), SerialExecutor(), isa);
+      EXPECT_NEAR(o.loss, want.loss, 1e-5 + 2e-5 * std::abs(want.loss)) << heads;
+      expect_near_all(o.dqi, want.dqi, "d_query_index");
+      expect_near_all(o.dki, want.dki, "d_key_index");
+      expect_near_all(o.dw, want.dw, "d_weights");
+    }
+    Output serial;
+    sparse_lightning_indexer_grad_kl_loss(sparse_params(x, serial, ix), SerialExecutor(),
+                                          active_isa());
+    for (int workers : {2, 3, 5}) {
+      Output threaded;
+      sparse_lightning_indexer_grad_kl_loss(sparse_params(x, threaded, ix),
+                                            ThreadExecutor(workers), active_isa());
+      expect_same(serial, threaded);
+    }
+  }
+}
+
+TEST(SparseKlLoss, ErrorsNameTheArgument) {
+  Problem x = make(7);
+  statistics(x);
+  Indices ix = make_indices(x, 1, [](int64_t t, int64_t, int64_t j) { return (t + j) % 3 == 0; });
+  auto message = [&](auto change) {
+    Output o;
+    Indices copy = ix;
+    SparseKlLossParams p = sparse_params(x, o, copy);
+    change(p, copy);
+    try {
+      sparse_lightning_indexer_grad_kl_loss(p, SerialExecutor(), active_isa());
+    } catch (const ArgumentError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  auto starts = [](const std::string& m, const char* name) { return m.rfind(name, 0) == 0; };
+  EXPECT_EQ(message([](auto&, auto&) {}), "no error");
+  EXPECT_TRUE(starts(message([](auto& p, auto&) { p.dense.heads_k = 3; }), "key"));
+  EXPECT_TRUE(starts(message([](auto& p, auto&) { p.dense.softmax_max = nullptr; }),
+                     "softmax_max"));
+  EXPECT_TRUE(starts(message([](auto& p, auto&) { p.index_heads = 3; }), "sparse_indices"));
+  EXPECT_TRUE(starts(message([](auto& p, auto&) { p.sparse_count = -1; }), "sparse_indices"));
+  // An entry past its sequence's keys, below -1, and a repeated key.
+  const int64_t k = ix.count;
+  EXPECT_TRUE(starts(message([&](auto&, auto& c) { c.data[5 * k + 2] = 80; }), "sparse_indices"));
+  EXPECT_TRUE(starts(message([&](auto&, auto& c) { c.data[5 * k + 2] = -2; }), "sparse_indices"));
+  const std::string twice = message([&](auto&, auto& c) {
+    c.data[5 * k + 1] = 4;
+    c.data[5 * k + 2] = 4;
+  });
+  EXPECT_TRUE(starts(twice, "sparse_indices")) << twice;
+  EXPECT_NE(twice.find("twice"), std::string::npos) << twice;
 }
 
 TEST(IndexerKlLoss, BandMasksMapToTheVocabulary) {

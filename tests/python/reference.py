@@ -161,6 +161,56 @@ def indexer_kl_loss(
     return loss
 
 
+def sparse_indexer_kl_loss(
+    query,
+    key,
+    query_index,
+    key_index,
+    weights,
+    sparse_indices,
+    softmax_max,
+    softmax_sum,
+    scale,
+    *,
+    query_rope=None,
+    key_rope=None,
+    visible,
+):
+    """Reference loss of ``sparse_lightning_indexer_grad_kl_loss`` for one sequence (float64
+    autograd gives the gradients): as :func:`indexer_kl_loss`, with each row's keys restricted
+    to the ones its ``sparse_indices`` ``[s1, N2i or 1, K]`` select (token positions, ``-1``
+    skipped) among the visible ones, per index key head. The main statistics ``[N2, s1, G]`` are
+    the sparse attention's (over the same selected keys)."""
+    q, k = _with_rope(query, key, query_rope, key_rope)
+    n1, n2 = q.shape[1], k.shape[1]
+    group = n1 // n2
+    s1, s2 = q.shape[0], k.shape[0]
+    logits = scale * torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1))
+    shift = (softmax_max.double() + softmax_sum.double().log()).transpose(1, 2).reshape(n1, -1)
+    n1i, n2i = query_index.shape[1], key_index.shape[1]
+    igroup = n1i // n2i
+    dots = torch.einsum("ihd,jhd->hij", query_index, key_index.repeat_interleave(igroup, dim=1))
+    scores = torch.einsum("ih,hij->hij", weights, dots.clamp_min(0))
+    scores = scores.reshape(n2i, igroup, s1, s2).sum(dim=1)  # [N2i, s1, s2]
+    loss = torch.zeros((), dtype=torch.float64)
+    for g in range(n2i):
+        picked = torch.zeros((s1, s2), dtype=torch.bool)
+        rows = sparse_indices[:, 0 if sparse_indices.shape[1] == 1 else g].long()
+        for i in range(s1):
+            chosen = rows[i][rows[i] >= 0]
+            picked[i, chosen] = True
+        selected = picked & visible
+        p = torch.where(selected, torch.exp(logits - shift[..., None]), 0.0)
+        target = p.sum(dim=0)
+        mass = target.sum(dim=1)
+        keep = mass > 0
+        target = target[keep] / mass[keep, None]
+        log_q = torch.log_softmax(scores[g].masked_fill(~selected, float("-inf")), dim=-1)
+        log_q = log_q.masked_fill(~selected, 0.0)[keep]
+        loss = loss + torch.nn.functional.kl_div(log_q, target, reduction="sum")
+    return loss
+
+
 def _paged_to_dense(key, block_table, k_lengths):
     """Paged keys ``[blocks, block_size, N2, D]`` as BSND ``[B, max_len, N2, D]`` (zeros past each
     sequence's length)."""

@@ -66,42 +66,14 @@ void validate(const SparseAttentionParams& p) {
   if (p.value_dim < 1 || p.value_dim > attention::kMaxHeadDim) {
     throw ArgumentError("value", "head dim must be in [1, " + str(attention::kMaxHeadDim) + "]");
   }
-  const bool tnd = p.layout_query == Layout::kTND;
-  // sparse_indices' values: O(K) per row with a stamp per key block.
-  const std::vector<Sequence> seqs = sparse_attention_sequences(p);
-  int64_t longest = 0;
-  for (const Sequence& s : seqs) longest = std::max(longest, s.k_len);
-  const int64_t bs = p.sparse_block_size;
-  std::vector<int64_t> stamp((longest + bs - 1) / bs, -1);
-  int64_t row_id = 0;
-  const int64_t* st = p.indices_stride;
-  for (const Sequence& s : seqs) {
-    const int64_t blocks = (s.k_len + bs - 1) / bs;
-    for (int64_t i = 0; i < s.q_len; ++i) {
-      for (int64_t n = 0; n < p.index_heads; ++n, ++row_id) {
-        const int64_t base = (tnd ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
-        for (int64_t e = 0; e < p.sparse_count; ++e) {
-          const int64_t v = p.indices[base + e * st[3]];
-          if (v == -1) continue;
-          const auto row = [&] {
-            std::string r = "[";
-            if (!tnd) r += str(s.batch) + ", ";
-            return r + str(tnd ? s.q_begin + i : i) + ", " + str(n) + "]";
-          };
-          if (v < -1 || v >= blocks) {
-            throw ArgumentError("sparse_indices", "row " + row() + " entry " + str(e) + " is " +
-                                                      str(v) + ", expected -1 or a block in [0, " +
-                                                      str(blocks) + ")");
-          }
-          if (stamp[v] == row_id) {
-            throw ArgumentError("sparse_indices",
-                                "row " + row() + " selects block " + str(v) + " twice");
-          }
-          stamp[v] = row_id;
-        }
-      }
-    }
-  }
+  Selection sel;
+  sel.indices = p.indices;
+  sel.stride = p.indices_stride;
+  sel.heads = p.index_heads;
+  sel.count = p.sparse_count;
+  sel.block_size = p.sparse_block_size;
+  sel.tnd = p.layout_query == Layout::kTND;
+  validate(sel, sparse_attention_sequences(p));
 }
 
 namespace {

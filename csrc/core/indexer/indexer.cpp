@@ -137,6 +137,44 @@ std::vector<Sequence> query_key_sequences(const QueryKeyLayout& l) {
   return out;
 }
 
+void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
+  int64_t longest = 0;
+  for (const Sequence& s : seqs) longest = std::max(longest, s.k_len);
+  const int64_t bs = sel.block_size;
+  // A stamp per key block: the id of the last row that named it.
+  std::vector<int64_t> stamp((longest + bs - 1) / bs, -1);
+  int64_t row_id = 0;
+  const int64_t* st = sel.stride;
+  for (const Sequence& s : seqs) {
+    const int64_t blocks = (s.k_len + bs - 1) / bs;
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      for (int64_t n = 0; n < sel.heads; ++n, ++row_id) {
+        const int64_t base =
+            (sel.tnd ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
+        for (int64_t e = 0; e < sel.count; ++e) {
+          const int64_t v = sel.indices[base + e * st[3]];
+          if (v == -1) continue;
+          const auto row = [&] {
+            std::string r = "[";
+            if (!sel.tnd) r += str(s.batch) + ", ";
+            return r + str(sel.tnd ? s.q_begin + i : i) + ", " + str(n) + "]";
+          };
+          if (v < -1 || v >= blocks) {
+            throw ArgumentError("sparse_indices", "row " + row() + " entry " + str(e) + " is " +
+                                                      str(v) + ", expected -1 or a block in [0, " +
+                                                      str(blocks) + ")");
+          }
+          if (stamp[v] == row_id) {
+            throw ArgumentError("sparse_indices",
+                                "row " + row() + " selects block " + str(v) + " twice");
+          }
+          stamp[v] = row_id;
+        }
+      }
+    }
+  }
+}
+
 std::vector<Sequence> indexer_sequences(const IndexerParams& p) {
   std::vector<Sequence> out(p.batch);
   for (int64_t b = 0; b < p.batch; ++b) {

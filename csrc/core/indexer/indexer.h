@@ -118,6 +118,22 @@ QueryKeyLayout query_key_layout_of(const Params& p, Layout key) {
 // The sequences of a validated layout (paged keys start at 0).
 std::vector<Sequence> query_key_sequences(const QueryKeyLayout& layout);
 
+// A sparse_indices tensor: [B, S1, heads, count] (strides {b, s, n, k}) or, for TND queries,
+// [T1, heads, count] (strides {unused, t, n, k}); each entry -1 or a block of `block_size` keys.
+struct Selection {
+  const int32_t* indices = nullptr;
+  const int64_t* stride = nullptr;
+  int64_t heads = 1;
+  int64_t count = 0;
+  int64_t block_size = 1;
+  bool tnd = false;
+};
+
+// Checks sparse_indices' values, O(count) per row: every entry is -1 or a block of its
+// sequence's keys, and no row names a block twice. Throws ArgumentError("sparse_indices") naming
+// the row and entry.
+void validate(const Selection& selection, const std::vector<Sequence>& seqs);
+
 // Validates, then computes both outputs. Rows with no visible key (and BSND rows past their
 // sequence's length) get max = -inf, sum = 0.
 void dense_lightning_indexer_softmax_lse(const IndexerParams& params, const Executor& executor,

@@ -5,6 +5,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../aligned_buffer.h"
@@ -476,7 +477,7 @@ void check_operand(const KlOperand& t, const char* name, bool needed) {
 
 }  // namespace
 
-void validate(const IndexerKlLossParams& p) {
+void validate(const IndexerKlLossParams& p, bool index_statistics) {
   validate(index_params(p));
   if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
     throw ArgumentError(
@@ -517,7 +518,9 @@ void validate(const IndexerKlLossParams& p) {
         {p.d_weights.data, "d_weights"},
     };
     for (const auto& [ptr, name] : needed) {
-      if (ptr == nullptr) throw ArgumentError(name, "is null");
+      const bool skipped = !index_statistics && (name == std::string_view("softmax_max_index") ||
+                                                 name == std::string_view("softmax_sum_index"));
+      if (ptr == nullptr && !skipped) throw ArgumentError(name, "is null");
     }
   }
   if (p.loss == nullptr) throw ArgumentError("loss", "is null");

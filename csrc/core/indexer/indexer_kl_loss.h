@@ -83,8 +83,9 @@ struct IndexerKlLossParams {
 // the index tensors, the layout, the mask and the lengths with that operator's messages.
 IndexerParams index_params(const IndexerKlLossParams& params);
 
-// Throws ArgumentError naming the first argument that is wrong.
-void validate(const IndexerKlLossParams& params);
+// Throws ArgumentError naming the first argument that is wrong. `index_statistics`: whether the
+// indexer's statistics are read (the sparse loss computes its own).
+void validate(const IndexerKlLossParams& params, bool index_statistics = true);
 
 // Validates, then computes the loss and the three gradients on the float32 kernels of `isa`.
 void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& params,

@@ -1,0 +1,479 @@
+#include "sparse_kl_loss.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../aligned_buffer.h"
+#include "../attention/sparse_attention_detail.h"
+#include "../errors.h"
+#include "../kernels/kernel_set.h"
+#include "../row_loads.h"
+#include "indexer.h"
+
+namespace opmesh::core {
+namespace {
+
+using kernels::kKeyTile;
+using kernels::round_up;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kTokensPerTask = 8;
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// Offsets of a token's (query side) or key's (key side) row of an operand with strides
+// {b, s, n, d} ({0, t, n, d} for TND, where the batch stride is 0).
+int64_t query_row(const int64_t* st, const Sequence& s, int64_t i, int64_t head) {
+  return s.batch * st[0] + (s.q_begin + i) * st[1] + head * st[2];
+}
+
+int64_t key_row(const int64_t* st, const Sequence& s, int64_t j, int64_t head) {
+  return s.batch * st[0] + (s.k_begin + j) * st[1] + head * st[2];
+}
+
+class SparseKl {
+ public:
+  SparseKl(const SparseKlLossParams& sp, Isa isa)
+      : sp_(sp),
+        p_(sp.dense),
+        k_(kernels::float32_set(isa)),
+        mask_(indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens)),
+        seqs_(indexer_sequences(index_params(p_))),
+        g_(p_.heads_q / p_.heads_k),
+        ig_(p_.index_heads_q / p_.index_heads_k),
+        igp_(round_up(ig_, 16)),
+        dm_(p_.head_dim + p_.rope_dim),
+        dmp_(round_up(dm_, 16)),
+        dip_(round_up(p_.index_dim, 16)) {
+    const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
+    active_.assign(rows * p_.index_heads_k, 0);
+    d_index_.assign(rows * p_.index_heads_k * sp_.sparse_count, 0.0f);
+  }
+
+  const std::vector<Sequence>& sequences() const { return seqs_; }
+  const kernels::KernelSet& kernel_set() const { return k_; }
+
+  struct Scratch {
+    explicit Scratch(const SparseKl& r)
+        : q(r.p_.heads_q * r.dmp_),
+          qi(r.p_.index_heads_q * r.dip_),
+          qit(r.dip_ * r.igp_),
+          krow(kKeyTile * r.dmp_),
+          kt(r.dmp_ * kKeyTile),
+          s(r.g_ * kKeyTile),
+          irow(kKeyTile * r.dip_),
+          kit(r.dip_ * kKeyTile),
+          coef(std::max(r.ig_, kKeyTile) * std::max(r.igp_, kKeyTile)),
+          acc(std::max(r.ig_, kKeyTile) * r.dip_),
+          lse(r.p_.heads_q),
+          w(r.p_.index_heads_q),
+          ones(r.ig_, 1.0f),
+          dw(r.ig_) {}
+    AlignedBuffer<float> q;       // [N1][dmp] main query rows (query | rope), zero-padded
+    AlignedBuffer<float> qi;      // [N1index][dip] index query rows, zero-padded
+    AlignedBuffer<float> qit;     // [dip][igp] one group's index query rows, transposed
+    AlignedBuffer<float> krow;    // [64][dmp] selected main key rows
+    AlignedBuffer<uint32_t> kt;   // [dmp][64] the same, transposed
+    AlignedBuffer<float> s;       // [G][64] main scores, then probabilities
+    AlignedBuffer<float> irow;    // [64][dip] selected index key rows
+    AlignedBuffer<uint32_t> kit;  // [dip][64] the same, transposed
+    AlignedBuffer<float> coef;    // pass 1 [ig][64]; pass 2 [64][igp] scores, then [64][ig]
+    AlignedBuffer<float> acc;     // pass 1 [ig][dip] d_query_index; pass 2 [64][dip]
+    std::vector<float> lse;       // [N1] main log-sum-exp (+inf: nothing selected)
+    std::vector<float> w;         // [N1index]
+    std::vector<float> ones;
+    std::vector<double> dw;
+    std::vector<float> prob;   // P over the row's selected keys, padded to 64
+    std::vector<float> score;  // I, padded to 64
+    std::vector<float> sidx;   // [ig][padded] the index scores of one group
+    std::vector<float> dsc;    // dI
+    std::vector<int32_t> keys, entries;
+    std::vector<float> key_grad;  // pass 2: [keys][dip]
+    std::vector<int32_t> hits;
+    std::vector<float> hit_d;
+    std::vector<float> hit_coef;  // [64][ig]
+  };
+
+  // Pass 1 for token i of s: the loss of its rows (returned), d_query_index, d_weights and the
+  // kept dI of each of its selection entries.
+  double token_pass(Scratch& sc, const Sequence& s, int64_t i) {
+    const KeyRange vis = visible_keys(mask_, s, i);
+    load_token(sc, s, i);
+    double loss = 0.0;
+    for (int64_t n = 0; n < sp_.index_heads; ++n) {
+      select(s, i, n, vis, sc);
+      const int64_t nk = static_cast<int64_t>(sc.keys.size());
+      const int64_t padded = round_up(std::max<int64_t>(nk, 1), kKeyTile);
+      sc.prob.assign(padded, 0.0f);
+      double z = 0.0;
+      for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
+        target_chunk(sc, s, c0, std::min(kKeyTile, nk - c0));
+      }
+      for (int64_t c = 0; c < nk; ++c) z += sc.prob[c];
+      const int64_t g_end = sp_.index_heads == 1 ? p_.index_heads_k : n + 1;
+      for (int64_t g = sp_.index_heads == 1 ? 0 : n; g < g_end; ++g) {
+        if (z > 0.0 && std::isfinite(z)) {
+          loss += group_pass(sc, s, i, g, nk, padded, z);
+        } else {
+          // No target mass: the row contributes nothing.
+          std::fill(sc.acc.data(), sc.acc.data() + ig_ * dip_, 0.0f);
+          std::fill(sc.dw.begin(), sc.dw.end(), 0.0);
+          if (!std::isfinite(z)) loss += std::numeric_limits<double>::quiet_NaN();
+          store_group(sc, s, i, g);
+        }
+      }
+    }
+    return loss;
+  }
+
+  // Pass 2: d_key_index of keys [j0, j1) of s and index key head g, summed over the tokens that
+  // selected them in token order.
+  void key_pass(Scratch& sc, const Sequence& s, int64_t g, int64_t j0, int64_t j1) const {
+    const int64_t n = sp_.index_heads == 1 ? 0 : g;
+    sc.key_grad.assign((j1 - j0) * dip_, 0.0f);
+    float* tmp = sc.acc.data();
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      const KeyRange vis = visible_keys(mask_, s, i);
+      const int64_t lo = std::max(j0, vis.begin), hi = std::min(j1, vis.end);
+      if (hi <= lo) continue;
+      const int64_t drow = token(s, i) * p_.index_heads_k + g;
+      if (!active_[drow]) continue;
+      const int32_t* idx = sp_.indices + indices_row(s, i, n);
+      const float* d = d_index_.data() + drow * sp_.sparse_count;
+      sc.hits.clear();
+      sc.hit_d.clear();
+      for (int64_t e = 0; e < sp_.sparse_count; ++e) {
+        const int64_t v = idx[e * sp_.indices_stride[3]];
+        if (v >= lo && v < hi) {
+          sc.hits.push_back(static_cast<int32_t>(v));
+          sc.hit_d.push_back(d[e]);
+        }
+      }
+      if (sc.hits.empty()) continue;
+      load_group_transposed(sc, s, i, g);
+      const float* w = sc.w.data() + g * ig_;
+      const float* qi = sc.qi.data() + g * ig_ * dip_;
+      for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
+        const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
+        for (int64_t c = 0; c < m; ++c) load_index_key(sc, s, sc.hits[c0 + c], g, c);
+        // Index scores, key-major: [m][igp] = key rows x transposed query rows.
+        float* st = sc.coef.data();
+        k_.gemm({sc.irow.data(), dip_, sc.qit.data(), igp_, st, igp_, m, igp_, dip_, nullptr,
+                 1.0f});
+        // coefficients [m][ig]: dI w [S > 0], then d_key_index rows += coef x query rows.
+        std::vector<float>& coef = sc.hit_coef;
+        coef.assign(m * ig_, 0.0f);
+        for (int64_t c = 0; c < m; ++c) {
+          const float dc = sc.hit_d[c0 + c];
+          for (int64_t h = 0; h < ig_; ++h) {
+            coef[c * ig_ + h] = st[c * igp_ + h] > 0.0f ? dc * w[h] : 0.0f;
+          }
+        }
+        k_.gemm({coef.data(), ig_, qi, dip_, tmp, dip_, m, dip_, ig_, nullptr, 1.0f});
+        for (int64_t c = 0; c < m; ++c) {
+          k_.rows.add_into(sc.key_grad.data() + (sc.hits[c0 + c] - j0) * dip_, tmp + c * dip_,
+                           p_.index_dim);
+        }
+      }
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const KlGradient& out = p_.d_key_index;
+      store_row(out.data, out.dtype, key_row(out.stride, s, j, g), out.stride[3], p_.index_dim,
+                sc.key_grad.data() + (j - j0) * dip_, 1.0f);
+    }
+  }
+
+ private:
+  // The token's output row: BSND b * S1 + i, TND q_begin + i.
+  int64_t token(const Sequence& s, int64_t i) const {
+    return p_.layout == Layout::kTND ? s.q_begin + i : s.batch * p_.seq_q + i;
+  }
+
+  int64_t indices_row(const Sequence& s, int64_t i, int64_t n) const {
+    const int64_t* st = sp_.indices_stride;
+    return (p_.layout == Layout::kTND ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] +
+           n * st[2];
+  }
+
+  // The keys selection row (s, i, n) picks among the visible ones, in entry order, with their
+  // entries.
+  void select(const Sequence& s, int64_t i, int64_t n, const KeyRange& vis, Scratch& sc) const {
+    sc.keys.clear();
+    sc.entries.clear();
+    if (vis.end <= vis.begin) return;
+    const int32_t* idx = sp_.indices + indices_row(s, i, n);
+    for (int64_t e = 0; e < sp_.sparse_count; ++e) {
+      const int64_t v = idx[e * sp_.indices_stride[3]];
+      if (v < vis.begin || v >= vis.end) continue;  // -1 and masked keys
+      sc.keys.push_back(static_cast<int32_t>(v));
+      sc.entries.push_back(static_cast<int32_t>(e));
+    }
+  }
+
+  void load(const KlOperand& o, int64_t offset, int64_t n, float* dst) const {
+    sparse::load(k_, o.data, o.dtype, offset, o.stride[3], n, dst);
+  }
+
+  // Main query rows and log-sum-exps, index query rows and weights of token i.
+  void load_token(Scratch& sc, const Sequence& s, int64_t i) const {
+    for (int64_t h = 0; h < p_.heads_q; ++h) {
+      float* q = sc.q.data() + h * dmp_;
+      load(p_.query, query_row(p_.query.stride, s, i, h), p_.head_dim, q);
+      if (p_.rope_dim > 0) {
+        load(p_.query_rope, query_row(p_.query_rope.stride, s, i, h), p_.rope_dim,
+             q + p_.head_dim);
+      }
+      std::fill(q + dm_, q + dmp_, 0.0f);
+    }
+    for (int64_t kh = 0; kh < p_.heads_k; ++kh) {
+      const int64_t stats = p_.layout == Layout::kTND
+                                ? (kh * p_.seq_q + s.q_begin + i) * g_
+                                : ((s.batch * p_.heads_k + kh) * p_.seq_q + i) * g_;
+      for (int64_t r = 0; r < g_; ++r) {
+        const float m = p_.softmax_max[stats + r];
+        sc.lse[kh * g_ + r] = m == -kInf ? kInf : m + std::log(p_.softmax_sum[stats + r]);
+      }
+    }
+    for (int64_t h = 0; h < p_.index_heads_q; ++h) {
+      float* q = sc.qi.data() + h * dip_;
+      load(p_.query_index, query_row(p_.query_index.stride, s, i, h), p_.index_dim, q);
+      std::fill(q + p_.index_dim, q + dip_, 0.0f);
+    }
+    load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
+             p_.weights.stride[2], p_.index_heads_q, sc.w.data());
+  }
+
+  // Pass 2: token i's index query rows and weights, and group g's rows transposed.
+  void load_group_transposed(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
+             p_.weights.stride[2], p_.index_heads_q, sc.w.data());
+    std::fill(sc.qit.data(), sc.qit.data() + dip_ * igp_, 0.0f);
+    for (int64_t r = 0; r < ig_; ++r) {
+      float* q = sc.qi.data() + (g * ig_ + r) * dip_;
+      load(p_.query_index, query_row(p_.query_index.stride, s, i, g * ig_ + r), p_.index_dim, q);
+      std::fill(q + p_.index_dim, q + dip_, 0.0f);
+      for (int64_t d = 0; d < p_.index_dim; ++d) sc.qit.data()[d * igp_ + r] = q[d];
+    }
+  }
+
+  // Index key row of key j, head g, into row c of sc.irow (zero-padded).
+  void load_index_key(Scratch& sc, const Sequence& s, int64_t j, int64_t g, int64_t c) const {
+    float* k = sc.irow.data() + c * dip_;
+    load(p_.key_index, key_row(p_.key_index.stride, s, j, g), p_.index_dim, k);
+    std::fill(k + p_.index_dim, k + dip_, 0.0f);
+  }
+
+  // Adds P of the chunk's m selected keys (from c0) into sc.prob.
+  void target_chunk(Scratch& sc, const Sequence& s, int64_t c0, int64_t m) const {
+    const char* rows[kKeyTile];
+    for (int64_t kh = 0; kh < p_.heads_k; ++kh) {
+      for (int64_t c = 0; c < m; ++c) {
+        const int64_t j = sc.keys[c0 + c];
+        float* k = sc.krow.data() + c * dmp_;
+        load(p_.key, key_row(p_.key.stride, s, j, kh), p_.head_dim, k);
+        if (p_.rope_dim > 0) {
+          load(p_.key_rope, key_row(p_.key_rope.stride, s, j, kh), p_.rope_dim, k + p_.head_dim);
+        }
+        std::fill(k + dm_, k + dmp_, 0.0f);
+        rows[c] = reinterpret_cast<const char*>(k);
+      }
+      k_.pack_keys(rows, m, dmp_, sc.kt.data());
+      float* sv = sc.s.data();
+      k_.gemm({sc.q.data() + kh * g_ * dmp_, dmp_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_,
+               kKeyTile, dmp_, nullptr, p_.scale});
+      for (int64_t r = 0; r < g_; ++r) {
+        std::fill(sv + r * kKeyTile + m, sv + (r + 1) * kKeyTile, -kInf);
+      }
+      k_.exp_rows(sv, g_, kKeyTile, sc.lse.data() + kh * g_);
+      float* prob = sc.prob.data() + c0;
+      for (int64_t r = 0; r < g_; ++r) k_.rows.add_into(prob, sv + r * kKeyTile, m);
+    }
+  }
+
+  // The index scores of group g over the row's nk selected keys into sc.sidx [ig][padded], and
+  // I into sc.score.
+  void index_scores(Scratch& sc, const Sequence& s, int64_t g, int64_t nk, int64_t padded) const {
+    sc.sidx.assign(ig_ * padded, 0.0f);
+    sc.score.assign(padded, 0.0f);
+    const char* rows[kKeyTile];
+    const float* w = sc.w.data() + g * ig_;
+    for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
+      const int64_t m = std::min(kKeyTile, nk - c0);
+      for (int64_t c = 0; c < m; ++c) {
+        load_index_key(sc, s, sc.keys[c0 + c], g, c);
+        rows[c] = reinterpret_cast<const char*>(sc.irow.data() + c * dip_);
+      }
+      k_.pack_keys(rows, m, dip_, sc.kit.data());
+      k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, sc.sidx.data() + c0,
+               padded, ig_, kKeyTile, dip_, nullptr, 1.0f});
+      for (int64_t h = 0; h < ig_; ++h) {
+        k_.rows.relu_axpy(w[h], sc.sidx.data() + h * padded + c0, sc.score.data() + c0);
+      }
+    }
+  }
+
+  double group_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g, int64_t nk,
+                    int64_t padded, double z) {
+    index_scores(sc, s, g, nk, padded);
+    const float* score = sc.score.data();
+    float top = -kInf;
+    for (int64_t c = 0; c < nk; ++c) top = std::max(top, score[c]);
+    double sum = 0.0;
+    for (int64_t c = 0; c < nk; ++c) sum += std::exp(static_cast<double>(score[c]) - top);
+    const double lse = top + std::log(sum);
+    const double inv = 1.0 / z;
+    double loss = 0.0;
+    sc.dsc.assign(padded, 0.0f);
+    const int64_t drow = token(s, i) * p_.index_heads_k + g;
+    float* kept = d_index_.data() + drow * sp_.sparse_count;
+    for (int64_t c = 0; c < nk; ++c) {
+      const double phat = sc.prob[c] * inv;
+      const double logq = score[c] - lse;
+      if (phat > 0.0) loss += phat * (std::log(phat) - logq);
+      const float d = static_cast<float>(std::exp(logq) - phat);
+      sc.dsc[c] = d;
+      kept[sc.entries[c]] = d;
+    }
+    if (!std::isfinite(top)) loss += std::numeric_limits<double>::quiet_NaN();
+    active_[drow] = 1;
+    // d_weights[h] = sum dI relu(S_h); d_query_index[h] = w_h sum dI [S_h > 0] ki.
+    const float* w = sc.w.data() + g * ig_;
+    for (int64_t h = 0; h < ig_; ++h) {
+      const float* sh = sc.sidx.data() + h * padded;
+      double a = 0.0;
+      for (int64_t c = 0; c < nk; ++c) a += static_cast<double>(sc.dsc[c]) * std::max(sh[c], 0.0f);
+      sc.dw[h] = a;
+    }
+    float* acc = sc.acc.data();
+    std::fill(acc, acc + ig_ * dip_, 0.0f);
+    float* coef = sc.coef.data();
+    for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
+      const int64_t m = std::min(kKeyTile, nk - c0);
+      for (int64_t c = 0; c < m; ++c) load_index_key(sc, s, sc.keys[c0 + c], g, c);
+      std::fill(sc.irow.data() + m * dip_, sc.irow.data() + kKeyTile * dip_, 0.0f);
+      for (int64_t h = 0; h < ig_; ++h) {
+        k_.rows.masked_scale(sc.sidx.data() + h * padded + c0, sc.dsc.data() + c0, w[h],
+                             coef + h * kKeyTile);
+      }
+      k_.gemm({coef, kKeyTile, sc.irow.data(), dip_, acc, dip_, ig_, dip_, kKeyTile,
+               sc.ones.data(), 1.0f});
+    }
+    store_group(sc, s, i, g);
+    return loss;
+  }
+
+  // Writes d_query_index (sc.acc) and d_weights (sc.dw) of group g of token i.
+  void store_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    const KlGradient& dq = p_.d_query_index;
+    const KlGradient& dw = p_.d_weights;
+    for (int64_t r = 0; r < ig_; ++r) {
+      const int64_t h = g * ig_ + r;
+      store_row(dq.data, dq.dtype, query_row(dq.stride, s, i, h), dq.stride[3], p_.index_dim,
+                sc.acc.data() + r * dip_, 1.0f);
+      const float v = static_cast<float>(sc.dw[r]);
+      store_row(dw.data, dw.dtype, query_row(dw.stride, s, i, h), 1, 1, &v, 1.0f);
+    }
+  }
+
+  const SparseKlLossParams& sp_;
+  const IndexerKlLossParams& p_;
+  const kernels::KernelSet& k_;
+  Mask mask_;
+  std::vector<Sequence> seqs_;
+  int64_t g_, ig_, igp_;
+  int64_t dm_, dmp_, dip_;
+  std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
+  std::vector<float> d_index_;   // [rows][N2index][K]: dI per selection entry
+};
+
+}  // namespace
+
+void validate(const SparseKlLossParams& p) {
+  validate(p.dense, false);
+  const IndexerKlLossParams& d = p.dense;
+  if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
+  if (p.index_heads != 1 && p.index_heads != d.index_heads_k) {
+    throw ArgumentError("sparse_indices", "key-head dim must be 1 or N2index=" +
+                                              str(d.index_heads_k) + ", got " +
+                                              str(p.index_heads));
+  }
+  const std::vector<Sequence> seqs = indexer_sequences(index_params(d));
+  if (sequence_work(seqs).queries && p.sparse_count > 0 && p.indices == nullptr) {
+    throw ArgumentError("sparse_indices", "is null");
+  }
+  Selection sel;
+  sel.indices = p.indices;
+  sel.stride = p.indices_stride;
+  sel.heads = p.index_heads;
+  sel.count = p.sparse_count;
+  sel.block_size = 1;
+  sel.tnd = d.layout == Layout::kTND;
+  validate(sel, seqs);
+}
+
+void sparse_lightning_indexer_grad_kl_loss(const SparseKlLossParams& p, const Executor& executor,
+                                           Isa isa) {
+  validate(p);
+  if (!isa_supported(isa)) {
+    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
+  }
+  SparseKl run(p, isa);
+  const std::vector<Sequence>& seqs = run.sequences();
+  const int threads = std::max(1, executor.num_workers());
+  std::vector<std::unique_ptr<SparseKl::Scratch>> scratch(threads);
+  auto scratch_of = [&](int thread) -> SparseKl::Scratch& {
+    if (!scratch[thread]) scratch[thread] = std::make_unique<SparseKl::Scratch>(run);
+    return *scratch[thread];
+  };
+
+  struct Tokens {
+    int32_t b;
+    int64_t i0, i1;
+  };
+  std::vector<Tokens> token_tasks;
+  for (const Sequence& s : seqs) {
+    for (int64_t i = 0; i < s.q_len; i += kTokensPerTask) {
+      token_tasks.push_back(
+          {static_cast<int32_t>(s.batch), i, std::min(s.q_len, i + kTokensPerTask)});
+    }
+  }
+  std::vector<double> loss(token_tasks.size(), 0.0);
+  run_dynamic(executor, static_cast<int64_t>(token_tasks.size()), [&](int64_t t, int thread) {
+    SparseKl::Scratch& sc = scratch_of(thread);
+    const kernels::WorkerScope scope(run.kernel_set());
+    const Tokens& task = token_tasks[t];
+    double share = 0.0;
+    for (int64_t i = task.i0; i < task.i1; ++i) share += run.token_pass(sc, seqs[task.b], i);
+    loss[t] = share;
+  });
+
+  // Key blocks: about four per thread per (sequence, index key head), at least 64 keys each.
+  struct Keys {
+    int32_t b;
+    int64_t g, j0, j1;
+  };
+  std::vector<Keys> key_tasks;
+  for (const Sequence& s : seqs) {
+    const int64_t block = std::max<int64_t>(64, (s.k_len + 4 * threads - 1) / (4 * threads));
+    for (int64_t g = 0; g < p.dense.index_heads_k; ++g) {
+      for (int64_t j = 0; j < s.k_len; j += block) {
+        key_tasks.push_back({static_cast<int32_t>(s.batch), g, j, std::min(s.k_len, j + block)});
+      }
+    }
+  }
+  run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int thread) {
+    SparseKl::Scratch& sc = scratch_of(thread);
+    const kernels::WorkerScope scope(run.kernel_set());
+    const Keys& task = key_tasks[t];
+    run.key_pass(sc, seqs[task.b], task.g, task.j0, task.j1);
+  });
+  double total = 0.0;
+  for (double l : loss) total += l;
+  *p.dense.loss = static_cast<float>(total);
+}
+
+}  // namespace opmesh::core
