@@ -66,6 +66,8 @@ from .ops import (  # noqa: E402
     lightning_indexer,
     merge_attn_states,
     sparse_flash_attention,
+    sparse_indexer_kl_loss,
+    sparse_lightning_indexer_grad_kl_loss,
 )
 from .plan import FlashAttnPlan  # noqa: E402
 
@@ -89,6 +91,8 @@ __all__ = [
     "indexer_kl_loss",
     "lightning_indexer",
     "sparse_flash_attention",
+    "sparse_lightning_indexer_grad_kl_loss",
+    "sparse_indexer_kl_loss",
     "flash_attn",
     "flash_attn_metadata",
     "describe_metadata",

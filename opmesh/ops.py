@@ -292,6 +292,156 @@ class _KlLossFunction(DFunction):
         return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * rest
 
 
+def sparse_lightning_indexer_grad_kl_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_qlen: LengthsLike = None,
+    actual_seq_klen: LengthsLike = None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The indexer's KL loss over the keys ``sparse_indices`` select (DeepSeek sparse
+    attention's sparse stage), and its gradients with respect to the indexer's inputs, fused.
+
+    For token ``t`` and index key head ``g``, ``S`` is the set of keys the row of
+    ``sparse_indices`` lists (positions within the sequence; ``-1`` skipped) that the token
+    sees under the mask::
+
+        P[t, j]    = sum_h exp(scale_value * (q[t, h] . k[j, h // G]) - lse[h, t]),  j in S
+                     normalised to sum 1 over S (the target; q, k with their rope parts)
+        I[g, t, j] = sum_{h in g} weights[t, h] * relu(query_index[t, h] . key_index[j, g])
+        loss       = sum_t sum_g KL(P[t] || softmax over S of I[g, t])
+
+    with ``lse = softmax_max + log(softmax_sum)``; a row whose target has no mass (nothing
+    selected) contributes nothing. The gradients are those of the dense loss summed over ``S``.
+
+    Args:
+        query, key: the main attention's, as for :func:`dense_lightning_indexer_grad_kl_loss`.
+        query_index, key_index, weights: the indexer's inputs, as for
+            :func:`lightning_indexer` (``N1index % N2index == 0``).
+        sparse_indices: int32/int64 ``[B, S1, N2index, K]`` / ``[T1, N2index, K]`` key positions
+            (``lightning_indexer``'s output); a key-head dim of 1 applies one selection to every
+            index key head. An entry below -1, past the sequence, or repeated in a row raises
+            ``ValueError`` naming the row.
+        softmax_max, softmax_sum: the main attention's statistics over the same selection,
+            float32 ``[B, N2, S1, G]`` / ``[N2, T1, G]`` (:func:`sparse_flash_attention` with
+            ``return_softmax_lse=True``). Only their log-sum-exp matters: the target is
+            renormalised over ``S``.
+        scale_value: the main attention's softmax scale.
+        query_rope, key_rope, actual_seq_qlen, actual_seq_klen, layout, sparse_mode,
+            pre_tokens, next_tokens: as for :func:`dense_lightning_indexer_grad_kl_loss`.
+
+    Returns:
+        ``(d_query_index, d_key_index, d_weights, loss)`` as the dense operator returns them;
+        the loss is differentiable in ``query_index``, ``key_index`` and ``weights``, the main
+        attention and its statistics may not require a gradient. Deterministic: the same bits
+        for any thread count.
+    """
+    call = dict(locals())
+    if _on_mindspore(query, key, query_index, key_index, weights):
+        return _ms.sparse_grad_kl_loss(call)
+    return _run("sparse_lightning_indexer_grad_kl_loss", _torch_lengths(call))
+
+
+# sparse_indexer_kl_loss's parameters (the indexer's tensors first, as indexer_kl_loss's) and
+# the fused operator's positional ones.
+_SPARSE_KL_PARAMETERS = (
+    "query_index",
+    "key_index",
+    "weights",
+    "query",
+    "key",
+    "sparse_indices",
+    "softmax_max",
+    "softmax_sum",
+    "scale_value",
+    "query_rope",
+    "key_rope",
+    *_MASK_NAMES,
+)
+_SPARSE_KL_OP = "sparse_lightning_indexer_grad_kl_loss"
+
+
+def sparse_indexer_kl_loss(
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    weights: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    actual_seq_qlen: LengthsLike = None,
+    actual_seq_klen: LengthsLike = None,
+    layout: str = "BSND",
+    sparse_mode: int = 3,
+    pre_tokens: int = UNBOUNDED,
+    next_tokens: int = UNBOUNDED,
+) -> torch.Tensor:
+    """The indexer's sparse-stage training loss as one differentiable call: runs
+    :func:`sparse_lightning_indexer_grad_kl_loss` and returns the loss (float32 ``[1]``), whose
+    backward delivers the fused gradients to ``query_index``, ``key_index`` and ``weights``.
+    The main attention (``query``, ``key``, the rope parts and its statistics) and the
+    selection are the fixed target: pass them detached.
+
+    A ``DFunction``: with plain tensors it is ordinary autograd, eagerly and under
+    ``torch.compile``, and MindSpore's autograd on MindSpore tensors."""
+    call = dict(locals())
+    on_mindspore = _on_mindspore(query_index, key_index, weights)
+    if not on_mindspore:
+        call = _torch_lengths(call)
+    if torch.is_grad_enabled() and not on_mindspore:
+        fixed = dict(query=query, key=key, query_rope=query_rope, key_rope=key_rope)
+        fixed.update(softmax_max=softmax_max, softmax_sum=softmax_sum)
+        for name, t in fixed.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(
+                    f"{name}: requires a gradient, but the KL loss treats the main attention as "
+                    f"a fixed target and has no gradient for it; pass {name}.detach()"
+                )
+    return _SparseKlLossFunction.apply(*_pick(call, _SPARSE_KL_PARAMETERS))
+
+
+class _SparseKlLossFunction(DFunction):
+    """The sparse KL loss: forward runs the fused operator of the tensors' framework; backward
+    scales the gradients it returned. Parameters in the order of ``_SPARSE_KL_PARAMETERS``."""
+
+    _op_name = "sparse_indexer_kl_loss"
+
+    @staticmethod
+    def forward(ctx, *values):
+        call = dict(zip(_SPARSE_KL_PARAMETERS, values, strict=True))
+        if _on_mindspore(call["query_index"]):
+            outputs = _ms.sparse_grad_kl_loss(call, differentiable=False)
+        else:
+            args = [call.pop(n) for n in positional(_SPARSE_KL_OP)]
+            outputs = torch.ops.opmesh.sparse_lightning_indexer_grad_kl_loss(*args, **call)
+        d_query_index, d_key_index, d_weights, loss = outputs
+        ctx.save_for_backward(d_query_index, d_key_index, d_weights)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        rest = len(_SPARSE_KL_PARAMETERS) - 3
+        return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * rest
+
+
 def lightning_indexer(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -145,6 +145,25 @@ struct Field {
 #define OPMESH_OP_KL_LOSS_RETURNS \
   "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)"
 
+// sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights,
+// sparse_indices, softmax_max, softmax_sum, scale_value, *, ...): the KL loss over each row's
+// selected keys.
+#define OPMESH_OP_SPARSE_KL_LOSS(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, query)                                 \
+  ARG(Tensor, key)                                   \
+  ARG(Tensor, query_index)                           \
+  ARG(Tensor, key_index)                             \
+  ARG(Tensor, weights)                               \
+  ARG(Tensor, sparse_indices)                        \
+  ARG(Tensor, softmax_max)                           \
+  ARG(Tensor, softmax_sum)                           \
+  ARG(Float, scale_value)                            \
+  KWONLY                                             \
+  ARG_D(OptTensor, query_rope, std::nullopt)         \
+  ARG_D(OptTensor, key_rope, std::nullopt)           \
+  OPMESH_INDEXER_OPTIONS(ARG, ARG_D)
+#define OPMESH_OP_SPARSE_KL_LOSS_RETURNS OPMESH_OP_KL_LOSS_RETURNS
+
 // lightning_indexer(query, key, weights, *, ...) -> (sparse_indices, sparse_values): the top-k
 // keys of the indexer score per token and key head (Ascend's call form).
 #define OPMESH_OP_LIGHTNING_INDEXER(ARG, ARG_D, KWONLY)    \
@@ -270,6 +289,8 @@ OPMESH_DEFINE_CALL(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH
 OPMESH_DEFINE_CALL(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)
 OPMESH_DEFINE_CALL(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)
 OPMESH_DEFINE_CALL(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)
+OPMESH_DEFINE_CALL(SparseKlLossCall, "sparse_lightning_indexer_grad_kl_loss",
+                   OPMESH_OP_SPARSE_KL_LOSS)
 OPMESH_DEFINE_CALL(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)
 OPMESH_DEFINE_CALL(SparseFlashAttentionCall, "sparse_flash_attention",
                    OPMESH_OP_SPARSE_FLASH_ATTENTION)

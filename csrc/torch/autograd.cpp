@@ -9,8 +9,8 @@
 // - dense_lightning_indexer_softmax_lse returns softmax statistics and lightning_indexer a top-k
 //   selection with its scores, which are not differentiable: their outputs never require a
 //   gradient (the sparse KL loss trains the indexer).
-// - dense_lightning_indexer_grad_kl_loss returns a loss and its gradients with respect to
-//   query_index, key_index and weights: the loss is differentiable in those three (its backward
+// - dense_lightning_indexer_grad_kl_loss and sparse_lightning_indexer_grad_kl_loss return a loss
+//   and its gradients with respect to query_index, key_index and weights: the loss is differentiable in those three (its backward
 //   scales the returned gradients by the loss's gradient), the returned gradients are not (no
 //   second order), and the main attention's tensors and the statistics, which the loss treats
 //   as a fixed target, refuse to require a gradient.
@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "op_call.h"
@@ -194,10 +195,12 @@ Outputs2 lightning_indexer_autograd(const LightningIndexerCall& call) {
   return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
 }
 
-class KlLossFunction : public torch::autograd::Function<KlLossFunction> {
+// The KL losses (dense and sparse) return their gradients with the loss: backward scales them.
+template <class Call>
+class KlLossFunction : public torch::autograd::Function<KlLossFunction<Call>> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& qi, const at::Tensor& ki,
-                               const at::Tensor& w, const KlLossCall& call) {
+                               const at::Tensor& w, const Call& call) {
     auto [dqi, dki, dw, loss] = tensors_of<4>(call_below_autograd(call));
     ctx->save_for_backward({dqi, dki, dw});
     ctx->mark_non_differentiable({dqi, dki, dw});
@@ -216,8 +219,15 @@ class KlLossFunction : public torch::autograd::Function<KlLossFunction> {
   }
 };
 
-Outputs4 kl_loss_autograd(const KlLossCall& call) {
+template <class Call>
+Outputs4 kl_loss_autograd(const Call& call) {
   if (!at::GradMode::is_enabled()) return tensors_of<4>(call_below_autograd(call));
+  const at::Tensor* index_max = nullptr;
+  const at::Tensor* index_sum = nullptr;
+  if constexpr (std::is_same_v<Call, KlLossCall>) {
+    index_max = &call.softmax_max_index;
+    index_sum = &call.softmax_sum_index;
+  }
   const std::pair<const at::Tensor*, const char*> fixed[] = {
       {&call.query, "query"},
       {&call.key, "key"},
@@ -225,8 +235,8 @@ Outputs4 kl_loss_autograd(const KlLossCall& call) {
       {call.key_rope ? &*call.key_rope : nullptr, "key_rope"},
       {&call.softmax_max, "softmax_max"},
       {&call.softmax_sum, "softmax_sum"},
-      {&call.softmax_max_index, "softmax_max_index"},
-      {&call.softmax_sum_index, "softmax_sum_index"},
+      {index_max, "softmax_max_index"},
+      {index_sum, "softmax_sum_index"},
   };
   for (const auto& [t, name] : fixed) {
     TORCH_CHECK_VALUE(t == nullptr || !t->requires_grad(), name,
@@ -239,14 +249,15 @@ Outputs4 kl_loss_autograd(const KlLossCall& call) {
     return tensors_of<4>(call_below_autograd(call));
   }
   const variable_list out =
-      KlLossFunction::apply(call.query_index, call.key_index, call.weights, call);
+      KlLossFunction<Call>::apply(call.query_index, call.key_index, call.weights, call);
   return {out[0], out[1], out[2], out[3]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
-  impl<KlLossCall, kl_loss_autograd>(m);
+  impl<KlLossCall, kl_loss_autograd<KlLossCall>>(m);
+  impl<SparseKlLossCall, kl_loss_autograd<SparseKlLossCall>>(m);
   impl<FlashAttnCall, flash_attn_autograd>(m);
   impl<IndexerCall, indexer_autograd>(m);
   impl<LightningIndexerCall, lightning_indexer_autograd>(m);

@@ -1,12 +1,17 @@
-// CPU kernel and shape function of dense_lightning_indexer_grad_kl_loss. The index tensors,
-// lengths, layout and mask are checked as dense_lightning_indexer_softmax_lse checks them; the
-// main attention's tensors and both pairs of statistics are checked here.
+// CPU kernels and shape functions of dense_lightning_indexer_grad_kl_loss and
+// sparse_lightning_indexer_grad_kl_loss. The index tensors, lengths, layout and mask are checked
+// as dense_lightning_indexer_softmax_lse checks them; the main attention's tensors, the
+// statistics and sparse_indices here.
 #include "indexer/indexer_kl_loss.h"
+
+#include "indexer/sparse_kl_loss.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "aten_executor.h"
@@ -31,19 +36,34 @@ struct KlShapes {
   bool tnd;
   int64_t n1, n2, d, dr, n1i, n2i, di;
   bool no_heads = false;  // the main attention's or the indexer's heads are none
+  int64_t index_heads = 1, sparse_count = 0;  // sparse_indices' key-head dim and K
 };
 
-KlShapes check_kl_args(const KlLossCall& a) {
+template <class Call>
+constexpr bool kSparse = std::is_same_v<Call, SparseKlLossCall>;
+
+template <class Call>
+KlShapes check_kl_args(const Call& a) {
   check_indexer_args(a);
   const bool tnd = indexer_layout(a.layout) == core::Layout::kTND;
   const at::Device device = a.query_index.device();
+  const at::Tensor* index_max = nullptr;
+  const at::Tensor* index_sum = nullptr;
+  const at::Tensor* indices = nullptr;
+  if constexpr (kSparse<Call>) {
+    indices = &a.sparse_indices;
+  } else {
+    index_max = &a.softmax_max_index;
+    index_sum = &a.softmax_sum_index;
+  }
   const std::pair<const at::Tensor*, const char*> tensors[] = {
       {&a.query, "query"},
       {&a.key, "key"},
       {&a.softmax_max, "softmax_max"},
       {&a.softmax_sum, "softmax_sum"},
-      {&a.softmax_max_index, "softmax_max_index"},
-      {&a.softmax_sum_index, "softmax_sum_index"},
+      {index_max, "softmax_max_index"},
+      {index_sum, "softmax_sum_index"},
+      {indices, "sparse_indices"},
       {a.query_rope ? &*a.query_rope : nullptr, "query_rope"},
       {a.key_rope ? &*a.key_rope : nullptr, "key_rope"},
   };
@@ -123,13 +143,31 @@ KlShapes check_kl_args(const KlLossCall& a) {
   const std::tuple<const at::Tensor*, const char*, const SymSizes*, const char*> all_stats[] = {
       {&a.softmax_max, "softmax_max", &stats, stats_what},
       {&a.softmax_sum, "softmax_sum", &stats, stats_what},
-      {&a.softmax_max_index, "softmax_max_index", &index_stats, index_what},
-      {&a.softmax_sum_index, "softmax_sum_index", &index_stats, index_what},
+      {index_max, "softmax_max_index", &index_stats, index_what},
+      {index_sum, "softmax_sum_index", &index_stats, index_what},
   };
   for (const auto& [t, name, shape, what] : all_stats) {
+    if (t == nullptr) continue;
     TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, ": expected float32, got ",
                      t->scalar_type());
     expect_shape(*t, name, *shape, what);
+  }
+  if (indices != nullptr) {
+    const at::Tensor& idx = *indices;
+    TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong,
+                     "sparse_indices: expected int32 or int64, got ", idx.scalar_type());
+    TORCH_CHECK_VALUE(idx.dim() == rank, "sparse_indices: expected a ", rank,
+                      "-D tensor (query_index's tokens, key heads, K), got shape ", idx.sizes());
+    for (int64_t i = 0; i + 2 < rank; ++i) {
+      TORCH_CHECK_VALUE(holds(idx.sym_size(i) == a.query_index.sym_size(i)),
+                        "sparse_indices: expected leading dims ", c10::SymIntArrayRef(qlead),
+                        " like query_index, got shape ", idx.sym_sizes());
+    }
+    s.index_heads = concrete(idx.sym_size(-2));
+    s.sparse_count = concrete(idx.sym_size(-1));
+    TORCH_CHECK_VALUE(s.no_heads || s.index_heads == 1 || s.index_heads == s.n2i,
+                      "sparse_indices: key-head dim must be 1 or N2index=", s.n2i, ", got shape ",
+                      idx.sym_sizes());
   }
   TORCH_CHECK_VALUE(std::isfinite(a.scale_value), "scale_value: must be finite, got ",
                     a.scale_value);
@@ -156,15 +194,27 @@ core::KlGradient gradient(at::Tensor& t, bool tnd) {
   return g;
 }
 
-Outputs4 kl_loss_cpu(const KlLossCall& a) {
+// sparse_indices as int32 for the core; int64 entries outside int32's range are refused here
+// (narrowing them could turn a bad entry into a valid one).
+at::Tensor int32_indices(const at::Tensor& idx) {
+  if (idx.scalar_type() == at::kInt) return idx;
+  if (idx.numel() > 0) {
+    const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
+    TORCH_CHECK_VALUE(lo >= -1 && hi <= std::numeric_limits<int32_t>::max(),
+                      "sparse_indices: entries must be -1 or key positions, got values in [", lo,
+                      ", ", hi, "]");
+  }
+  return idx.to(at::kInt);
+}
+
+template <class Call>
+Outputs4 kl_loss_cpu(const Call& a) {
   TORCH_CHECK_VALUE(a.query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
                     a.query_index.device());
   const KlShapes s = check_kl_args(a);
   const std::vector<int64_t> qlens = read_lengths(a.actual_seq_qlen);
   const std::vector<int64_t> klens = read_lengths(a.actual_seq_klen);
   const at::Tensor max_c = a.softmax_max.contiguous(), sum_c = a.softmax_sum.contiguous();
-  const at::Tensor max_ic = a.softmax_max_index.contiguous();
-  const at::Tensor sum_ic = a.softmax_sum_index.contiguous();
   // Rows no sequence covers keep a zero gradient.
   at::Tensor d_query_index = at::zeros_like(a.query_index, at::MemoryFormat::Contiguous);
   at::Tensor d_key_index = at::zeros_like(a.key_index, at::MemoryFormat::Contiguous);
@@ -198,14 +248,27 @@ Outputs4 kl_loss_cpu(const KlLossCall& a) {
   p.weights = operand(a.weights, s.tnd, "weights");
   p.softmax_max = max_c.data_ptr<float>();
   p.softmax_sum = sum_c.data_ptr<float>();
-  p.softmax_max_index = max_ic.data_ptr<float>();
-  p.softmax_sum_index = sum_ic.data_ptr<float>();
   p.seq_q_lens = qlens.empty() ? nullptr : qlens.data();
   p.seq_k_lens = klens.empty() ? nullptr : klens.data();
   p.d_query_index = gradient(d_query_index, s.tnd);
   p.d_key_index = gradient(d_key_index, s.tnd);
   p.d_weights = gradient(d_weights, s.tnd);
   p.loss = loss.data_ptr<float>();
+  at::Tensor max_ic, sum_ic, indices;
+  core::SparseKlLossParams sp;
+  if constexpr (kSparse<Call>) {
+    indices = int32_indices(a.sparse_indices);
+    sp.indices = indices.data_ptr<int32_t>();
+    const int64_t off = s.tnd ? -1 : 0;
+    for (int64_t i = 0; i < 4; ++i) sp.indices_stride[i] = i + off >= 0 ? indices.stride(i + off) : 0;
+    sp.index_heads = s.index_heads;
+    sp.sparse_count = s.sparse_count;
+  } else {
+    max_ic = a.softmax_max_index.contiguous();
+    sum_ic = a.softmax_sum_index.contiguous();
+    p.softmax_max_index = max_ic.data_ptr<float>();
+    p.softmax_sum_index = sum_ic.data_ptr<float>();
+  }
   try {
     if (s.no_heads) {
       // Nothing to compare: loss 0, zero gradients; the rest is checked as with heads.
@@ -213,7 +276,12 @@ Outputs4 kl_loss_cpu(const KlLossCall& a) {
       core::validate(core::index_params(p));
       return {d_query_index, d_key_index, d_weights, loss};
     }
-    core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
+    if constexpr (kSparse<Call>) {
+      sp.dense = p;
+      core::sparse_lightning_indexer_grad_kl_loss(sp, AtenExecutor(), core::active_isa());
+    } else {
+      core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
+    }
   } catch (const core::ArgumentError& e) {
     TORCH_CHECK_VALUE(false, e.what());
   } catch (const std::bad_alloc&) {
@@ -223,7 +291,8 @@ Outputs4 kl_loss_cpu(const KlLossCall& a) {
   return {d_query_index, d_key_index, d_weights, loss};
 }
 
-Outputs4 kl_loss_meta(const KlLossCall& a) {
+template <class Call>
+Outputs4 kl_loss_meta(const Call& a) {
   check_kl_args(a);
   auto like = [](const at::Tensor& t) {
     return at::empty_symint(t.sym_sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
@@ -234,8 +303,14 @@ Outputs4 kl_loss_meta(const KlLossCall& a) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opmesh, CPU, m) { impl<KlLossCall, kl_loss_cpu>(m); }
+TORCH_LIBRARY_IMPL(opmesh, CPU, m) {
+  impl<KlLossCall, kl_loss_cpu<KlLossCall>>(m);
+  impl<SparseKlLossCall, kl_loss_cpu<SparseKlLossCall>>(m);
+}
 
-TORCH_LIBRARY_IMPL(opmesh, Meta, m) { impl<KlLossCall, kl_loss_meta>(m); }
+TORCH_LIBRARY_IMPL(opmesh, Meta, m) {
+  impl<KlLossCall, kl_loss_meta<KlLossCall>>(m);
+  impl<SparseKlLossCall, kl_loss_meta<SparseKlLossCall>>(m);
+}
 
 }  // namespace opmesh::binding

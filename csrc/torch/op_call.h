@@ -44,6 +44,7 @@ using FlashAttnBackwardCall = ops::FlashAttnBackwardCall<TorchTypes>;
 using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<TorchTypes>;
 using IndexerCall = ops::IndexerCall<TorchTypes>;
 using KlLossCall = ops::KlLossCall<TorchTypes>;
+using SparseKlLossCall = ops::SparseKlLossCall<TorchTypes>;
 using LightningIndexerCall = ops::LightningIndexerCall<TorchTypes>;
 using SparseFlashAttentionCall = ops::SparseFlashAttentionCall<TorchTypes>;
 using SparseFlashAttentionBackwardCall = ops::SparseFlashAttentionBackwardCall<TorchTypes>;

@@ -22,6 +22,7 @@ TORCH_LIBRARY(opmesh, m) {
       b::schema_of<b::LightningIndexerCall>(),
       b::schema_of<b::SparseFlashAttentionCall>(),
       b::schema_of<b::SparseFlashAttentionBackwardCall>(),
+      b::schema_of<b::SparseKlLossCall>(),
   };
   for (const std::string& s : schemas) m.def(s.c_str());
 }

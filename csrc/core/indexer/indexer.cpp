@@ -145,6 +145,7 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
   std::vector<int64_t> stamp((longest + bs - 1) / bs, -1);
   int64_t row_id = 0;
   const int64_t* st = sel.stride;
+  const std::string unit = bs == 1 ? "key" : "block";
   for (const Sequence& s : seqs) {
     const int64_t blocks = (s.k_len + bs - 1) / bs;
     for (int64_t i = 0; i < s.q_len; ++i) {
@@ -161,12 +162,12 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
           };
           if (v < -1 || v >= blocks) {
             throw ArgumentError("sparse_indices", "row " + row() + " entry " + str(e) + " is " +
-                                                      str(v) + ", expected -1 or a block in [0, " +
+                                                      str(v) + ", expected -1 or a " + unit + " in [0, " +
                                                       str(blocks) + ")");
           }
           if (stamp[v] == row_id) {
             throw ArgumentError("sparse_indices",
-                                "row " + row() + " selects block " + str(v) + " twice");
+                                "row " + row() + " selects " + unit + " " + str(v) + " twice");
           }
           stamp[v] = row_id;
         }
