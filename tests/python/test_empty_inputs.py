@@ -284,6 +284,23 @@ def test_indexer_kl_loss_and_its_gradients(case):
     for leaf in leaves:
         assert leaf.grad.shape == leaf.shape and not leaf.grad.any()
 
+    # The sparse loss: a selection of K = 0 and one of K = 3 that lists no key.
+    for k in (0, 3):
+        idx = torch.full((*qs[:-2], ks[-2], k), -1, dtype=torch.int32)
+        *grads, loss = opmesh.sparse_lightning_indexer_grad_kl_loss(
+            query, key, qi, ki, w, idx, smax, ssum, 1 / math.sqrt(_D), **kw
+        )
+        assert loss.shape == (1,) and loss.item() == 0.0
+        for grad, x in zip(grads, (qi, ki, w), strict=True):
+            assert grad.shape == x.shape and not grad.any()
+        leaves = [x.clone().requires_grad_() for x in (qi, ki, w)]
+        total = opmesh.sparse_indexer_kl_loss(
+            *leaves, query, key, idx, smax, ssum, 1 / math.sqrt(_D), **kw
+        )
+        total.sum().backward()
+        for leaf in leaves:
+            assert leaf.grad.shape == leaf.shape and not leaf.grad.any()
+
 
 @pytest.mark.parametrize("layout", ["BSND", "BNSD", "TND"])
 @pytest.mark.parametrize("empty_dim", [0, 1, 2])
@@ -340,6 +357,13 @@ def test_kl_loss_with_no_heads_on_one_side(side):
     imax, isum = opmesh.dense_lightning_indexer_softmax_lse(qi, ki, w)
     *grads, loss = opmesh.dense_lightning_indexer_grad_kl_loss(
         query, key, qi, ki, w, smax, ssum, imax, isum, 0.25
+    )
+    assert loss.item() == 0.0
+    for grad, x in zip(grads, (qi, ki, w), strict=True):
+        assert grad.shape == x.shape and not grad.any()
+    idx = torch.tensor([0, 1], dtype=torch.int32).expand(b, s1, 1, 2)
+    *grads, loss = opmesh.sparse_lightning_indexer_grad_kl_loss(
+        query, key, qi, ki, w, idx, smax, ssum, 0.25
     )
     assert loss.item() == 0.0
     for grad, x in zip(grads, (qi, ki, w), strict=True):

@@ -43,6 +43,10 @@ def samples():
             (q, k, qi, ki, wi, stats, torch.ones_like(stats), m_i, s_i, 0.25),
             dict(sparse_mode=3, pre_tokens=30),
         ),
+        "sparse_lightning_indexer_grad_kl_loss": (
+            (q, k, qi, ki, wi, sel[:, :, :1], s_max, s_sum, 0.25),
+            dict(sparse_mode=3, pre_tokens=30),
+        ),
         "dense_lightning_indexer_softmax_lse": ((q, k, w), dict(sparse_mode=3)),
         "lightning_indexer": ((q, k, w), dict(sparse_count=7, return_value=True)),
         "sparse_flash_attention": (

@@ -27,6 +27,14 @@ EXPECTED = {
         "int next_tokens=9223372036854775807, bool return_value=False) -> "
         "(Tensor sparse_indices, Tensor sparse_values)"
     ),
+    "sparse_lightning_indexer_grad_kl_loss": (
+        "(Tensor query, Tensor key, Tensor query_index, Tensor key_index, Tensor weights, "
+        "Tensor sparse_indices, Tensor softmax_max, Tensor softmax_sum, float scale_value, *, "
+        "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? actual_seq_qlen=None, "
+        'Tensor? actual_seq_klen=None, str layout="BSND", int sparse_mode=3, '
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
+        "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)"
+    ),
     "kv_cache_write_": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()"
@@ -56,6 +64,7 @@ def test_every_operator_has_a_schema_read_by_python():
         "lightning_indexer",
         "sparse_flash_attention",
         "sparse_flash_attention_backward",
+        "sparse_lightning_indexer_grad_kl_loss",
     }
     assert _schema.positional("flash_attn") == ("q", "k", "v")
     assert _schema.defaults("dense_lightning_indexer_grad_kl_loss")["scale_value"] == 1.0
@@ -79,6 +88,8 @@ DERIVED = {"layout_kv", "layout_out"}
         (opmesh.merge_attn_states, "merge_attn_states"),
         (opmesh.lightning_indexer, "lightning_indexer"),
         (opmesh.sparse_flash_attention, "sparse_flash_attention"),
+        (opmesh.sparse_lightning_indexer_grad_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
+        (opmesh.sparse_indexer_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
     ],
     ids=lambda x: getattr(x, "__name__", x),
 )
