@@ -1,12 +1,14 @@
-// The indexer's softmax statistics, its KL-loss gradient and the paged-cache write on MindSpore
-// tensors.
+// The indexer's softmax statistics, its dense and sparse KL losses and the paged-cache write on
+// MindSpore tensors.
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "conventions.h"
 #include "cpu_features.h"
 #include "indexer/indexer.h"
 #include "indexer/indexer_kl_loss.h"
+#include "indexer/sparse_kl_loss.h"
 #include "kv_cache.h"
 #include "ms_call.h"
 
@@ -114,10 +116,23 @@ py::object indexer(const IndexerCall& call) {
                 });
 }
 
-py::object indexer_grad_kl_loss(const KlLossCall& call) {
+namespace {
+
+template <class Call>
+constexpr bool kSparseKl = std::is_same_v<Call, SparseKlLossCall>;
+
+// The dense and the sparse KL loss: the same tensors but the dense loss's index statistics or
+// the sparse loss's selection (int32, converted by the Python layer).
+template <class Call>
+py::object kl_loss(const Call& call, const char* kernel) {
   const bool tnd = is_tnd(call);
   resolve({&call.query, &call.key, &call.query_index, &call.key_index, &call.weights,
-           &call.softmax_max, &call.softmax_sum, &call.softmax_max_index, &call.softmax_sum_index});
+           &call.softmax_max, &call.softmax_sum});
+  if constexpr (kSparseKl<Call>) {
+    resolve({&call.sparse_indices});
+  } else {
+    resolve({&call.softmax_max_index, &call.softmax_sum_index});
+  }
   resolve(call.query_rope);
   resolve(call.key_rope);
   const size_t rank = tnd ? 3 : 4;
@@ -128,6 +143,12 @@ py::object indexer_grad_kl_loss(const KlLossCall& call) {
     require_rank(*t, rank, name);
   }
   require_rank(call.weights, rank - 1, "weights");
+  int64_t index_heads = 1, sparse_count = 0;
+  if constexpr (kSparseKl<Call>) {
+    require_rank(call.sparse_indices, rank, "sparse_indices");
+    index_heads = call.sparse_indices.shape()[rank - 2];
+    sparse_count = call.sparse_indices.shape()[rank - 1];
+  }
   if (call.query_rope.has_value() != call.key_rope.has_value()) {
     value_error("query_rope: query_rope and key_rope are given together or not at all");
   }
@@ -161,15 +182,15 @@ py::object indexer_grad_kl_loss(const KlLossCall& call) {
   const bool no_heads = (base.heads_q == 0 && base.heads_k == 0) ||
                         (base.index_heads_q == 0 && base.index_heads_k == 0);
   const bool rope = call.query_rope.has_value();
-  std::vector<ms::Tensor> inputs{call.query,
-                                 call.key,
-                                 call.query_index,
-                                 call.key_index,
-                                 call.weights,
-                                 call.softmax_max,
-                                 call.softmax_sum,
-                                 call.softmax_max_index,
-                                 call.softmax_sum_index};
+  std::vector<ms::Tensor> inputs{call.query,   call.key,         call.query_index, call.key_index,
+                                 call.weights, call.softmax_max, call.softmax_sum};
+  if constexpr (kSparseKl<Call>) {
+    inputs.push_back(call.sparse_indices);
+  } else {
+    inputs.push_back(call.softmax_max_index);
+    inputs.push_back(call.softmax_sum_index);
+  }
+  const size_t rope_at = inputs.size();
   if (rope) {
     inputs.push_back(*call.query_rope);
     inputs.push_back(*call.key_rope);
@@ -181,54 +202,74 @@ py::object indexer_grad_kl_loss(const KlLossCall& call) {
                                      spec(call.key_index),
                                      spec(call.weights),
                                      {mindspore::kNumberTypeFloat32, {1}}};
-  return launch("OpmeshIndexerKlLoss", inputs, outs,
-                [base, qlens, klens, tnd, rope, no_heads](const std::vector<ms::Tensor>& in,
-                                                          std::vector<ms::Tensor>& out) {
-                  core::IndexerKlLossParams p = base;
-                  p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
-                  p.seq_k_lens = klens->empty() ? nullptr : klens->data();
-                  auto operand = [&](const ms::Tensor& t, const char* name) {
-                    core::KlOperand o;
-                    o.data = t.GetDataPtr();
-                    o.dtype = core_dtype(t, name);
-                    core_strides(t, tnd, o.stride, 4);
-                    return o;
-                  };
-                  // Rows no sequence covers keep a zero gradient.
-                  auto gradient = [&](ms::Tensor& t) {
-                    std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
-                    const core::KlOperand o = operand(t, "gradient");
-                    core::KlGradient g;
-                    g.data = t.GetDataPtr();
-                    g.dtype = o.dtype;
-                    std::copy(o.stride, o.stride + 4, g.stride);
-                    return g;
-                  };
-                  p.query = operand(in[0], "query");
-                  p.key = operand(in[1], "key");
-                  p.query_index = operand(in[2], "query_index");
-                  p.key_index = operand(in[3], "key_index");
-                  p.weights = operand(in[4], "weights");
-                  p.softmax_max = in[5].data_ptr<float>();
-                  p.softmax_sum = in[6].data_ptr<float>();
-                  p.softmax_max_index = in[7].data_ptr<float>();
-                  p.softmax_sum_index = in[8].data_ptr<float>();
-                  if (rope) {
-                    p.query_rope = operand(in[9], "query_rope");
-                    p.key_rope = operand(in[10], "key_rope");
-                  }
-                  p.d_query_index = gradient(out[0]);
-                  p.d_key_index = gradient(out[1]);
-                  p.d_weights = gradient(out[2]);
-                  p.loss = out[3].data_ptr<float>();
-                  *p.loss = 0.0f;
-                  if (no_heads) return;
-                  checked([&] {
-                    core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(),
-                                                               core::active_isa());
-                    return 0;
-                  });
-                });
+  return launch(
+      kernel, inputs, outs,
+      [base, qlens, klens, tnd, rope, rope_at, no_heads, index_heads, sparse_count](
+          const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+        core::IndexerKlLossParams p = base;
+        p.seq_q_lens = qlens->empty() ? nullptr : qlens->data();
+        p.seq_k_lens = klens->empty() ? nullptr : klens->data();
+        auto operand = [&](const ms::Tensor& t, const char* name) {
+          core::KlOperand o;
+          o.data = t.GetDataPtr();
+          o.dtype = core_dtype(t, name);
+          core_strides(t, tnd, o.stride, 4);
+          return o;
+        };
+        // Rows no sequence covers keep a zero gradient.
+        auto gradient = [&](ms::Tensor& t) {
+          std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
+          const core::KlOperand o = operand(t, "gradient");
+          core::KlGradient g;
+          g.data = t.GetDataPtr();
+          g.dtype = o.dtype;
+          std::copy(o.stride, o.stride + 4, g.stride);
+          return g;
+        };
+        p.query = operand(in[0], "query");
+        p.key = operand(in[1], "key");
+        p.query_index = operand(in[2], "query_index");
+        p.key_index = operand(in[3], "key_index");
+        p.weights = operand(in[4], "weights");
+        p.softmax_max = in[5].data_ptr<float>();
+        p.softmax_sum = in[6].data_ptr<float>();
+        if (rope) {
+          p.query_rope = operand(in[rope_at], "query_rope");
+          p.key_rope = operand(in[rope_at + 1], "key_rope");
+        }
+        p.d_query_index = gradient(out[0]);
+        p.d_key_index = gradient(out[1]);
+        p.d_weights = gradient(out[2]);
+        p.loss = out[3].data_ptr<float>();
+        *p.loss = 0.0f;
+        if (no_heads) return;
+        checked([&] {
+          if constexpr (kSparseKl<Call>) {
+            core::SparseKlLossParams sp;
+            sp.dense = p;
+            sp.indices = static_cast<const int32_t*>(in[7].GetDataPtr());
+            core_strides(in[7], tnd, sp.indices_stride, 4);
+            sp.index_heads = index_heads;
+            sp.sparse_count = sparse_count;
+            core::sparse_lightning_indexer_grad_kl_loss(sp, ThreadExecutor(), core::active_isa());
+          } else {
+            p.softmax_max_index = in[7].data_ptr<float>();
+            p.softmax_sum_index = in[8].data_ptr<float>();
+            core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(), core::active_isa());
+          }
+          return 0;
+        });
+      });
+}
+
+}  // namespace
+
+py::object indexer_grad_kl_loss(const KlLossCall& call) {
+  return kl_loss(call, "OpmeshIndexerKlLoss");
+}
+
+py::object sparse_indexer_grad_kl_loss(const SparseKlLossCall& call) {
+  return kl_loss(call, "OpmeshSparseIndexerKlLoss");
 }
 
 py::object kv_cache_write(const KvCacheWriteCall& call) {

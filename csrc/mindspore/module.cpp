@@ -42,6 +42,7 @@ PYBIND11_MODULE(MS_EXTENSION_NAME, m) {
         [] { return std::string(opmesh::core::isa_name(opmesh::core::active_isa())); });
   b::def_op<b::IndexerCall>(m, "indexer", &b::indexer);
   b::def_op<b::KlLossCall>(m, "indexer_grad_kl_loss", &b::indexer_grad_kl_loss);
+  b::def_op<b::SparseKlLossCall>(m, "sparse_indexer_grad_kl_loss", &b::sparse_indexer_grad_kl_loss);
   b::def_op<b::KvCacheWriteCall>(m, "kv_cache_write", &b::kv_cache_write);
   b::def_op<b::LightningIndexerCall>(m, "lightning_indexer", &b::lightning_indexer);
   b::def_op<b::SparseFlashAttentionCall>(m, "sparse_flash_attention", &b::sparse_flash_attention);

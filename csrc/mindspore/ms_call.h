@@ -43,6 +43,7 @@ using FlashAttnBackwardCall = ops::FlashAttnBackwardCall<MsTypes>;
 using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<MsTypes>;
 using IndexerCall = ops::IndexerCall<MsTypes>;
 using KlLossCall = ops::KlLossCall<MsTypes>;
+using SparseKlLossCall = ops::SparseKlLossCall<MsTypes>;
 using KvCacheWriteCall = ops::KvCacheWriteCall<MsTypes>;
 using LightningIndexerCall = ops::LightningIndexerCall<MsTypes>;
 using SparseFlashAttentionCall = ops::SparseFlashAttentionCall<MsTypes>;
@@ -86,6 +87,7 @@ void from_py(const py::handle& value, const char* name, std::optional<T>& out) {
 // The binding's operators (module.cpp binds them), each a function of its call struct.
 py::object indexer(const IndexerCall& call);
 py::object indexer_grad_kl_loss(const KlLossCall& call);
+py::object sparse_indexer_grad_kl_loss(const SparseKlLossCall& call);
 py::object kv_cache_write(const KvCacheWriteCall& call);
 py::object lightning_indexer(const LightningIndexerCall& call);
 py::object sparse_flash_attention(const SparseFlashAttentionCall& call);

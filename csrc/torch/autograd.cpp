@@ -10,10 +10,10 @@
 //   selection with its scores, which are not differentiable: their outputs never require a
 //   gradient (the sparse KL loss trains the indexer).
 // - dense_lightning_indexer_grad_kl_loss and sparse_lightning_indexer_grad_kl_loss return a loss
-//   and its gradients with respect to query_index, key_index and weights: the loss is differentiable in those three (its backward
-//   scales the returned gradients by the loss's gradient), the returned gradients are not (no
-//   second order), and the main attention's tensors and the statistics, which the loss treats
-//   as a fixed target, refuse to require a gradient.
+//   and its gradients with respect to query_index, key_index and weights: the loss is
+//   differentiable in those three (its backward scales the returned gradients by the loss's
+//   gradient), the returned gradients are not (no second order), and the main attention's tensors
+//   and the statistics, which the loss treats as a fixed target, refuse to require a gradient.
 // - sparse_flash_attention's gradients come from opmesh::sparse_flash_attention_backward, as
 //   flash_attn's do; its statistics outputs are not differentiable. Paged keys and values have
 //   no backward (the backward operator refuses them).

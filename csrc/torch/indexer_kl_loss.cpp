@@ -4,8 +4,6 @@
 // statistics and sparse_indices here.
 #include "indexer/indexer_kl_loss.h"
 
-#include "indexer/sparse_kl_loss.h"
-
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -17,6 +15,7 @@
 #include "aten_executor.h"
 #include "dtypes.h"
 #include "errors.h"
+#include "indexer/sparse_kl_loss.h"
 #include "indexer_checks.h"
 
 namespace opmesh::binding {
@@ -260,7 +259,8 @@ Outputs4 kl_loss_cpu(const Call& a) {
     indices = int32_indices(a.sparse_indices);
     sp.indices = indices.data_ptr<int32_t>();
     const int64_t off = s.tnd ? -1 : 0;
-    for (int64_t i = 0; i < 4; ++i) sp.indices_stride[i] = i + off >= 0 ? indices.stride(i + off) : 0;
+    for (int64_t i = 0; i < 4; ++i)
+      sp.indices_stride[i] = i + off >= 0 ? indices.stride(i + off) : 0;
     sp.index_heads = s.index_heads;
     sp.sparse_count = s.sparse_count;
   } else {

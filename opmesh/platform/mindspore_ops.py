@@ -254,10 +254,25 @@ def sparse_flash_attention(call):
         **metas,
         **options,
     )
-    indices = indices.astype(mindspore.int32)
+    indices = _int32_indices(indices)
     if tensors["sinks"] is not None:
         tensors["sinks"] = tensors["sinks"].astype(mindspore.float32)
     return _sparse_function().apply(*(tensors[n] for n in _SPARSE_TENSORS), indices, host, options)
+
+
+def _int32_indices(indices):
+    """sparse_indices as int32 for the binding; int64 entries outside [-1, 2**31) are refused
+    (narrowing could turn a bad entry into a valid one), as the torch operators refuse them."""
+    import mindspore
+
+    if str(indices.dtype) == "Int64" and indices.size > 0:
+        values = indices.asnumpy()
+        lo, hi = int(values.min()), int(values.max())
+        if lo < -1 or hi >= 2**31:
+            raise ValueError(
+                f"sparse_indices: entries must be -1 or key positions, got values in [{lo}, {hi}]"
+            )
+    return indices.astype(mindspore.int32)
 
 
 @functools.cache
@@ -330,17 +345,52 @@ def grad_kl_loss(args, query_rope, key_rope, mask, differentiable=True):
         **host,
     )
     if differentiable:
-        return _kl_function().apply(call["query_index"], call["key_index"], call["weights"], call)
-    return _grad_kl_loss_call(call)
+        return _kl_function().apply(
+            call["query_index"], call["key_index"], call["weights"], call, _DENSE_KL_KERNEL
+        )
+    return _kl_call(call, _DENSE_KL_KERNEL)
 
 
-def _grad_kl_loss_call(call):
-    return tuple(_call("indexer_grad_kl_loss", **call))
+_SPARSE_KL = "sparse_lightning_indexer_grad_kl_loss"
+_SPARSE_KL_TENSORS = _schema.positional(_SPARSE_KL)[:-1]
+# The indexer family's mask and length arguments.
+_MASK = ("actual_seq_qlen", "actual_seq_klen", "layout", "sparse_mode", "pre_tokens", "next_tokens")
+# The binding's kernels of the two KL losses.
+_DENSE_KL_KERNEL = "indexer_grad_kl_loss"
+_SPARSE_KL_KERNEL = "sparse_indexer_grad_kl_loss"
+
+
+def sparse_grad_kl_loss(call, differentiable=True):
+    """``call``: sparse_lightning_indexer_grad_kl_loss's arguments by schema name (extra names
+    are ignored). Shapes are checked by the torch shape function on meta stand-ins; with
+    ``differentiable`` the loss is differentiable in query_index, key_index and weights through
+    MindSpore's autograd, as on PyTorch."""
+    mask = {n: call[n] for n in _MASK}
+    checks, host = _indexer_mask(mask)
+    tensors = {n: call[n] for n in _SPARSE_KL_TENSORS}
+    ropes = {n: call[n] for n in ("query_rope", "key_rope")}
+    torch.ops.opmesh.sparse_lightning_indexer_grad_kl_loss(
+        *(_meta(t, n) for n, t in tensors.items()),
+        call["scale_value"],
+        **{n: _meta(t, n) for n, t in ropes.items()},
+        **checks,
+    )
+    tensors["sparse_indices"] = _int32_indices(tensors["sparse_indices"])
+    args = dict(tensors, scale_value=float(call["scale_value"]), **ropes, **host)
+    if differentiable:
+        return _kl_function().apply(
+            args["query_index"], args["key_index"], args["weights"], args, _SPARSE_KL_KERNEL
+        )
+    return _kl_call(args, _SPARSE_KL_KERNEL)
+
+
+def _kl_call(call, kernel):
+    return tuple(_call(kernel, **call))
 
 
 @functools.cache
 def _kl_function():
-    """The fused KL op's autograd on MindSpore, made on first use."""
+    """The fused KL ops' autograd on MindSpore (either kernel), made on first use."""
     from ..distributed import DFunction
 
     class GradKlLossFunction(DFunction):
@@ -348,15 +398,15 @@ def _kl_function():
         (no second order). The fixed target travels in ``call``, outside autograd."""
 
         @staticmethod
-        def forward(ctx, query_index, key_index, weights, call):
-            d_query_index, d_key_index, d_weights, loss = _grad_kl_loss_call(call)
+        def forward(ctx, query_index, key_index, weights, call, kernel):
+            d_query_index, d_key_index, d_weights, loss = _kl_call(call, kernel)
             ctx.save_for_backward(d_query_index, d_key_index, d_weights)
             ctx.mark_non_differentiable(d_query_index, d_key_index, d_weights)
             return d_query_index, d_key_index, d_weights, loss
 
         @staticmethod
         def backward(ctx, _dqi, _dki, _dw, grad_loss):
-            return (*scaled_gradients(ctx.saved_tensors, grad_loss), None)
+            return (*scaled_gradients(ctx.saved_tensors, grad_loss), None, None)
 
     return GradKlLossFunction
 

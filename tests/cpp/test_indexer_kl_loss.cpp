@@ -127,9 +127,8 @@ using Picked = std::function<bool(int64_t t, int64_t g, int64_t j)>;
 
 // The loss and gradients from the formula, with the indexer's softmax computed exactly, over the
 // visible keys each row picks.
-Result reference(const Problem& x, const Picked& picked = [](int64_t, int64_t, int64_t) {
-  return true;
-}) {
+Result reference(
+    const Problem& x, const Picked& picked = [](int64_t, int64_t, int64_t) { return true; }) {
   const int64_t group = kN1 / kN2, igroup = kN1i / kN2i;
   Result r;
   r.dqi.assign(x.qi.size(), 0.0);
@@ -404,9 +403,8 @@ TEST(SparseKlLoss, MatchesTheFormulaOnSubsetsOnEveryWorkerCount) {
   auto choose = [](int64_t t, int64_t n, int64_t j) { return (t * 7 + j * 13 + n * 5) % 11 < 5; };
   for (int64_t heads : {kN2i, int64_t{1}}) {
     const Indices ix = make_indices(x, heads, choose);
-    const Result want = reference(x, [&](int64_t t, int64_t g, int64_t j) {
-      return choose(t, heads == 1 ? 0 : g, j);
-    });
+    const Result want = reference(
+        x, [&](int64_t t, int64_t g, int64_t j) { return choose(t, heads == 1 ? 0 : g, j); });
     for (Isa isa : supported_isas()) {
       SCOPED_TRACE(isa_name(isa));
       Output o;
@@ -421,8 +419,8 @@ TEST(SparseKlLoss, MatchesTheFormulaOnSubsetsOnEveryWorkerCount) {
                                           active_isa());
     for (int workers : {2, 3, 5}) {
       Output threaded;
-      sparse_lightning_indexer_grad_kl_loss(sparse_params(x, threaded, ix),
-                                            ThreadExecutor(workers), active_isa());
+      sparse_lightning_indexer_grad_kl_loss(sparse_params(x, threaded, ix), ThreadExecutor(workers),
+                                            active_isa());
       expect_same(serial, threaded);
     }
   }
@@ -447,8 +445,8 @@ TEST(SparseKlLoss, ErrorsNameTheArgument) {
   auto starts = [](const std::string& m, const char* name) { return m.rfind(name, 0) == 0; };
   EXPECT_EQ(message([](auto&, auto&) {}), "no error");
   EXPECT_TRUE(starts(message([](auto& p, auto&) { p.dense.heads_k = 3; }), "key"));
-  EXPECT_TRUE(starts(message([](auto& p, auto&) { p.dense.softmax_max = nullptr; }),
-                     "softmax_max"));
+  EXPECT_TRUE(
+      starts(message([](auto& p, auto&) { p.dense.softmax_max = nullptr; }), "softmax_max"));
   EXPECT_TRUE(starts(message([](auto& p, auto&) { p.index_heads = 3; }), "sparse_indices"));
   EXPECT_TRUE(starts(message([](auto& p, auto&) { p.sparse_count = -1; }), "sparse_indices"));
   // An entry past its sequence's keys, below -1, and a repeated key.

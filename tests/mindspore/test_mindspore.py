@@ -331,6 +331,83 @@ def test_indexer_kl_loss_gradients_through_mindspore_autograd(layout):
         assert_same(g, leaf.grad)
 
 
+def kl_selection(layout, heads=1, k=6):
+    """sparse_indices for kl_inputs' shapes: per row distinct key positions (some the mask
+    hides) and -1 padding, the same values as int64 on MindSpore and int32 on torch."""
+    lead, keys = ((2, 9), 11) if layout == "BSND" else ((9,), 11)
+    rows = np.full((*lead, heads, k), -1, dtype=np.int64)
+    for pos in np.ndindex(*lead, heads):
+        rows[pos][: k - 2] = RNG.permutation(keys)[: k - 2]
+    if layout == "TND":  # sequence lengths 4, 0 and 5 keys of 5, 0 and 6: stay inside each
+        rows[:4] = np.where(rows[:4] >= 5, -1, rows[:4])
+        rows[4:] = np.where(rows[4:] >= 6, -1, rows[4:])
+    return ms.Tensor(rows), torch.from_numpy(rows).int()
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_sparse_grad_kl_loss_matches_torch(layout, rope):
+    m, t, kw = kl_inputs(layout, rope)
+    idx_m, idx_t = kl_selection(layout)
+    outs = []
+    for x, idx in ((m, idx_m), (t, idx_t)):
+        outs.append(
+            opmesh.sparse_lightning_indexer_grad_kl_loss(
+                x["query"], x["key"], x["query_index"], x["key_index"], x["weights"], idx,
+                x["softmax_max"], x["softmax_sum"], 0.25, query_rope=x.get("query_rope"),
+                key_rope=x.get("key_rope"), **kw,
+            )
+        )  # fmt: skip
+    for a, b in zip(*outs, strict=True):
+        assert_same(a, b)
+    assert float(as_numpy(outs[0][3])[0]) > 0
+
+
+def test_sparse_indexer_kl_loss_gradients_through_mindspore_autograd():
+    m, t, kw = kl_inputs("BSND", rope=False)
+    idx_m, idx_t = kl_selection("BSND")
+    fixed = ("query", "key")
+    stats = ("softmax_max", "softmax_sum")
+
+    def loss(qi, ki, w):
+        out = opmesh.sparse_indexer_kl_loss(
+            qi, ki, w, *(m[k] for k in fixed), idx_m, *(m[k] for k in stats), 0.25, **kw
+        )
+        return (out * 3.0).sum()
+
+    value, grads = ms.value_and_grad(loss, grad_position=(0, 1, 2))(
+        m["query_index"], m["key_index"], m["weights"]
+    )
+    leaves = [t[k].requires_grad_() for k in ("query_index", "key_index", "weights")]
+    t_loss = opmesh.sparse_indexer_kl_loss(
+        *leaves, *(t[k] for k in fixed), idx_t, *(t[k] for k in stats), 0.25, **kw
+    )
+    (t_loss * 3.0).sum().backward()
+    np.testing.assert_array_equal(as_numpy(value), as_numpy(t_loss.sum() * 3.0))
+    for g, leaf in zip(grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+
+
+def test_sparse_kl_errors_are_the_torch_bindings():
+    m, t, kw = kl_inputs("BSND", rope=False)
+    names = ("query", "key", "query_index", "key_index", "weights")
+    stats = ("softmax_max", "softmax_sum")
+
+    def kl(conv, idx):
+        x = {n: conv(as_numpy(t[n]).copy()) for n in (*names, *stats)}
+        return opmesh.sparse_lightning_indexer_grad_kl_loss(
+            *(x[n] for n in names), conv(idx), *(x[n] for n in stats), 0.25
+        )
+
+    twice = np.zeros((2, 9, 1, 3), np.int32)  # key 0 twice in every row
+    assert _same_error(lambda conv: kl(conv, twice)).startswith("sparse_indices:")
+    wide = np.full((2, 9, 1, 3), -1, np.int64)
+    wide[0, 0, 0, 0] = 2**32  # int32 would wrap it onto key 0
+    assert _same_error(lambda conv: kl(conv, wide)).startswith("sparse_indices:")
+    flat = np.zeros((2, 9, 3), np.int32)
+    assert _same_error(lambda conv: kl(conv, flat)).startswith("sparse_indices:")
+
+
 # ---------------------------------------------------------------------------- flash_attn
 
 

@@ -225,7 +225,8 @@ def test_int64_indices_equal_int32():
     case = CASES[1]
     t, scale, options = make(case, torch.float32)
     idx = selection(case, 16)
-    for a, b in zip(run_op(t, idx, scale, options), run_op(t, idx.long(), scale, options)):
+    narrow, wide = run_op(t, idx, scale, options), run_op(t, idx.long(), scale, options)
+    for a, b in zip(narrow, wide, strict=True):
         assert torch.equal(a, b)
 
 
@@ -290,7 +291,10 @@ def test_compile_fullgraph_equals_eager(dynamic):
         )  # fmt: skip
 
     compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
-    for case in (CASES[9], dataclasses.replace(CASES[9], s1=120, s2=140, lens=((60, 120), (70, 140)))):
+    for case in (
+        CASES[9],
+        dataclasses.replace(CASES[9], s1=120, s2=140, lens=((60, 120), (70, 140))),
+    ):
         t, scale, options = make(case, torch.float32)
         options = dict(options, actual_seq_qlen=torch.tensor(case.lens[0]))
         options["actual_seq_klen"] = torch.tensor(case.lens[1])

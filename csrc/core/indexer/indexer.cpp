@@ -150,8 +150,7 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
     const int64_t blocks = (s.k_len + bs - 1) / bs;
     for (int64_t i = 0; i < s.q_len; ++i) {
       for (int64_t n = 0; n < sel.heads; ++n, ++row_id) {
-        const int64_t base =
-            (sel.tnd ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
+        const int64_t base = (sel.tnd ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
         for (int64_t e = 0; e < sel.count; ++e) {
           const int64_t v = sel.indices[base + e * st[3]];
           if (v == -1) continue;
@@ -162,8 +161,8 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
           };
           if (v < -1 || v >= blocks) {
             throw ArgumentError("sparse_indices", "row " + row() + " entry " + str(e) + " is " +
-                                                      str(v) + ", expected -1 or a " + unit + " in [0, " +
-                                                      str(blocks) + ")");
+                                                      str(v) + ", expected -1 or a " + unit +
+                                                      " in [0, " + str(blocks) + ")");
           }
           if (stamp[v] == row_id) {
             throw ArgumentError("sparse_indices",

@@ -162,8 +162,8 @@ class SparseKl {
         for (int64_t c = 0; c < m; ++c) load_index_key(sc, s, sc.hits[c0 + c], g, c);
         // Index scores, key-major: [m][igp] = key rows x transposed query rows.
         float* st = sc.coef.data();
-        k_.gemm({sc.irow.data(), dip_, sc.qit.data(), igp_, st, igp_, m, igp_, dip_, nullptr,
-                 1.0f});
+        k_.gemm(
+            {sc.irow.data(), dip_, sc.qit.data(), igp_, st, igp_, m, igp_, dip_, nullptr, 1.0f});
         // coefficients [m][ig]: dI w [S > 0], then d_key_index rows += coef x query rows.
         std::vector<float>& coef = sc.hit_coef;
         coef.assign(m * ig_, 0.0f);
@@ -195,8 +195,7 @@ class SparseKl {
 
   int64_t indices_row(const Sequence& s, int64_t i, int64_t n) const {
     const int64_t* st = sp_.indices_stride;
-    return (p_.layout == Layout::kTND ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] +
-           n * st[2];
+    return (p_.layout == Layout::kTND ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
   }
 
   // The keys selection row (s, i, n) picks among the visible ones, in entry order, with their
@@ -224,8 +223,7 @@ class SparseKl {
       float* q = sc.q.data() + h * dmp_;
       load(p_.query, query_row(p_.query.stride, s, i, h), p_.head_dim, q);
       if (p_.rope_dim > 0) {
-        load(p_.query_rope, query_row(p_.query_rope.stride, s, i, h), p_.rope_dim,
-             q + p_.head_dim);
+        load(p_.query_rope, query_row(p_.query_rope.stride, s, i, h), p_.rope_dim, q + p_.head_dim);
       }
       std::fill(q + dm_, q + dmp_, 0.0f);
     }
@@ -359,8 +357,8 @@ class SparseKl {
         k_.rows.masked_scale(sc.sidx.data() + h * padded + c0, sc.dsc.data() + c0, w[h],
                              coef + h * kKeyTile);
       }
-      k_.gemm({coef, kKeyTile, sc.irow.data(), dip_, acc, dip_, ig_, dip_, kKeyTile,
-               sc.ones.data(), 1.0f});
+      k_.gemm({coef, kKeyTile, sc.irow.data(), dip_, acc, dip_, ig_, dip_, kKeyTile, sc.ones.data(),
+               1.0f});
     }
     store_group(sc, s, i, g);
     return loss;
@@ -398,8 +396,7 @@ void validate(const SparseKlLossParams& p) {
   if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
   if (p.index_heads != 1 && p.index_heads != d.index_heads_k) {
     throw ArgumentError("sparse_indices", "key-head dim must be 1 or N2index=" +
-                                              str(d.index_heads_k) + ", got " +
-                                              str(p.index_heads));
+                                              str(d.index_heads_k) + ", got " + str(p.index_heads));
   }
   const std::vector<Sequence> seqs = indexer_sequences(index_params(d));
   if (sequence_work(seqs).queries && p.sparse_count > 0 && p.indices == nullptr) {
