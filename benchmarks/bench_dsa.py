@@ -8,6 +8,9 @@ Parts (``--parts``):
 - ``attention``: ``sparse_flash_attention`` over the indexer's top-K (forward, and forward +
   backward) against opmesh's dense causal ``flash_attn`` on the same q/k/v and against a
   gather + batched-matmul composition (chunked over query rows, eager).
+- ``kl``: ``sparse_lightning_indexer_grad_kl_loss`` (the loss and the indexer's three
+  gradients) over the indexer's top-K, with the sparse attention's statistics, against the
+  same loss by eager PyTorch autograd on gathered keys (chunked over query rows).
 - ``decode``: one query token per sequence over paged caches (``PA_BSND``): ``lightning_indexer``
   against the same composition on the gathered keys, and a DSA decode step (indexer top-K, then
   ``sparse_flash_attention``) against dense paged ``flash_attn`` over the whole context.
@@ -253,7 +256,89 @@ def bench_attention(args, rows):
         print(rows[-1], flush=True)
 
 
-PARTS = {"indexer": bench_indexer, "attention": bench_attention, "decode": bench_decode}
+def sparse_kl_composition(q, k, qi, ki, w, idx, lse, scale, chunk):
+    """The sparse KL loss and its gradients by eager autograd (B = 1, N2 = N2index = 1, causal),
+    ``chunk`` query rows at a time: gathered keys ``[chunk, K, D]``, batched matmuls in the
+    inputs' dtype, softmax and logs in float32. ``lse``: the main attention's ``[S1, N1]``."""
+    s1 = q.shape[1]
+    keys = k[0, :, 0]
+    leaves = [x.detach().requires_grad_(True) for x in (qi[0], ki[0, :, 0], w[0])]
+    qi_l, ki_l, w_l = leaves
+    total = torch.zeros((), dtype=torch.float64)
+    for c0 in range(0, s1, chunk):
+        sel = idx[0, c0 : c0 + chunk, 0].long()  # [c, K]
+        valid = (sel >= 0) & (sel <= torch.arange(c0, c0 + sel.shape[0])[:, None])
+        safe = sel.clamp(min=0)
+        with torch.no_grad():
+            s = torch.bmm(q[0, c0 : c0 + chunk], keys[safe].transpose(1, 2)).float() * scale
+            p = torch.exp(s - lse[c0 : c0 + chunk, :, None]).sum(1).masked_fill(~valid, 0.0)
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        dots = torch.bmm(qi_l[c0 : c0 + chunk], ki_l[safe].transpose(1, 2)).relu()  # [c, H, K]
+        score = torch.bmm(w_l[c0 : c0 + chunk, None, :].to(dots.dtype), dots)[:, 0].float()
+        log_q = score.masked_fill(~valid, float("-inf")).log_softmax(-1).masked_fill(~valid, 0.0)
+        loss = (torch.xlogy(p, p) - p * log_q).sum()
+        loss.backward()
+        total += loss.detach().double()
+    return total, qi_l.grad, ki_l.grad, w_l.grad
+
+
+def bench_kl(args, rows):
+    s, n1, d, topk = args.seq, args.attn_heads, args.attn_dim, args.topk
+    n1i, di = args.heads, args.dim
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, s, n1, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, s, 1, d, generator=g).to(torch.bfloat16)
+    qi = torch.randn(1, s, n1i, di, generator=g).to(torch.bfloat16)
+    ki = torch.randn(1, s, 1, di, generator=g).to(torch.bfloat16)
+    wi = (torch.randn(1, s, n1i, generator=g) * (n1i * di) ** -0.5).bfloat16()
+    idx = opmesh.lightning_indexer(qi, ki, wi, sparse_count=topk)[0]
+    scale = d**-0.5
+    _, smax, ssum = opmesh.sparse_flash_attention(q, k, k, idx, scale, return_softmax_lse=True)
+    lse = (smax + ssum.log())[0, 0]  # [S1, N1]
+    selected = (idx >= 0).sum().item()
+    # Per selected key: the main scores (2 N1 D), and for the indexer its scores, d_query_index
+    # and d_key_index (3 x 2 N1index Dindex).
+    flops = selected * (2 * n1 * d + 3 * 2 * n1i * di)
+
+    def fused():
+        return opmesh.sparse_lightning_indexer_grad_kl_loss(
+            q, k, qi, ki, wi, idx, smax, ssum, scale
+        )
+
+    want = float(fused()[3])
+    methods = {"opmesh fused": fused}
+    for chunk in args.chunks:
+        methods[f"eager autograd chunk {chunk}"] = partial(
+            sparse_kl_composition, q, k, qi, ki, wi, idx, lse, scale, chunk
+        )
+    for method, fn in methods.items():
+        got = float(fn()[3 if method == "opmesh fused" else 0])
+        assert abs(got - want) <= 1e-2 * abs(want), (method, got, want)  # the same loss
+    timed = {m: time_call(fn, budget_s=args.budget) for m, fn in methods.items()}
+    memory = {m: peak_extra_bytes(fn) for m, fn in methods.items()}
+    for method in methods:
+        seconds = timed[method]
+        rows.append(
+            {
+                "part": "kl",
+                "shape": f"S={s} N1={n1} D={d} indexer N1={n1i} D={di} K={topk}",
+                "method": method,
+                "ms": f"{seconds * 1e3:.1f}",
+                "GFLOP/s": f"{flops / seconds / 1e9:.1f}",
+                "peak extra MiB": f"{memory[method] / 2**20:.0f}",
+                "opmesh speed-up": f"{seconds / timed['opmesh fused']:.2f}x",
+                "note": "loss + 3 gradients",
+            }
+        )
+        print(rows[-1], flush=True)
+
+
+PARTS = {
+    "indexer": bench_indexer,
+    "attention": bench_attention,
+    "kl": bench_kl,
+    "decode": bench_decode,
+}
 
 
 def main():

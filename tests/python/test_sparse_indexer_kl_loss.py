@@ -153,6 +153,12 @@ def test_half_inputs(case, dtype):
     check(case, dtype, k, shared=shared)
 
 
+def test_more_than_64_index_heads_per_key_head():
+    """Groups wider than one 64-row block take the other transpose in the key pass."""
+    case = Case("wide_group", s1=20, s2=26, n1=2, n2=1, d=8, n1i=80, n2i=1, di=8)
+    check(case, torch.float32, 12)
+
+
 def test_every_key_selected_is_the_dense_loss():
     """With every key of the sequence listed, the sparse loss is the dense one."""
     case = CASES[5]  # GQA on both attentions, S2 > S1, no mask

@@ -45,7 +45,7 @@ class SparseKl {
         seqs_(indexer_sequences(index_params(p_))),
         g_(p_.heads_q / p_.heads_k),
         ig_(p_.index_heads_q / p_.index_heads_k),
-        igp_(round_up(ig_, 16)),
+        ig_t_(ig_ <= kKeyTile ? kKeyTile : ig_),
         dm_(p_.head_dim + p_.rope_dim),
         dmp_(round_up(dm_, 16)),
         dip_(round_up(p_.index_dim, 16)) {
@@ -61,28 +61,28 @@ class SparseKl {
     explicit Scratch(const SparseKl& r)
         : q(r.p_.heads_q * r.dmp_),
           qi(r.p_.index_heads_q * r.dip_),
-          qit(r.dip_ * r.igp_),
+          qit(kKeyTile * r.ig_t_),
           krow(kKeyTile * r.dmp_),
           kt(r.dmp_ * kKeyTile),
           s(r.g_ * kKeyTile),
           irow(kKeyTile * r.dip_),
           kit(r.dip_ * kKeyTile),
-          coef(std::max(r.ig_, kKeyTile) * std::max(r.igp_, kKeyTile)),
-          acc(std::max(r.ig_, kKeyTile) * r.dip_),
+          coef(r.ig_ * kKeyTile),
+          acc(std::max(r.ig_ * std::max(r.dip_, kKeyTile), kKeyTile * r.dip_)),
           lse(r.p_.heads_q),
           w(r.p_.index_heads_q),
           ones(r.ig_, 1.0f),
           dw(r.ig_) {}
     AlignedBuffer<float> q;       // [N1][dmp] main query rows (query | rope), zero-padded
     AlignedBuffer<float> qi;      // [N1index][dip] index query rows, zero-padded
-    AlignedBuffer<float> qit;     // [dip][igp] one group's index query rows, transposed
+    AlignedBuffer<float> qit;     // pass 2: [64][ig_t] coefficients, transposed
     AlignedBuffer<float> krow;    // [64][dmp] selected main key rows
     AlignedBuffer<uint32_t> kt;   // [dmp][64] the same, transposed
     AlignedBuffer<float> s;       // [G][64] main scores, then probabilities
     AlignedBuffer<float> irow;    // [64][dip] selected index key rows
     AlignedBuffer<uint32_t> kit;  // [dip][64] the same, transposed
-    AlignedBuffer<float> coef;    // pass 1 [ig][64]; pass 2 [64][igp] scores, then [64][ig]
-    AlignedBuffer<float> acc;     // pass 1 [ig][dip] d_query_index; pass 2 [64][dip]
+    AlignedBuffer<float> coef;    // [ig][64] coefficients of one chunk
+    AlignedBuffer<float> acc;     // pass 1 [ig][dip] d_query_index; pass 2 [ig][64], [64][dip]
     std::vector<float> lse;       // [N1] main log-sum-exp (+inf: nothing selected)
     std::vector<float> w;         // [N1index]
     std::vector<float> ones;
@@ -95,7 +95,6 @@ class SparseKl {
     std::vector<float> key_grad;  // pass 2: [keys][dip]
     std::vector<int32_t> hits;
     std::vector<float> hit_d;
-    std::vector<float> hit_coef;  // [64][ig]
   };
 
   // Pass 1 for token i of s: the loss of its rows (returned), d_query_index, d_weights and the
@@ -154,26 +153,31 @@ class SparseKl {
         }
       }
       if (sc.hits.empty()) continue;
-      load_group_transposed(sc, s, i, g);
+      sc.hit_d.resize(round_up(sc.hit_d.size(), kKeyTile), 0.0f);
+      load_group(sc, s, i, g);
       const float* w = sc.w.data() + g * ig_;
       const float* qi = sc.qi.data() + g * ig_ * dip_;
+      const char* rows[kKeyTile];
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
-        for (int64_t c = 0; c < m; ++c) load_index_key(sc, s, sc.hits[c0 + c], g, c);
-        // Index scores, key-major: [m][igp] = key rows x transposed query rows.
-        float* st = sc.coef.data();
-        k_.gemm(
-            {sc.irow.data(), dip_, sc.qit.data(), igp_, st, igp_, m, igp_, dip_, nullptr, 1.0f});
-        // coefficients [m][ig]: dI w [S > 0], then d_key_index rows += coef x query rows.
-        std::vector<float>& coef = sc.hit_coef;
-        coef.assign(m * ig_, 0.0f);
         for (int64_t c = 0; c < m; ++c) {
-          const float dc = sc.hit_d[c0 + c];
-          for (int64_t h = 0; h < ig_; ++h) {
-            coef[c * ig_ + h] = st[c * igp_ + h] > 0.0f ? dc * w[h] : 0.0f;
-          }
+          load_index_key(sc, s, sc.hits[c0 + c], g, c);
+          rows[c] = reinterpret_cast<const char*>(sc.irow.data() + c * dip_);
         }
-        k_.gemm({coef.data(), ig_, qi, dip_, tmp, dip_, m, dip_, ig_, nullptr, 1.0f});
+        k_.pack_keys(rows, m, dip_, sc.kit.data());
+        // Index scores [ig][64], the coefficients dI w [S > 0] in the same layout, then their
+        // transpose [64][ig] for d_key_index rows += coef^T x query rows.
+        float* st = sc.acc.data();
+        k_.gemm(
+            {qi, dip_, sc.kit.data(), kKeyTile, st, kKeyTile, ig_, kKeyTile, dip_, nullptr, 1.0f});
+        std::fill(sc.hit_d.begin() + c0 + m, sc.hit_d.begin() + c0 + kKeyTile, 0.0f);
+        float* coef = sc.coef.data();
+        for (int64_t h = 0; h < ig_; ++h) {
+          k_.rows.masked_scale(st + h * kKeyTile, sc.hit_d.data() + c0, w[h], coef + h * kKeyTile);
+        }
+        const float* coef_t = transpose_coefficients(sc, coef);
+        float* tmp = sc.acc.data();
+        k_.gemm({coef_t, ig_t_, qi, dip_, tmp, dip_, m, dip_, ig_, nullptr, 1.0f});
         for (int64_t c = 0; c < m; ++c) {
           k_.rows.add_into(sc.key_grad.data() + (sc.hits[c0 + c] - j0) * dip_, tmp + c * dip_,
                            p_.index_dim);
@@ -245,17 +249,32 @@ class SparseKl {
              p_.weights.stride[2], p_.index_heads_q, sc.w.data());
   }
 
-  // Pass 2: token i's index query rows and weights, and group g's rows transposed.
-  void load_group_transposed(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+  // Pass 2: token i's weights and group g's index query rows.
+  void load_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
     load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
              p_.weights.stride[2], p_.index_heads_q, sc.w.data());
-    std::fill(sc.qit.data(), sc.qit.data() + dip_ * igp_, 0.0f);
     for (int64_t r = 0; r < ig_; ++r) {
       float* q = sc.qi.data() + (g * ig_ + r) * dip_;
       load(p_.query_index, query_row(p_.query_index.stride, s, i, g * ig_ + r), p_.index_dim, q);
       std::fill(q + p_.index_dim, q + dip_, 0.0f);
-      for (int64_t d = 0; d < p_.index_dim; ++d) sc.qit.data()[d * igp_ + r] = q[d];
     }
+  }
+
+  // coef [ig][64] transposed to [64][ig_t_]: by the kernel set's key packing (a transpose of
+  // 64-row blocks) when the group fits one block, else element by element.
+  const float* transpose_coefficients(Scratch& sc, const float* coef) const {
+    float* out = sc.qit.data();
+    if (ig_ <= kKeyTile) {
+      const char* rows[kKeyTile];
+      for (int64_t h = 0; h < ig_; ++h)
+        rows[h] = reinterpret_cast<const char*>(coef + h * kKeyTile);
+      k_.pack_keys(rows, ig_, kKeyTile, reinterpret_cast<uint32_t*>(out));
+      return out;
+    }
+    for (int64_t h = 0; h < ig_; ++h) {
+      for (int64_t c = 0; c < kKeyTile; ++c) out[c * ig_t_ + h] = coef[h * kKeyTile + c];
+    }
+    return out;
   }
 
   // Index key row of key j, head g, into row c of sc.irow (zero-padded).
@@ -338,24 +357,24 @@ class SparseKl {
     }
     if (!std::isfinite(top)) loss += std::numeric_limits<double>::quiet_NaN();
     active_[drow] = 1;
-    // d_weights[h] = sum dI relu(S_h); d_query_index[h] = w_h sum dI [S_h > 0] ki.
+    // d_weights[h] = sum dI relu(S_h); d_query_index[h] = w_h sum dI [S_h > 0] ki: per chunk
+    // the coefficients and the weights' partial sums in one pass, then one product.
     const float* w = sc.w.data() + g * ig_;
-    for (int64_t h = 0; h < ig_; ++h) {
-      const float* sh = sc.sidx.data() + h * padded;
-      double a = 0.0;
-      for (int64_t c = 0; c < nk; ++c) a += static_cast<double>(sc.dsc[c]) * std::max(sh[c], 0.0f);
-      sc.dw[h] = a;
-    }
+    std::fill(sc.dw.begin(), sc.dw.end(), 0.0);
     float* acc = sc.acc.data();
     std::fill(acc, acc + ig_ * dip_, 0.0f);
     float* coef = sc.coef.data();
+    float* unused = sc.s.data();  // split_coefficients' second output, not read
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const int64_t m = std::min(kKeyTile, nk - c0);
       for (int64_t c = 0; c < m; ++c) load_index_key(sc, s, sc.keys[c0 + c], g, c);
       std::fill(sc.irow.data() + m * dip_, sc.irow.data() + kKeyTile * dip_, 0.0f);
+      const float* d = sc.dsc.data() + c0;
       for (int64_t h = 0; h < ig_; ++h) {
-        k_.rows.masked_scale(sc.sidx.data() + h * padded + c0, sc.dsc.data() + c0, w[h],
-                             coef + h * kKeyTile);
+        float part = 0.0f, ignored = 0.0f;
+        k_.rows.split_coefficients(sc.sidx.data() + h * padded + c0, d, d, w[h],
+                                   coef + h * kKeyTile, unused, &part, &ignored);
+        sc.dw[h] += part;
       }
       k_.gemm({coef, kKeyTile, sc.irow.data(), dip_, acc, dip_, ig_, dip_, kKeyTile, sc.ones.data(),
                1.0f});
@@ -382,7 +401,8 @@ class SparseKl {
   const kernels::KernelSet& k_;
   Mask mask_;
   std::vector<Sequence> seqs_;
-  int64_t g_, ig_, igp_;
+  int64_t g_, ig_;
+  int64_t ig_t_;  // row stride of the transposed coefficients
   int64_t dm_, dmp_, dip_;
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
   std::vector<float> d_index_;   // [rows][N2index][K]: dI per selection entry
