@@ -87,10 +87,11 @@ class SparseKl {
     std::vector<float> w;         // [N1index]
     std::vector<float> ones;
     std::vector<double> dw;
-    std::vector<float> prob;   // P over the row's selected keys, padded to 64
-    std::vector<float> score;  // I, padded to 64
-    std::vector<float> sidx;   // [ig][padded] the index scores of one group
-    std::vector<float> dsc;    // dI
+    std::vector<float> prob;      // P over the row's selected keys, padded to 64
+    std::vector<float> score;     // I, padded to 64
+    std::vector<float> sidx;      // [ig][padded] the index scores of one group
+    std::vector<float> dsc;       // dI
+    std::vector<float> row_keys;  // [padded][dip] the row's selected index key rows
     std::vector<int32_t> keys, entries;
     std::vector<float> key_grad;  // pass 2: [keys][dip]
     std::vector<int32_t> hits;
@@ -161,7 +162,7 @@ class SparseKl {
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
         for (int64_t c = 0; c < m; ++c) {
-          load_index_key(sc, s, sc.hits[c0 + c], g, c);
+          load_index_key(s, sc.hits[c0 + c], g, sc.irow.data() + c * dip_);
           rows[c] = reinterpret_cast<const char*>(sc.irow.data() + c * dip_);
         }
         k_.pack_keys(rows, m, dip_, sc.kit.data());
@@ -277,9 +278,8 @@ class SparseKl {
     return out;
   }
 
-  // Index key row of key j, head g, into row c of sc.irow (zero-padded).
-  void load_index_key(Scratch& sc, const Sequence& s, int64_t j, int64_t g, int64_t c) const {
-    float* k = sc.irow.data() + c * dip_;
+  // Index key row of key j, head g, into k (zero-padded to dip).
+  void load_index_key(const Sequence& s, int64_t j, int64_t g, float* k) const {
     load(p_.key_index, key_row(p_.key_index.stride, s, j, g), p_.index_dim, k);
     std::fill(k + p_.index_dim, k + dip_, 0.0f);
   }
@@ -314,15 +314,19 @@ class SparseKl {
   // The index scores of group g over the row's nk selected keys into sc.sidx [ig][padded], and
   // I into sc.score.
   void index_scores(Scratch& sc, const Sequence& s, int64_t g, int64_t nk, int64_t padded) const {
-    sc.sidx.assign(ig_ * padded, 0.0f);
+    sc.sidx.resize(ig_ * padded);  // every chunk's product writes its 64 columns
     sc.score.assign(padded, 0.0f);
+    // The row's index key rows, kept for d_query_index (rows past nk zero).
+    sc.row_keys.resize(padded * dip_);
+    std::fill(sc.row_keys.begin() + nk * dip_, sc.row_keys.end(), 0.0f);
     const char* rows[kKeyTile];
     const float* w = sc.w.data() + g * ig_;
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const int64_t m = std::min(kKeyTile, nk - c0);
       for (int64_t c = 0; c < m; ++c) {
-        load_index_key(sc, s, sc.keys[c0 + c], g, c);
-        rows[c] = reinterpret_cast<const char*>(sc.irow.data() + c * dip_);
+        float* k = sc.row_keys.data() + (c0 + c) * dip_;
+        load_index_key(s, sc.keys[c0 + c], g, k);
+        rows[c] = reinterpret_cast<const char*>(k);
       }
       k_.pack_keys(rows, m, dip_, sc.kit.data());
       k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, sc.sidx.data() + c0,
@@ -367,8 +371,6 @@ class SparseKl {
     float* unused = sc.s.data();  // split_coefficients' second output, not read
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const int64_t m = std::min(kKeyTile, nk - c0);
-      for (int64_t c = 0; c < m; ++c) load_index_key(sc, s, sc.keys[c0 + c], g, c);
-      std::fill(sc.irow.data() + m * dip_, sc.irow.data() + kKeyTile * dip_, 0.0f);
       const float* d = sc.dsc.data() + c0;
       for (int64_t h = 0; h < ig_; ++h) {
         float part = 0.0f, ignored = 0.0f;
@@ -376,8 +378,8 @@ class SparseKl {
                                    coef + h * kKeyTile, unused, &part, &ignored);
         sc.dw[h] += part;
       }
-      k_.gemm({coef, kKeyTile, sc.irow.data(), dip_, acc, dip_, ig_, dip_, kKeyTile, sc.ones.data(),
-               1.0f});
+      k_.gemm({coef, kKeyTile, sc.row_keys.data() + c0 * dip_, dip_, acc, dip_, ig_, dip_, kKeyTile,
+               sc.ones.data(), 1.0f});
     }
     store_group(sc, s, i, g);
     return loss;
@@ -468,14 +470,16 @@ void sparse_lightning_indexer_grad_kl_loss(const SparseKlLossParams& p, const Ex
     loss[t] = share;
   });
 
-  // Key blocks: about four per thread per (sequence, index key head), at least 64 keys each.
+  // Key blocks per (sequence, index key head), at least 128 keys each.
   struct Keys {
     int32_t b;
     int64_t g, j0, j1;
   };
   std::vector<Keys> key_tasks;
   for (const Sequence& s : seqs) {
-    const int64_t block = std::max<int64_t>(64, (s.k_len + 4 * threads - 1) / (4 * threads));
+    // Blocks of about two per thread: a token's query rows are loaded once per block it
+    // selects keys in, so fewer, longer blocks load less.
+    const int64_t block = std::max<int64_t>(128, (s.k_len + 2 * threads - 1) / (2 * threads));
     for (int64_t g = 0; g < p.dense.index_heads_k; ++g) {
       for (int64_t j = 0; j < s.k_len; j += block) {
         key_tasks.push_back({static_cast<int32_t>(s.batch), g, j, std::min(s.k_len, j + block)});
