@@ -12,6 +12,7 @@ demo: build
 	$(PY) -m opmesh demo
 	$(PY) -m opmesh mesh-demo
 	$(PY) examples/train_indexer_warmup.py --steps 40
+	$(PY) examples/train_dsa.py --steps 60 --plot dsa_training.png
 
 test: build test-cpp test-asan check-core-free-of-torch lint test-py test-packaging
 

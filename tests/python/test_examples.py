@@ -1,6 +1,7 @@
 """The training examples train: the indexer warm-up (its KL loss falls and the indexer's top-k
-recall of the main attention's mass rises, a short run as `make demo` does), and context parallel
-training under torchrun (its loss falls and follows one process's)."""
+recall of the main attention's mass rises, a short run as `make demo` does), DeepSeek sparse
+attention's two stages, and context parallel training under torchrun (its loss falls and follows
+one process's)."""
 
 import re
 import subprocess
@@ -30,6 +31,28 @@ def test_train_indexer_warmup_learns():
     first, last = map(float, re.search(r"KL per token: ([0-9.]+) -> ([0-9.]+)", out).groups())
     assert last < 0.7 * first, out
     assert recalls[-1] > before + 0.2, out
+
+
+def test_train_dsa_two_stages(tmp_path):
+    """The DSA example, a short run as `make demo` does: pretraining and the warm-up's KL fall,
+    the warm-up raises the indexer's top-k recall, and the model trained through sparse
+    attention on the indexer's top-k ends within 0.1 nats of the dense run's task loss."""
+    png = tmp_path / "dsa.png"
+    result = run(
+        [sys.executable, str(ROOT / "examples" / "train_dsa.py"), "--steps", "60", "--plot",
+         str(png)],
+        300,
+    )  # fmt: skip
+    out = result.stdout
+    first, last = map(float, re.search(r"pretrain: task loss ([0-9.]+) -> ([0-9.]+)", out).groups())
+    assert last < 0.5 * first, out
+    kl = re.search(r"warm-up: KL per token ([0-9.]+) -> ([0-9.]+), top-16 recall ([0-9.]+)", out)
+    assert float(kl[2]) < 0.3 * float(kl[1]), out
+    before = float(re.search(r"recall before the warm-up: ([0-9.]+)", out)[1])
+    assert float(kl[3]) > before + 0.3, out
+    sparse, dense = map(float, re.search(r"\) ([0-9.]+), dense ([0-9.]+)", out).groups())
+    assert sparse < dense + 0.1, out
+    assert png.stat().st_size > 10_000
 
 
 def test_train_context_parallel_learns_and_matches_one_process():
