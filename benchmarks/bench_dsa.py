@@ -11,6 +11,11 @@ Parts (``--parts``):
 - ``kl``: ``sparse_lightning_indexer_grad_kl_loss`` (the loss and the indexer's three
   gradients) over the indexer's top-K, with the sparse attention's statistics, against the
   same loss by eager PyTorch autograd on gathered keys (chunked over query rows).
+- ``long``: one DSA layer at long context (``--long-seq``, default 131072, top-``--long-topk``
+  2048): the indexer's top-K, sparse attention, and the sparse KL loss, forward and backward,
+  one call each (time per phase, peak extra memory), with the FLOPs of the dense layer it
+  replaces beside it. Not timed against an alternative: the dense layer at this length is
+  out of reach of this machine.
 - ``decode``: one query token per sequence over paged caches (``PA_BSND``): ``lightning_indexer``
   against the same composition on the gathered keys, and a DSA decode step (indexer top-K, then
   ``sparse_flash_attention``) against dense paged ``flash_attn`` over the whole context.
@@ -333,7 +338,81 @@ def bench_kl(args, rows):
         print(rows[-1], flush=True)
 
 
+def bench_long(args, rows):
+    """One call of each phase: at this length a repeat costs minutes."""
+    import time
+
+    s, topk = args.long_seq, args.long_topk
+    n1, d, n1i, di = 8, 64, 4, 64
+    g = torch.Generator().manual_seed(4)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    q, k, v = randn(1, s, n1, d), randn(1, s, 1, d), randn(1, s, 1, d)
+    qi, ki = randn(1, s, n1i, di), randn(1, s, 1, di)
+    wi = randn(1, s, n1i, scale=(n1i * di) ** -0.5)
+    scale = d**-0.5
+    leaves = [x.requires_grad_(True) for x in (q, k, v, qi, ki, wi)]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    from common import _status_kib
+
+    before = _status_kib("VmRSS")
+    clock = {}
+    t = time.perf_counter()
+    top, _ = opmesh.lightning_indexer(qi, ki, wi, sparse_count=topk)
+    clock["indexer top-K"] = time.perf_counter() - t
+    t = time.perf_counter()
+    out, smax, ssum = opmesh.sparse_flash_attention(q, k, v, top, scale, return_softmax_lse=True)
+    clock["sparse attention forward"] = time.perf_counter() - t
+    t = time.perf_counter()
+    kl = opmesh.sparse_indexer_kl_loss(qi, ki, wi, q.detach(), k.detach(), top, smax, ssum, scale)
+    clock["sparse KL loss (with its gradients)"] = time.perf_counter() - t
+    t = time.perf_counter()
+    (out.float().square().mean() + kl.sum() / s).backward()
+    clock["backward (sparse attention; KL scaling)"] = time.perf_counter() - t
+    peak = _status_kib("VmHWM") - before
+    assert all(x.grad is not None for x in leaves)
+    selected = (top >= 0).sum().item()
+    visible = s * (s + 1) / 2
+    sparse = {
+        "indexer top-K": visible * 2 * n1i * di,
+        "sparse attention forward": selected * 4 * n1 * d,
+        "sparse KL loss (with its gradients)": selected * (2 * n1 * d + 4 * 2 * n1i * di),
+        "backward (sparse attention; KL scaling)": selected * 10 * n1 * d,
+    }
+    dense_flops = visible * (4 * n1 * d * 3.5 + 2 * n1i * di + 2 * n1 * d + 4 * 2 * n1i * di)
+    shape = f"S={s} N1={n1} D={d} indexer N1={n1i} D={di} K={topk}"
+    for phase, seconds in clock.items():
+        rows.append(
+            {
+                "part": "long",
+                "shape": shape,
+                "method": phase,
+                "ms": f"{seconds * 1e3:.0f}",
+                "GFLOP/s": f"{sparse[phase] / seconds / 1e9:.1f}",
+            }
+        )
+        print(rows[-1], flush=True)
+    total = sum(clock.values())
+    rows.append(
+        {
+            "part": "long",
+            "shape": shape,
+            "method": "DSA layer forward + backward",
+            "ms": f"{total * 1e3:.0f}",
+            "GFLOP/s": f"{sum(sparse.values()) / total / 1e9:.1f}",
+            "peak extra MiB": f"{peak / 1024:.0f}",
+            "note": f"{sum(sparse.values()) / 1e12:.1f} TFLOP; the dense layer (attention "
+            f"forward + backward, dense KL loss): {dense_flops / 1e12:.0f} TFLOP",
+        }
+    )
+    print(rows[-1], flush=True)
+
+
 PARTS = {
+    "long": bench_long,
     "indexer": bench_indexer,
     "attention": bench_attention,
     "kl": bench_kl,
@@ -353,6 +432,8 @@ def main():
     parser.add_argument("--attn-heads", type=int, default=16, help="main attention heads N1")
     parser.add_argument("--attn-dim", type=int, default=128, help="main attention head dim")
     parser.add_argument("--mla-heads", type=int, default=128, help="decode: MLA query heads")
+    parser.add_argument("--long-seq", type=int, default=131072, help="long: sequence length")
+    parser.add_argument("--long-topk", type=int, default=2048, help="long: K")
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per method")
     args = parser.parse_args()

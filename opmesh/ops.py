@@ -242,15 +242,20 @@ def indexer_kl_loss(
     if not on_mindspore:
         call = _torch_lengths(call)
     if torch.is_grad_enabled() and not on_mindspore:
-        fixed = dict(query=query, key=key, query_rope=query_rope, key_rope=key_rope)
-        fixed.update(softmax_max=softmax_max, softmax_sum=softmax_sum)
-        for name, t in fixed.items():
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise ValueError(
-                    f"{name}: requires a gradient, but the KL loss treats the main attention as "
-                    f"a fixed target and has no gradient for it; pass {name}.detach()"
-                )
+        _refuse_gradients_of_the_target(call)
     return _KlLossFunction.apply(*_pick(call, _KL_PARAMETERS["indexer_kl_loss"]))
+
+
+def _refuse_gradients_of_the_target(call: dict) -> None:
+    """The KL losses treat the main attention (query, key, the ropes, its statistics) as a fixed
+    target: one that requires a gradient is refused rather than given none."""
+    for name in ("query", "key", "query_rope", "key_rope", "softmax_max", "softmax_sum"):
+        t = call[name]
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(
+                f"{name}: requires a gradient, but the KL loss treats the main attention as "
+                f"a fixed target and has no gradient for it; pass {name}.detach()"
+            )
 
 
 class _KlLossFunction(DFunction):
@@ -407,14 +412,7 @@ def sparse_indexer_kl_loss(
     if not on_mindspore:
         call = _torch_lengths(call)
     if torch.is_grad_enabled() and not on_mindspore:
-        fixed = dict(query=query, key=key, query_rope=query_rope, key_rope=key_rope)
-        fixed.update(softmax_max=softmax_max, softmax_sum=softmax_sum)
-        for name, t in fixed.items():
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise ValueError(
-                    f"{name}: requires a gradient, but the KL loss treats the main attention as "
-                    f"a fixed target and has no gradient for it; pass {name}.detach()"
-                )
+        _refuse_gradients_of_the_target(call)
     return _SparseKlLossFunction.apply(*_pick(call, _SPARSE_KL_PARAMETERS))
 
 
