@@ -13,7 +13,7 @@ from . import platform as _platform
 from ._schema import ATTN_LENGTHS, UNBOUNDED, positional
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
-from .distributed.ops.indexer_kl_loss import PARAMETERS as _KL_PARAMETERS
+from .distributed.ops.dsa import TABLES as _DSA_TABLES
 from .platform import mindspore_ops as _ms
 
 LengthsLike = torch.Tensor | Sequence[int] | None
@@ -135,6 +135,8 @@ def dense_lightning_indexer_softmax_lse(
 _LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
 # The indexer family's mask and length arguments, which its three functions share.
 _MASK_NAMES = (*_LENGTH_NAMES, "layout", "sparse_mode", "pre_tokens", "next_tokens")
+# The dense front's parameters, in the order its DFunction takes them (the layout rules' table).
+_KL_PARAMETERS = _DSA_TABLES["indexer_kl_loss"].params
 
 
 def _mask(call: dict) -> dict:
@@ -205,7 +207,7 @@ def dense_lightning_indexer_grad_kl_loss(
     """
     call = dict(locals())
     if _on_mindspore(query, key, query_index, key_index, weights):
-        args = _pick(call, _KL_PARAMETERS["dense_lightning_indexer_grad_kl_loss"])
+        args = _pick(call, positional("dense_lightning_indexer_grad_kl_loss"))
         return _ms.grad_kl_loss(args, query_rope, key_rope, _mask(call))
     return _run("dense_lightning_indexer_grad_kl_loss", _torch_lengths(call))
 
@@ -243,7 +245,7 @@ def indexer_kl_loss(
         call = _torch_lengths(call)
     if torch.is_grad_enabled() and not on_mindspore:
         _refuse_gradients_of_the_target(call)
-    return _KlLossFunction.apply(*_pick(call, _KL_PARAMETERS["indexer_kl_loss"]))
+    return _KlLossFunction.apply(*_pick(call, _KL_PARAMETERS))
 
 
 def _refuse_gradients_of_the_target(call: dict) -> None:
@@ -261,19 +263,19 @@ def _refuse_gradients_of_the_target(call: dict) -> None:
 class _KlLossFunction(DFunction):
     """The indexer's KL loss: forward on local tensors runs the two operators; backward scales
     the gradients the fused operator returned. Its parameters are indexer_kl_loss's, in the
-    order of ``PARAMETERS["indexer_kl_loss"]`` (opmesh/distributed/ops/indexer_kl_loss.py)."""
+    order of ``TABLES["indexer_kl_loss"].params`` (opmesh/distributed/ops/dsa.py)."""
 
     _op_name = "indexer_kl_loss"
 
     @staticmethod
     def forward(ctx, *values):
-        call = dict(zip(_KL_PARAMETERS["indexer_kl_loss"], values, strict=True))
+        call = dict(zip(_KL_PARAMETERS, values, strict=True))
         q_side = {n: call[n] for n in ("query_index", "key_index", "weights")}
         # The operators of the tensors' framework (the forward is written once for both).
         if _on_mindspore(call["query_index"]):
             max_index, sum_index = _ms.indexer(*q_side.values(), _mask(call))
             call.update(softmax_max_index=max_index, softmax_sum_index=sum_index)
-            args = tuple(call[n] for n in _KL_PARAMETERS["dense_lightning_indexer_grad_kl_loss"])
+            args = tuple(call[n] for n in positional("dense_lightning_indexer_grad_kl_loss"))
             d_query_index, d_key_index, d_weights, loss = _ms.grad_kl_loss(
                 args, call["query_rope"], call["key_rope"], _mask(call), differentiable=False
             )
@@ -282,7 +284,7 @@ class _KlLossFunction(DFunction):
                 *q_side.values(), **_mask(call)
             )
             call.update(softmax_max_index=max_index, softmax_sum_index=sum_index)
-            names = _KL_PARAMETERS["dense_lightning_indexer_grad_kl_loss"]
+            names = positional("dense_lightning_indexer_grad_kl_loss")
             args = [call.pop(n) for n in names]
             d_query_index, d_key_index, d_weights, loss = (
                 torch.ops.opmesh.dense_lightning_indexer_grad_kl_loss(*args, **call)
@@ -293,7 +295,7 @@ class _KlLossFunction(DFunction):
     @staticmethod
     def backward(ctx, grad_loss):
         # The main attention and the rest are a fixed target (no gradient).
-        rest = len(_KL_PARAMETERS["indexer_kl_loss"]) - 3
+        rest = len(_KL_PARAMETERS) - 3
         return _platform.scaled_gradients(ctx.saved_tensors, grad_loss) + (None,) * rest
 
 
@@ -360,22 +362,8 @@ def sparse_lightning_indexer_grad_kl_loss(
     return _run("sparse_lightning_indexer_grad_kl_loss", _torch_lengths(call))
 
 
-# sparse_indexer_kl_loss's parameters (the indexer's tensors first, as indexer_kl_loss's) and
-# the fused operator's positional ones.
-_SPARSE_KL_PARAMETERS = (
-    "query_index",
-    "key_index",
-    "weights",
-    "query",
-    "key",
-    "sparse_indices",
-    "softmax_max",
-    "softmax_sum",
-    "scale_value",
-    "query_rope",
-    "key_rope",
-    *_MASK_NAMES,
-)
+# The sparse front's parameters, in the order its DFunction takes them.
+_SPARSE_KL_PARAMETERS = _DSA_TABLES["sparse_indexer_kl_loss"].params
 _SPARSE_KL_OP = "sparse_lightning_indexer_grad_kl_loss"
 
 

@@ -20,8 +20,7 @@ from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, T
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 from .._schema import MAX_TOKENS, UNBOUNDED, positional
-from .ops import indexer as _indexer_op
-from .ops import indexer_kl_loss as _kl_op
+from .ops.dsa import TABLES as _DSA
 from .ops.flash_attn import DIMS, LSE_DIMS, keeps_gqa_groups
 
 R = Replicate()
@@ -97,13 +96,15 @@ def _heads_divide(mesh, nq, nkv) -> bool:
     return all(keeps_gqa_groups(nq, nkv, m) for m in [*mesh.shape, mesh.size()])
 
 
-INDEXER = _indexer_op.NAMES
+INDEXER = _DSA["dense_lightning_indexer_softmax_lse"].params
+INDEXER_LENGTHS = _DSA["dense_lightning_indexer_softmax_lse"].lengths
 
 
 def _bsnd_dims(dim_name: str) -> dict:
     """Where each of the indexer's tensors has ``dim_name`` in BSND, from its DistributedOp's
     layout table: name -> Shard(dim), or Replicate where it has no such dim."""
-    dims = dict(zip(INDEXER, _indexer_op.DIM_NAMES["BSND"], strict=True))
+    tensors = _DSA["dense_lightning_indexer_softmax_lse"].tensors
+    dims = {n: tensors[n]["BSND"] for n in INDEXER}
     return {n: Shard(d.index(dim_name)) if dim_name in d else R for n, d in dims.items()}
 
 
@@ -114,10 +115,10 @@ def _indexer(query_index, key_index, weights, **kwargs):
     if kwargs.get("layout", "BSND") != "BSND":
         return strategies  # TND token shards need rewritten lengths: the dispatcher's path
     # Data parallel: the batch dim of every tensor, lengths included; outputs [B, N2, S1].
-    batch = {**_bsnd_dims("B"), **dict.fromkeys(_indexer_op.LENGTH_NAMES, Shard(0))}
+    batch = {**_bsnd_dims("B"), **dict.fromkeys(INDEXER_LENGTHS, Shard(0))}
     strategies.append(([Shard(0), Shard(0)], _inputs(INDEXER, args, kwargs, batch.get)))
     unbounded = all(kwargs.get(n, UNBOUNDED) >= MAX_TOKENS for n in ("pre_tokens", "next_tokens"))
-    lengths = any(kwargs.get(n) is not None for n in _indexer_op.LENGTH_NAMES)
+    lengths = any(kwargs.get(n) is not None for n in INDEXER_LENGTHS)
     if kwargs.get("sparse_mode", 3) == 0 and unbounded and not lengths:
         # No mask: query rows are independent and see every key (which key_index, having no
         # S1, keeps whole).
@@ -215,8 +216,9 @@ def _kl_loss(*args, **kwargs):
     if kwargs.get("layout", "BSND") == "BSND":
         # Data parallel: every tensor by its batch dim (the DistributedOp's table; the lengths
         # by their entries); the gradients like their inputs, the loss a sum over the ranks.
-        batch = {n: Shard(dims[1]) for n, dims in _kl_op.TENSORS["BSND"].items()}
-        batch.update(dict.fromkeys(_indexer_op.LENGTH_NAMES, Shard(0)))
+        tables = _DSA["dense_lightning_indexer_grad_kl_loss"].tensors
+        batch = {n: Shard(dims["BSND"].index("B")) for n, dims in tables.items()}
+        batch.update(dict.fromkeys(INDEXER_LENGTHS, Shard(0)))
         outputs = [batch["query_index"], batch["key_index"], batch["weights"], Partial()]
         strategies.append((outputs, _inputs(KL, tensors, kwargs, batch.get)))
     return strategies

@@ -180,9 +180,9 @@ def case_errors(mesh):
         ValueError,
         "key_index: dim 0 (T2) is sharded",
         lambda: op(
-            opmesh.distribute_tensor(tq, mesh, on_last(S0)),
+            opmesh.distribute_tensor(tq, mesh, axes),
             opmesh.distribute_tensor(tk, mesh, on_last(S0)),
-            opmesh.distribute_tensor(tw, mesh, on_last(S0)),
+            opmesh.distribute_tensor(tw, mesh, axes),
             **tkw,
         ),
     )
@@ -559,17 +559,17 @@ def case_kl_errors(mesh):
     axes = placements["key_index"][:last]
     _expect(
         ValueError,
-        f"key_index: dim 1 is sharded over mesh axis '{name}'; keys must be replicated",
-        call(key_index=axes + [S1]),
+        f"key_index: dim 2 (N2) is sharded over mesh axis '{name}'; it must be replicated",
+        call(key_index=axes + [Shard(2)]),
     )
     _expect(
         ValueError,
-        "softmax_max: dim 2 is not sharded; the query sequence must be sharded like",
+        "softmax_max: dim 2 (S1) is not sharded; the query sequence must be sharded like",
         call(softmax_max=axes + [R]),
     )
     _expect(
         ValueError,
-        f"query: dim 2 is sharded over mesh axis '{name}'; it must be replicated",
+        f"query: dim 2 (N1) is sharded over mesh axis '{name}'; it must be replicated",
         call(query=axes + [Shard(2)]),
     )
     key = opmesh.distribute_tensor(main["key"], mesh, axes + [R])

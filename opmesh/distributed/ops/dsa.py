@@ -1,0 +1,902 @@
+"""The DeepSeek-sparse-attention operators on DTensors: one set of layout rules for all of them.
+
+The ops served (one class, constructed with each op's name):
+
+* ``dense_lightning_indexer_softmax_lse`` and ``lightning_indexer`` (the indexers),
+* ``sparse_flash_attention`` (differentiable in query, key, value, the ropes and sinks),
+* ``indexer_kl_loss`` / ``sparse_indexer_kl_loss`` (the ``DFunction`` fronts, returning the
+  loss) and the fused ``dense_lightning_indexer_grad_kl_loss`` /
+  ``sparse_lightning_indexer_grad_kl_loss``.
+
+Every tensor argument is described by its named dims per layout (``TABLES``): the batch ``B``,
+the query sequence ``S1`` / ``T1`` (query-side tensors: queries, weights, statistics, the
+indices), the key sequence ``S2`` / ``T2`` (key-side tensors: keys, values, key ropes), and dims
+that stay replicated (heads, head dims, the top-k dim). The rules:
+
+* no Partial input; one mesh; heads, head dims and top-k replicated (refused by name);
+* the batch is sharded alike in every tensor that has one;
+* query-side sequences are sharded alike (context parallel, or TND data parallel);
+* a key sequence is replicated, or sharded exactly like the query sequence.
+
+Strategies, chosen per call:
+
+* no context parallel: each rank runs its batch slice (BSND lengths sliced alike);
+* TND data parallel: query and key tokens sharded alike over one mesh axis with every shard
+  boundary on a sequence boundary in both: each rank runs its whole sequences, nothing moves;
+* context parallel: each rank computes its query rows. Sharded keys are all-gathered over the
+  query sequence's mesh axes (DTensor's redistribute: the gradient goes back reduce-scattered)
+  and put back in natural order. The lengths each local call receives are rewritten so that
+  every row keeps its global key range: a sequence's keys are cut after the last key its local
+  rows can see (TND keeps only those keys, sequence by sequence). In head-tail order
+  (``context_parallel.py``, both orders, BSND and TND) a rank's two chunks are computed apart
+  and joined. Indices of the sparse operators that point past a sequence's kept keys (keys no
+  local row can see) are dropped to -1, which the operators skip as the global call does.
+
+Outputs: query-side outputs (statistics, indices, attention) take the query's sharding; the loss
+is ``Partial`` on every axis that splits the query rows (batch or sequence); the fused losses'
+key gradient is ``Partial`` on the context-parallel axes (global key shape, the input's order).
+Paged keys (``PA_BSND``) are refused on a mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ... import platform as _platform
+from ..._bounded_cache import BoundedCache
+from ..._schema import MAX_TOKENS, defaults, positional
+from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
+from ..distributed_op import DistributedOp
+from ..layout import Layout
+
+# -- the tables ----------------------------------------------------------------------------------
+
+_INDEXER_Q = {"BSND": ("B", "S1", "N1", "D"), "TND": ("T1", "N1", "D")}
+_INDEXER_K = {"BSND": ("B", "S2", "N2", "D"), "TND": ("T2", "N2", "D")}
+_WEIGHTS = {"BSND": ("B", "S1", "N1"), "TND": ("T1", "N1")}
+_STATS = {"BSND": ("B", "N2", "S1"), "TND": ("N2", "T1")}
+_MAIN_STATS = {"BSND": ("B", "N2", "S1", "G"), "TND": ("N2", "T1", "G")}
+_INDICES = {"BSND": ("B", "S1", "N2", "K"), "TND": ("T1", "N2", "K")}
+_ROPE_Q = {"BSND": ("B", "S1", "N1", "Dr"), "TND": ("T1", "N1", "Dr")}
+_ROPE_K = {"BSND": ("B", "S2", "N2", "Dr"), "TND": ("T2", "N2", "Dr")}
+_VALUE = {"BSND": ("B", "S2", "N2", "Dv"), "TND": ("T2", "N2", "Dv")}
+
+_KL_TENSORS = {
+    "query_index": _INDEXER_Q,
+    "key_index": _INDEXER_K,
+    "weights": _WEIGHTS,
+    "query": _INDEXER_Q,
+    "key": _INDEXER_K,
+    "query_rope": _ROPE_Q,
+    "key_rope": _ROPE_K,
+    "softmax_max": _MAIN_STATS,
+    "softmax_sum": _MAIN_STATS,
+    "softmax_max_index": _STATS,
+    "softmax_sum_index": _STATS,
+}
+_KL_FRONT = (
+    "query_index",
+    "key_index",
+    "weights",
+    "query",
+    "key",
+    "softmax_max",
+    "softmax_sum",
+    "scale_value",
+    "query_rope",
+    "key_rope",
+    "actual_seq_qlen",
+    "actual_seq_klen",
+    "layout",
+    "sparse_mode",
+    "pre_tokens",
+    "next_tokens",
+)
+_SPARSE_KL_FRONT = (
+    "query_index",
+    "key_index",
+    "weights",
+    "query",
+    "key",
+    "sparse_indices",
+    "softmax_max",
+    "softmax_sum",
+    "scale_value",
+    "query_rope",
+    "key_rope",
+    "actual_seq_qlen",
+    "actual_seq_klen",
+    "layout",
+    "sparse_mode",
+    "pre_tokens",
+    "next_tokens",
+)
+_KL_GRADS = (("grad", "query_index"), ("grad", "key_index"), ("grad", "weights"), ("loss",))
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """One op's description: the parameters its callable takes by position, its defaults, the
+    arguments naming the layouts and lengths, its tensors' named dims per layout, and its
+    outputs (``("query", dims)``, ``("grad", input)``, or ``("loss",)``)."""
+
+    params: tuple
+    defaults: dict
+    layout: str
+    key_layout: str | None
+    lengths: tuple  # (query lengths, key lengths) argument names
+    tensors: dict  # name -> {layout: dims}
+    outputs: tuple
+    indices: str | None = None  # the selection argument (remapped per piece)
+    block_size: str | None = None  # the argument giving the selection's block size
+
+
+TABLES = {
+    "dense_lightning_indexer_softmax_lse": OpTable(
+        params=positional("dense_lightning_indexer_softmax_lse"),
+        defaults=defaults("dense_lightning_indexer_softmax_lse"),
+        layout="layout",
+        key_layout=None,
+        lengths=("actual_seq_qlen", "actual_seq_klen"),
+        tensors={"query_index": _INDEXER_Q, "key_index": _INDEXER_K, "weights": _WEIGHTS},
+        outputs=(("query", _STATS), ("query", _STATS)),
+    ),
+    "indexer_kl_loss": OpTable(
+        params=_KL_FRONT,
+        defaults=defaults("dense_lightning_indexer_grad_kl_loss"),
+        layout="layout",
+        key_layout=None,
+        lengths=("actual_seq_qlen", "actual_seq_klen"),
+        tensors=_KL_TENSORS,
+        outputs=(("loss",),),
+    ),
+    "dense_lightning_indexer_grad_kl_loss": OpTable(
+        params=positional("dense_lightning_indexer_grad_kl_loss"),
+        defaults=defaults("dense_lightning_indexer_grad_kl_loss"),
+        layout="layout",
+        key_layout=None,
+        lengths=("actual_seq_qlen", "actual_seq_klen"),
+        tensors=_KL_TENSORS,
+        outputs=_KL_GRADS,
+    ),
+    "sparse_indexer_kl_loss": OpTable(
+        params=_SPARSE_KL_FRONT,
+        defaults=defaults("sparse_lightning_indexer_grad_kl_loss"),
+        layout="layout",
+        key_layout=None,
+        lengths=("actual_seq_qlen", "actual_seq_klen"),
+        tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
+        outputs=(("loss",),),
+        indices="sparse_indices",
+    ),
+    "sparse_lightning_indexer_grad_kl_loss": OpTable(
+        params=positional("sparse_lightning_indexer_grad_kl_loss"),
+        defaults=defaults("sparse_lightning_indexer_grad_kl_loss"),
+        layout="layout",
+        key_layout=None,
+        lengths=("actual_seq_qlen", "actual_seq_klen"),
+        tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
+        outputs=_KL_GRADS,
+        indices="sparse_indices",
+    ),
+    "lightning_indexer": OpTable(
+        params=positional("lightning_indexer"),
+        defaults=defaults("lightning_indexer"),
+        layout="layout_query",
+        key_layout="layout_key",
+        lengths=("actual_seq_lengths_query", "actual_seq_lengths_key"),
+        tensors={"query": _INDEXER_Q, "key": _INDEXER_K, "weights": _WEIGHTS},
+        outputs=(("query", _INDICES), ("query", _INDICES)),
+    ),
+    "sparse_flash_attention": OpTable(
+        params=positional("sparse_flash_attention"),
+        defaults=defaults("sparse_flash_attention"),
+        layout="layout_query",
+        key_layout="layout_kv",
+        lengths=("actual_seq_lengths_query", "actual_seq_lengths_kv"),
+        tensors={
+            "query": _INDEXER_Q,
+            "key": _INDEXER_K,
+            "value": _VALUE,
+            "sparse_indices": _INDICES,
+            "query_rope": _ROPE_Q,
+            "key_rope": _ROPE_K,
+            "sinks": {"BSND": ("N1",), "TND": ("N1",)},
+        },
+        outputs=(("query", _INDEXER_Q), ("query", _MAIN_STATS), ("query", _MAIN_STATS)),
+        indices="sparse_indices",
+        block_size="sparse_block_size",
+    ),
+}
+
+QUERY_SEQ = ("S1", "T1")
+KEY_SEQ = ("S2", "T2")
+
+
+def side_of(dims) -> str:
+    """``"query"``, ``"key"`` or ``"shared"`` (neither sequence: replicated everywhere)."""
+    if any(d in QUERY_SEQ for d in dims):
+        return "query"
+    if any(d in KEY_SEQ for d in dims):
+        return "key"
+    return "shared"
+
+
+def seq_dim(dims) -> int | None:
+    for i, d in enumerate(dims):
+        if d in QUERY_SEQ or d in KEY_SEQ:
+            return i
+    return None
+
+
+def local_lengths(kwargs, names):
+    """Length arguments given as DTensors must be replicated on every mesh axis: every rank
+    reads the whole array. Returns kwargs with their local (full) tensors."""
+    p = _platform.current()
+    if not any(p.is_dtensor(kwargs.get(n)) for n in names):
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in names:
+        value = kwargs.get(name)
+        if not p.is_dtensor(value):
+            continue
+        if any(p.shard_dim(pl) is not None or p.is_partial(pl) for pl in p.placements_of(value)):
+            raise ValueError(
+                f"{name}: a DTensor of lengths must be replicated on every mesh axis, got "
+                f"placements {tuple(p.placements_of(value))}"
+            )
+        kwargs[name] = p.to_local(value).detach()
+    return kwargs
+
+
+def _ints(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.tolist()]
+    return [int(v) for v in value]
+
+
+# -- what preprocess decides ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _MeshCall:
+    """Everything the output layouts and the local call depend on (the dispatcher caches both by
+    it)."""
+
+    layout: str
+    mode: int
+    mesh: object
+    tensors: tuple  # (name, placements as given, global shape)
+    order: str | None
+    seq_axes: tuple  # the mesh axes sharding the query sequence
+    batch_axes: tuple
+    strategy: str  # "local", "tnd_data_parallel" or "context_parallel"
+    gathered: tuple  # key-side tensors all-gathered for context parallel
+
+    def placements(self, name):
+        return next(pl for n, pl, _ in self.tensors if n == name)
+
+    def shape(self, name):
+        return next(sh for n, _, sh in self.tensors if n == name)
+
+
+class DsaDistributedOp(DistributedOp):
+    def __init__(self, op_name: str = "dense_lightning_indexer_softmax_lse"):
+        if op_name not in TABLES:
+            raise ValueError(f"op_name: DsaDistributedOp serves {sorted(TABLES)}, got {op_name!r}")
+        super().__init__(op_name)
+        self.table = TABLES[op_name]
+        self._checked = BoundedCache()  # layouts that passed the rules -> their strategy
+
+    # -- preprocess ---------------------------------------------------------------------------
+
+    def preprocess(self, args, kwargs):
+        p = _platform.current()
+        t = self.table
+        if len(args) > len(t.params):
+            raise ValueError(
+                f"{self.op_name}: expected at most {len(t.params)} positional arguments, got "
+                f"{len(args)}"
+            )
+        named = {**t.defaults, **dict(zip(t.params, args, strict=False)), **kwargs}
+        named = local_lengths(named, t.lengths)
+        layout = named[t.layout]
+        if t.key_layout is not None:
+            key_layout = named[t.key_layout]
+            if key_layout == "PA_BSND" or named.get("block_table") is not None:
+                raise ValueError(
+                    f"{t.key_layout}: paged keys (PA_BSND) are not supported on a device mesh; "
+                    "pass the keys in the query's layout"
+                )
+            if key_layout != layout:
+                raise ValueError(
+                    f"{t.key_layout}: on a mesh the keys take the query's layout {layout!r}, got "
+                    f"{key_layout!r}"
+                )
+        if layout not in ("BSND", "TND"):
+            raise ValueError(f"{t.layout}: expected 'BSND' or 'TND', got {layout!r}")
+        tensors = {n: named[n] for n in t.tensors if named.get(n) is not None}
+        for name, value in tensors.items():
+            if not p.is_dtensor(value):
+                raise ValueError(
+                    f"{name}: expected a DTensor like the other inputs, got {type(value).__name__}"
+                )
+        order = head_tail_order()
+        key = (
+            layout,
+            named["sparse_mode"],
+            tuple((n, p.placements_of(x), p.global_shape(x)) for n, x in tensors.items()),
+            order,
+            named["pre_tokens"] < MAX_TOKENS or named["next_tokens"] < MAX_TOKENS,
+        )
+        checked = self._checked.get(key)
+        if checked is None:
+            layouts = {n: Layout.of(x) for n, x in tensors.items()}
+            checked = self._check(layout, layouts, named, order)
+            self._checked.put(key, checked)
+        strategy, seq_axes, batch_axes = checked
+        first = next(iter(tensors.values()))
+        mesh = p.mesh_of(first)
+        if strategy == "tnd_data_parallel" and _whole_sequences(named, t, tensors) is None:
+            strategy = "context_parallel"
+        gathered = ()
+        if strategy == "context_parallel":
+            gathered = tuple(
+                n
+                for n, x in tensors.items()
+                if side_of(t.tensors[n][layout]) == "key"
+                and Layout.of(x).tensor_map[seq_dim(t.tensors[n][layout])]
+            )
+        call = _MeshCall(
+            layout=layout,
+            mode=named["sparse_mode"],
+            mesh=mesh,
+            tensors=tuple((n, p.placements_of(x), p.global_shape(x)) for n, x in tensors.items()),
+            order=order,
+            seq_axes=seq_axes,
+            batch_axes=batch_axes,
+            strategy=strategy,
+            gathered=gathered,
+        )
+        local = dict(named)
+        same_value = t.tensors.get("value") is not None and named.get("value") is named.get("key")
+        for name, x in tensors.items():
+            if same_value and name == "value":
+                continue
+            side = side_of(t.tensors[name][layout])
+            if name in gathered:
+                placements = list(p.placements_of(x))
+                for axis in seq_axes:
+                    placements[axis] = p.replicate()
+                x = p.redistribute(x, mesh, tuple(placements))
+            local[name] = p.to_local(x, self._grad_placements(p, x, side, call))
+        if same_value:
+            local["value"] = local["key"]
+        return (), local, call
+
+    @staticmethod
+    def _grad_placements(p, x, side, call):
+        """Each rank's gradient of a tensor replicated over an axis that splits the query rows
+        is a partial sum there (key-side: the context-parallel axes; shared: those and the
+        batch's)."""
+        if side == "query" or call.strategy == "tnd_data_parallel":
+            return None
+        axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
+        return tuple(
+            p.partial() if axis in axes and p.shard_dim(pl) is None else pl
+            for axis, pl in enumerate(p.placements_of(x))
+        )
+
+    def _check(self, layout, layouts, named, order):
+        """The layout rules; returns (strategy, query-sequence axes, batch axes)."""
+        t = self.table
+        names = list(layouts)
+        first_name = names[0]
+        first = layouts[first_name]
+        mesh = first.mesh
+        for name, lay in layouts.items():
+            dims = t.tensors[name][layout]
+            if lay.mesh != mesh:
+                raise ValueError(f"{name}: must be on the same device mesh as {first_name}")
+            if lay.ndim != len(dims):
+                raise ValueError(
+                    f"{name}: expected a {len(dims)}-D DTensor [{', '.join(dims)}] for layout "
+                    f"{layout}, got {lay.ndim}-D with global shape {tuple(lay.shape)}"
+                )
+            partial = lay.partial_axes()
+            if partial:
+                raise ValueError(
+                    f"{name}: Partial placement on mesh axis {lay.axis_names[partial[0]]!r} is "
+                    "not supported; reduce it (redistribute to Replicate or Shard) first"
+                )
+        q_dims = t.tensors[first_name][layout]
+        seq_axes = first.tensor_map[seq_dim(q_dims)]
+        batch_axes = first.tensor_map[0] if layout == "BSND" else ()
+
+        def fail(name, d, why):
+            lay = layouts[name]
+            dims = t.tensors[name][layout]
+            where = (
+                f"is sharded over mesh axis {lay.axes_text(d)}"
+                if lay.tensor_map[d]
+                else "is not sharded"
+            )
+            raise ValueError(f"{name}: dim {d} ({dims[d]}) {where}; {why}")
+
+        keys_sharded = False
+        # Dims sharded where they may not be are reported first, then missing shardings.
+        for missing in (False, True):
+            for name, lay in layouts.items():
+                dims = t.tensors[name][layout]
+                for d, axes in enumerate(lay.tensor_map):
+                    if bool(axes) == missing:
+                        continue
+                    if dims[d] == "B" and axes != batch_axes:
+                        fail(
+                            name,
+                            d,
+                            f"the batch must be sharded like {first_name}'s (mesh axis "
+                            f"{first.axes_text(0)})",
+                        )
+                    elif dims[d] in QUERY_SEQ and axes != seq_axes:
+                        fail(
+                            name,
+                            d,
+                            f"the query sequence must be sharded like {first_name}'s (mesh axis "
+                            f"{first.axes_text(seq_dim(q_dims))})",
+                        )
+                    elif dims[d] in KEY_SEQ and axes:
+                        if axes != seq_axes:
+                            fail(
+                                name,
+                                d,
+                                "the key sequence must be replicated or sharded like the query "
+                                f"sequence of {first_name} (mesh axis "
+                                f"{first.axes_text(seq_dim(q_dims))})",
+                            )
+                        keys_sharded = True
+                    elif axes and dims[d] not in ("B", *QUERY_SEQ, *KEY_SEQ):
+                        fail(name, d, "it must be replicated")
+        if order is not None and not seq_axes:
+            raise ValueError(
+                f"head_tail_cp: needs {first_name}'s query sequence sharded for context parallelism"
+            )
+        if seq_axes and named["sparse_mode"] == 0:
+            for name in ("pre_tokens", "next_tokens"):
+                if named[name] < MAX_TOKENS:
+                    raise ValueError(
+                        f"{name}: a band with sparse_mode=0 cannot be split over the query "
+                        "sequence (context parallel); use sparse_mode=3 or replicate the query "
+                        "sequence"
+                    )
+        if order is not None:
+            cp = first.num_shards(seq_dim(q_dims))
+            for name, lay in layouts.items():
+                dims = t.tensors[name][layout]
+                d = seq_dim(dims)
+                if layout == "BSND" and d is not None and lay.tensor_map[d]:
+                    if lay.shape[d] % (2 * cp):
+                        raise ValueError(
+                            f"{name}: dim {d} ({dims[d]}) has size {lay.shape[d]}, not a "
+                            f"multiple of 2 * cp = {2 * cp}, as head_tail_cp needs"
+                        )
+        if not seq_axes:
+            return "local", (), tuple(batch_axes)
+        if layout == "TND" and keys_sharded and order is None and len(seq_axes) == 1:
+            return "tnd_data_parallel", tuple(seq_axes), ()
+        return "context_parallel", tuple(seq_axes), tuple(batch_axes)
+
+    # -- output layouts -----------------------------------------------------------------------
+
+    def infer_layout(self, cache_values):
+        c = cache_values
+        p = _platform.current()
+        t = self.table
+        first = t.params[0]
+        q_dims = t.tensors[first][c.layout]
+        q_placements = c.placements(first)
+        rows = set(c.seq_axes) | set(c.batch_axes)
+        out = []
+        for kind in t.outputs:
+            if kind[0] == "loss":
+                placements = tuple(
+                    p.partial() if a in rows else p.replicate() for a in range(len(q_placements))
+                )
+                out.append(("fixed", c.mesh, placements, (1,)))
+            elif kind[0] == "grad":
+                name = kind[1]
+                placements = c.placements(name)
+                side = side_of(t.tensors[name][c.layout])
+                if side == "key" and c.strategy == "context_parallel":
+                    placements = tuple(
+                        p.partial() if a in c.seq_axes else pl for a, pl in enumerate(placements)
+                    )
+                out.append(("fixed", c.mesh, placements, c.shape(name)))
+            else:
+                dims = kind[1][c.layout]
+                placements = []
+                for pl in q_placements:
+                    d = p.shard_dim(pl)
+                    target = None if d is None else q_dims[d]
+                    if target in dims:
+                        placements.append(p.shard(dims.index(target)))
+                    else:
+                        placements.append(p.replicate())
+                sizes = {name: c.shape(first)[i] for i, name in enumerate(q_dims) if name in ("B",)}
+                sizes[dims[seq_dim(dims)]] = c.shape(first)[seq_dim(q_dims)]
+                out.append(("query", c.mesh, tuple(placements), dims, sizes))
+        return tuple(out), None
+
+    def wrap_outputs(self, outputs, out_layouts):
+        p = _platform.current()
+        items = (outputs,) if not isinstance(outputs, (tuple, list)) else tuple(outputs)
+        wrapped = []
+        for out, spec in zip(items, out_layouts, strict=True):
+            if spec[0] == "fixed":
+                _, mesh, placements, shape = spec
+                wrapped.append(p.from_local(out, mesh, placements, tuple(shape)))
+                continue
+            _, mesh, placements, dims, sizes = spec
+            if out.dim() != len(dims):  # an output the call was not asked for: empty
+                wrapped.append(
+                    p.from_local(out, mesh, tuple(p.replicate() for _ in placements), out.shape)
+                )
+                continue
+            shape = tuple(sizes.get(name, out.shape[i]) for i, name in enumerate(dims))
+            wrapped.append(p.from_local(out, mesh, placements, shape))
+        return wrapped[0] if not isinstance(outputs, (tuple, list)) else tuple(wrapped)
+
+    # -- the local call -----------------------------------------------------------------------
+
+    def get_expand_impl(self, func, infer_result, cache_values):
+        return _Local(func, self.table, cache_values)
+
+
+def _whole_sequences(named, t, tensors):
+    """TND data parallel: per shard, the run of sequences [lo, hi) whose query and key tokens
+    are exactly the shard's; None when a shard cuts a sequence (or the lengths are missing)."""
+    from .flash_attn import _whole_sequence_shards
+
+    q_ends, k_ends = _ints(named.get(t.lengths[0])), _ints(named.get(t.lengths[1]))
+    if q_ends is None or k_ends is None or len(q_ends) != len(k_ends):
+        return None
+    layout = named[t.layout]
+    q_name = next(n for n in tensors if side_of(t.tensors[n][layout]) == "query")
+    k_name = next(n for n in tensors if side_of(t.tensors[n][layout]) == "key")
+    cu = {
+        "cu_seqlens_q": torch.tensor([0, *q_ends]),
+        "cu_seqlens_kv": torch.tensor([0, *k_ends]),
+    }
+    return _whole_sequence_shards(cu, Layout.of(tensors[q_name]), Layout.of(tensors[k_name]))
+
+
+@dataclass
+class _Piece:
+    """One local call: its query rows (a slice or an index along the query sequence), its
+    lengths, the key rows it keeps (None for all), and per sequence the keys it keeps and the
+    sequence's global key count (for the selection's remap; None when nothing is cut)."""
+
+    rows: object
+    qlen: object
+    klen: object
+    keys: object = None
+    kept: object = None  # BSND: [B_local]; TND: per local query row
+    total: object = None
+
+
+class _Local:
+    """Cuts the rank's call into pieces (one, or two in head-tail order), calls the op per
+    piece, and joins the results: query-side outputs concatenated (and put back in the local
+    row order), key gradients summed into the whole key tensor, losses summed."""
+
+    def __init__(self, func, table, call: _MeshCall):
+        self.func, self.t, self.c = func, table, call
+        layout = call.layout
+        first = table.params[0]
+        q_dims = table.tensors[first][layout]
+        self.q_layout = Layout(call.mesh, call.placements(first), call.shape(first))
+        self.q_seq = seq_dim(q_dims)
+        self.s1 = call.shape(first)[self.q_seq]
+        key_name = _first_key(table, call)
+        self.s2 = call.shape(key_name)[seq_dim(table.tensors[key_name][layout])]
+        self.cp = self.q_layout.num_shards(self.q_seq)
+        self.rank = self.q_layout.shard_index(self.q_seq)
+        self.rows = self.q_layout.shard_range(self.q_seq)
+        self.batch = self.q_layout.shard_range(0) if layout == "BSND" else (0, 0)
+
+    # the pieces ------------------------------------------------------------------------------
+
+    def _bsnd_pieces(self, qlen, klen):
+        b0, b1 = self.batch
+        if self.c.strategy == "local":
+
+            def local(lengths):
+                return None if lengths is None else torch.tensor(lengths[b0:b1], dtype=torch.int64)
+
+            return [_Piece(slice(None), local(qlen), local(klen))]
+        qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
+        klen = [self.s2] * (b1 - b0) if klen is None else klen[b0:b1]
+        if self.c.order is None:
+            r0, r1 = self.rows
+            return [self._bsnd_piece(slice(None), r1 - r0, qlen, klen, r0)]
+        chunk = self.s1 // (2 * self.cp)
+        pair = chunk_pair(self.rank, self.cp, self.c.order)
+        return [
+            self._bsnd_piece(slice(half * chunk, (half + 1) * chunk), chunk, qlen, klen, c * chunk)
+            for half, c in enumerate(pair)
+        ]
+
+    def _bsnd_piece(self, rows, count, qlen, klen, start):
+        """Local rows are global rows [start, start + count) of each sequence."""
+        q_used = [max(0, min(count, n - start)) for n in qlen]
+        if self.c.mode == 3:
+            # Local row i is global row start + i: it keeps its keys j <= i + start + kl - ql.
+            k_used = [
+                max(0, min(kl, kl - ql + start + qu))
+                for ql, kl, qu in zip(qlen, klen, q_used, strict=True)
+            ]
+        else:
+            k_used = list(klen)
+        piece = _Piece(
+            rows, torch.tensor(q_used, dtype=torch.int64), torch.tensor(k_used, dtype=torch.int64)
+        )
+        if k_used != klen:
+            piece.kept, piece.total = (
+                torch.tensor(k_used, dtype=torch.int64),
+                torch.tensor(klen, dtype=torch.int64),
+            )
+        return piece
+
+    def _tnd_pieces(self, q_ends, k_ends):
+        strategy = self.c.strategy
+        if strategy == "local":
+            return [_Piece(slice(None), _opt_tensor(q_ends), _opt_tensor(k_ends))]
+        if q_ends is None or k_ends is None:
+            raise ValueError(f"{self.t.lengths[0]}, {self.t.lengths[1]}: required for layout TND")
+        if len(q_ends) != len(k_ends):
+            raise ValueError(
+                f"{self.t.lengths[1]}: expected {len(q_ends)} entries like {self.t.lengths[0]}, "
+                f"got {len(k_ends)}"
+            )
+        q_starts = [0, *q_ends[:-1]]
+        k_starts = [0, *k_ends[:-1]]
+        if strategy == "tnd_data_parallel":
+            lo, hi = self._run(q_ends, k_ends)
+            if hi <= lo:  # a shard without sequences runs one empty sequence
+                return [
+                    _Piece(
+                        slice(None),
+                        torch.tensor([0], dtype=torch.int64),
+                        torch.tensor([0], dtype=torch.int64),
+                    )
+                ]
+            q_base, k_base = q_starts[lo], k_starts[lo]
+            return [
+                _Piece(
+                    slice(None),
+                    torch.tensor([q_ends[b] - q_base for b in range(lo, hi)], dtype=torch.int64),
+                    torch.tensor([k_ends[b] - k_base for b in range(lo, hi)], dtype=torch.int64),
+                )
+            ]
+        lengths = [
+            (qe - qs, ke - ks)
+            for qs, qe, ks, ke in zip(q_starts, q_ends, k_starts, k_ends, strict=True)
+        ]
+        if self.c.order is None:
+            t0, t1 = self.rows
+            # Per sequence: its local rows, as rows [lo, hi) of the sequence.
+            spans = []
+            for qs, qe in zip(q_starts, q_ends, strict=True):
+                lo, hi = max(qs, t0), min(qe, t1)
+                spans.append((lo - qs, hi - qs) if hi > lo else (0, 0))
+            return [self._tnd_piece(slice(None), spans, lengths, k_starts)]
+        parts = 2 * self.cp
+        for b, (q_len, _) in enumerate(lengths):
+            if q_len % parts:
+                raise ValueError(
+                    f"{self.t.lengths[0]}: sequence {b} has {q_len} query tokens, not a multiple "
+                    f"of 2 * cp = {parts}, as head-tail order needs"
+                )
+        pieces = []
+        for half, c in enumerate(chunk_pair(self.rank, self.cp, self.c.order)):
+            rows, offset, spans = [], 0, []
+            for q_len, _ in lengths:
+                chunk = q_len // parts
+                rows.append(torch.arange(offset + half * chunk, offset + (half + 1) * chunk))
+                offset += 2 * chunk
+                spans.append((c * chunk, (c + 1) * chunk))
+            index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+            pieces.append(self._tnd_piece(index, spans, lengths, k_starts))
+        return pieces
+
+    def _run(self, q_ends, k_ends):
+        """TND data parallel: the rank's whole sequences [lo, hi)."""
+        from .flash_attn import _whole_sequence_shards
+
+        key_name = _first_key(self.t, self.c)
+        k_layout = Layout(self.c.mesh, self.c.placements(key_name), self.c.shape(key_name))
+        cu = {
+            "cu_seqlens_q": torch.tensor([0, *q_ends]),
+            "cu_seqlens_kv": torch.tensor([0, *k_ends]),
+        }
+        runs = _whole_sequence_shards(cu, self.q_layout, k_layout)
+        if runs is None:
+            raise ValueError(
+                f"{self.t.lengths[0]}: the sequences changed between the layout check and the call"
+            )
+        return runs[self.rank]
+
+    def _tnd_piece(self, rows, spans, lengths, k_starts):
+        """A TND piece whose rows are, per sequence, its global rows [lo, hi): each sequence
+        keeps the keys those rows can see (none when it has no rows)."""
+        q_used, k_used = [], []
+        for (lo, hi), (q_len, k_len) in zip(spans, lengths, strict=True):
+            used = hi - lo
+            q_used.append(used)
+            if not used:
+                k_used.append(0)
+            elif self.c.mode == 3:
+                k_used.append(max(0, min(k_len, k_len - q_len + hi)))
+            else:
+                k_used.append(k_len)
+        piece = _Piece(
+            rows,
+            torch.tensor(q_used, dtype=torch.int64).cumsum(0),
+            torch.tensor(k_used, dtype=torch.int64).cumsum(0),
+        )
+        totals = [k for _, k in lengths]
+        if k_used != totals:
+            piece.keys = torch.cat(
+                [torch.arange(ks, ks + used) for ks, used in zip(k_starts, k_used, strict=True)]
+                or [torch.zeros(0, dtype=torch.long)]
+            )
+            counts = torch.tensor(q_used, dtype=torch.int64)
+            piece.kept = torch.repeat_interleave(torch.tensor(k_used, dtype=torch.int64), counts)
+            piece.total = torch.repeat_interleave(torch.tensor(totals, dtype=torch.int64), counts)
+        return piece
+
+    # the call --------------------------------------------------------------------------------
+
+    def _natural_keys(self, named):
+        """Gathered key-side tensors arrive in the query's shard order: put them back in the
+        sequence's natural order."""
+        if self.c.order is None or not self.c.gathered:
+            return named
+        layout = self.c.layout
+        cu = None
+        if layout == "TND":
+            cu = [0, *_ints(named[self.t.lengths[1]])]
+        named = dict(named)
+        done = {}
+        for name in self.c.gathered:
+            value = named[name]
+            if id(value) in done:
+                named[name] = done[id(value)]
+                continue
+            d = seq_dim(self.t.tensors[name][layout])
+            named[name] = from_head_tail(value, d, self.cp, self.c.order, cu_seqlens=cu)
+            done[id(value)] = named[name]
+        return named
+
+    def __call__(self, *args, **named):
+        t, c = self.t, self.c
+        layout = c.layout
+        original = named
+        named = self._natural_keys(named)
+        qlen, klen = _ints(named.get(t.lengths[0])), _ints(named.get(t.lengths[1]))
+        if layout == "BSND":
+            pieces = self._bsnd_pieces(qlen, klen)
+        else:
+            pieces = self._tnd_pieces(qlen, klen)
+        outs = []
+        for piece in pieces:
+            call = dict(named)
+            call[t.lengths[0]], call[t.lengths[1]] = piece.qlen, piece.klen
+            same_value = "value" in t.tensors and named.get("value") is named.get("key")
+            for name, dims_by_layout in t.tensors.items():
+                value = named.get(name)
+                if value is None or (same_value and name == "value"):
+                    continue
+                dims = dims_by_layout[layout]
+                d = seq_dim(dims)
+                side = side_of(dims)
+                if side == "query" and piece.rows != slice(None):
+                    value = _take(value, d, piece.rows)
+                elif side == "key" and piece.keys is not None:
+                    value = value.index_select(d, piece.keys)
+                if name == t.indices and piece.kept is not None:
+                    value = self._drop_unseen(value, piece, named)
+                call[name] = value
+            if same_value:
+                call["value"] = call["key"]
+            positional_args = [call.pop(n) for n in t.params]
+            outs.append(self.func(*positional_args, **call))
+        return self._join(outs, pieces, original)
+
+    def _drop_unseen(self, indices, piece, named):
+        """Entries pointing at keys the piece does not keep (no local row can see them) become
+        -1; entries past the whole sequence stay, for the operator to refuse."""
+        block = int(named.get(self.t.block_size, 1)) if self.t.block_size else 1
+        shape = (-1,) + (1,) * (indices.dim() - 1)
+        if self.c.layout == "BSND":
+            kept, total = piece.kept.view(shape), piece.total.view(shape)
+        else:
+            kept, total = piece.kept.view(shape), piece.total.view(shape)
+        blocks = (total + block - 1) // block
+        unseen = (indices.long() * block >= kept) & (indices < blocks)
+        return torch.where(unseen, torch.full_like(indices, -1), indices)
+
+    def _join(self, outs, pieces, original):
+        t, c = self.t, self.c
+        layout = c.layout
+        single = not isinstance(outs[0], (tuple, list))
+        per_piece = [(o,) if single else tuple(o) for o in outs]
+        index_rows = not isinstance(pieces[0].rows, slice) or len(pieces) > 1
+        joined = []
+        for i, kind in enumerate(t.outputs):
+            parts = [o[i] for o in per_piece]
+            if kind[0] == "loss":
+                joined.append(sum(parts[1:], parts[0]))
+                continue
+            if kind[0] == "grad":
+                name = kind[1]
+                dims = t.tensors[name][layout]
+                d = seq_dim(dims)
+                if side_of(dims) == "key":
+                    joined.append(self._key_grad(parts, pieces, name, original[name], d, original))
+                    continue
+                joined.append(self._query_join(parts, pieces, d, index_rows))
+                continue
+            dims = kind[1][layout]
+            if parts[0].dim() != len(dims):
+                joined.append(parts[0])
+                continue
+            joined.append(self._query_join(parts, pieces, seq_dim(dims), index_rows))
+        return joined[0] if single else tuple(joined)
+
+    @staticmethod
+    def _query_join(parts, pieces, d, index_rows):
+        if len(parts) == 1 and isinstance(pieces[0].rows, slice):
+            return parts[0]
+        out = torch.cat(parts, dim=d)
+        if isinstance(pieces[0].rows, slice):
+            return out
+        order = torch.argsort(torch.cat([p.rows for p in pieces]))
+        return out.index_select(d, order)
+
+    def _key_grad(self, parts, pieces, name, key, d, named):
+        """The fused losses' key gradient: each piece's rows scattered into the whole (natural
+        order) key tensor and summed, then put in the order the key came in."""
+        total = None
+        for part, piece in zip(parts, pieces, strict=True):
+            if piece.keys is not None:
+                full = part.new_zeros(key.shape).index_add(d, piece.keys, part)
+            else:
+                full = part
+            total = full if total is None else total + full
+        if self.c.order is not None and name in self.c.gathered:
+            cu = None if self.c.layout == "BSND" else [0, *_ints(named[self.t.lengths[1]])]
+            total = to_head_tail(total, d, self.cp, self.c.order, cu_seqlens=cu)
+        return total
+
+
+def _first_key(table, call):
+    """The first key-side tensor of the call (its key sequence is the call's)."""
+    layout = call.layout
+    return next(n for n, _pl, _sh in call.tensors if side_of(table.tensors[n][layout]) == "key")
+
+
+def _take(value, d, rows):
+    if isinstance(rows, slice):
+        index = [slice(None)] * value.dim()
+        index[d] = rows
+        return value[tuple(index)]
+    return value.index_select(d, rows)
+
+
+def _opt_tensor(values):
+    return None if values is None else torch.tensor(values, dtype=torch.int64)
