@@ -383,7 +383,7 @@ class DsaDistributedOp(DistributedOp):
         """Each rank's gradient of a tensor replicated over an axis that splits the query rows
         is a partial sum there (key-side: the context-parallel axes; shared: those and the
         batch's)."""
-        if side == "query" or call.strategy == "tnd_data_parallel":
+        if side == "query":
             return None
         axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
         return tuple(

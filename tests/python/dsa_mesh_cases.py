@@ -1,0 +1,420 @@
+"""The DSA operators on real process groups (gloo, spawned processes), run by test_dsa_mesh.py.
+
+One case runs a whole DSA layer on the mesh and on one device, on the same inputs: the dense
+indexer's statistics, the dense KL loss and its gradients, lightning_indexer's selection,
+sparse_flash_attention forward and backward (on the mesh's own selection), the sparse KL loss
+and its gradients, and the fused sparse operator. Schemes (the mesh's last axis is the
+context-parallel one; a 2-axis mesh's first shards the BSND batch):
+
+* ``dp``: the batch only (BSND);
+* ``cp_rep``: the query sequence, keys replicated;
+* ``cp_shard``: the query and key sequences (keys gathered inside the ops);
+* ``cp_two_axes``: both sequences over both axes of a 2-axis mesh;
+* ``tnd_dp``: TND tokens of queries and keys sharded alike, every shard holding whole sequences.
+
+Head-tail order (both orders) permutes the sharded sequences before they are distributed and
+the outputs back after. Sizes do not divide the mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+from mesh_runner import expect_error as _expect
+from torch.distributed.tensor import DTensor
+
+import opmesh
+from opmesh import Partial, Replicate, Shard
+
+R = Replicate()
+TOP_K = 5
+SCALE = 0.25
+N1, N2, D, DR = 4, 2, 16, 8  # main attention: 4 query heads over 2 key heads
+NI = 4  # indexer query heads (one index key head)
+
+# Per tensor: (side, BSND sequence dim, TND sequence dim); None for replicated tensors.
+SEQ = {
+    "query_index": ("q", 1, 0),
+    "weights": ("q", 1, 0),
+    "query": ("q", 1, 0),
+    "query_rope": ("q", 1, 0),
+    "sparse_indices": ("q", 1, 0),
+    "main_max": ("q", 2, 1),
+    "main_sum": ("q", 2, 1),
+    "gout": ("q", 1, 0),
+    "key_index": ("k", 1, 0),
+    "key": ("k", 1, 0),
+    "value": ("k", 1, 0),
+    "key_rope": ("k", 1, 0),
+}
+STATS_SEQ = {"BSND": 2, "TND": 1}  # the statistics' query sequence dim ([B, N, S1(, G)])
+
+
+def _inputs(layout, b, s1, s2, q_lens=None, k_lens=None, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    lead_q = (b, s1) if layout == "BSND" else (sum(q_lens),)
+    lead_k = (b, s2) if layout == "BSND" else (sum(k_lens),)
+    x = dict(
+        query_index=torch.randn(*lead_q, NI, D, generator=g),
+        key_index=torch.randn(*lead_k, 1, D, generator=g),
+        weights=torch.randn(*lead_q, NI, generator=g) / 4,
+        query=torch.randn(*lead_q, N1, D, generator=g),
+        key=torch.randn(*lead_k, N2, D, generator=g),
+        value=torch.randn(*lead_k, N2, D, generator=g),
+        query_rope=torch.randn(*lead_q, N1, DR, generator=g),
+        key_rope=torch.randn(*lead_k, N2, DR, generator=g),
+        gout=torch.randn(*lead_q, N1, D, generator=g),
+        sinks=torch.randn(N1, generator=g),
+    )
+    stats = (b, N2, s1, N1 // N2) if layout == "BSND" else (N2, lead_q[0], N1 // N2)
+    x["main_max"] = torch.randn(*stats, generator=g)
+    x["main_sum"] = torch.rand(*stats, generator=g) + 0.5
+    return x
+
+
+def _lengths(layout, b, q_lens, k_lens):
+    """The lengths in the dense family's names and in the sparse operators' names."""
+    if layout == "BSND":
+        if q_lens is None:
+            return {}, {}, {}
+        ql, kl = torch.tensor(q_lens), torch.tensor(k_lens)
+    else:
+        ql, kl = torch.tensor(q_lens).cumsum(0), torch.tensor(k_lens).cumsum(0)
+    dense = dict(actual_seq_qlen=ql, actual_seq_klen=kl, layout=layout)
+    indexer = dict(actual_seq_lengths_query=ql, actual_seq_lengths_key=kl, layout_query=layout)
+    indexer["layout_key"] = layout
+    attention = dict(actual_seq_lengths_query=ql, actual_seq_lengths_kv=kl, layout_query=layout)
+    attention["layout_kv"] = layout
+    return dense, indexer, attention
+
+
+def _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, head_tail=None):
+    """One DSA layer's outputs and gradients; ``x`` holds plain tensors or DTensors."""
+    out = {}
+    mask = dict(sparse_mode=mode)
+    stats = opmesh.dense_lightning_indexer_softmax_lse(
+        x["query_index"], x["key_index"], x["weights"], **dense_kw, **mask
+    )
+    out["dense_max"], out["dense_sum"] = stats
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in ("query_index", "key_index")}
+    leaves["weights"] = x["weights"].detach().clone().requires_grad_()
+    main = {n: x[n] for n in ("query", "key")}
+    ropes = dict(query_rope=x["query_rope"], key_rope=x["key_rope"])
+    loss = opmesh.indexer_kl_loss(
+        *leaves.values(), **main, softmax_max=x["main_max"], softmax_sum=x["main_sum"],
+        scale_value=SCALE, **ropes, **dense_kw, **mask,
+    )  # fmt: skip
+    _backward(loss)
+    out["dense_loss"] = loss
+    out.update({f"dense_grad_{n}": v.grad for n, v in leaves.items()})
+    indices, values = opmesh.lightning_indexer(
+        x["query_index"], x["key_index"], x["weights"], sparse_count=TOP_K, return_value=True,
+        **indexer_kw, **mask,
+    )  # fmt: skip
+    out["indices"], out["index_values"] = indices, values
+    attn = {n: x[n].detach().clone().requires_grad_() for n in ("query", "key", "value")}
+    attn.update({n: x[n].detach().clone().requires_grad_() for n in ("query_rope", "key_rope")})
+    attn["sinks"] = x["sinks"].detach().clone().requires_grad_()
+    o, smax, ssum = opmesh.sparse_flash_attention(
+        attn["query"], attn["key"], attn["value"], indices, SCALE,
+        query_rope=attn["query_rope"], key_rope=attn["key_rope"], sinks=attn["sinks"],
+        return_softmax_lse=True, **attention_kw, **mask,
+    )  # fmt: skip
+    _backward((o * x["gout"]).sum())
+    out["attention"], out["softmax_max"], out["softmax_sum"] = o, smax, ssum
+    out.update({f"attention_grad_{n}": v.grad for n, v in attn.items()})
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in ("query_index", "key_index")}
+    leaves["weights"] = x["weights"].detach().clone().requires_grad_()
+    loss = opmesh.sparse_indexer_kl_loss(
+        *leaves.values(), x["query"], x["key"], indices, smax, ssum, SCALE, **ropes, **dense_kw,
+        **mask,
+    )  # fmt: skip
+    _backward(loss)
+    out["sparse_loss"] = loss
+    out.update({f"sparse_grad_{n}": v.grad for n, v in leaves.items()})
+    fused = opmesh.sparse_lightning_indexer_grad_kl_loss(
+        x["query"], x["key"], x["query_index"], x["key_index"], x["weights"], indices, smax,
+        ssum, SCALE, **ropes, **dense_kw, **mask,
+    )  # fmt: skip
+    for name, value in zip(("dq", "dk", "dw", "loss"), fused, strict=True):
+        out[f"fused_{name}"] = value
+    return out
+
+
+def _backward(loss):
+    (loss.full_tensor() if isinstance(loss, DTensor) else loss).sum().backward()
+
+
+# Where each output's (or gradient's) sequence dim is, and on which side.
+OUTPUT_SEQ = {
+    "dense_max": "stats",
+    "dense_sum": "stats",
+    "dense_grad_query_index": "query_index",
+    "dense_grad_key_index": "key_index",
+    "dense_grad_weights": "weights",
+    "indices": "query",
+    "index_values": "query",
+    "attention": "query",
+    "softmax_max": "main_max",
+    "softmax_sum": "main_max",
+    "attention_grad_query": "query",
+    "attention_grad_key": "key",
+    "attention_grad_value": "value",
+    "attention_grad_query_rope": "query",
+    "attention_grad_key_rope": "key",
+    "sparse_grad_query_index": "query_index",
+    "sparse_grad_key_index": "key_index",
+    "sparse_grad_weights": "weights",
+    "fused_dq": "query_index",
+    "fused_dk": "key_index",
+    "fused_dw": "weights",
+}
+
+
+def _placements(mesh, layout, scheme, name):
+    """The placements of tensor ``name`` under ``scheme``."""
+    if name not in SEQ:
+        return [R] * mesh.ndim  # sinks
+    side, bsnd_dim, tnd_dim = SEQ[name]
+    seq = bsnd_dim if layout == "BSND" else tnd_dim
+    out = [R] * mesh.ndim
+    if scheme == "dp":
+        out[0] = Shard(0)
+        return out
+    if layout == "BSND" and mesh.ndim == 2 and scheme != "cp_two_axes":
+        out[0] = Shard(0)
+    keys_sharded = scheme in ("cp_shard", "cp_two_axes", "tnd_dp")
+    if side == "q" or keys_sharded:
+        if scheme == "cp_two_axes":
+            out = [Shard(seq)] * mesh.ndim
+        else:
+            out[-1] = Shard(seq)
+    return out
+
+
+def _seq_dim(layout, name):
+    if name == "stats":
+        return STATS_SEQ[layout]
+    side, bsnd_dim, tnd_dim = SEQ[name]
+    return bsnd_dim if layout == "BSND" else tnd_dim
+
+
+def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, q_lens=None,
+                   k_lens=None):  # fmt: skip
+    """The DSA layer on the mesh equals the one-device layer: outputs, statistics, indices,
+    losses and gradients (full tensors, in natural order)."""
+    x = _inputs(layout, b, s1, s2, q_lens, k_lens)
+    dense_kw, indexer_kw, attention_kw = _lengths(layout, b, q_lens, k_lens)
+    want = _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode)
+    cp = mesh.size() if scheme == "cp_two_axes" else mesh.size(mesh.ndim - 1)
+    keys_sharded = scheme in ("cp_shard", "cp_two_axes")
+    cu = {}
+    if layout == "TND":
+        cu = {"q": [0, *torch.tensor(q_lens).cumsum(0).tolist()]}
+        cu["k"] = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+
+    def to_order(name, value, back=False):
+        if order is None or name not in SEQ and name != "stats":
+            return value
+        side = "q" if name == "stats" else SEQ[name][0]
+        if side == "k" and not keys_sharded:
+            return value
+        move = opmesh.from_head_tail if back else opmesh.to_head_tail
+        return move(
+            value, _seq_dim(layout, name), cp, order, cu_seqlens=cu.get(side) if cu else None
+        )
+
+    dx = {
+        n: opmesh.distribute_tensor(to_order(n, v), mesh, _placements(mesh, layout, scheme, n))
+        for n, v in x.items()
+    }
+    if order is None:
+        got = _layer(dx, layout, dense_kw, indexer_kw, attention_kw, mode)
+    else:
+        with opmesh.head_tail_cp(order):
+            got = _layer(dx, layout, dense_kw, indexer_kw, attention_kw, mode)
+    row_axes = set()
+    q_placements = _placements(mesh, layout, scheme, "query")
+    for axis, placement in enumerate(q_placements):
+        if isinstance(placement, Shard):
+            row_axes.add(axis)
+    for name, value in got.items():
+        assert isinstance(value, DTensor), f"{name}: not a DTensor ({type(value).__name__})"
+        full = value.full_tensor()
+        if name.endswith("loss"):
+            expect = [isinstance(p, Partial) for p in value.placements]
+            assert expect == [a in row_axes for a in range(mesh.ndim)], (
+                f"{name}: placements {value.placements}"
+            )
+        elif name in OUTPUT_SEQ and full.dim() > 1:
+            full = to_order(OUTPUT_SEQ[name], full, back=True)
+        if name == "fused_dk" and scheme not in ("dp", "tnd_dp"):
+            assert isinstance(value.placements[-1], Partial), f"{name}: {value.placements}"
+        _compare(name, full, want[name])
+
+
+def _compare(name, got, want):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    if not got.is_floating_point():
+        assert torch.equal(got, want), f"{name}: differs in {(got != want).sum().item()} entries"
+        return
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: infinities differ"
+    scale = want[finite].abs().max().item() + 1e-12 if finite.any() else 1.0
+    worst = (got[finite] - want[finite]).abs().max().item() / scale if finite.any() else 0.0
+    assert worst <= 1e-5, f"{name}: error {worst:.2e} of the largest entry > 1e-5"
+
+
+def _whole_sequence_lengths(total, shards, split, empty=False):
+    """Sequence lengths whose boundaries include every shard boundary of ``total`` tokens split
+    ``shards`` ways (DTensor's split), each shard cut in two at ``split`` of its size."""
+    chunk = -(-total // shards)
+    out = []
+    for i in range(shards):
+        size = max(0, min(total, (i + 1) * chunk) - i * chunk)
+        a = int(size * split)
+        out += [a, size - a] + ([0] if empty and i == 0 else [])
+    return out
+
+
+def case_errors(mesh):
+    """Errors name the tensor, the dim and the mesh axis; paged keys are refused."""
+    x = _inputs("BSND", 2, 8, 8)
+    last = mesh.ndim - 1
+    axis = mesh.mesh_dim_names[last]
+    rest = [R] * last
+
+    def dist(name, placements):
+        return opmesh.distribute_tensor(x[name], mesh, placements)
+
+    q = dist("query_index", rest + [Shard(1)])
+    w = dist("weights", rest + [Shard(1)])
+    _expect(
+        ValueError,
+        f"key: dim 2 (N2) is sharded over mesh axis '{axis}'; it must be replicated",
+        lambda: opmesh.lightning_indexer(q, dist("key_index", rest + [Shard(2)]), w),
+    )
+    _expect(
+        ValueError,
+        f"query: dim 3 (D) is sharded over mesh axis '{axis}'",
+        lambda: opmesh.lightning_indexer(
+            dist("query_index", rest + [Shard(3)]), dist("key_index", rest + [R]), w
+        ),
+    )
+    k = dist("key_index", rest + [R])
+    indices = opmesh.lightning_indexer(q, k, w, sparse_count=3)[0]
+    assert isinstance(indices, DTensor) and indices.placements[-1] == Shard(1)
+    bad_indices = opmesh.distribute_tensor(indices.full_tensor(), mesh, rest + [Shard(3)])
+    main = {n: dist(n, rest + [R]) for n in ("key", "value")}
+    query = dist("query", rest + [Shard(1)])
+    _expect(
+        ValueError,
+        f"sparse_indices: dim 3 (K) is sharded over mesh axis '{axis}'; it must be replicated",
+        lambda: opmesh.sparse_flash_attention(query, *main.values(), bad_indices, SCALE),
+    )
+    _expect(
+        ValueError,
+        "sparse_indices: dim 1 (S1) is not sharded; the query sequence must be sharded like",
+        lambda: opmesh.sparse_flash_attention(
+            query, *main.values(), opmesh.distribute_tensor(indices.full_tensor(), mesh, rest + [R]),
+            SCALE,
+        ),
+    )  # fmt: skip
+    _expect(
+        ValueError,
+        "layout_kv: paged keys (PA_BSND) are not supported on a device mesh",
+        lambda: opmesh.sparse_flash_attention(
+            query, *main.values(), indices, SCALE, layout_kv="PA_BSND", block_table=[[0]]
+        ),
+    )
+    _expect(
+        ValueError,
+        "layout_key: paged keys (PA_BSND) are not supported on a device mesh",
+        lambda: opmesh.lightning_indexer(q, k, w, layout_key="PA_BSND", block_table=[[0]]),
+    )
+    if mesh.ndim == 2:
+        # keys sharded over another axis than the query's
+        other = [Shard(1), R]
+        _expect(
+            ValueError,
+            "key: dim 1 (S2) is sharded over mesh axis",
+            lambda: opmesh.lightning_indexer(q, dist("key_index", other), w),
+        )
+    _expect(
+        ValueError,
+        "key: dim 1 (S2) is sharded over mesh axis",
+        lambda: opmesh.lightning_indexer(
+            dist("query_index", [R] * mesh.ndim),
+            dist("key_index", rest + [Shard(1)]),
+            dist("weights", [R] * mesh.ndim),
+        ),
+    )
+
+
+def dsa_cases(mesh):
+    cp = mesh.size(mesh.ndim - 1)
+    ht_q = [4 * cp, 0, 2 * cp * 3]
+    ht_k_sharded = [4 * cp, 2 * cp, 8 * cp]
+    ht_k_rep = [4 * cp + 1, 3, 6 * cp + 5]
+    varlen = dict(q_lens=[9, 0, 23, 17, 15], k_lens=[9, 4, 40, 17, 30])
+    t1, t2 = 3 * cp + 1, 4 * cp + 3
+    dp_lens = dict(
+        q_lens=_whole_sequence_lengths(t1, cp, 0.5, empty=True),
+        k_lens=_whole_sequence_lengths(t2, cp, 0.4, empty=True),
+    )
+    cases = {
+        "bsnd_dp": lambda: dsa_layer_case(mesh, "BSND", "dp"),
+        "bsnd_cp_rep": lambda: dsa_layer_case(mesh, "BSND", "cp_rep"),
+        "bsnd_cp_shard": lambda: dsa_layer_case(mesh, "BSND", "cp_shard"),
+        "bsnd_cp_shard_lengths": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", q_lens=[13, 9, 2], k_lens=[17, 12, 6]
+        ),
+        "bsnd_cp_shard_mode0": lambda: dsa_layer_case(mesh, "BSND", "cp_shard", mode=0),
+        "bsnd_head_tail_opmesh_shard": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", "opmesh", s1=4 * cp, s2=6 * cp
+        ),
+        "bsnd_head_tail_hyperparallel_shard": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", "hyperparallel", b=2, s1=4 * cp, s2=6 * cp
+        ),
+        "bsnd_head_tail_hyperparallel_rep": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_rep", "hyperparallel", s1=4 * cp, s2=4 * cp + 3
+        ),
+        "tnd_cp_rep": lambda: dsa_layer_case(mesh, "TND", "cp_rep", **varlen),
+        "tnd_cp_shard": lambda: dsa_layer_case(mesh, "TND", "cp_shard", **varlen),
+        "tnd_head_tail_opmesh_shard": lambda: dsa_layer_case(
+            mesh, "TND", "cp_shard", "opmesh", q_lens=ht_q, k_lens=ht_k_sharded
+        ),
+        "tnd_head_tail_hyperparallel_shard": lambda: dsa_layer_case(
+            mesh, "TND", "cp_shard", "hyperparallel", q_lens=ht_q, k_lens=ht_k_sharded
+        ),
+        "tnd_head_tail_opmesh_rep": lambda: dsa_layer_case(
+            mesh, "TND", "cp_rep", "opmesh", q_lens=ht_q, k_lens=ht_k_rep
+        ),
+        "tnd_dp": lambda: dsa_layer_case(mesh, "TND", "tnd_dp", **dp_lens),
+        "tnd_dp_mode0": lambda: dsa_layer_case(mesh, "TND", "tnd_dp", mode=0, **dp_lens),
+        "errors": lambda: case_errors(mesh),
+    }
+    if mesh.ndim == 2:
+        cases["bsnd_two_axes"] = lambda: dsa_layer_case(mesh, "BSND", "cp_two_axes", b=2)
+        cases["tnd_two_axes"] = lambda: dsa_layer_case(mesh, "TND", "cp_two_axes", **varlen)
+    return cases
+
+
+CASE_NAMES = [
+    "bsnd_dp",
+    "bsnd_cp_rep",
+    "bsnd_cp_shard",
+    "bsnd_cp_shard_lengths",
+    "bsnd_cp_shard_mode0",
+    "bsnd_head_tail_opmesh_shard",
+    "bsnd_head_tail_hyperparallel_shard",
+    "bsnd_head_tail_hyperparallel_rep",
+    "tnd_cp_rep",
+    "tnd_cp_shard",
+    "tnd_head_tail_opmesh_shard",
+    "tnd_head_tail_hyperparallel_shard",
+    "tnd_head_tail_opmesh_rep",
+    "tnd_dp",
+    "tnd_dp_mode0",
+    "errors",
+]
+TWO_AXIS_CASES = ["bsnd_two_axes", "tnd_two_axes"]
