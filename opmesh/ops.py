@@ -611,6 +611,16 @@ def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
     )
 
 
+# flash_attn's context-parallel strategies (docs/distributed.md).
+_CONTEXT_PARALLEL = (
+    "all_gather",
+    "ring",
+    "ulysses",
+    ("ulysses", "ring"),
+    ("ulysses", "all_gather"),
+)
+
+
 def flash_attn_metadata(
     num_heads_q: int,
     num_heads_kv: int,
@@ -690,7 +700,7 @@ def flash_attn(
     layout_kv: str | None = None,
     layout_out: str | None = None,
     return_softmax_lse: bool = False,
-    context_parallel: str = "all_gather",
+    context_parallel: str | tuple[str, str] = "all_gather",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Attention forward with GQA, variable lengths, paged keys/values, windows and sinks.
 
@@ -732,8 +742,11 @@ def flash_attn(
             otherwise the second output is empty.
         context_parallel: with DTensors whose query sequence is sharded, how keys and values
             reach every rank: ``"all_gather"`` (gathered once) or ``"ring"`` (passed around the
-            group while each rank computes, partial results merged by log-sum-exp); see
-            docs/distributed.md. No effect on plain tensors.
+            group while each rank computes, partial results merged by log-sum-exp),
+            ``"ulysses"`` (q, k and v exchanged all-to-all into full sequences sharded by
+            heads, and the output back), or ``("ulysses", "ring")`` / ``("ulysses",
+            "all_gather")`` for a sequence sharded over two mesh axes (Ulysses over the first);
+            see docs/distributed.md. No effect on plain tensors.
 
     Returns:
         ``(attn_out, softmax_lse)``; ``attn_out`` has q's dtype and head dim ``Dv``.
@@ -745,9 +758,12 @@ def flash_attn(
         layout_kv = "PA_BBND" if block_table is not None else layout_q
     if layout_out is None:
         layout_out = layout_q
-    if context_parallel not in ("all_gather", "ring"):
+    if isinstance(context_parallel, list):
+        context_parallel = tuple(context_parallel)
+    if context_parallel not in _CONTEXT_PARALLEL:
         raise ValueError(
-            f"context_parallel: expected 'all_gather' or 'ring', got {context_parallel!r}"
+            "context_parallel: expected 'all_gather', 'ring', 'ulysses', ('ulysses', 'ring') or "
+            f"('ulysses', 'all_gather'), got {context_parallel!r}"
         )
     call = dict(locals())
     del call["context_parallel"]

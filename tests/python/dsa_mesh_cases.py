@@ -311,14 +311,12 @@ def case_errors(mesh):
         f"sparse_indices: dim 3 (K) is sharded over mesh axis '{axis}'; it must be replicated",
         lambda: opmesh.sparse_flash_attention(query, *main.values(), bad_indices, SCALE),
     )
+    replicated_indices = opmesh.distribute_tensor(indices.full_tensor(), mesh, rest + [R])
     _expect(
         ValueError,
         "sparse_indices: dim 1 (S1) is not sharded; the query sequence must be sharded like",
-        lambda: opmesh.sparse_flash_attention(
-            query, *main.values(), opmesh.distribute_tensor(indices.full_tensor(), mesh, rest + [R]),
-            SCALE,
-        ),
-    )  # fmt: skip
+        lambda: opmesh.sparse_flash_attention(query, *main.values(), replicated_indices, SCALE),
+    )
     _expect(
         ValueError,
         "layout_kv: paged keys (PA_BSND) are not supported on a device mesh",

@@ -328,6 +328,66 @@ def cases(mesh):
         ),
         "cp_causal_more_keys": lambda: _check(mesh, ([S1], [R], [R]), mask_mode=3, s1=9, s2=20),
         "cp_no_mask_more_keys_gathered": lambda: _check(mesh, ([S1], [S1], [S1]), s1=7, s2=13),
+        # Ulysses: all-to-all into head-sharded full sequences and back.
+        "ulysses_causal_s9_sinks": lambda: _check(
+            mesh,
+            ([S1], [S1], [S1]),
+            mask_mode=3,
+            nq=4 * m,
+            nkv=2 * m,
+            sinks=[R],
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "ulysses_gqa_one_kv_head": lambda: _check(
+            mesh,
+            ([S1], [S1], [S1]),
+            mask_mode=3,
+            b=1,
+            s1=11,
+            s2=11,
+            nq=8,
+            nkv=1,
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "ulysses_uneven_heads_window_bnsd": lambda: _check(
+            mesh,
+            ([S2], [S2], [S2]),
+            layout="BNSD",
+            mask_mode=4,
+            win_left=3,
+            win_right=2,
+            s1=10,
+            s2=13,
+            nq=6,
+            nkv=2,
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "ulysses_tnd_varlen": lambda: _check_tnd(
+            mesh,
+            [9, 0, 23, 17],
+            [9, 4, 40, 17],
+            ([S0], [S0], [S0]),
+            nq=2 * m,
+            nkv=m,
+            sinks=[R],
+            mask_mode=3,
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "ulysses_head_tail": lambda: _check_head_tail(
+            mesh, "hyperparallel", True, b=2, nq=2 * m, nkv=2, context_parallel="ulysses"
+        ),
+        "ulysses_tnd_head_tail": lambda: _check_tnd_head_tail(
+            mesh,
+            "opmesh",
+            [4 * m, 0, 2 * m],
+            [4 * m, 2 * m, 6 * m],
+            True,
+            nq=4,
+            nkv=2,
+            mask_mode=3,
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "ulysses_errors": lambda: case_ulysses_errors(mesh),
         "cp_sliding_window": lambda: _check(
             mesh, ([S1], [S1], [S1]), mask_mode=4, win_left=3, win_right=0, s1=17, s2=17
         ),
@@ -527,6 +587,13 @@ CASE_NAMES = [
     "cp_causal_replicated_kv",
     "cp_causal_more_keys",
     "cp_no_mask_more_keys_gathered",
+    "ulysses_causal_s9_sinks",
+    "ulysses_gqa_one_kv_head",
+    "ulysses_uneven_heads_window_bnsd",
+    "ulysses_tnd_varlen",
+    "ulysses_head_tail",
+    "ulysses_tnd_head_tail",
+    "ulysses_errors",
     "cp_sliding_window",
     "cp_window_both_sides",
     "cp_window_right_only_more_keys",
@@ -569,6 +636,40 @@ CASE_NAMES = [
 ]
 
 
+def case_ulysses_errors(mesh):
+    """Ulysses needs k and v sharded like q, and heads it can split."""
+    q, k, v = _inputs(1, 8, 8, 4, 2)
+    S1 = [Shard(1)]
+    dq, dk, dv = (opmesh.distribute_tensor(x, mesh, S1) for x in (q, k, v))
+    rk = opmesh.distribute_tensor(k, mesh, [R])
+    _expect(
+        ValueError,
+        "k: dim 1 is sharded over mesh axes none; Ulysses needs the key sequence sharded as q's",
+        lambda: opmesh.flash_attn(dq, rk, dv, context_parallel="ulysses"),
+    )
+    _expect(
+        ValueError,
+        "context_parallel: expected 'all_gather', 'ring', 'ulysses'",
+        lambda: opmesh.flash_attn(dq, dk, dv, context_parallel=("ring", "ulysses")),
+    )
+    _expect(
+        ValueError,
+        f"q: dim 1 is sharded over mesh axes '{mesh.mesh_dim_names[0]}'; "
+        "context_parallel=('ulysses', 'ring') needs",
+        lambda: opmesh.flash_attn(dq, dk, dv, context_parallel=("ulysses", "ring")),
+    )
+    q6, k4, v4 = _inputs(1, 8, 8, 6, 4)
+    if mesh.size(0) in (3, 4):
+        _expect(
+            ValueError,
+            "k: 6 query heads over 4 key heads cannot be split",
+            lambda: opmesh.flash_attn(
+                *(opmesh.distribute_tensor(x, mesh, S1) for x in (q6, k4, v4)),
+                context_parallel="ulysses",
+            ),
+        )
+
+
 def two_axis_cases(mesh):
     """A (dp, cp) mesh: batch over the first axis, sequence (or heads) over the second."""
     S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -603,6 +704,42 @@ def two_axis_cases(mesh):
             win_right=2,
         ),  # fmt: skip
         "2d_tnd_dp_tp": lambda: case_tnd_data_parallel(mesh, mask_mode=3),
+        "2d_dp_ulysses": lambda: _check(
+            mesh,
+            ([S0, S1], [S0, S1], [S0, S1]),
+            b=3,
+            s1=11,
+            s2=11,
+            nq=8,
+            nkv=2,
+            mask_mode=3,
+            sinks=[R, R],
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "2d_ulysses_ring": lambda: _check(
+            mesh,
+            ([S1, S1], [S1, S1], [S1, S1]),
+            b=2,
+            s1=13,
+            s2=13,
+            nq=8,
+            nkv=2,
+            mask_mode=3,
+            context_parallel=("ulysses", "ring"),
+        ),  # fmt: skip
+        "2d_ulysses_all_gather_window": lambda: _check(
+            mesh,
+            ([S1, S1], [S1, S1], [S1, S1]),
+            b=1,
+            s1=14,
+            s2=17,
+            nq=4,
+            nkv=1,
+            mask_mode=4,
+            win_left=3,
+            win_right=2,
+            context_parallel=("ulysses", "all_gather"),
+        ),  # fmt: skip
         # One head over the heads axis and one sequence over the batch axis: empty shards on
         # both axes.
         "2d_empty_shards_one_head": lambda: _check(
@@ -618,6 +755,9 @@ TWO_AXIS_CASE_NAMES = [
     "2d_cp_replicated_kv_dp",
     "2d_cp_window_dp",
     "2d_tnd_dp_tp",
+    "2d_dp_ulysses",
+    "2d_ulysses_ring",
+    "2d_ulysses_all_gather_window",
     "2d_empty_shards_one_head",
 ]
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
-from ..context_parallel import chunk_pair, from_head_tail, head_tail_order
+from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
 from ..distributed_op import DistributedOp
 from ..layout import Layout
 
@@ -106,6 +106,7 @@ class FlashAttnDistributedOp(DistributedOp):
             slice_sinks=slice_sinks,
             order=call.order,
             strategy=strategy.name if q_layout.tensor_map[call.s] else "all_gather",
+            inner=getattr(strategy, "inner", None),
         )
         return local_args, kwargs, result
 
@@ -142,6 +143,8 @@ class FlashAttnDistributedOp(DistributedOp):
     def get_expand_impl(self, func, infer_result, cache_values):
         c = cache_values
         q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
+        if c.strategy == "ulysses":
+            return _UlyssesLocal(func, c)
         if c.strategy == "ring":
             return _RingLocal(func, c.layout_q, c.layout_out, q_layout, c.shapes[1], c.slice_sinks)
         if c.strategy == "tnd_data_parallel":
@@ -175,7 +178,8 @@ class _MeshCall:
     return_lse: bool
     slice_sinks: bool  # replicated sinks: each rank takes its query heads' entries
     order: str | None  # head-tail order, or None
-    strategy: str  # "all_gather", "ring" or "tnd_data_parallel"
+    strategy: str  # "all_gather", "ring", "ulysses" or "tnd_data_parallel"
+    inner: str | None = None  # the second axis's strategy of the Ulysses hybrid
 
 
 def _check_dtensors(args):
@@ -334,6 +338,8 @@ def _strategy(call: _MeshInputs, kwargs):
     s = call.s
     if not qm[s]:
         return _NoContextParallel
+    if requested == "ulysses" or isinstance(requested, tuple):
+        return _Ulysses(requested)
     if (
         call.layout_q == "TND"
         and km[s] == qm[s] == vm[s]
@@ -463,6 +469,202 @@ class _Ring(_ContextParallel):
     @staticmethod
     def move_keys(call, args):
         return args  # they travel during the call
+
+
+class _Ulysses:
+    """Ulysses (all-to-all) context parallel: q, k and v sharded along their sequence over the
+    context-parallel axis are exchanged all-to-all into full sequences sharded by heads, each
+    rank attends its heads locally, and the output (and lse) is exchanged back. Key and value
+    heads fewer than the ranks are repeated just enough for every rank's query heads to find
+    theirs. With a second strategy (``("ulysses", "ring")`` or ``("ulysses", "all_gather")``)
+    the sequence is sharded over two mesh axes: the first is exchanged all-to-all, the second
+    runs that strategy on the head-sharded tensors."""
+
+    name = "ulysses"
+
+    def __init__(self, requested):
+        self.inner = None
+        if isinstance(requested, tuple):
+            if (
+                len(requested) != 2
+                or requested[0] != "ulysses"
+                or requested[1]
+                not in (
+                    "ring",
+                    "all_gather",
+                )
+            ):
+                raise ValueError(
+                    "context_parallel: a two-axis strategy is ('ulysses', 'ring') or "
+                    f"('ulysses', 'all_gather'), got {requested!r}"
+                )
+            self.inner = requested[1]
+
+    def prepare(self, call, args, kwargs):
+        q_layout, s, n = call.layouts[0], call.s, call.n
+        axes = q_layout.tensor_map[s]
+        want = 1 if self.inner is None else 2
+        if len(axes) != want:
+            what = "one mesh axis" if want == 1 else "two mesh axes (Ulysses over the first)"
+            strategy = "'ulysses'" if self.inner is None else f"('ulysses', {self.inner!r})"
+            _fail(
+                "q", q_layout, s, f"context_parallel={strategy} needs the query sequence sharded "
+                f"over {what}",
+            )  # fmt: skip
+        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
+            if lay.tensor_map[s] != axes:
+                _fail(
+                    name,
+                    lay,
+                    s,
+                    f"Ulysses needs the key sequence sharded as q's ({q_layout.axes_text(s)})",
+                )
+        if q_layout.tensor_map[n]:
+            _fail("q", q_layout, n, "Ulysses shards the heads itself; pass them replicated")
+        if self.inner is not None:
+            if call.order is not None:
+                raise ValueError(
+                    "head_tail_cp: the two-axis Ulysses hybrid takes contiguous shards"
+                )
+            if kwargs.get("sinks") is not None:
+                raise ValueError("sinks: not supported by the two-axis Ulysses hybrid")
+        for name in ("seqused_q", "seqused_kv", "metadata"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name}: not supported with Ulysses context parallel")
+        cp = q_layout.num_shards(s) if self.inner is None else call.p.mesh_shape(call.mesh)[axes[0]]
+        repeat = kv_repeat(q_layout.shape[n], call.layouts[1].shape[n], cp)
+        if repeat is None:
+            raise ValueError(
+                f"k: {q_layout.shape[n]} query heads over {call.layouts[1].shape[n]} key heads "
+                f"cannot be split {cp} ways by heads (Ulysses needs the query heads of every "
+                "rank to share key heads); use context_parallel='all_gather' or 'ring'"
+            )
+        if kwargs.get("sinks") is not None and call.p.is_dtensor(kwargs["sinks"]):
+            if Layout.of(kwargs["sinks"]).tensor_map[0]:
+                raise ValueError("sinks: pass them replicated with Ulysses context parallel")
+        return args, kwargs
+
+
+def kv_repeat(nq: int, nkv: int, shards: int) -> int | None:
+    """How many times each key/value head is repeated so that ``nq`` query heads split
+    ``shards`` ways keep their key heads (1: no repeat; None: impossible)."""
+    if nkv == 0 or nq % nkv:
+        return None
+    for repeat in range(1, nq // nkv + 1):
+        if (nq // nkv) % repeat == 0 and keeps_gqa_groups(nq, nkv * repeat, shards):
+            return repeat
+    return None
+
+
+class _UlyssesLocal:
+    """The Ulysses strategy's local call (see ``_Ulysses``)."""
+
+    def __init__(self, func, c):
+        from ... import platform as _p
+
+        self.p = _p.current()
+        self.func, self.c = func, c
+        b, s, n, _ = DIMS[c.layout_q]
+        self.b, self.s, self.n = b, s, n
+        self.out_s, self.out_n = DIMS[c.layout_out][1], DIMS[c.layout_out][2]
+        self.lse_s, self.lse_n = LSE_DIMS[c.layout_q][2], LSE_DIMS[c.layout_q][1]
+        q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
+        self.axis = q_layout.tensor_map[s][0]
+        self.cp = self.p.mesh_shape(c.mesh)[self.axis]
+        self.inner = c.inner
+        self.repeat = kv_repeat(c.shapes[0][n], c.shapes[1][n], self.cp)
+
+    def _exchange(self, x, placements, shape, from_dim, to_dim):
+        """x's local shard with ``from_dim`` sharded over the Ulysses axis, as the shard with
+        ``to_dim`` sharded there instead (one all-to-all; differentiable)."""
+        p = self.p
+        d = p.from_local(x, self.c.mesh, tuple(placements), tuple(shape))
+        target = list(placements)
+        target[self.axis] = p.shard(to_dim)
+        moved = p.redistribute(d, self.c.mesh, tuple(target))
+        return moved, tuple(target)
+
+    def __call__(self, q, k, v, **kwargs):
+
+        p, c, n, s = self.p, self.c, self.n, self.s
+        shapes = [list(sh) for sh in c.shapes]
+        if self.repeat > 1:
+            k = k.repeat_interleave(self.repeat, dim=n)
+            v = v.repeat_interleave(self.repeat, dim=n)
+            for sh in shapes[1:]:
+                sh[n] *= self.repeat
+        moved = [
+            self._exchange(x, pl, sh, s, n)
+            for x, pl, sh in zip((q, k, v), c.placements, shapes, strict=True)
+        ]
+        if self.inner is not None:
+            return self._hybrid(moved, kwargs)
+        qh, kh, vh = (p.to_local(m) for m, _ in moved)
+        heads = Layout(c.mesh, moved[0][1], tuple(shapes[0])).shard_range(n)
+        kwargs = dict(kwargs)
+        kwargs["sinks"] = _head_slice(kwargs.get("sinks"), heads)
+        cu = {}
+        if c.order is not None:
+            tnd = c.layout_q == "TND"
+            cu_q = kwargs["cu_seqlens_q"] if tnd else None
+            cu_k = kwargs["cu_seqlens_kv"] if tnd else None
+            qh = from_head_tail(qh, s, self.cp, c.order, cu_seqlens=cu_q)
+            kh = from_head_tail(kh, s, self.cp, c.order, cu_seqlens=cu_k)
+            vh = from_head_tail(vh, s, self.cp, c.order, cu_seqlens=cu_k)
+            cu = {"cu_seqlens": cu_q}
+        out, lse = self.func(qh, kh, vh, **kwargs)
+        if c.order is not None:
+            out = to_head_tail(out, self.out_s, self.cp, c.order, **cu)
+            if c.return_lse:
+                lse = to_head_tail(lse, self.lse_s, self.cp, c.order, **cu)
+        out = self._back(out, self.out_n, self.out_s, c.layout_out, shapes[0], shapes[2])
+        # Every rank exchanges the lse when it is asked for (a rank with no heads too).
+        if c.return_lse:
+            lse = self._back(lse, self.lse_n, self.lse_s, None, shapes[0], None)
+        return out, lse
+
+    def _back(self, x, n_dim, s_dim, layout_out, q_shape, v_shape):
+        """The head-sharded local result as the sequence-sharded shard (one all-to-all)."""
+        p, c = self.p, self.c
+        b, s, n, d = DIMS[c.layout_q]
+        shape = list(x.shape)
+        shape[n_dim] = q_shape[n]
+        shape[s_dim] = q_shape[s]
+        if b is not None:
+            batch_dim = 0
+            shape[batch_dim] = q_shape[b]
+        placements = []
+        for axis, pl in enumerate(c.placements[0]):
+            if axis == self.axis:
+                placements.append(p.shard(n_dim))
+            elif p.shard_dim(pl) == b and b is not None:
+                placements.append(p.shard(0))
+            else:
+                placements.append(p.replicate())
+        d_out = p.from_local(x, c.mesh, tuple(placements), tuple(shape))
+        target = list(placements)
+        target[self.axis] = p.shard(s_dim)
+        return p.to_local(p.redistribute(d_out, c.mesh, tuple(target)))
+
+    def _hybrid(self, moved, kwargs):
+        """Ulysses over the first axis, then the second strategy over the second on the
+        head-sharded DTensors (a nested call of the public function), and back."""
+        from ... import ops
+
+        p, c = self.p, self.c
+        (qd, _), (kd, _), (vd, _) = moved
+        kwargs = dict(kwargs)
+        out, lse = ops.flash_attn(qd, kd, vd, context_parallel=self.inner, **kwargs)
+        target_out = list(p.placements_of(out))
+        target_out[self.axis] = p.shard(self.out_s)
+        out = p.to_local(p.redistribute(out, c.mesh, tuple(target_out)))
+        if c.return_lse:
+            target = list(p.placements_of(lse))
+            target[self.axis] = p.shard(self.lse_s)
+            lse = p.to_local(p.redistribute(lse, c.mesh, tuple(target)))
+        else:
+            lse = p.to_local(lse)
+        return out, lse
 
 
 _STRATEGIES = {
