@@ -328,6 +328,16 @@ def cases(mesh):
         ),
         "cp_causal_more_keys": lambda: _check(mesh, ([S1], [R], [R]), mask_mode=3, s1=9, s2=20),
         "cp_no_mask_more_keys_gathered": lambda: _check(mesh, ([S1], [S1], [S1]), s1=7, s2=13),
+        # Query heads split over more ranks than there are key heads: k and v replicated.
+        "tp_fewer_kv_heads_8_over_2": lambda: _check(
+            mesh, ([S2], [R], [R]), nq=8, nkv=2, mask_mode=3, sinks=[R]
+        ),
+        "tp_fewer_kv_heads_one_kv_head": lambda: _check(
+            mesh, ([S2], [R], [R]), b=3, nq=6, nkv=1, layout="BNSD"
+        ),
+        "tp_kv_replicated_mha_tnd": lambda: _check_tnd(
+            mesh, [9, 0, 13], [9, 4, 20], ([S1], [R], [R]), nq=5, nkv=5, mask_mode=3
+        ),
         # Ulysses: all-to-all into head-sharded full sequences and back.
         "ulysses_causal_s9_sinks": lambda: _check(
             mesh,
@@ -587,6 +597,9 @@ CASE_NAMES = [
     "cp_causal_replicated_kv",
     "cp_causal_more_keys",
     "cp_no_mask_more_keys_gathered",
+    "tp_fewer_kv_heads_8_over_2",
+    "tp_fewer_kv_heads_one_kv_head",
+    "tp_kv_replicated_mha_tnd",
     "ulysses_causal_s9_sinks",
     "ulysses_gqa_one_kv_head",
     "ulysses_uneven_heads_window_bnsd",
@@ -658,16 +671,6 @@ def case_ulysses_errors(mesh):
         "context_parallel=('ulysses', 'ring') needs",
         lambda: opmesh.flash_attn(dq, dk, dv, context_parallel=("ulysses", "ring")),
     )
-    q6, k4, v4 = _inputs(1, 8, 8, 6, 4)
-    if mesh.size(0) in (3, 4):
-        _expect(
-            ValueError,
-            "k: 6 query heads over 4 key heads cannot be split",
-            lambda: opmesh.flash_attn(
-                *(opmesh.distribute_tensor(x, mesh, S1) for x in (q6, k4, v4)),
-                context_parallel="ulysses",
-            ),
-        )
 
 
 def two_axis_cases(mesh):
@@ -704,6 +707,20 @@ def two_axis_cases(mesh):
             win_right=2,
         ),  # fmt: skip
         "2d_tnd_dp_tp": lambda: case_tnd_data_parallel(mesh, mask_mode=3),
+        "2d_tp_fewer_kv_heads_cp": lambda: _check(
+            mesh, ([S2, S1], [R, S1], [R, S1]), b=2, s1=11, s2=11, nq=4, nkv=1, mask_mode=3
+        ),
+        "2d_tp_fewer_kv_heads_ring": lambda: _check(
+            mesh,
+            ([S2, S1], [R, S1], [R, S1]),
+            b=1,
+            s1=10,
+            s2=10,
+            nq=6,
+            nkv=2,
+            mask_mode=3,
+            context_parallel="ring",
+        ),  # fmt: skip
         "2d_dp_ulysses": lambda: _check(
             mesh,
             ([S0, S1], [S0, S1], [S0, S1]),
@@ -755,6 +772,8 @@ TWO_AXIS_CASE_NAMES = [
     "2d_cp_replicated_kv_dp",
     "2d_cp_window_dp",
     "2d_tnd_dp_tp",
+    "2d_tp_fewer_kv_heads_cp",
+    "2d_tp_fewer_kv_heads_ring",
     "2d_dp_ulysses",
     "2d_ulysses_ring",
     "2d_ulysses_all_gather_window",

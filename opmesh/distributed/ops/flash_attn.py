@@ -91,8 +91,12 @@ class FlashAttnDistributedOp(DistributedOp):
         strategy = _strategy(call, kwargs)
         args, kwargs = strategy.prepare(call, list(args), kwargs)
         kwargs, slice_sinks = _local_sinks(call, kwargs)
+        # Key and value heads replicated while the query heads are split: each rank's gradient
+        # is a partial sum over the heads axis too.
+        heads_axes = call.layouts[0].tensor_map[call.n]
+        extra = heads_axes if call.kv_heads_replicated else ()
         local_args = (call.p.to_local(args[0]),) + tuple(
-            call.p.to_local(x, call.grad_placements(x)) for x in args[1:]
+            call.p.to_local(x, call.grad_placements(x, extra)) for x in args[1:]
         )
         q_layout = call.layouts[0]
         result = _MeshCall(
@@ -107,6 +111,7 @@ class FlashAttnDistributedOp(DistributedOp):
             order=call.order,
             strategy=strategy.name if q_layout.tensor_map[call.s] else "all_gather",
             inner=getattr(strategy, "inner", None),
+            kv_heads_replicated=call.kv_heads_replicated,
         )
         return local_args, kwargs, result
 
@@ -141,6 +146,23 @@ class FlashAttnDistributedOp(DistributedOp):
         return (out_spec, lse_spec), None
 
     def get_expand_impl(self, func, infer_result, cache_values):
+        local = self._expand(func, cache_values)
+        c = cache_values
+        if not c.kv_heads_replicated:
+            return local
+        # Query heads sharded over keys and values replicated there: each rank takes the key
+        # and value heads its query heads need.
+        n = DIMS[c.layout_q][2]
+        heads = Layout(c.mesh, c.placements[0], c.shapes[0]).shard_range(n)
+        nq, nkv = c.shapes[0][n], c.shapes[1][n]
+        run = local or func
+
+        def sliced(q, k, v, **kwargs):
+            return run(q, *kv_for_heads((k, v), n, heads, nq, nkv), **kwargs)
+
+        return sliced
+
+    def _expand(self, func, cache_values):
         c = cache_values
         q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
         if c.strategy == "ulysses":
@@ -180,6 +202,7 @@ class _MeshCall:
     order: str | None  # head-tail order, or None
     strategy: str  # "all_gather", "ring", "ulysses" or "tnd_data_parallel"
     inner: str | None = None  # the second axis's strategy of the Ulysses hybrid
+    kv_heads_replicated: bool = False  # q's heads sharded, k's and v's replicated there
 
 
 def _check_dtensors(args):
@@ -232,6 +255,12 @@ class _MeshInputs:
 
     def maps(self):
         return tuple(lay.tensor_map for lay in self.layouts)
+
+    @property
+    def kv_heads_replicated(self) -> bool:
+        """q's heads sharded while k's and v's are replicated on every mesh axis."""
+        qm, km, _vm = self.maps()
+        return bool(qm[self.n]) and not km[self.n]
 
     def grad_placements(self, x, extra_axes=()):
         """Where q's rows (batch or sequence) are split over a mesh axis on which an input is
@@ -297,16 +326,20 @@ class _MeshInputs:
             if b is not None and tm[b] != qm[b]:
                 why = f"the batch dim must be sharded as q's ({q_layout.axes_text(b)})"
                 _fail(name, lay, b, why)
-            if tm[n] != qm[n]:
+            if tm[n] != qm[n] and not (qm[n] and not km[n] and not vm[n]):
                 _fail(
-                    name, lay, n, f"the head dim must be sharded as q's ({q_layout.axes_text(n)})"
+                    name,
+                    lay,
+                    n,
+                    f"the head dim must be sharded as q's ({q_layout.axes_text(n)}), or k's and "
+                    "v's replicated while q's is sharded",
                 )
         if qm[n]:
             if len(qm[n]) > 1:
                 _fail("q", q_layout, n, "heads may be sharded over one mesh axis only")
             shards = q_layout.num_shards(n)
             nq, nkv = q_layout.shape[n], self.layouts[1].shape[n]
-            if not keeps_gqa_groups(nq, nkv, shards):
+            if km[n] and not keeps_gqa_groups(nq, nkv, shards):
                 why = (
                     f"splitting {nq} query heads and {nkv} key heads {shards} ways would cut a "
                     "group of query heads from its key head"
@@ -531,29 +564,40 @@ class _Ulysses:
         for name in ("seqused_q", "seqused_kv", "metadata"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: not supported with Ulysses context parallel")
-        cp = q_layout.num_shards(s) if self.inner is None else call.p.mesh_shape(call.mesh)[axes[0]]
-        repeat = kv_repeat(q_layout.shape[n], call.layouts[1].shape[n], cp)
-        if repeat is None:
-            raise ValueError(
-                f"k: {q_layout.shape[n]} query heads over {call.layouts[1].shape[n]} key heads "
-                f"cannot be split {cp} ways by heads (Ulysses needs the query heads of every "
-                "rank to share key heads); use context_parallel='all_gather' or 'ring'"
-            )
         if kwargs.get("sinks") is not None and call.p.is_dtensor(kwargs["sinks"]):
             if Layout.of(kwargs["sinks"]).tensor_map[0]:
                 raise ValueError("sinks: pass them replicated with Ulysses context parallel")
         return args, kwargs
 
 
-def kv_repeat(nq: int, nkv: int, shards: int) -> int | None:
+def kv_for_heads(kv, n, heads, nq, nkv):
+    """From whole key and value tensors (every head), the heads query heads ``heads = [h0,
+    h1)`` of ``nq`` use, laid out so that local query head i uses local key head
+    ``i // (local query heads / local key heads)``: a slice when the query heads cover whole
+    groups or lie in one group, else one key head per query head."""
+    import torch
+
+    h0, h1 = heads
+    group = nq // nkv
+    if h1 <= h0:
+        return tuple(x.narrow(n, 0, 0) for x in kv)
+    if h0 % group == 0 and h1 % group == 0:
+        return tuple(x.narrow(n, h0 // group, (h1 - h0) // group) for x in kv)
+    if h0 // group == (h1 - 1) // group:
+        return tuple(x.narrow(n, h0 // group, 1) for x in kv)
+    index = torch.tensor([h // group for h in range(h0, h1)], device=kv[0].device)
+    return tuple(x.index_select(n, index) for x in kv)
+
+
+def kv_repeat(nq: int, nkv: int, shards: int) -> int:
     """How many times each key/value head is repeated so that ``nq`` query heads split
-    ``shards`` ways keep their key heads (1: no repeat; None: impossible)."""
-    if nkv == 0 or nq % nkv:
-        return None
-    for repeat in range(1, nq // nkv + 1):
-        if (nq // nkv) % repeat == 0 and keeps_gqa_groups(nq, nkv * repeat, shards):
+    ``shards`` ways keep their key heads: the smallest divisor of the group size that does
+    (at most the group size, where every query head has its own copy)."""
+    group = nq // nkv if nkv and nq % nkv == 0 else 1
+    for repeat in range(1, group + 1):
+        if group % repeat == 0 and keeps_gqa_groups(nq, nkv * repeat, shards):
             return repeat
-    return None
+    return group
 
 
 class _UlyssesLocal:
