@@ -10,7 +10,8 @@ The task: each sequence is random tokens, and every position in its second half 
 sequence's first token. Only attention back to the start of the sequence, which lives on
 another rank for half of those positions, can learn it.
 
-Run: ``torchrun --nproc-per-node 2 examples/train_context_parallel.py --steps 100``.
+Run: ``torchrun --nproc-per-node 2 examples/train_context_parallel.py --steps 100``; on several
+nodes, the same script under torchrun's rendezvous (docs/distributed.md).
 With ``--check`` rank 0 also trains the same model in one process on whole sequences and reports
 the largest loss difference between the two runs.
 """
@@ -70,6 +71,13 @@ def main():
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--check", action="store_true", help="compare with one process")
+    parser.add_argument(
+        "--context-parallel",
+        choices=("all_gather", "ulysses"),
+        default="all_gather",
+        help="how keys and values reach the ranks: all-gathered, or exchanged all-to-all "
+        "into head-sharded full sequences (Ulysses)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -92,7 +100,9 @@ def main():
     def cp_attention(q, k, v):
         dq, dk, dv = (_to_dtensor(x, mesh, S1, length) for x in (q, k, v))
         with opmesh.head_tail_cp():
-            out, _ = opmesh.flash_attn(dq, dk, dv, mask_mode=3)
+            out, _ = opmesh.flash_attn(
+                dq, dk, dv, mask_mode=3, context_parallel=args.context_parallel
+            )
         return out.to_local()
 
     def whole_attention(q, k, v):
@@ -126,7 +136,10 @@ def main():
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss per token {per_token:.3f}", flush=True)
     if rank == 0:
-        print(f"loss {first:.3f} -> {last:.3f} on {world} ranks (context parallel)")
+        print(
+            f"loss {first:.3f} -> {last:.3f} on {world} ranks (context parallel, "
+            f"{args.context_parallel})"
+        )
         if reference is not None:
             print(f"largest loss difference from one process: {worst:.2e}")
     dist.destroy_process_group()

@@ -70,3 +70,60 @@ def test_train_context_parallel_learns_and_matches_one_process():
     difference = float(re.search(r"largest loss difference from one process: (\S+)", out)[1])
     assert last < 0.1 * first, out
     assert difference < 1e-3, out
+
+
+def test_train_context_parallel_on_two_nodes():
+    """Two nodes of two processes each, joined by torchrun's rendezvous on 127.0.0.1 (as on a
+    cluster, with the first node's address): four ranks training with Ulysses context parallel
+    follow one process's losses."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = str(ROOT / "examples" / "train_context_parallel.py")
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "opmesh-two-nodes",
+                "--node-rank",
+                str(node),
+                script,
+                "--check",
+                "--steps",
+                "80",
+                "--seq",
+                "64",
+                "--context-parallel",
+                "ulysses",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for node in range(2)
+    ]
+    outputs = []
+    for node in nodes:
+        out, err = node.communicate(timeout=600)
+        assert node.returncode == 0, f"exit status {node.returncode}\n{out}\n{err[-4000:]}"
+        outputs.append(out)
+    out = "".join(outputs)
+    found = re.search(r"loss ([0-9.]+) -> ([0-9.]+) on 4 ranks \(context parallel, ulysses\)", out)
+    assert found, out
+    first, last = map(float, found.groups())
+    difference = float(re.search(r"largest loss difference from one process: (\S+)", out)[1])
+    assert last < 0.5 * first, out
+    assert difference < 1e-3, out
