@@ -5,6 +5,7 @@ from .context_parallel import from_head_tail, head_tail_cp, set_head_tail_cp, to
 from .dfunction import DFunction
 from .dispatcher import DISPATCHER, OpDispatcher
 from .distributed_op import DistributedOp, get_distributed_op
+from .gather_cache import gather_once, prefetch_gather
 from .layout import Layout
 
 __all__ = [
@@ -14,8 +15,10 @@ __all__ = [
     "Layout",
     "OpDispatcher",
     "from_head_tail",
+    "gather_once",
     "get_distributed_op",
     "head_tail_cp",
+    "prefetch_gather",
     "set_head_tail_cp",
     "to_head_tail",
 ]

@@ -390,6 +390,7 @@ def dsa_cases(mesh):
         "tnd_dp": lambda: dsa_layer_case(mesh, "TND", "tnd_dp", **dp_lens),
         "tnd_dp_mode0": lambda: dsa_layer_case(mesh, "TND", "tnd_dp", mode=0, **dp_lens),
         "errors": lambda: case_errors(mesh),
+        "one_gather_per_layer": lambda: case_one_gather_per_layer(mesh),
     }
     if mesh.ndim == 2:
         cases["bsnd_two_axes"] = lambda: dsa_layer_case(mesh, "BSND", "cp_two_axes", b=2)
@@ -414,5 +415,77 @@ CASE_NAMES = [
     "tnd_dp",
     "tnd_dp_mode0",
     "errors",
+    "one_gather_per_layer",
 ]
 TWO_AXIS_CASES = ["bsnd_two_axes", "tnd_two_axes"]
+
+
+def _layer_step(x, cached, prefetch=False):
+    """One training step of a DSA layer on sequence-sharded keys: the indexer's selection,
+    sparse attention and the sparse KL loss, forward and backward; returns the gradients."""
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in x}
+    block = opmesh.gather_once() if cached else _nothing()
+    with block:
+        if prefetch:
+            opmesh.prefetch_gather(leaves["key"], 1)
+        indices = opmesh.lightning_indexer(
+            leaves["query_index"], leaves["key_index"], leaves["weights"], sparse_count=TOP_K
+        )[0]
+        out, smax, ssum = opmesh.sparse_flash_attention(
+            leaves["query"], leaves["key"], leaves["value"], indices, SCALE,
+            query_rope=leaves["query_rope"], key_rope=leaves["key_rope"], return_softmax_lse=True,
+        )  # fmt: skip
+        loss = opmesh.sparse_indexer_kl_loss(
+            leaves["query_index"], leaves["key_index"], leaves["weights"],
+            leaves["query"].detach(), leaves["key"].detach(), indices, smax, ssum, SCALE,
+            query_rope=leaves["query_rope"].detach(), key_rope=leaves["key_rope"].detach(),
+        )  # fmt: skip
+        total = (out * x["gout"]).sum() + loss.sum()
+    total.full_tensor().backward()
+    return {n: v.grad for n, v in leaves.items() if v.grad is not None}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def case_one_gather_per_layer(mesh):
+    """With gather_once(), one DSA layer step all-gathers each sharded key once forward and
+    reduce-scatters its gradient once backward; without, every op gathers its own; the
+    gradients are the same."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    names = (
+        "query_index", "key_index", "weights", "query", "key", "value", "query_rope",
+        "key_rope", "gout",
+    )  # fmt: skip
+    x = _inputs("BSND", 2, 13, 13)
+    dx = {
+        n: opmesh.distribute_tensor(x[n], mesh, _placements(mesh, "BSND", "cp_shard", n))
+        for n in names
+    }
+    counts, grads = {}, {}
+    for mode in ("plain", "cached", "prefetch"):
+        with CommDebugMode() as comm:
+            grads[mode] = _layer_step(dx, mode != "plain", prefetch=mode == "prefetch")
+        table = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        counts[mode] = (
+            table.get("all_gather_into_tensor", 0),
+            table.get("reduce_scatter_tensor", 0),
+        )
+    # Sharded keys: key_index (indexer, KL), key and key_rope (attention, KL), value.
+    assert counts["plain"] == (7, 4), f"without the cache: {counts}"
+    assert counts["cached"] == (4, 4), f"with gather_once: {counts['cached']}"
+    assert counts["prefetch"] == (4, 4), f"with a prefetch: {counts['prefetch']}"
+    for name, grad in grads["plain"].items():
+        for mode in ("cached", "prefetch"):
+            _compare(f"{mode} {name}.grad", grads[mode][name].full_tensor(), grad.full_tensor())
+    _expect(
+        ValueError,
+        "prefetch_gather: needs an active opmesh.gather_once() block",
+        lambda: opmesh.prefetch_gather(dx["key"], 1),
+    )

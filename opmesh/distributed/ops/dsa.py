@@ -47,6 +47,7 @@ import torch
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
 from ..._schema import MAX_TOKENS, defaults, positional
+from .. import gather_cache
 from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
 from ..distributed_op import DistributedOp
 from ..layout import Layout
@@ -372,7 +373,7 @@ class DsaDistributedOp(DistributedOp):
                 placements = list(p.placements_of(x))
                 for axis in seq_axes:
                     placements[axis] = p.replicate()
-                x = p.redistribute(x, mesh, tuple(placements))
+                x = gather_cache.gathered(x, mesh, tuple(placements))
             local[name] = p.to_local(x, self._grad_placements(p, x, side, call))
         if same_value:
             local["value"] = local["key"]

@@ -33,6 +33,7 @@ from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
 from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
 from ..distributed_op import DistributedOp
+from ..gather_cache import gathered
 from ..layout import Layout
 
 NAMES = ("q", "k", "v")
@@ -460,7 +461,7 @@ class _ContextParallel:
             if lay.tensor_map[s]:
                 placements = list(p.placements_of(args[i + 1]))
                 placements[axis] = p.replicate()
-                args[i + 1] = p.redistribute(args[i + 1], call.mesh, tuple(placements))
+                args[i + 1] = gathered(args[i + 1], call.mesh, tuple(placements))
         return args
 
 
