@@ -602,7 +602,8 @@ def kv_repeat(nq: int, nkv: int, shards: int) -> int:
 
 
 class _UlyssesLocal:
-    """The Ulysses strategy's local call (see ``_Ulysses``)."""
+    """The Ulysses strategy's local call (see ``_Ulysses``): one all-to-all per tensor each
+    way (all_to_all.py)."""
 
     def __init__(self, func, c):
         from ... import platform as _p
@@ -616,12 +617,19 @@ class _UlyssesLocal:
         q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
         self.axis = q_layout.tensor_map[s][0]
         self.cp = self.p.mesh_shape(c.mesh)[self.axis]
+        self.position = self.p.mesh_coordinate(c.mesh)[self.axis]
         self.inner = c.inner
         self.repeat = kv_repeat(c.shapes[0][n], c.shapes[1][n], self.cp)
+        # Every rank's rows of q's and of k's sequence, and its query and key heads after the
+        # exchange (DTensor's split: chunks of the ceiling).
+        self.q_rows = _sizes(c.shapes[0][s], self.cp)
+        self.k_rows = _sizes(c.shapes[1][s], self.cp)
+        self.q_heads = _sizes(c.shapes[0][n], self.cp)
+        self.k_heads = _sizes(c.shapes[1][n] * self.repeat, self.cp)
 
     def _exchange(self, x, placements, shape, from_dim, to_dim):
-        """x's local shard with ``from_dim`` sharded over the Ulysses axis, as the shard with
-        ``to_dim`` sharded there instead (one all-to-all; differentiable)."""
+        """The hybrid's exchange through DTensor: x's shard with ``from_dim`` sharded over the
+        Ulysses axis, as the DTensor with ``to_dim`` sharded there instead."""
         p = self.p
         d = p.from_local(x, self.c.mesh, tuple(placements), tuple(shape))
         target = list(placements)
@@ -629,23 +637,37 @@ class _UlyssesLocal:
         moved = p.redistribute(d, self.c.mesh, tuple(target))
         return moved, tuple(target)
 
-    def __call__(self, q, k, v, **kwargs):
+    def _to_heads(self, x, s_dim, n_dim, rows, heads):
+        from ..all_to_all import AllToAll
 
-        p, c, n, s = self.p, self.c, self.n, self.s
-        shapes = [list(sh) for sh in c.shapes]
+        group = self.p.axis_group(self.c.mesh, self.axis)
+        return AllToAll.apply(x, group, self.position, n_dim, s_dim, heads, rows)
+
+    def _to_rows(self, x, s_dim, n_dim, rows, heads):
+        from ..all_to_all import AllToAll
+
+        group = self.p.axis_group(self.c.mesh, self.axis)
+        return AllToAll.apply(x, group, self.position, s_dim, n_dim, rows, heads)
+
+    def __call__(self, q, k, v, **kwargs):
+        c, n, s = self.c, self.n, self.s
         if self.repeat > 1:
             k = k.repeat_interleave(self.repeat, dim=n)
             v = v.repeat_interleave(self.repeat, dim=n)
+        if self.inner is not None:
+            shapes = [list(sh) for sh in c.shapes]
             for sh in shapes[1:]:
                 sh[n] *= self.repeat
-        moved = [
-            self._exchange(x, pl, sh, s, n)
-            for x, pl, sh in zip((q, k, v), c.placements, shapes, strict=True)
-        ]
-        if self.inner is not None:
+            moved = [
+                self._exchange(x, pl, sh, s, n)
+                for x, pl, sh in zip((q, k, v), c.placements, shapes, strict=True)
+            ]
             return self._hybrid(moved, kwargs)
-        qh, kh, vh = (p.to_local(m) for m, _ in moved)
-        heads = Layout(c.mesh, moved[0][1], tuple(shapes[0])).shard_range(n)
+        qh = self._to_heads(q, s, n, self.q_rows, self.q_heads)
+        kh = self._to_heads(k, s, n, self.k_rows, self.k_heads)
+        vh = self._to_heads(v, s, n, self.k_rows, self.k_heads)
+        h0 = sum(self.q_heads[: self.position])
+        heads = (h0, h0 + self.q_heads[self.position])
         kwargs = dict(kwargs)
         kwargs["sinks"] = _head_slice(kwargs.get("sinks"), heads)
         cu = {}
@@ -662,34 +684,11 @@ class _UlyssesLocal:
             out = to_head_tail(out, self.out_s, self.cp, c.order, **cu)
             if c.return_lse:
                 lse = to_head_tail(lse, self.lse_s, self.cp, c.order, **cu)
-        out = self._back(out, self.out_n, self.out_s, c.layout_out, shapes[0], shapes[2])
+        out = self._to_rows(out, self.out_s, self.out_n, self.q_rows, self.q_heads)
         # Every rank exchanges the lse when it is asked for (a rank with no heads too).
         if c.return_lse:
-            lse = self._back(lse, self.lse_n, self.lse_s, None, shapes[0], None)
+            lse = self._to_rows(lse, self.lse_s, self.lse_n, self.q_rows, self.q_heads)
         return out, lse
-
-    def _back(self, x, n_dim, s_dim, layout_out, q_shape, v_shape):
-        """The head-sharded local result as the sequence-sharded shard (one all-to-all)."""
-        p, c = self.p, self.c
-        b, s, n, d = DIMS[c.layout_q]
-        shape = list(x.shape)
-        shape[n_dim] = q_shape[n]
-        shape[s_dim] = q_shape[s]
-        if b is not None:
-            batch_dim = 0
-            shape[batch_dim] = q_shape[b]
-        placements = []
-        for axis, pl in enumerate(c.placements[0]):
-            if axis == self.axis:
-                placements.append(p.shard(n_dim))
-            elif p.shard_dim(pl) == b and b is not None:
-                placements.append(p.shard(0))
-            else:
-                placements.append(p.replicate())
-        d_out = p.from_local(x, c.mesh, tuple(placements), tuple(shape))
-        target = list(placements)
-        target[self.axis] = p.shard(s_dim)
-        return p.to_local(p.redistribute(d_out, c.mesh, tuple(target)))
 
     def _hybrid(self, moved, kwargs):
         """Ulysses over the first axis, then the second strategy over the second on the
@@ -923,6 +922,11 @@ def _rebased_lengths(kwargs, lo, hi):
     if kwargs.get("metadata") is None:
         kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
     return kwargs
+
+
+def _sizes(total, shards):
+    """Each shard's size of a dim of ``total`` split ``shards`` ways (DTensor's split)."""
+    return [hi - lo for lo, hi in _shard_ranges(total, shards)]
 
 
 def _head_slice(sinks, heads):
