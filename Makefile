@@ -86,4 +86,6 @@ bench: build
 	$(PY) benchmarks/bench_indexer_kl_loss.py
 	$(PY) benchmarks/bench_dsa.py
 	$(PY) benchmarks/bench_context_parallel.py
+	$(PY) benchmarks/bench_context_parallel.py --world 4 --seq 16384 --heads 32 --kv-heads 8 --repeats 1
+	$(PY) benchmarks/bench_dsa_mesh.py
 	$(PY) benchmarks/model_context_parallel.py

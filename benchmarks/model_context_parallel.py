@@ -1,6 +1,6 @@
 """A model (not a measurement) of context-parallel causal attention at 8-64 ranks: the
 communication each rank sends, the balance of the work, and the expected efficiency of the
-all-gather and ring strategies.
+all-gather, ring, Ulysses (all-to-all) and hybrid (Ulysses x ring) strategies.
 
 Inputs (command-line options, defaults in brackets): sequence S [131072], query heads Nq [32],
 key/value heads Nkv [8], head dim D [128], bytes per element [2, bf16], attention throughput per
@@ -23,6 +23,15 @@ dk/dv partials travelling too):
 * ring time (contiguous, lockstep): the diagonal block first, then n - 1 steps, each as long as
   the longer of a full block and one transfer: T_ring = W_b / (2F) + (n - 1) max(W_b / F,
   alpha + C / B), C = (S/n) Nkv D 2 bytes. (Every step has a rank with a full block: rank n - 1.)
+* Ulysses: q, k, v and the output are exchanged all-to-all between sequence and head shards;
+  each rank then attends ceil(Nq / n) heads over the whole sequence (balanced, but idle ranks
+  once n > Nq), the key heads repeated r times (the smallest r for which the heads split n ways
+  keep their groups). Bytes sent: V_u = (n - 1) / n (S/n) D bytes (2 Nq + 2 Nkv r);
+  T_u = 4 alpha (n - 1) + V_u / B + W ceil(Nq / n) / (Nq F), not overlapped.
+* hybrid: Ulysses over u = min(n, Nkv) ranks (no key head repeated), then the ring over the
+  r = n / u ranks of the other axis with Nq/u query and Nkv/u key heads per rank:
+  T_h = 4 alpha (u - 1) + V_1 / B + T_ring(r ranks, Nq/u heads), V_1 the Ulysses bytes of the
+  u-way exchange on S/n rows, plus the ring's (r - 1) chunks of (S/r) (Nkv/u) D 2 bytes.
 * efficiency E = (W / F) / (n T).
 
 Run: ``.venv/bin/python benchmarks/model_context_parallel.py``; writes
@@ -54,6 +63,28 @@ def model(n, seq, heads, kv_heads, dim, elem_bytes, flops_per_s, bandwidth, alph
     step = max(block / flops_per_s, transfer)
     t_ring = block / (2 * flops_per_s) + (n - 1) * step
     ideal = work / flops_per_s
+    # Ulysses: the head split of n ranks, key heads repeated as far as the split needs.
+    per_rank_heads = -(-heads // n)
+    group = heads // kv_heads
+    repeat = next(
+        r
+        for r in range(1, group + 1)
+        if group % r == 0 and per_rank_heads == (group // r) * -(-(kv_heads * r) // n)
+    )
+    u_bytes = (n - 1) / n * rows * dim * elem_bytes * (2 * heads + 2 * kv_heads * repeat)
+    t_u = 4 * alpha * (n - 1) + u_bytes / bandwidth + work * per_rank_heads / heads / flops_per_s
+    # Hybrid: Ulysses over u ranks, the ring over r = n / u.
+    u = min(n, kv_heads)
+    r = n // u
+    h_bytes1 = (u - 1) / u * rows * dim * elem_bytes * (2 * heads + 2 * kv_heads)
+    r_rows = seq / r
+    r_block = 4 * (heads / u) * dim * r_rows * r_rows
+    r_chunk = r_rows * (kv_heads / u) * dim * 2 * elem_bytes
+    r_step = max(r_block / flops_per_s, alpha + r_chunk / bandwidth)
+    t_h = (
+        4 * alpha * (u - 1) + h_bytes1 / bandwidth + r_block / (2 * flops_per_s) + (r - 1) * r_step
+    )
+    h_bytes = h_bytes1 + (r - 1) * r_chunk
     return {
         "ranks": n,
         "MiB sent per rank": f"{sent / 2**20:.1f}",
@@ -66,6 +97,13 @@ def model(n, seq, heads, kv_heads, dim, elem_bytes, flops_per_s, bandwidth, alph
         "ring ms": f"{t_ring * 1e3:.0f}",
         "ring E": f"{ideal / (n * t_ring):.0%}",
         "ring step compute/transfer": f"{(block / flops_per_s) / transfer:.1f}",
+        "ulysses MiB": f"{u_bytes / 2**20:.1f}",
+        "ulysses ms": f"{t_u * 1e3:.0f}",
+        "ulysses E": f"{ideal / (n * t_u):.0%}",
+        "hybrid u x r": f"{u} x {r}",
+        "hybrid MiB": f"{h_bytes / 2**20:.1f}",
+        "hybrid ms": f"{t_h * 1e3:.0f}",
+        "hybrid E": f"{ideal / (n * t_h):.0%}",
     }
 
 
@@ -87,7 +125,7 @@ def main():
     ]
     rows = []
     for name, gflops, bandwidth in scenarios:
-        for n in (8, 16, 32, 64):
+        for n in (4, 8, 16, 32, 64):
             row = model(
                 n,
                 args.seq,

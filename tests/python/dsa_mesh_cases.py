@@ -180,6 +180,9 @@ def _placements(mesh, layout, scheme, name):
     if scheme == "dp":
         out[0] = Shard(0)
         return out
+    if scheme == "tnd_dp_first_axis":  # tokens over the first ("dp") axis, keys alike
+        out[0] = Shard(seq)
+        return out
     if layout == "BSND" and mesh.ndim == 2 and scheme != "cp_two_axes":
         out[0] = Shard(0)
     keys_sharded = scheme in ("cp_shard", "cp_two_axes", "tnd_dp")
@@ -247,7 +250,7 @@ def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, 
             )
         elif name in OUTPUT_SEQ and full.dim() > 1:
             full = to_order(OUTPUT_SEQ[name], full, back=True)
-        if name == "fused_dk" and scheme not in ("dp", "tnd_dp"):
+        if name == "fused_dk" and scheme not in ("dp", "tnd_dp", "tnd_dp_first_axis"):
             assert isinstance(value.placements[-1], Partial), f"{name}: {value.placements}"
         _compare(name, full, want[name])
 
@@ -393,6 +396,19 @@ def dsa_cases(mesh):
         "one_gather_per_layer": lambda: case_one_gather_per_layer(mesh),
     }
     if mesh.ndim == 2:
+        dp = mesh.size(0)
+        first_axis_lens = dict(
+            q_lens=_whole_sequence_lengths(3 * dp + 1, dp, 0.3),
+            k_lens=_whole_sequence_lengths(5 * dp + 2, dp, 0.6, empty=True),
+        )
+        # HyperParallel's TND data parallel: the keys' T2 sharded over the dp axis, every shard
+        # boundary on a sequence boundary (the dense indexer and KL loss included).
+        cases["tnd_dp_first_axis"] = lambda: dsa_layer_case(
+            mesh, "TND", "tnd_dp_first_axis", **first_axis_lens
+        )
+        cases["tnd_dp_first_axis_mode0"] = lambda: dsa_layer_case(
+            mesh, "TND", "tnd_dp_first_axis", mode=0, **first_axis_lens
+        )
         cases["bsnd_two_axes"] = lambda: dsa_layer_case(mesh, "BSND", "cp_two_axes", b=2)
         cases["tnd_two_axes"] = lambda: dsa_layer_case(mesh, "TND", "cp_two_axes", **varlen)
     return cases
@@ -417,7 +433,12 @@ CASE_NAMES = [
     "errors",
     "one_gather_per_layer",
 ]
-TWO_AXIS_CASES = ["bsnd_two_axes", "tnd_two_axes"]
+TWO_AXIS_CASES = [
+    "bsnd_two_axes",
+    "tnd_two_axes",
+    "tnd_dp_first_axis",
+    "tnd_dp_first_axis_mode0",
+]
 
 
 def _layer_step(x, cached, prefetch=False):

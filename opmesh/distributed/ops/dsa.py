@@ -330,7 +330,9 @@ class DsaDistributedOp(DistributedOp):
         key = (
             layout,
             named["sparse_mode"],
-            tuple((n, p.placements_of(x), p.global_shape(x)) for n, x in tensors.items()),
+            tuple(
+                (n, p.mesh_of(x), p.placements_of(x), p.global_shape(x)) for n, x in tensors.items()
+            ),
             order,
             named["pre_tokens"] < MAX_TOKENS or named["next_tokens"] < MAX_TOKENS,
         )
