@@ -398,7 +398,7 @@ def dsa_cases(mesh):
     if mesh.ndim == 2:
         dp = mesh.size(0)
         first_axis_lens = dict(
-            q_lens=_whole_sequence_lengths(3 * dp + 1, dp, 0.3),
+            q_lens=_whole_sequence_lengths(3 * dp + 1, dp, 0.3, empty=True),
             k_lens=_whole_sequence_lengths(5 * dp + 2, dp, 0.6, empty=True),
         )
         # HyperParallel's TND data parallel: the keys' T2 sharded over the dp axis, every shard
