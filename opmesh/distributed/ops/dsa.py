@@ -263,10 +263,11 @@ def _ints(value):
 # -- what preprocess decides ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _MeshCall:
     """Everything the output layouts and the local call depend on (the dispatcher caches both by
-    it)."""
+    it). One object per distinct layout, kept by the DistributedOp: compared by identity, so the
+    dispatcher's lookup hashes no mesh or placements."""
 
     layout: str
     mode: int
@@ -291,7 +292,15 @@ class DsaDistributedOp(DistributedOp):
             raise ValueError(f"op_name: DsaDistributedOp serves {sorted(TABLES)}, got {op_name!r}")
         super().__init__(op_name)
         self.table = TABLES[op_name]
-        self._checked = BoundedCache()  # layouts that passed the rules -> their strategy
+        # Layouts that passed the rules -> their strategy, axes and _MeshCall per strategy.
+        self._checked = BoundedCache()
+        # Per layout: each tensor's side and sequence dim.
+        self._dims = {
+            layout: {
+                n: (side_of(d[layout]), seq_dim(d[layout])) for n, d in self.table.tensors.items()
+            }
+            for layout in ("BSND", "TND")
+        }
 
     # -- preprocess ---------------------------------------------------------------------------
 
@@ -327,50 +336,55 @@ class DsaDistributedOp(DistributedOp):
                     f"{name}: expected a DTensor like the other inputs, got {type(value).__name__}"
                 )
         order = head_tail_order()
+        first = next(iter(tensors.values()))
+        mesh = p.mesh_of(first)
+        described = tuple((n, p.placements_of(x), p.global_shape(x)) for n, x in tensors.items())
         key = (
             layout,
             named["sparse_mode"],
-            tuple(
-                (n, p.mesh_of(x), p.placements_of(x), p.global_shape(x)) for n, x in tensors.items()
-            ),
+            mesh,
+            all(p.mesh_of(x) is mesh for x in tensors.values()),
+            described,
             order,
             named["pre_tokens"] < MAX_TOKENS or named["next_tokens"] < MAX_TOKENS,
         )
         checked = self._checked.get(key)
         if checked is None:
             layouts = {n: Layout.of(x) for n, x in tensors.items()}
-            checked = self._check(layout, layouts, named, order)
+            checked = (*self._check(layout, layouts, named, order), {})
             self._checked.put(key, checked)
-        strategy, seq_axes, batch_axes = checked
-        first = next(iter(tensors.values()))
-        mesh = p.mesh_of(first)
+        strategy, seq_axes, batch_axes, calls = checked
         if strategy == "tnd_data_parallel" and _whole_sequences(named, t, tensors) is None:
             strategy = "context_parallel"
-        gathered = ()
-        if strategy == "context_parallel":
-            gathered = tuple(
-                n
-                for n, x in tensors.items()
-                if side_of(t.tensors[n][layout]) == "key"
-                and Layout.of(x).tensor_map[seq_dim(t.tensors[n][layout])]
+        dims = self._dims[layout]
+        call = calls.get(strategy)
+        if call is None:
+            gathered = ()
+            if strategy == "context_parallel":
+                gathered = tuple(
+                    n
+                    for n, x in tensors.items()
+                    if dims[n][0] == "key" and Layout.of(x).tensor_map[dims[n][1]]
+                )
+            call = _MeshCall(
+                layout=layout,
+                mode=named["sparse_mode"],
+                mesh=mesh,
+                tensors=described,
+                order=order,
+                seq_axes=seq_axes,
+                batch_axes=batch_axes,
+                strategy=strategy,
+                gathered=gathered,
             )
-        call = _MeshCall(
-            layout=layout,
-            mode=named["sparse_mode"],
-            mesh=mesh,
-            tensors=tuple((n, p.placements_of(x), p.global_shape(x)) for n, x in tensors.items()),
-            order=order,
-            seq_axes=seq_axes,
-            batch_axes=batch_axes,
-            strategy=strategy,
-            gathered=gathered,
-        )
+            calls[strategy] = call
+        gathered = call.gathered
         local = dict(named)
-        same_value = t.tensors.get("value") is not None and named.get("value") is named.get("key")
+        same_value = "value" in tensors and named.get("value") is named.get("key")
         for name, x in tensors.items():
             if same_value and name == "value":
                 continue
-            side = side_of(t.tensors[name][layout])
+            side = dims[name][0]
             if name in gathered:
                 placements = list(p.placements_of(x))
                 for axis in seq_axes:
@@ -386,7 +400,7 @@ class DsaDistributedOp(DistributedOp):
         """Each rank's gradient of a tensor replicated over an axis that splits the query rows
         is a partial sum there (key-side: the context-parallel axes; shared: those and the
         batch's)."""
-        if side == "query":
+        if side == "query" or not (call.seq_axes or (side == "shared" and call.batch_axes)):
             return None
         axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
         return tuple(
@@ -529,9 +543,11 @@ class DsaDistributedOp(DistributedOp):
                         placements.append(p.shard(dims.index(target)))
                     else:
                         placements.append(p.replicate())
-                sizes = {name: c.shape(first)[i] for i, name in enumerate(q_dims) if name in ("B",)}
-                sizes[dims[seq_dim(dims)]] = c.shape(first)[seq_dim(q_dims)]
-                out.append(("query", c.mesh, tuple(placements), dims, sizes))
+                # The global sizes the local output's batch and sequence dims take (q's).
+                sizes = [(seq_dim(dims), c.shape(first)[seq_dim(q_dims)])]
+                if "B" in dims:
+                    sizes.append((dims.index("B"), c.shape(first)[q_dims.index("B")]))
+                out.append(("query", c.mesh, tuple(placements), len(dims), tuple(sizes)))
         return tuple(out), None
 
     def wrap_outputs(self, outputs, out_layouts):
@@ -543,14 +559,16 @@ class DsaDistributedOp(DistributedOp):
                 _, mesh, placements, shape = spec
                 wrapped.append(p.from_local(out, mesh, placements, tuple(shape)))
                 continue
-            _, mesh, placements, dims, sizes = spec
-            if out.dim() != len(dims):  # an output the call was not asked for: empty
+            _, mesh, placements, ndim, sizes = spec
+            if out.dim() != ndim:  # an output the call was not asked for: empty
                 wrapped.append(
                     p.from_local(out, mesh, tuple(p.replicate() for _ in placements), out.shape)
                 )
                 continue
-            shape = tuple(sizes.get(name, out.shape[i]) for i, name in enumerate(dims))
-            wrapped.append(p.from_local(out, mesh, placements, shape))
+            shape = list(out.shape)
+            for d, size in sizes:
+                shape[d] = size
+            wrapped.append(p.from_local(out, mesh, placements, tuple(shape)))
         return wrapped[0] if not isinstance(outputs, (tuple, list)) else tuple(wrapped)
 
     # -- the local call -----------------------------------------------------------------------
@@ -610,6 +628,7 @@ class _Local:
         self.rank = self.q_layout.shard_index(self.q_seq)
         self.rows = self.q_layout.shard_range(self.q_seq)
         self.batch = self.q_layout.shard_range(0) if layout == "BSND" else (0, 0)
+        self.dims = {n: (side_of(d[layout]), seq_dim(d[layout])) for n, d in table.tensors.items()}
 
     # the pieces ------------------------------------------------------------------------------
 
@@ -787,37 +806,38 @@ class _Local:
 
     def __call__(self, *args, **named):
         t, c = self.t, self.c
-        layout = c.layout
         original = named
         named = self._natural_keys(named)
         qlen, klen = _ints(named.get(t.lengths[0])), _ints(named.get(t.lengths[1]))
-        if layout == "BSND":
+        if c.layout == "BSND":
             pieces = self._bsnd_pieces(qlen, klen)
         else:
             pieces = self._tnd_pieces(qlen, klen)
+        same_value = "value" in t.tensors and named.get("value") is named.get("key")
         outs = []
         for piece in pieces:
             call = dict(named)
             call[t.lengths[0]], call[t.lengths[1]] = piece.qlen, piece.klen
-            same_value = "value" in t.tensors and named.get("value") is named.get("key")
-            for name, dims_by_layout in t.tensors.items():
-                value = named.get(name)
-                if value is None or (same_value and name == "value"):
-                    continue
-                dims = dims_by_layout[layout]
-                d = seq_dim(dims)
-                side = side_of(dims)
-                if side == "query" and piece.rows != slice(None):
-                    value = _take(value, d, piece.rows)
-                elif side == "key" and piece.keys is not None:
-                    value = value.index_select(d, piece.keys)
-                if name == t.indices and piece.kept is not None:
-                    value = self._drop_unseen(value, piece, named)
-                call[name] = value
-            if same_value:
-                call["value"] = call["key"]
+            whole_rows = isinstance(piece.rows, slice) and piece.rows == slice(None)
+            if not whole_rows or piece.keys is not None or piece.kept is not None:
+                for name, (side, d) in self.dims.items():
+                    value = named.get(name)
+                    if value is None or (same_value and name == "value"):
+                        continue
+                    if side == "query" and not whole_rows:
+                        value = _take(value, d, piece.rows)
+                    elif side == "key" and piece.keys is not None:
+                        value = value.index_select(d, piece.keys)
+                    if name == t.indices and piece.kept is not None:
+                        value = self._drop_unseen(value, piece, named)
+                    call[name] = value
+                if same_value:
+                    call["value"] = call["key"]
             positional_args = [call.pop(n) for n in t.params]
             outs.append(self.func(*positional_args, **call))
+        if len(pieces) == 1 and pieces[0].keys is None and isinstance(pieces[0].rows, slice):
+            if c.order is None or not c.gathered:
+                return outs[0]  # one call on the rank's tensors as they are: nothing to join
         return self._join(outs, pieces, original)
 
     def _drop_unseen(self, indices, piece, named):
