@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -41,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import timed_between_barriers as _timed  # noqa: E402
 from common import write_results  # noqa: E402
 
 import opmesh  # noqa: E402
@@ -56,21 +55,6 @@ def _inputs(args, requires_grad=False):
         return x.requires_grad_(requires_grad)
 
     return make(args.heads), make(args.kv_heads), make(args.kv_heads)
-
-
-def _timed(fn, repeats, sync=None):
-    """Median seconds of fn() after one warm-up call, each call between two barriers."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _step(call, backward):

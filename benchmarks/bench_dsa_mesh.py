@@ -23,12 +23,11 @@ Run: ``.venv/bin/python benchmarks/bench_dsa_mesh.py [--seq 16384] [--world 4]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import timed_between_barriers as _timed  # noqa: E402
 from common import write_results  # noqa: E402
 
 import opmesh  # noqa: E402
@@ -65,7 +65,7 @@ def _step(x, args, cached=False):
     """One training step of the layer on ``x`` (plain tensors or DTensors)."""
     scale = args.attn_dim**-0.5
     leaves = {n: v.detach().requires_grad_() for n, v in x.items()}
-    block = opmesh.gather_once() if cached else _Nothing()
+    block = opmesh.gather_once() if cached else contextlib.nullcontext()
     with block:
         if cached:
             for name in KEY_SIDE:
@@ -85,29 +85,6 @@ def _step(x, args, cached=False):
     if isinstance(total, opmesh.platform.current().DTensor):
         total = total.full_tensor()
     total.backward()
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _timed(fn, repeats, sync=None):
-    """Median seconds of fn() after one warm-up call, each call between two barriers."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _rank(rank, port, args, out_path):

@@ -138,3 +138,18 @@ def write_results(name, rows, columns, notes=()):
 
 def env_flag(name):
     return os.environ.get(name, "") not in ("", "0")
+
+
+def timed_between_barriers(fn, repeats, sync=None):
+    """Median seconds of fn() after one warm-up call, each call between two barriers."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -18,6 +18,8 @@ the outputs back after. Sizes do not divide the mesh.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from mesh_runner import expect_error as _expect
 from torch.distributed.tensor import DTensor
@@ -445,7 +447,7 @@ def _layer_step(x, cached, prefetch=False):
     """One training step of a DSA layer on sequence-sharded keys: the indexer's selection,
     sparse attention and the sparse KL loss, forward and backward; returns the gradients."""
     leaves = {n: x[n].detach().clone().requires_grad_() for n in x}
-    block = opmesh.gather_once() if cached else _nothing()
+    block = opmesh.gather_once() if cached else contextlib.nullcontext()
     with block:
         if prefetch:
             opmesh.prefetch_gather(leaves["key"], 1)
@@ -464,14 +466,6 @@ def _layer_step(x, cached, prefetch=False):
         total = (out * x["gout"]).sum() + loss.sum()
     total.full_tensor().backward()
     return {n: v.grad for n, v in leaves.items() if v.grad is not None}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def case_one_gather_per_layer(mesh):

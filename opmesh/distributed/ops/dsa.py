@@ -95,25 +95,8 @@ _KL_FRONT = (
     "pre_tokens",
     "next_tokens",
 )
-_SPARSE_KL_FRONT = (
-    "query_index",
-    "key_index",
-    "weights",
-    "query",
-    "key",
-    "sparse_indices",
-    "softmax_max",
-    "softmax_sum",
-    "scale_value",
-    "query_rope",
-    "key_rope",
-    "actual_seq_qlen",
-    "actual_seq_klen",
-    "layout",
-    "sparse_mode",
-    "pre_tokens",
-    "next_tokens",
-)
+# The sparse front takes the selection after the main key.
+_SPARSE_KL_FRONT = (*_KL_FRONT[:5], "sparse_indices", *_KL_FRONT[5:])
 _KL_GRADS = (("grad", "query_index"), ("grad", "key_index"), ("grad", "weights"), ("loss",))
 
 
@@ -845,10 +828,7 @@ class _Local:
         -1; entries past the whole sequence stay, for the operator to refuse."""
         block = int(named.get(self.t.block_size, 1)) if self.t.block_size else 1
         shape = (-1,) + (1,) * (indices.dim() - 1)
-        if self.c.layout == "BSND":
-            kept, total = piece.kept.view(shape), piece.total.view(shape)
-        else:
-            kept, total = piece.kept.view(shape), piece.total.view(shape)
+        kept, total = piece.kept.view(shape), piece.total.view(shape)
         blocks = (total + block - 1) // block
         unseen = (indices.long() * block >= kept) & (indices < blocks)
         return torch.where(unseen, torch.full_like(indices, -1), indices)
