@@ -8,11 +8,13 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention/flash_attn.h"
 #include "attention/flash_attn_backward.h"
 #include "attention/planner.h"
+#include "dtype.h"
 #include "errors.h"
 #include "thread_executor.h"
 
@@ -272,6 +274,121 @@ TEST(FlashAttnBackward, SameBitsWhateverTheThreadCountAndPlan) {
     for (size_t i = 1; i < seen.size(); ++i) {
       EXPECT_EQ(std::memcmp(seen[0].data(), seen[i].data(), seen[0].size() * 4), 0) << i;
     }
+  }
+}
+
+// Sets OPMESH_AMX_TILES for a scope.
+class AmxTilesEnv {
+ public:
+  explicit AmxTilesEnv(const char* value) { setenv("OPMESH_AMX_TILES", value, 1); }
+  ~AmxTilesEnv() { unsetenv("OPMESH_AMX_TILES"); }
+};
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& a) {
+  std::vector<uint16_t> out(a.size());
+  for (size_t i = 0; i < a.size(); ++i) out[i] = float_to_bf16_bits(a[i]);
+  return out;
+}
+
+// bf16 inputs on the bf16-pair kernels (P and dS rounded to bf16 for the products) against the
+// float64 gradients of the same bf16 values: within 1.5 % of each gradient's largest entry (the
+// gradients themselves are rounded to bf16, 0.4 %). Every level with pair kernels runs,
+// hardware and emulated AMX tiles included.
+void check_bf16(Problem x, int threads) {
+  for (std::vector<float>* a : {&x.q, &x.k, &x.v, &x.dout}) {
+    for (float& e : *a) e = bf16_bits_to_float(float_to_bf16_bits(e));
+  }
+  const float scale = 0.2f;
+  const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
+  PlanConfig c = x.c;
+  c.num_workers = 3;
+  const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
+  const Plan plan = make_plan(c, seqs);
+  const int64_t t = x.cu.back();
+  std::vector<float> out(t * kHq * kDv), lse(kHq * std::max<int64_t>(1, t));
+  FlashAttnParams f;
+  f.config = c;
+  f.lengths = arrays;
+  f.q = {x.q.data(), 0, kHq * kD, kD, 1};
+  f.k = {x.k.data(), 0, kHkv * kD, kD, 1};
+  f.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
+  f.sinks = x.sinks.empty() ? nullptr : x.sinks.data();
+  f.softmax_scale = scale;
+  f.out = out.data();
+  f.out_ss = kHq * kDv;
+  f.out_sn = kDv;
+  f.out_sd = 1;
+  f.lse = lse.data();
+  f.lse_sn = t;
+  f.lse_ss = 1;
+  std::vector<float> ws(std::max<int64_t>(1, workspace_floats(c, plan)));
+  const ThreadExecutor ex(threads);
+  flash_attn(f, seqs, plan, ex, Isa::kScalar, ws.data(), nullptr);
+  std::vector<double> rq, rk, rv, rs;
+  reference(x, scale, rq, rk, rv, rs);
+
+  const std::vector<uint16_t> q = to_bf16(x.q), k = to_bf16(x.k), v = to_bf16(x.v);
+  const std::vector<uint16_t> o = to_bf16(out), go = to_bf16(x.dout);
+  std::vector<uint16_t> dq(t * kHq * kD), dk(t * kHkv * kD), dv(t * kHkv * kDv);
+  std::vector<float> dsinks(kHq, 0.0f);
+  FlashAttnBackwardParams p;
+  p.config = c;
+  p.dtype = DType::kBFloat16;
+  p.q = {q.data(), 0, kHq * kD, kD, 1};
+  p.k = {k.data(), 0, kHkv * kD, kD, 1};
+  p.v = {v.data(), 0, kHkv * kDv, kDv, 1};
+  p.out = {o.data(), 0, kHq * kDv, kDv, 1};
+  p.dout = {go.data(), 0, kHq * kDv, kDv, 1};
+  p.lse = lse.data();
+  p.lse_sn = t;
+  p.lse_ss = 1;
+  p.sinks = f.sinks;
+  p.softmax_scale = scale;
+  p.bf16_pairs = 1;
+  p.dq = {dq.data(), 0, kHq * kD, kD, 1};
+  p.dk = {dk.data(), 0, kHkv * kD, kD, 1};
+  p.dv = {dv.data(), 0, kHkv * kDv, kDv, 1};
+  p.dsinks = dsinks.data();
+  auto near = [](const std::vector<uint16_t>& got, const std::vector<double>& want,
+                 const char* what) {
+    double top = 1.0;
+    for (double w : want) top = std::max(top, std::abs(w));
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(bf16_bits_to_float(got[i]), want[i], 1.5e-2 * top) << what << " " << i;
+    }
+  };
+  int runs = 0;
+  for (const char* tiles : {"auto", "emulate"}) {
+    const AmxTilesEnv env(tiles);
+    for (Isa isa : supported_isas()) {
+      if (static_cast<int>(isa) < static_cast<int>(Isa::kAvx512Bf16)) continue;
+      if (std::string(tiles) == "emulate" && isa != Isa::kAmxBf16) continue;
+      SCOPED_TRACE(std::string(isa_name(isa)) + " tiles " + tiles);
+      std::fill(dq.begin(), dq.end(), 0);
+      std::fill(dk.begin(), dk.end(), 0);
+      std::fill(dv.begin(), dv.end(), 0);
+      flash_attn_backward(p, seqs, ex, isa);
+      near(dq, rq, "dq");
+      near(dk, rk, "dk");
+      near(dv, rv, "dv");
+      for (int64_t h = 0; h < kHq && !x.sinks.empty(); ++h) {
+        ASSERT_NEAR(dsinks[h], rs[h], 1e-2 * (1 + std::abs(rs[h]))) << "dsinks " << h;
+      }
+      ++runs;
+    }
+  }
+  if (runs == 0) GTEST_SKIP() << "no bf16-pair kernels on this CPU";
+}
+
+TEST(FlashAttnBackward, Bf16PairKernelsMatchDoubleGradients) {
+  const std::vector<int32_t> lengths{70, 0, 1, 130, 5};
+  for (const char* mode : {"fused", "two_pass"}) {
+    SCOPED_TRACE(mode);
+    const BackwardMode scope(mode);
+    check_bf16(make(MaskMode::kNone, -1, -1, lengths, false, 1), 1);
+    check_bf16(make(MaskMode::kCausal, -1, -1, lengths, true, 4), 3);
+    check_bf16(make(MaskMode::kWindow, 20, 3, lengths, false, 3), 2);
+    check_bf16(make(MaskMode::kWindow, -1, 0, {300}, true, 5), 2);
   }
 }
 

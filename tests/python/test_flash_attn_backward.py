@@ -83,15 +83,18 @@ def test_half_inputs(name, dtype, backward_mode):
     assert_grads_close(got, reference_gradients(q, k, v, kw, dout), dtype, name)
 
 
-def test_every_kernel_path_and_the_lse_gradient(simd_level, backward_mode):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_kernel_path_and_the_lse_gradient(simd_level, backward_mode, dtype):
+    """bf16 inputs run on the level's bf16-pair kernels (products of bf16 operands, P and dS
+    rounded to bf16) where the path has them, float32 FMA elsewhere."""
     case = next(c for c in TRAINABLE if c.name == "sinks_window_tnd")
-    q, k, v, kw = make_inputs(case, torch.float32)
+    q, k, v, kw = make_inputs(case, dtype)
     out, lse = opmesh.flash_attn(q, k, v, return_softmax_lse=True, **kw)
     gen = torch.Generator().manual_seed(3)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     dlse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
     got = gradients(q, k, v, kw, dout, dlse)
-    assert_grads_close(got, reference_gradients(q, k, v, kw, dout, dlse), torch.float32)
+    assert_grads_close(got, reference_gradients(q, k, v, kw, dout, dlse), dtype)
 
 
 def test_gradcheck_float64():

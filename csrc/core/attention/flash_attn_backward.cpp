@@ -49,11 +49,15 @@ class Backward {
       : p_(p),
         seqs_(seqs),
         k_(kernels::float32_set(isa)),
+        kb_(kernels::select_set(isa, p.dtype, p.bf16_pairs, true)),
+        pairs_(kb_.word == kernels::Word::kBf16Pair),
         group_(p.config.num_heads_q / p.config.num_heads_kv),
         d_(p.config.head_dim),
         dv_(p.config.head_dim_v),
         dp_(round_up(d_, 16)),
         dvp_(round_up(dv_, 16)),
+        dw_(round_up((d_ + 1) / 2, kb_.depth_align)),
+        dwv_(round_up((dv_ + 1) / 2, kb_.depth_align)),
         mask_(mask_of(p.config)),
         elem_(p.dtype == DType::kFloat64   ? 8
               : p.dtype == DType::kFloat32 ? 4
@@ -377,22 +381,166 @@ class Backward {
                    p_.softmax_scale});
         }
       }
-      for (int64_t n = 0; n < nk; ++n) {
-        const int64_t key = seq.k_begin + k0 + n;
-        const MutableView& gk = p_.dk;
-        const MutableView& gv = p_.dv;
-        store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_,
-                  fs.dk.data() + n * dp_, 1.0f);
-        store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
-                  fs.dv.data() + n * dvp_, 1.0f);
-      }
+      store_key_rows(u, k0, nk, fs.dk.data(), fs.dv.data());
     }
-    // dQ^T -> dq rows.
-    float* row = fs.row.data();
+    store_transposed_dq(u, fs.dq.data(), fs.row.data());
+  }
+
+  // ---- bf16 pairs: the same schedules with every product on kb_ ----
+
+  // Per-thread operands of the pair products. Keys and values as rows of pairs along the head
+  // dims (A of S^T = K Q^T and dP^T = V dO^T) and as key pairs (ktp: K^T for dQ^T = K^T dS^T;
+  // krp: K for the query pass's dQ = dS K); query and output-gradient rows as pairs, transposed
+  // (B of S^T and dP^T) and as position pairs (qi, oi: B of dK += dS^T Q and dV += P^T dO).
+  struct PairScratch {
+    PairScratch(const Backward& r, int64_t tiles)
+        : kr(kBlockKeys * r.dw_),
+          vr(kBlockKeys * r.dwv_),
+          ktp(round_up(r.d_, 16) * (kBlockKeys / 2)),
+          kq(r.dw_ * kTile),
+          vq(r.dwv_ * kTile),
+          krp(kTile / 2 * r.dp_),
+          qrows(kTile * r.dw_),
+          qt(r.dw_ * kTile),
+          qi(kTile / 2 * r.dp_),
+          orows(kTile * r.dwv_),
+          ot(r.dwv_ * kTile),
+          oi(kTile / 2 * r.dvp_),
+          st(kBlockKeys * kTile),
+          dpt(kBlockKeys * kTile),
+          p16(kBlockKeys * kTile),
+          ds16(kBlockKeys * kTile),
+          dsi(kBlockKeys / 2 * kTile),
+          dk(kBlockKeys * std::max(r.dp_, r.dvp_)),
+          dv(kBlockKeys * r.dvp_),
+          dq(std::max<int64_t>(1, r.group_ * tiles * r.d_ * kTile)),
+          row(std::max(r.dp_, r.dvp_)),
+          ones(kBlockKeys),
+          zeros(kBlockKeys),
+          lse(kTile),
+          delta(kTile),
+          lo(kTile),
+          hi(kTile) {
+      std::fill(ones.data(), ones.data() + kBlockKeys, 1.0f);
+      std::fill(zeros.data(), zeros.data() + kBlockKeys, 0.0f);
+      // Padding rows and columns no pack writes stay zero.
+      std::fill(ktp.data(), ktp.data() + round_up(r.d_, 16) * (kBlockKeys / 2), 0u);
+      std::fill(krp.data(), krp.data() + kTile / 2 * r.dp_, 0u);
+      std::fill(qi.data(), qi.data() + kTile / 2 * r.dp_, 0u);
+      std::fill(oi.data(), oi.data() + kTile / 2 * r.dvp_, 0u);
+    }
+    AlignedBuffer<uint32_t> kr, vr, ktp, kq, vq, krp;
+    AlignedBuffer<uint32_t> qrows, qt, qi, orows, ot, oi;
+    AlignedBuffer<float> st, dpt;       // [256][64] S^T then P^T, dP^T then dS^T (or S, dP)
+    AlignedBuffer<uint16_t> p16, ds16;  // P^T and dS^T (or dS) in bf16
+    AlignedBuffer<uint32_t> dsi;        // [128][64] dS^T as key pairs
+    AlignedBuffer<float> dk, dv, dq;    // accumulators (the query pass's dQ in dk)
+    AlignedBuffer<float> row, ones, zeros, lse, delta;
+    std::vector<int64_t> lo, hi;
+  };
+
+  bool pairs() const { return pairs_; }
+  const KernelSet& products() const { return kb_; }
+
+  // The fused unit on pairs.
+  void pair_fused_unit(PairScratch& ps, const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
+    std::fill(ps.dq.data(), ps.dq.data() + group_ * tiles * d_ * kTile, 0.0f);
+    for (int64_t k0 = 0; k0 < seq.k_len; k0 += kBlockKeys) {
+      const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
+      if (!sees_keys(seq, 0, seq.q_len, k0, nk)) continue;
+      pair_key_block(ps, u, k0, nk, ps.dq.data(), tiles);
+    }
+    store_transposed_dq(u, ps.dq.data(), ps.row.data());
+  }
+
+  // Pass 1 on pairs: block u.t of key head u.h.
+  void pair_key_unit(PairScratch& ps, const Unit& u) const {
+    const int64_t k0 = u.t * kBlockKeys;
+    pair_key_block(ps, u, k0, std::min(kBlockKeys, seqs_[u.b].k_len - k0), nullptr, 0);
+  }
+
+  // Pass 2 on pairs: dQ of query tile u.t of query head u.h, with the queries as rows.
+  void pair_query_tile(PairScratch& ps, const Unit& u) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t i0 = u.t * kTile;
+    const int64_t rows = std::min(kTile, seq.q_len - i0);
+    pair_pack_queries(ps, u.b, u.h, i0, rows, false);
+    float* dq = ps.dk.data();
+    std::fill(dq, dq + kTile * dp_, 0.0f);
+    int64_t lo = seq.k_len, hi = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (ps.hi[r] > ps.lo[r]) lo = std::min(lo, ps.lo[r]), hi = std::max(hi, ps.hi[r]);
+    }
+    const char* krows[kTile];
+    const char* vrows[kTile];
+    for (int64_t n = 0; n < kTile; ++n) {
+      krows[n] = reinterpret_cast<const char*>(ps.kr.data() + n * dw_);
+      vrows[n] = reinterpret_cast<const char*>(ps.vr.data() + n * dwv_);
+    }
+    float* s = ps.st.data();
+    float* dp = ps.dpt.data();
+    for (int64_t k0 = lo / kTile * kTile; k0 < hi; k0 += kTile) {
+      const int64_t keys = std::min(kTile, seq.k_len - k0);
+      pair_pack_keys(ps, u.b, u.h / group_, k0, keys, false);
+      k_.pack_keys(krows, keys, dw_, ps.kq.data());
+      k_.pack_keys(vrows, keys, dwv_, ps.vq.data());
+      interleave_rows(reinterpret_cast<const uint16_t*>(ps.kr.data()), 2 * dw_, kTile, d_,
+                      ps.krp.data(), dp_);
+      kb_.gemm({ps.qrows.data(), dw_, ps.kq.data(), kTile, s, kTile, rows, kTile, dw_, nullptr,
+                p_.softmax_scale});
+      kb_.gemm({ps.orows.data(), dwv_, ps.vq.data(), kTile, dp, kTile, rows, kTile, dwv_, nullptr,
+                1.0f});
+      k_.exp_rows(s, rows, kTile, ps.lse.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t a = std::clamp<int64_t>(ps.lo[r] - k0, 0, kTile);
+        const int64_t e = ps.hi[r] > ps.lo[r] ? std::clamp<int64_t>(ps.hi[r] - k0, 0, kTile) : 0;
+        const float delta = ps.delta.data()[r];
+        const bool any = ps.lse.data()[r] != kInf;
+        float* sr = s + r * kTile;
+        const float* dr = dp + r * kTile;
+        for (int64_t c = 0; c < kTile; ++c) {
+          sr[c] = (any && c >= a && c < e) ? sr[c] * (dr[c] - delta) : 0.0f;  // dS
+        }
+      }
+      kb_.to_bf16(s, ps.ds16.data(), rows * kTile);
+      // dQ += scale dS K.
+      kb_.gemm({ps.ds16.data(), kTile / 2, ps.krp.data(), dp_, dq, dp_, rows, dp_, kTile / 2,
+                ps.ones.data(), p_.softmax_scale});
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = seq.q_begin + i0 + r;
+      const MutableView& gq = p_.dq;
+      store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_, dq + r * dp_,
+                1.0f);
+    }
+  }
+
+ private:
+  // dK and dV rows [k0, k0 + nk) of key head u.h from the block's accumulators.
+  void store_key_rows(const Unit& u, int64_t k0, int64_t nk, const float* dk,
+                      const float* dv) const {
+    const Sequence& seq = seqs_[u.b];
+    for (int64_t n = 0; n < nk; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      const MutableView& gk = p_.dk;
+      const MutableView& gv = p_.dv;
+      store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_, dk + n * dp_,
+                1.0f);
+      store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
+                dv + n * dvp_, 1.0f);
+    }
+  }
+
+  // The fused unit's dQ^T ([group][tile][d][64]) to the dq rows of key head u.h's query heads.
+  void store_transposed_dq(const Unit& u, const float* dqt, float* row) const {
+    const Sequence& seq = seqs_[u.b];
+    const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
     for (int64_t g = 0; g < group_; ++g) {
       const int64_t head = u.h * group_ + g;
       for (int64_t i = 0; i < seq.q_len; ++i) {
-        const float* col = fs.dq.data() + ((g * tiles + i / kTile) * d_) * kTile + i % kTile;
+        const float* col = dqt + ((g * tiles + i / kTile) * d_) * kTile + i % kTile;
         for (int64_t e = 0; e < d_; ++e) row[e] = col[e * kTile];
         const int64_t pos = seq.q_begin + i;
         const MutableView& gq = p_.dq;
@@ -402,7 +550,153 @@ class Backward {
     }
   }
 
- private:
+  // Keys [k0, k0 + nk) of key head u.h (nk <= 256) against every query tile of the group that
+  // sees them: dK and dV of the block, and with dq ([group][tiles][d][64], dQ^T) its share of
+  // dQ. The five products of a tile pair take the keys as rows, as the fused float32 unit.
+  void pair_key_block(PairScratch& ps, const Unit& u, int64_t k0, int64_t nk, float* dq,
+                      int64_t tiles) const {
+    const Sequence& seq = seqs_[u.b];
+    pair_pack_keys(ps, u.b, u.h, k0, nk, dq != nullptr);
+    std::fill(ps.dk.data(), ps.dk.data() + nk * dp_, 0.0f);
+    std::fill(ps.dv.data(), ps.dv.data() + nk * dvp_, 0.0f);
+    float* st = ps.st.data();
+    float* dpt = ps.dpt.data();
+    for (int64_t g = 0; g < group_; ++g) {
+      const int64_t head = u.h * group_ + g;
+      for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+        const int64_t rows = std::min(kTile, seq.q_len - i0);
+        if (!sees_keys(seq, i0, rows, k0, nk)) continue;
+        pair_pack_queries(ps, u.b, head, i0, rows, true);
+        // Key rows past the last key any of these queries sees are skipped, in steps of 32
+        // (whole pairs, and whole 16-word depth tiles of the dQ^T product).
+        int64_t hi = 0;
+        for (int64_t r = 0; r < rows; ++r) hi = std::max(hi, ps.hi[r]);
+        const int64_t m = round_up(std::clamp<int64_t>(hi - k0, 1, nk), 32);
+        kb_.gemm({ps.kr.data(), dw_, ps.qt.data(), kTile, st, kTile, m, kTile, dw_, nullptr,
+                  p_.softmax_scale});
+        kb_.gemm(
+            {ps.vr.data(), dwv_, ps.ot.data(), kTile, dpt, kTile, m, kTile, dwv_, nullptr, 1.0f});
+        for (int64_t k = 0; k < m; ++k) {
+          k_.rows.shift_and_mask(st + k * kTile, ps.lse.data(), ps.lo.data(), ps.hi.data(), k0 + k);
+        }
+        k_.exp_rows(st, m, kTile, ps.zeros.data());  // P^T
+        for (int64_t k = 0; k < m; ++k) {
+          k_.rows.probability_gradient(st + k * kTile, dpt + k * kTile, ps.delta.data());  // dS^T
+        }
+        kb_.to_bf16(st, ps.p16.data(), m * kTile);
+        kb_.to_bf16(dpt, ps.ds16.data(), m * kTile);
+        const int64_t mm = std::min(m, nk);
+        // dV += P^T dO, dK += scale dS^T Q.
+        kb_.gemm({ps.p16.data(), kTile / 2, ps.oi.data(), dvp_, ps.dv.data(), dvp_, mm, dvp_,
+                  kTile / 2, ps.ones.data(), 1.0f});
+        kb_.gemm({ps.ds16.data(), kTile / 2, ps.qi.data(), dp_, ps.dk.data(), dp_, mm, dp_,
+                  kTile / 2, ps.ones.data(), p_.softmax_scale});
+        if (dq != nullptr) {
+          // dQ^T += scale K^T dS^T, over key pairs.
+          for (int64_t k = 0; k < m / 2; ++k) {
+            k_.rows.pair_rows(dpt + 2 * k * kTile, dpt + (2 * k + 1) * kTile,
+                              ps.dsi.data() + k * kTile);
+          }
+          float* dqt = dq + (g * tiles + i0 / kTile) * d_ * kTile;
+          kb_.gemm({ps.ktp.data(), kBlockKeys / 2, ps.dsi.data(), kTile, dqt, kTile, d_, kTile,
+                    m / 2, ps.ones.data(), p_.softmax_scale});
+        }
+      }
+    }
+    store_key_rows(u, k0, nk, ps.dk.data(), ps.dv.data());
+  }
+
+  // out[l][e] = rows[2l][e] | rows[2l + 1][e] << 16 for e < n, l < count / 2: bf16 rows (ld
+  // elements apart) paired along their index, out's rows ld_out words apart.
+  static void interleave_rows(const uint16_t* rows, int64_t ld, int64_t count, int64_t n,
+                              uint32_t* out, int64_t ld_out) {
+    for (int64_t l = 0; 2 * l < count; ++l) {
+      const uint16_t* r0 = rows + 2 * l * ld;
+      const uint16_t* r1 = r0 + ld;
+      uint32_t* o = out + l * ld_out;
+      for (int64_t e = 0; e < n; ++e) o[e] = r0[e] | (static_cast<uint32_t>(r1[e]) << 16);
+    }
+  }
+
+  // A bf16 row of n elements (stride sd) as ceil(n / 2) pair words.
+  void load_pairs(const View& view, int64_t offset, int64_t n, uint32_t* dst) const {
+    if (view.sd == 1 && n % 2 == 0) {
+      std::memcpy(dst, static_cast<const uint16_t*>(view.data) + offset, n * 2);
+    } else {
+      load_row_bf16_pairs(view.data, offset, view.sd, n, dst);
+    }
+  }
+
+  // Key and value rows [k0, k0 + nk) of key head h as pairs along the head dims (zero to 256
+  // rows, or to 64 when !block), and with `transposed` the keys as key pairs (ktp).
+  void pair_pack_keys(PairScratch& ps, int64_t b, int64_t h, int64_t k0, int64_t nk,
+                      bool transposed) const {
+    const Sequence& seq = seqs_[b];
+    const int64_t cap = transposed || nk > kTile ? kBlockKeys : kTile;
+    std::fill(ps.kr.data(), ps.kr.data() + cap * dw_, 0u);
+    std::fill(ps.vr.data(), ps.vr.data() + cap * dwv_, 0u);
+    for (int64_t n = 0; n < nk; ++n) {
+      const int64_t key = seq.k_begin + k0 + n;
+      const View& k = p_.k;
+      const View& v = p_.v;
+      load_pairs(k, b * k.sb + key * k.ss + h * k.sn, d_, ps.kr.data() + n * dw_);
+      load_pairs(v, b * v.sb + key * v.ss + h * v.sn, dv_, ps.vr.data() + n * dwv_);
+    }
+    if (!transposed) return;
+    // ktp[e][l] = (K[2l][e], K[2l + 1][e]).
+    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ps.kr.data());
+    const int64_t ld = 2 * dw_;
+    uint32_t* ktp = ps.ktp.data();
+    for (int64_t l = 0; l < kBlockKeys / 2; ++l) {
+      const uint16_t* r0 = k16 + 2 * l * ld;
+      const uint16_t* r1 = r0 + ld;
+      for (int64_t e = 0; e < d_; ++e) {
+        ktp[e * (kBlockKeys / 2) + l] = r0[e] | (static_cast<uint32_t>(r1[e]) << 16);
+      }
+    }
+  }
+
+  // Query rows [i0, i0 + rows) of query head `head` and their output-gradient rows as pairs
+  // (zero past `rows`), with their log-sum-exp, D_i and visible keys; with `transposed` also
+  // packed as the B operands of the key-row products.
+  void pair_pack_queries(PairScratch& ps, int64_t b, int64_t head, int64_t i0, int64_t rows,
+                         bool transposed) const {
+    const Sequence& seq = seqs_[b];
+    std::fill(ps.qrows.data(), ps.qrows.data() + kTile * dw_, 0u);
+    std::fill(ps.orows.data(), ps.orows.data() + kTile * dwv_, 0u);
+    for (int64_t r = 0; r < kTile; ++r) {
+      ps.lo[r] = ps.hi[r] = 0;
+      ps.lse.data()[r] = kInf;
+      ps.delta.data()[r] = 0.0f;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      const int64_t pos = seq.q_begin + i;
+      const View& q = p_.q;
+      const View& go = p_.dout;
+      load_pairs(q, b * q.sb + pos * q.ss + head * q.sn, d_, ps.qrows.data() + r * dw_);
+      load_pairs(go, b * go.sb + pos * go.ss + head * go.sn, dv_, ps.orows.data() + r * dwv_);
+      ps.delta.data()[r] = delta_[delta_index(b, head, i)];
+      ps.lse.data()[r] = p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss];
+      const KeyRange vr = visible_keys(mask_, seq, i);
+      ps.lo[r] = vr.begin;
+      ps.hi[r] = vr.end;
+    }
+    if (!transposed) return;
+    const char* qr[kTile];
+    const char* orr[kTile];
+    for (int64_t r = 0; r < kTile; ++r) {
+      qr[r] = reinterpret_cast<const char*>(ps.qrows.data() + r * dw_);
+      orr[r] = reinterpret_cast<const char*>(ps.orows.data() + r * dwv_);
+    }
+    k_.pack_keys(qr, kTile, dw_, ps.qt.data());
+    k_.pack_keys(orr, kTile, dwv_, ps.ot.data());
+    interleave_rows(reinterpret_cast<const uint16_t*>(ps.qrows.data()), 2 * dw_, kTile, d_,
+                    ps.qi.data(), dp_);
+    interleave_rows(reinterpret_cast<const uint16_t*>(ps.orows.data()), 2 * dwv_, kTile, dv_,
+                    ps.oi.data(), dvp_);
+  }
+
   // Keys of [a, e) that query row i sees.
   int64_t overlap(const Sequence& seq, int64_t i, int64_t a, int64_t e) const {
     const KeyRange r = visible_keys(mask_, seq, i);
@@ -564,8 +858,11 @@ class Backward {
 
   const FlashAttnBackwardParams& p_;
   const std::vector<Sequence>& seqs_;
-  const KernelSet& k_;
+  const KernelSet& k_;   // float32 kernels: the float32 products and every element-wise step
+  const KernelSet& kb_;  // the products' kernels: k_, or bf16 pairs for bf16 inputs
+  bool pairs_;
   int64_t group_, d_, dv_, dp_, dvp_;
+  int64_t dw_, dwv_;  // pair words per q/k and per v/dout row, padded to kb_'s depth_align
   Mask mask_;
   int64_t elem_;                     // bytes per input element
   std::vector<int64_t> delta_base_;  // first entry of sequence b in delta_
@@ -728,7 +1025,31 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
       sink_parts[i] = run.deltas(scratch_of(thread), queries[i]);
     }
   });
-  if (plan.fused) {
+  if (run.pairs()) {
+    std::vector<std::unique_ptr<Backward::PairScratch>> pair_scratch(threads);
+    const int64_t tiles = plan.fused ? run.max_query_tiles() : 0;
+    auto pair_scratch_of = [&](int thread) -> Backward::PairScratch& {
+      if (!pair_scratch[thread]) {
+        pair_scratch[thread] = std::make_unique<Backward::PairScratch>(run, tiles);
+      }
+      return *pair_scratch[thread];
+    };
+    run_dynamic(executor, workers, [&](int64_t w, int thread) {
+      const kernels::WorkerScope scope(run.products());
+      Backward::PairScratch& ps = pair_scratch_of(thread);
+      for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
+        if (plan.fused) {
+          run.pair_fused_unit(ps, fused[i]);
+        } else {
+          run.pair_key_unit(ps, keys[i]);
+        }
+      }
+      if (plan.fused) return;
+      for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
+        run.pair_query_tile(ps, queries[i]);
+      }
+    });
+  } else if (plan.fused) {
     run_dynamic(executor, workers, [&](int64_t w, int thread) {
       for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
         run.fused_unit(fused_scratch_of(thread), fused[i]);

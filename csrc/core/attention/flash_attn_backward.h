@@ -14,6 +14,11 @@
 // blocks of four key tiles (dK, dV; each packed query tile serves the whole block) and query
 // tiles (dQ, the sinks' partial sums), so no two tasks write the same element and the result is
 // bitwise independent of the thread count.
+//
+// bf16 inputs run on the level's bf16-pair kernels where select_set picks them (the forward's
+// choice): every product takes bf16 operands (the inputs as they are; P and dS rounded to bf16,
+// as flash attention does on accelerators) and accumulates in float32; the softmax and dS
+// element-wise steps stay in float32. Other inputs run on the level's float32 kernels.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +48,7 @@ struct FlashAttnBackwardParams {
   int64_t dlse_sb = 0, dlse_sn = 0, dlse_ss = 0;
   const float* sinks = nullptr;  // [num_heads_q] or nullptr
   float softmax_scale = 1.0f;
+  int bf16_pairs = -1;  // as FlashAttnParams::bf16_pairs (bf16 inputs: pairs 1, float32 0)
   // Gradients in the layouts of q, k and v. Rows outside the sequences' used lengths are not
   // written: the caller zero-fills them.
   MutableView dq, dk, dv;
@@ -72,7 +78,7 @@ BackwardPlan plan_backward(const PlanConfig& config, const std::vector<Sequence>
 void validate_backward(const FlashAttnBackwardParams& params, const std::vector<Sequence>& seqs,
                        Isa isa);
 
-// Validates, then computes dq, dk, dv (and dsinks) on the float32 kernels of `isa`, following
+// Validates, then computes dq, dk, dv (and dsinks) on the kernels of `isa`, following
 // `plan` (from plan_backward for this call's configuration and sequences), or a plan made here
 // for 4 logical workers per thread when it is null.
 void flash_attn_backward(const FlashAttnBackwardParams& params, const std::vector<Sequence>& seqs,

@@ -106,11 +106,27 @@ void row_dots(const float* a, const float* b, int64_t rows, double* out) {
   }
 }
 
+// The bf16 bits of x, rounded to nearest even; a NaN stays a quiet NaN (dtype.h's rule, written
+// with selects so the loops below vectorise).
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
+
+// out[c] = bf16(a[c]) | bf16(b[c]) << 16: two rows as one row of bf16 pairs.
+void pair_rows(const float* a, const float* b, uint32_t* out) {
+#pragma omp simd
+  for (int64_t c = 0; c < kRowWidth; ++c) out[c] = bf16_bits(a[c]) | (bf16_bits(b[c]) << 16);
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
-  return RowOps{&shift_and_mask, &probability_gradient, &add_into,
-                &relu_axpy,      &split_coefficients,   &target_gradient,
-                &masked_scale,   &entropy_terms,        &row_dots};
+  return RowOps{
+      &shift_and_mask,  &probability_gradient, &add_into,      &relu_axpy, &split_coefficients,
+      &target_gradient, &masked_scale,         &entropy_terms, &row_dots,  &pair_rows};
 }
 
 }  // namespace

@@ -77,6 +77,9 @@ struct RowOps {
   void (*entropy_terms)(const float* p, int64_t rows, double* z, double* plogp);
   // out[r] += sum_c a[r][c] b[r][c] over a [rows][kKeyTile] pair of tiles.
   void (*row_dots)(const float* a, const float* b, int64_t rows, double* out);
+  // out[c] = bf16(a[c]) | bf16(b[c]) << 16 (round to nearest even): rows a and b as one row of
+  // bf16 pairs, the depth-paired operand of a product along their index.
+  void (*pair_rows)(const float* a, const float* b, uint32_t* out);
 };
 
 struct KernelSet {
