@@ -27,6 +27,8 @@ struct Problem {
   PlanConfig c;
   std::vector<int32_t> cu;
   std::vector<float> q, k, v, dout, sinks, dlse;  // dlse [Hq][T] or empty
+  float softcap = 0.0f;
+  std::vector<float> slopes;  // ALiBi, [Hq] or empty
 };
 
 Problem make(MaskMode mode, int64_t left, int64_t right, const std::vector<int32_t>& lengths,
@@ -88,6 +90,8 @@ void reference(const Problem& x, float scale, std::vector<double>& dq, std::vect
           for (int64_t e = 0; e < kD; ++e)
             dot += double(x.q[((t0 + i) * kHq + h) * kD + e]) * x.k[((t0 + j) * kHkv + g) * kD + e];
           s[j] = scale * dot;
+          if (x.softcap > 0.0f) s[j] = x.softcap * std::tanh(s[j] / x.softcap);
+          if (!x.slopes.empty()) s[j] -= x.slopes[h] * std::abs(double(i - j));
           top = std::max(top, s[j]);
         }
         if (top == -std::numeric_limits<double>::infinity()) continue;
@@ -109,7 +113,15 @@ void reference(const Problem& x, float scale, std::vector<double>& dq, std::vect
             dp += go[e] * double(x.v[((t0 + j) * kHkv + g) * kDv + e]);
             dv[((t0 + j) * kHkv + g) * kDv + e] += p[j] * go[e];
           }
-          const double ds = p[j] * (dp - delta);
+          double ds = p[j] * (dp - delta);
+          if (x.softcap > 0.0f) {
+            double dot = 0;
+            for (int64_t e = 0; e < kD; ++e)
+              dot +=
+                  double(x.q[((t0 + i) * kHq + h) * kD + e]) * x.k[((t0 + j) * kHkv + g) * kD + e];
+            const double t = std::tanh(scale * dot / x.softcap);
+            ds *= 1.0 - t * t;
+          }
           for (int64_t e = 0; e < kD; ++e) {
             dq[((t0 + i) * kHq + h) * kD + e] += scale * ds * x.k[((t0 + j) * kHkv + g) * kD + e];
             dk[((t0 + j) * kHkv + g) * kD + e] += scale * ds * x.q[((t0 + i) * kHq + h) * kD + e];
@@ -137,6 +149,8 @@ void check(const Problem& x, int threads) {
   f.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
   f.sinks = x.sinks.empty() ? nullptr : x.sinks.data();
   f.softmax_scale = scale;
+  f.softcap = x.softcap;
+  f.alibi_slopes = x.slopes.empty() ? nullptr : x.slopes.data();
   f.out = out.data();
   f.out_ss = kHq * kDv;
   f.out_sn = kDv;
@@ -161,6 +175,8 @@ void check(const Problem& x, int threads) {
   p.lse_sn = t;
   p.lse_ss = 1;
   p.sinks = f.sinks;
+  p.softcap = f.softcap;
+  p.alibi_slopes = f.alibi_slopes;
   if (!x.dlse.empty()) {
     p.dlse = x.dlse.data();
     p.dlse_sn = t;
@@ -314,6 +330,8 @@ void check_bf16(Problem x, int threads) {
   f.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
   f.sinks = x.sinks.empty() ? nullptr : x.sinks.data();
   f.softmax_scale = scale;
+  f.softcap = x.softcap;
+  f.alibi_slopes = x.slopes.empty() ? nullptr : x.slopes.data();
   f.out = out.data();
   f.out_ss = kHq * kDv;
   f.out_sn = kDv;
@@ -343,6 +361,8 @@ void check_bf16(Problem x, int threads) {
   p.lse_sn = t;
   p.lse_ss = 1;
   p.sinks = f.sinks;
+  p.softcap = f.softcap;
+  p.alibi_slopes = f.alibi_slopes;
   p.softmax_scale = scale;
   p.bf16_pairs = 1;
   p.dq = {dq.data(), 0, kHq * kD, kD, 1};
@@ -389,6 +409,26 @@ TEST(FlashAttnBackward, Bf16PairKernelsMatchDoubleGradients) {
     check_bf16(make(MaskMode::kCausal, -1, -1, lengths, true, 4), 3);
     check_bf16(make(MaskMode::kWindow, 20, 3, lengths, false, 3), 2);
     check_bf16(make(MaskMode::kWindow, -1, 0, {300}, true, 5), 2);
+  }
+}
+
+// softcap (the scores' derivative through tanh) and ALiBi, alone and together, on both schedules
+// and every level; bf16 on the pair kernels too.
+TEST(FlashAttnBackward, SoftcapAndAlibi) {
+  const std::vector<int32_t> lengths{70, 0, 1, 130, 5};
+  for (const char* mode : {"fused", "two_pass"}) {
+    SCOPED_TRACE(mode);
+    const BackwardMode scope(mode);
+    for (int variant = 0; variant < 3; ++variant) {
+      SCOPED_TRACE(variant);
+      const bool window = variant == 2;
+      Problem x = make(window ? MaskMode::kWindow : MaskMode::kCausal, window ? 20 : -1,
+                       window ? 3 : -1, lengths, variant == 1, 20 + variant);
+      if (variant != 1) x.softcap = 1.5f;
+      if (variant != 0) x.slopes = {0.5f, 0.25f, 0.125f, 0.0625f};
+      check(x, 2);
+      check_bf16(x, 3);
+    }
   }
 }
 

@@ -65,6 +65,7 @@ class Runner {
         g_(plan.geometry),
         k_(choose_set(p, seqs, isa)),
         pairs_(k_.word == kernels::Word::kBf16Pair),
+        mods_(p.softcap > 0.0f || p.alibi_slopes != nullptr),
         d_(p.config.head_dim),
         dv_(p.config.head_dim_v),
         words_(pairs_ ? (d_ + 1) / 2 : d_),
@@ -101,6 +102,7 @@ class Runner {
     AlignedBuffer<float> row;
     AlignedBuffer<float> stage;  // widened key rows before their transpose
     std::vector<KeyRange> vis;
+    int64_t p0 = 0;  // the unit's first query position (for the ALiBi distances)
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
     bool cache_all = false;
@@ -149,6 +151,7 @@ class Runner {
     if (k_to > k_from) {
       pack_queries(sc, b, h, p0, p1);
       for (int64_t i = p0; i < p1; ++i) sc.vis[i - p0] = visible_keys(p_.config, seq, i);
+      sc.p0 = p0;
     }
     int64_t next_slot = range.begin_slot;
     bool pending = false;
@@ -350,6 +353,7 @@ class Runner {
       float* si = s + i * kKeyTile;
       k_.gemm({sc.q.data(), dw_, sc.kcache.data() + slot * k_tile_words_, kKeyTile, si, cols, rows,
                kKeyTile, dw_, nullptr, p_.softmax_scale});
+      if (mods_) modify_tile(sc, si, cols, b, h, j, rows);
       if (j < sp.full_begin || j >= sp.full_end) mask_tile(sc, si, cols, j, rows);
     }
     const uint32_t* vp = sc.vcache.data() + first_slot * v_tile_words_;
@@ -361,6 +365,22 @@ class Runner {
       k_.gemm({sc.pb.data(), cols / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
     } else {
       k_.gemm({s, cols, vp, dvp_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
+    }
+  }
+
+  // softcap and ALiBi on the scores of key tile j (rows with stride ld: position, then head of
+  // key head h's group).
+  void modify_tile(Scratch& sc, float* s, int64_t ld, int64_t b, int64_t h, int64_t j,
+                   int64_t rows) const {
+    const Sequence& seq = seqs_[b];
+    for (int64_t i = 0; i < rows / g_.group; ++i) {
+      const int64_t dist0 = sc.p0 + i + seq.diag() - j * kKeyTile;
+      for (int64_t g = 0; g < g_.group; ++g) {
+        const int64_t head = h * g_.group + g;
+        const float slope =
+            p_.alibi_slopes != nullptr ? p_.alibi_slopes[seq.batch * p_.alibi_sb + head] : 0.0f;
+        k_.rows.score_mods(s + (i * g_.group + g) * ld, p_.softcap, slope, dist0, -1, nullptr);
+      }
     }
   }
 
@@ -450,6 +470,7 @@ class Runner {
   Geometry g_;
   const KernelSet& k_;
   bool pairs_;
+  bool mods_;  // softcap or ALiBi
   int64_t d_, dv_;
   int64_t words_;        // packed words per q/k row
   int64_t dw_;           // words_ padded to the set's depth_align (zero words)
@@ -462,6 +483,24 @@ class Runner {
 };
 
 }  // namespace
+
+void validate_score_mods(const PlanConfig& c, float softcap, const float* alibi_slopes,
+                         int64_t alibi_sb) {
+  if (!(softcap >= 0.0f) || std::isinf(softcap)) {
+    throw ArgumentError("softcap",
+                        "must be finite and >= 0 (0: no capping), got " + std::to_string(softcap));
+  }
+  if (alibi_slopes == nullptr) return;
+  const int64_t rows = alibi_sb == 0 ? 1 : c.batch_size;
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t h = 0; h < c.num_heads_q; ++h) {
+      if (!std::isfinite(alibi_slopes[b * alibi_sb + h])) {
+        throw ArgumentError("alibi_slopes", "entry (" + std::to_string(b) + ", " +
+                                                std::to_string(h) + ") is not finite");
+      }
+    }
+  }
+}
 
 int64_t workspace_floats(const PlanConfig& config, const Plan& plan) {
   const int64_t dvp = round_up(config.head_dim_v, 16);
@@ -509,6 +548,7 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
   if (!std::isfinite(p.softmax_scale)) {
     throw ArgumentError("softmax_scale", "must be finite");
   }
+  validate_score_mods(c, p.softcap, p.alibi_slopes, p.alibi_sb);
   if (static_cast<int64_t>(plan.workers.size()) != c.num_workers) {
     throw ArgumentError("plan", "has " + std::to_string(plan.workers.size()) +
                                     " worker stretches, the configuration " +

@@ -32,6 +32,13 @@ struct FlashAttnParams {
   int64_t block_size = 0;
   const float* sinks = nullptr;  // [num_heads_q] or nullptr
   float softmax_scale = 1.0f;
+  // Score modifications, flash-attn's: the scaled score x of query row i and key j becomes
+  // softcap tanh(x / softcap) when softcap > 0, then minus slope |i + diag - j| (diag: the
+  // sequence's diagonal, k_len - q_len by default) with slope = alibi_slopes[b * alibi_sb + head]
+  // when alibi_slopes is given (alibi_sb 0: one slope per query head).
+  float softcap = 0.0f;
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_sb = 0;
   void* out = nullptr;  // output, same dtype as q, [b][s][n][dv] strides below
   int64_t out_sb = 0, out_ss = 0, out_sn = 0, out_sd = 0;
   float* lse = nullptr;  // nullptr: not requested; else strides for (b, head, position)
@@ -53,6 +60,11 @@ int64_t workspace_floats(const PlanConfig& config, const Plan& plan);
 // first offending argument. flash_attn() calls it first.
 void validate(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
               const Plan& plan, Isa isa, const float* workspace);
+
+// Throws ArgumentError for a softcap that is negative or not finite, or a slope that is not
+// finite (alibi_slopes: one row, or batch_size rows when alibi_sb != 0, of num_heads_q).
+void validate_score_mods(const PlanConfig& config, float softcap, const float* alibi_slopes,
+                         int64_t alibi_sb);
 
 // Runs the plan. Every query row of every sequence's used length is written (output and lse);
 // rows beyond it (query padding) are not touched, so the caller fills them with 0 and +inf.

@@ -51,6 +51,8 @@ class Backward {
         k_(kernels::float32_set(isa)),
         kb_(kernels::select_set(isa, p.dtype, p.bf16_pairs, true)),
         pairs_(kb_.word == kernels::Word::kBf16Pair),
+        mods_(p.softcap > 0.0f || p.alibi_slopes != nullptr),
+
         group_(p.config.num_heads_q / p.config.num_heads_kv),
         d_(p.config.head_dim),
         dv_(p.config.head_dim_v),
@@ -80,6 +82,7 @@ class Backward {
           s(kTile * kTile),
           dp(kTile * kTile),
           trans(kTile * kTile),
+          cap(kTile * kTile),
           acc(kKeyBlock * kTile * std::max(r.dp_, r.dvp_)),
           acc2(kKeyBlock * kTile * r.dvp_),
           row(std::max(r.dp_, r.dvp_)),
@@ -96,8 +99,10 @@ class Backward {
     AlignedBuffer<float> s;      // [positions][64] probabilities, then dS
     AlignedBuffer<float> dp;     // [positions][64] dP
     AlignedBuffer<float> trans;  // [64][positions] a transpose of s
-    AlignedBuffer<float> acc;    // dK or dQ accumulator
-    AlignedBuffer<float> acc2;   // dV accumulator
+    AlignedBuffer<float> cap;    // [positions][64] the softcap's derivative
+
+    AlignedBuffer<float> acc;   // dK or dQ accumulator
+    AlignedBuffer<float> acc2;  // dV accumulator
     AlignedBuffer<float> row;
     AlignedBuffer<float> ones;
     AlignedBuffer<float> lse;
@@ -183,7 +188,7 @@ class Backward {
         for (int64_t i = 0; i < tiles; ++i) {
           const int64_t k0 = first + i * kTile;
           if (!sees_keys(seq, i0, rows, k0, std::min(kTile, seq.k_len - k0))) continue;
-          probabilities_and_ds(sc, seq, i0, rows, k0, i);
+          probabilities_and_ds(sc, seq, head, i0, rows, k0, i);
           // dV += P^T dO, dK += scale dS^T Q (sc.trans holds P^T, then dS^T).
           float* dvi = dv + i * kTile * dvp_;
           float* dki = dk + i * kTile * dp_;
@@ -259,7 +264,7 @@ class Backward {
     for (int64_t k0 = lo / kTile * kTile; k0 < hi; k0 += kTile) {
       const int64_t keys = std::min(kTile, seq.k_len - k0);
       pack_keys(sc, u.b, kv_head, k0, keys, 0);
-      probabilities_and_ds(sc, seq, i0, rows, k0, 0);
+      probabilities_and_ds(sc, seq, u.h, i0, rows, k0, 0);
       // dQ += scale dS K.
       k_.gemm({sc.s.data(), kTile, sc.krows.data(), dp_, dq, dp_, rows, dp_, kTile, sc.ones.data(),
                p_.softmax_scale});
@@ -288,6 +293,7 @@ class Backward {
           ot(r.dv_ * kTile),
           st(kBlockKeys * kTile),
           dpt(kBlockKeys * kTile),
+          cap(kBlockKeys * kTile),
           dk(kBlockKeys * r.dp_),
           dv(kBlockKeys * r.dvp_),
           dq(r.group_ * tiles * r.d_ * kTile),
@@ -307,6 +313,7 @@ class Backward {
     AlignedBuffer<float> qrows, qt;     // [64][dp] query rows, [d][64] transposed
     AlignedBuffer<float> orows, ot;     // [64][dvp] output-gradient rows, [dv][64] transposed
     AlignedBuffer<float> st, dpt;       // [256][64] S^T then P^T, dP^T then dS^T
+    AlignedBuffer<float> cap;           // [256][64] the softcap's derivative
     AlignedBuffer<float> dk, dv;        // [256][dp], [256][dvp] accumulators of the block
     AlignedBuffer<float> dq;            // [group][tile][d][64] dQ^T of the unit's query rows
     AlignedBuffer<float> row, ones, zeros, lse, delta;
@@ -363,6 +370,7 @@ class Backward {
                    p_.softmax_scale});
           k_.gemm({fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, nk, kTile, dv_, nullptr,
                    1.0f});
+          if (mods_) modify_key_rows(st, nk, seq, head, i0, k0, fs.cap.data());
           for (int64_t k = 0; k < nk; ++k) {
             k_.rows.shift_and_mask(st + k * kTile, fs.lse.data(), fs.lo.data(), fs.hi.data(),
                                    k0 + k);
@@ -370,6 +378,8 @@ class Backward {
           k_.exp_rows(st, nk, kTile, fs.zeros.data());  // P^T
           for (int64_t k = 0; k < nk; ++k) {
             k_.rows.probability_gradient(st + k * kTile, dpt + k * kTile, fs.delta.data());  // dS^T
+            if (p_.softcap > 0.0f)
+              k_.rows.multiply_into(dpt + k * kTile, fs.cap.data() + k * kTile);
           }
           // dV += P^T dO, dK += scale dS^T Q, dQ^T += scale K^T dS^T (per key tile).
           k_.gemm({st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, nk, dvp_, rows,
@@ -408,6 +418,7 @@ class Backward {
           oi(kTile / 2 * r.dvp_),
           st(kBlockKeys * kTile),
           dpt(kBlockKeys * kTile),
+          cap(kBlockKeys * kTile),
           p16(kBlockKeys * kTile),
           ds16(kBlockKeys * kTile),
           dsi(kBlockKeys / 2 * kTile),
@@ -431,7 +442,9 @@ class Backward {
     }
     AlignedBuffer<uint32_t> kr, vr, ktp, kq, vq, krp;
     AlignedBuffer<uint32_t> qrows, qt, qi, orows, ot, oi;
-    AlignedBuffer<float> st, dpt;       // [256][64] S^T then P^T, dP^T then dS^T (or S, dP)
+    AlignedBuffer<float> st, dpt;  // [256][64] S^T then P^T, dP^T then dS^T (or S, dP)
+    AlignedBuffer<float> cap;      // [256][64] the softcap's derivative
+
     AlignedBuffer<uint16_t> p16, ds16;  // P^T and dS^T (or dS) in bf16
     AlignedBuffer<uint32_t> dsi;        // [128][64] dS^T as key pairs
     AlignedBuffer<float> dk, dv, dq;    // accumulators (the query pass's dQ in dk)
@@ -492,6 +505,7 @@ class Backward {
                 p_.softmax_scale});
       kb_.gemm({ps.orows.data(), dwv_, ps.vq.data(), kTile, dp, kTile, rows, kTile, dwv_, nullptr,
                 1.0f});
+      if (mods_) modify_query_rows(s, rows, seq, u.h, i0, k0, ps.cap.data());
       k_.exp_rows(s, rows, kTile, ps.lse.data());
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t a = std::clamp<int64_t>(ps.lo[r] - k0, 0, kTile);
@@ -503,6 +517,7 @@ class Backward {
         for (int64_t c = 0; c < kTile; ++c) {
           sr[c] = (any && c >= a && c < e) ? sr[c] * (dr[c] - delta) : 0.0f;  // dS
         }
+        if (p_.softcap > 0.0f) k_.rows.multiply_into(sr, ps.cap.data() + r * kTile);
       }
       kb_.to_bf16(s, ps.ds16.data(), rows * kTile);
       // dQ += scale dS K.
@@ -518,6 +533,33 @@ class Backward {
   }
 
  private:
+  float slope(const Sequence& seq, int64_t head) const {
+    return p_.alibi_slopes != nullptr ? p_.alibi_slopes[seq.batch * p_.alibi_sb + head] : 0.0f;
+  }
+
+  // softcap and ALiBi on m rows of S^T (key k0 + k against query positions i0 + c) of query head
+  // `head`, the softcap's derivative in deriv.
+  void modify_key_rows(float* st, int64_t m, const Sequence& seq, int64_t head, int64_t i0,
+                       int64_t k0, float* deriv) const {
+    const float sl = slope(seq, head);
+    const bool capped = p_.softcap > 0.0f;
+    for (int64_t k = 0; k < m; ++k) {
+      k_.rows.score_mods(st + k * kTile, p_.softcap, sl, i0 + seq.diag() - (k0 + k), 1,
+                         capped ? deriv + k * kTile : nullptr);
+    }
+  }
+
+  // The same on `rows` rows of S (query position i0 + r against keys k0 + c).
+  void modify_query_rows(float* s, int64_t rows, const Sequence& seq, int64_t head, int64_t i0,
+                         int64_t k0, float* deriv) const {
+    const float sl = slope(seq, head);
+    const bool capped = p_.softcap > 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      k_.rows.score_mods(s + r * kTile, p_.softcap, sl, i0 + r + seq.diag() - k0, -1,
+                         capped ? deriv + r * kTile : nullptr);
+    }
+  }
+
   // dK and dV rows [k0, k0 + nk) of key head u.h from the block's accumulators.
   void store_key_rows(const Unit& u, int64_t k0, int64_t nk, const float* dk,
                       const float* dv) const {
@@ -576,12 +618,15 @@ class Backward {
                   p_.softmax_scale});
         kb_.gemm(
             {ps.vr.data(), dwv_, ps.ot.data(), kTile, dpt, kTile, m, kTile, dwv_, nullptr, 1.0f});
+        if (mods_) modify_key_rows(st, m, seq, head, i0, k0, ps.cap.data());
+
         for (int64_t k = 0; k < m; ++k) {
           k_.rows.shift_and_mask(st + k * kTile, ps.lse.data(), ps.lo.data(), ps.hi.data(), k0 + k);
         }
         k_.exp_rows(st, m, kTile, ps.zeros.data());  // P^T
         for (int64_t k = 0; k < m; ++k) {
           k_.rows.probability_gradient(st + k * kTile, dpt + k * kTile, ps.delta.data());  // dS^T
+          if (p_.softcap > 0.0f) k_.rows.multiply_into(dpt + k * kTile, ps.cap.data() + k * kTile);
         }
         kb_.to_bf16(st, ps.p16.data(), m * kTile);
         kb_.to_bf16(dpt, ps.ds16.data(), m * kTile);
@@ -812,14 +857,15 @@ class Backward {
 
   // For the packed query rows against the packed key tile at k0: P (in sc.dp) and dS (in sc.s),
   // both [rows][64], zero where a key is not visible or past the sequence.
-  void probabilities_and_ds(Scratch& sc, const Sequence& seq, int64_t i0, int64_t rows, int64_t k0,
-                            int64_t slot) const {
+  void probabilities_and_ds(Scratch& sc, const Sequence& seq, int64_t head, int64_t i0,
+                            int64_t rows, int64_t k0, int64_t slot) const {
     float* s = sc.s.data();
     float* dp = sc.dp.data();
     k_.gemm({sc.q.data(), dp_, sc.kt.data() + slot * d_ * kTile, kTile, s, kTile, rows, kTile, d_,
              nullptr, p_.softmax_scale});
     k_.gemm({sc.dout.data(), dvp_, sc.vt.data() + slot * dv_ * kTile, kTile, dp, kTile, rows, kTile,
              dv_, nullptr, 1.0f});
+    if (mods_) modify_query_rows(s, rows, seq, head, i0, k0, sc.cap.data());
     k_.exp_rows(s, rows, kTile, sc.lse.data());  // P, masked below
     for (int64_t r = 0; r < rows; ++r) {
       const KeyRange vr = visible_keys(mask_, seq, i0 + r);
@@ -834,6 +880,7 @@ class Backward {
         sr[c] = pr * (dr[c] - delta);  // dS
         dr[c] = pr;                    // P
       }
+      if (p_.softcap > 0.0f) k_.rows.multiply_into(sr, sc.cap.data() + r * kTile);
     }
     for (int64_t r = rows; r < kTile; ++r) {
       std::fill(s + r * kTile, s + (r + 1) * kTile, 0.0f);
@@ -861,6 +908,7 @@ class Backward {
   const KernelSet& k_;   // float32 kernels: the float32 products and every element-wise step
   const KernelSet& kb_;  // the products' kernels: k_, or bf16 pairs for bf16 inputs
   bool pairs_;
+  bool mods_;  // softcap or ALiBi
   int64_t group_, d_, dv_, dp_, dvp_;
   int64_t dw_, dwv_;  // pair words per q/k and per v/dout row, padded to kb_'s depth_align
   Mask mask_;
@@ -906,6 +954,7 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
     throw ArgumentError("dsinks", "is null but the forward had sinks");
   }
   if (!std::isfinite(p.softmax_scale)) throw ArgumentError("softmax_scale", "must be finite");
+  validate_score_mods(c, p.softcap, p.alibi_slopes, p.alibi_sb);
   if (!isa_supported(isa)) {
     throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
   }

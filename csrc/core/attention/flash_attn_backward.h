@@ -48,6 +48,13 @@ struct FlashAttnBackwardParams {
   int64_t dlse_sb = 0, dlse_sn = 0, dlse_ss = 0;
   const float* sinks = nullptr;  // [num_heads_q] or nullptr
   float softmax_scale = 1.0f;
+  // Score modifications, flash-attn's: the scaled score x of query row i and key j becomes
+  // softcap tanh(x / softcap) when softcap > 0, then minus slope |i + diag - j| (diag: the
+  // sequence's diagonal, k_len - q_len by default) with slope = alibi_slopes[b * alibi_sb + head]
+  // when alibi_slopes is given (alibi_sb 0: one slope per query head).
+  float softcap = 0.0f;
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_sb = 0;
   int bf16_pairs = -1;  // as FlashAttnParams::bf16_pairs (bf16 inputs: pairs 1, float32 0)
   // Gradients in the layouts of q, k and v. Rows outside the sequences' used lengths are not
   // written: the caller zero-fills them.

@@ -122,11 +122,73 @@ void pair_rows(const float* a, const float* b, uint32_t* out) {
   for (int64_t c = 0; c < kRowWidth; ++c) out[c] = bf16_bits(a[c]) | (bf16_bits(b[c]) << 16);
 }
 
+// e^x for x in [-87, 88] (clamped): 2^n e^r with |r| <= ln2 / 2 and a degree-7 Taylor polynomial
+// (relative error below 1e-7), in arithmetic and selects only so the loops vectorise.
+inline float exp_poly(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// tanh(y) = sign(y) (1 - 2 / (e^{2|y|} + 1)); |y| >= 9 is +-1 in float.
+inline float tanh_poly(float y) {
+  const float a = y < 0.0f ? -y : y;
+  const float t = 1.0f - 2.0f / (exp_poly(2.0f * (a < 9.0f ? a : 9.0f)) + 1.0f);
+  return y < 0.0f ? -t : t;
+}
+
+// The score modifications of one row of 64 scores s (already scaled): with cap > 0,
+// s <- cap tanh(s / cap) and deriv <- 1 - tanh^2 (ds / d(scaled score), when deriv is given);
+// then s <- s - slope |dist0 + dir c| (ALiBi, the distance of entry c).
+void score_mods(float* s, float cap, float slope, int64_t dist0, int64_t dir, float* deriv) {
+  if (cap > 0.0f) {
+    const float inv = 1.0f / cap;
+    if (deriv != nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < kRowWidth; ++c) {
+        const float t = tanh_poly(s[c] * inv);
+        s[c] = cap * t;
+        deriv[c] = 1.0f - t * t;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < kRowWidth; ++c) s[c] = cap * tanh_poly(s[c] * inv);
+    }
+  }
+  if (slope != 0.0f) {
+    const float d0 = static_cast<float>(dist0), step = static_cast<float>(dir);
+#pragma omp simd
+    for (int64_t c = 0; c < kRowWidth; ++c) {
+      const float d = d0 + step * static_cast<float>(c);
+      s[c] -= slope * (d < 0.0f ? -d : d);
+    }
+  }
+}
+
+// d[c] <- d[c] f[c].
+void multiply_into(float* d, const float* f) {
+#pragma omp simd
+  for (int64_t c = 0; c < kRowWidth; ++c) d[c] *= f[c];
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
-  return RowOps{
-      &shift_and_mask,  &probability_gradient, &add_into,      &relu_axpy, &split_coefficients,
-      &target_gradient, &masked_scale,         &entropy_terms, &row_dots,  &pair_rows};
+  return RowOps{&shift_and_mask, &probability_gradient, &add_into,
+                &relu_axpy,      &split_coefficients,   &target_gradient,
+                &masked_scale,   &entropy_terms,        &row_dots,
+                &pair_rows,      &score_mods,           &multiply_into};
 }
 
 }  // namespace

@@ -80,6 +80,12 @@ struct RowOps {
   // out[c] = bf16(a[c]) | bf16(b[c]) << 16 (round to nearest even): rows a and b as one row of
   // bf16 pairs, the depth-paired operand of a product along their index.
   void (*pair_rows)(const float* a, const float* b, uint32_t* out);
+  // Flash attention's score modifications on one row of scaled scores: with cap > 0,
+  // s <- cap tanh(s / cap) and, when deriv is given, deriv <- 1 - tanh^2 (the softcap's
+  // derivative); then, with slope != 0, s <- s - slope |dist0 + dir c| for entry c (ALiBi).
+  void (*score_mods)(float* s, float cap, float slope, int64_t dist0, int64_t dir, float* deriv);
+  // d[c] <- d[c] f[c].
+  void (*multiply_into)(float* d, const float* f);
 };
 
 struct KernelSet {
