@@ -15,9 +15,11 @@ Every call goes to :func:`opmesh.flash_attn` (and, for the cache append, to
 * a dense cache ``[B_cache, S_cache, Hk, D]`` is a paged cache with one block of ``S_cache`` slots
   per sequence, so both kinds run the paged kernel.
 
+``softcap`` (scores become ``softcap * tanh(score / softcap)``) and ``alibi_slopes`` (float32
+``[H]`` or ``[B, H]``: ``-slope * |i + Sk - Sq - j|`` added to the score of query ``i`` and key
+``j``) are opmesh's arguments of the same names, with gradients (the slopes themselves get none).
 Features opmesh does not have raise ``NotImplementedError`` naming the argument: ``dropout_p > 0``,
-``softcap != 0``, ``alibi_slopes``, rotary embedding in the cache call (``rotary_cos`` /
-``rotary_sin``) and ``cache_leftpad``. ``deterministic`` is accepted: opmesh's kernels are
+rotary embedding in the cache call (``rotary_cos`` / ``rotary_sin``) and ``cache_leftpad``. ``deterministic`` is accepted: opmesh's kernels are
 deterministic (the same bits for any thread count). Gradients flow wherever
 :func:`opmesh.flash_attn` has a backward (not through paged caches).
 """
@@ -102,9 +104,7 @@ def flash_attn_func(
     ``[B, H, Sq]``; with ``return_attn_probs=True`` ``(out, lse, None)`` as flash-attn returns
     them. ``sinks`` (float32 ``[H]``) adds one logit per head to the softmax denominator.
     """
-    _unsupported(
-        dropout_p=(dropout_p, 0.0), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None)
-    )
+    _unsupported(dropout_p=(dropout_p, 0.0))
     mode, left, right = _mask(causal, window_size)
     out, lse = ops.flash_attn(
         q,
@@ -115,6 +115,8 @@ def flash_attn_func(
         win_left=left,
         win_right=right,
         sinks=sinks,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
         return_softmax_lse=return_softmax_lse or return_attn_probs,
     )
     return _returns(out, lse, return_softmax_lse, return_attn_probs)
@@ -150,9 +152,7 @@ def flash_attn_varlen_func(
     Returns ``out [Tq, H, Dv]``; with ``return_softmax_lse=True`` also the lse ``[H, Tq]``; with
     ``return_attn_probs=True`` ``(out, lse, None)``.
     """
-    _unsupported(
-        dropout_p=(dropout_p, 0.0), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None)
-    )
+    _unsupported(dropout_p=(dropout_p, 0.0))
     mode, left, right = _mask(causal, window_size)
     options = dict(
         softmax_scale=softmax_scale,
@@ -160,6 +160,8 @@ def flash_attn_varlen_func(
         win_left=left,
         win_right=right,
         sinks=sinks,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_k,
         layout_q="TND",
@@ -237,8 +239,6 @@ def flash_attn_with_kvcache(
         rotary_cos=(rotary_cos, None),
         rotary_sin=(rotary_sin, None),
         cache_leftpad=(cache_leftpad, None),
-        softcap=(softcap, 0.0),
-        alibi_slopes=(alibi_slopes, None),
     )
     if (k is None) != (v is None):
         raise ValueError("k: k and v are appended together; pass both or neither")
@@ -295,6 +295,8 @@ def flash_attn_with_kvcache(
         win_left=left,
         win_right=right,
         sinks=sinks,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
         layout_kv="PA_BBND",
         return_softmax_lse=return_softmax_lse,
     )

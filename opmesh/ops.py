@@ -689,6 +689,8 @@ def flash_attn(
     seqused_q: LengthsLike = None,
     seqused_kv: LengthsLike = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     metadata: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     mask_mode: int = 0,
@@ -708,6 +710,8 @@ def flash_attn(
     ``j`` of a sequence with ``s1`` queries and ``s2`` keys::
 
         s_ij = softmax_scale * q_i . k_j
+        s_ij = softcap * tanh(s_ij / softcap)   (softcap > 0 only)
+        s_ij = s_ij - slope_h * |i + s2 - s1 - j|   (alibi_slopes only)
         m_i  = max(sink_h, max_j s_ij)          (no sink: max_j s_ij)
         out_i = sum_j exp(s_ij - m_i) v_j / (sum_j exp(s_ij - m_i) + exp(sink_h - m_i))
         lse_i = m_i + log(sum_j exp(s_ij - m_i) + exp(sink_h - m_i))
@@ -729,6 +733,10 @@ def flash_attn(
         seqused_q, seqused_kv: int32 ``[B]`` lengths in use; with cu_seqlens the shorter wins.
             ``seqused_kv`` is required for paged keys/values.
         sinks: float32 ``[Nq]``, one logit per query head added to the softmax denominator.
+        softcap: logit soft-capping (as Gemma 2 and flash-attn): a finite value ``>= 0``; 0
+            leaves the scores as they are.
+        alibi_slopes: float32 ``[Nq]`` or ``[B, Nq]`` (per sequence for TND), flash-attn's ALiBi
+            bias; the slopes get no gradient (a slopes tensor that requires one is refused).
         metadata: a :func:`flash_attn_metadata` plan for exactly these arguments; None plans here.
         softmax_scale: default ``1 / sqrt(D)``.
         max_seqlen_q, max_seqlen_kv: fixed by the shape for BSND/BNSD (a given value must agree);

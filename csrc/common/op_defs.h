@@ -53,6 +53,11 @@ struct Field {
   ARG_D(Str, layout_kv, "BSND")                 \
   ARG_D(Str, layout_out, "BSND")
 
+// flash-attn's score modifications: logit soft-capping and ALiBi slopes ([Nq] or [B, Nq]).
+#define OPMESH_ATTN_SCORE_MODS(ARG, ARG_D) \
+  ARG_D(Float, softcap, 0.0)               \
+  ARG_D(OptTensor, alibi_slopes, std::nullopt)
+
 // flash_attn(q, k, v, *, ...) -> (attn_out, softmax_lse)
 #define OPMESH_OP_FLASH_ATTN(ARG, ARG_D, KWONLY) \
   ARG(Tensor, q)                                 \
@@ -62,6 +67,7 @@ struct Field {
   ARG_D(OptInts, block_table, std::nullopt)      \
   OPMESH_ATTN_LENGTHS(ARG, ARG_D)                \
   ARG_D(OptTensor, sinks, std::nullopt)          \
+  OPMESH_ATTN_SCORE_MODS(ARG, ARG_D)             \
   ARG_D(OptInts, metadata, std::nullopt)         \
   OPMESH_ATTN_OPTIONS(ARG, ARG_D)                \
   ARG_D(Bool, return_softmax_lse, false)
@@ -80,6 +86,7 @@ struct Field {
   ARG_D(OptTensor, dlse, std::nullopt)                    \
   OPMESH_ATTN_LENGTHS(ARG, ARG_D)                         \
   ARG_D(OptTensor, sinks, std::nullopt)                   \
+  OPMESH_ATTN_SCORE_MODS(ARG, ARG_D)                      \
   OPMESH_ATTN_OPTIONS(ARG, ARG_D)                         \
   ARG_D(OptInts, metadata, std::nullopt)
 #define OPMESH_OP_FLASH_ATTN_BACKWARD_RETURNS "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"
@@ -306,6 +313,7 @@ void copy_attn_shared(const From& from, To& to) {
 #define OPMESH_DETAIL_COPY_D(kind, name, value) to.name = from.name;
   OPMESH_ATTN_LENGTHS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
   OPMESH_ATTN_OPTIONS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+  OPMESH_ATTN_SCORE_MODS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
   to.sinks = from.sinks;
 #undef OPMESH_DETAIL_COPY
 #undef OPMESH_DETAIL_COPY_D

@@ -207,7 +207,19 @@ std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call) {
   return std::vector<int64_t>(words.begin(), words.end());
 }
 
+// softcap and ALiBi run on the torch binding only so far: refused by name here.
+template <class Call>
+void refuse_score_mods(const Call& call) {
+  if (call.softcap != 0.0) {
+    value_error("softcap: the MindSpore binding computes without soft-capping; pass 0");
+  }
+  if (call.alibi_slopes.has_value()) {
+    value_error("alibi_slopes: the MindSpore binding computes without ALiBi; pass None");
+  }
+}
+
 py::object flash_attn(const FlashAttnCall& call) {
+  refuse_score_mods(call);
   const bool return_softmax_lse = call.return_softmax_lse;
   resolve({&call.q, &call.k, &call.v});
   resolve(call.sinks);
@@ -305,6 +317,7 @@ py::object flash_attn(const FlashAttnCall& call) {
 }
 
 py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
+  refuse_score_mods(call);
   attn::PlanConfig c = base_config(call);
   if (c.layout_kv == attn::Layout::kPagedBBND) value_error("layout_kv: PA_BBND has no backward");
   const attn::Layout lo = c.layout_out;

@@ -73,9 +73,12 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     FlashAttnBackwardCall backward;
     ops::copy_attn_shared(call, backward);
     backward.sinks.reset();
+    backward.alibi_slopes.reset();
     ctx->saved_data["backward"] = pack(backward);
+    ctx->saved_data["has_alibi"] = call.alibi_slopes.has_value();
     variable_list saved{q, k, v, out, lse};
     if (sinks.has_value()) saved.push_back(*sinks);
+    if (call.alibi_slopes.has_value()) saved.push_back(*call.alibi_slopes);
     ctx->save_for_backward(saved);
     // new_empty keeps the tensor kind (a DTensor's empty lse stays a DTensor).
     at::Tensor lse_out = call.return_softmax_lse ? lse : lse.new_empty({0});
@@ -96,6 +99,7 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     g.dout = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(g.out);
     if (returns_lse && grad_outputs[1].defined()) g.dlse = grad_outputs[1];
     if (has_sinks) g.sinks = saved[5];
+    if (ctx->saved_data["has_alibi"].toBool()) g.alibi_slopes = saved[has_sinks ? 6 : 5];
     // metadata stays None: the backward plans for this process's threads.
     auto [dq, dk, dv, dsinks] = tensors_of<4>(call_op(g));
     return {dq, dk, dv, has_sinks ? dsinks : at::Tensor(), at::Tensor()};
@@ -104,6 +108,10 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
 
 Outputs2 flash_attn_autograd(const FlashAttnCall& call) {
   // Inference (nothing requires a gradient): no autograd node, and no lse unless asked for.
+  TORCH_CHECK_VALUE(
+      !(at::GradMode::is_enabled() && call.alibi_slopes && call.alibi_slopes->requires_grad()),
+      "alibi_slopes: flash_attn has no gradient for the ALiBi slopes (fixed per "
+      "head); pass a tensor that does not require grad (e.g. slopes.detach())");
   const bool needs_grad = at::GradMode::is_enabled() &&
                           (call.q.requires_grad() || call.k.requires_grad() ||
                            call.v.requires_grad() || (call.sinks && call.sinks->requires_grad()));

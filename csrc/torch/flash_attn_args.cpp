@@ -268,6 +268,25 @@ void check_values(const FlashAttnCall& a, FlashAttnArgs& r) {
 
 }  // namespace
 
+// softcap's value and alibi_slopes' device, dtype and shape ([Nq] or [B, Nq]).
+void check_score_mods(const FlashAttnCall& a, const FlashAttnArgs& r) {
+  TORCH_CHECK_VALUE(std::isfinite(a.softcap) && a.softcap >= 0.0,
+                    "softcap: must be finite and >= 0 (0: no capping), got ", a.softcap);
+  if (!a.alibi_slopes.has_value()) return;
+  const at::Tensor& s = *a.alibi_slopes;
+  TORCH_CHECK_VALUE(s.device() == a.q.device(), "alibi_slopes: expected a tensor on ", a.q.device(),
+                    " like q, got ", s.device());
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "alibi_slopes: expected float32, got ",
+                   s.scalar_type());
+  const int64_t nq = r.config.num_heads_q;
+  const bool per_head = s.dim() == 1 && holds(s.sym_size(0) == nq);
+  const bool per_batch =
+      s.dim() == 2 && holds(s.sym_size(0) == r.batch) && holds(s.sym_size(1) == nq);
+  TORCH_CHECK_VALUE(per_head || per_batch, "alibi_slopes: expected shape [", nq, "] or [", r.batch,
+                    ", ", nq, "] (per query head, or per batch entry and query head), got ",
+                    s.sym_sizes());
+}
+
 FlashAttnArgs check_flash_attn_args(const FlashAttnCall& call) {
   FlashAttnArgs r;
   check_devices_and_dtypes(call);
@@ -275,6 +294,7 @@ FlashAttnArgs check_flash_attn_args(const FlashAttnCall& call) {
   check_heads(call, r);
   check_sequences(call, r);
   check_values(call, r);
+  check_score_mods(call, r);
   return r;
 }
 

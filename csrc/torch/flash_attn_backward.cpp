@@ -142,6 +142,7 @@ Grads flash_attn_backward_cpu(const FlashAttnBackwardCall& g) {
     p.dsinks = dsinks.data_ptr<float>();
   }
   p.softmax_scale = args.softmax_scale;
+  const at::Tensor slopes = set_score_mods(g, p);
   auto mutable_view = [](at::Tensor& t, attn::Layout layout) {
     const attn::View view = view_of(t, layout);
     return attn::MutableView{t.data_ptr(), view.sb, view.ss, view.sn, view.sd};

@@ -167,6 +167,7 @@ Outputs2 flash_attn_cpu(const FlashAttnCall& call) {
     p.sinks = sink_values.data_ptr<float>();
   }
   p.softmax_scale = args.softmax_scale;
+  const at::Tensor slopes = set_score_mods(call, p);
   at::Tensor workspace = at::empty({std::max<int64_t>(1, attn::workspace_floats(c, *plan))},
                                    q.options().dtype(at::kFloat));
   WorkerTimes::Recording recording(static_cast<int64_t>(plan->workers.size()));

@@ -65,6 +65,8 @@ def visibility(s1, s2, mask_mode, win_left, win_right):
 
 
 def flash_attn_reference(q, k, v, **kw):
+    """(``softcap`` and ``alibi_slopes`` as flash-attn: ``softcap * tanh(s / softcap)`` on the
+    scaled scores, then ``- slope * |i + kl - ql - j|``.)"""
     layout_q = kw.get("layout_q", "BSND")
     layout_kv = kw.get("layout_kv", "BSND")
     layout_out = kw.get("layout_out", "BSND")
@@ -101,6 +103,15 @@ def flash_attn_reference(q, k, v, **kw):
         kb = kb.repeat_interleave(group, dim=1)  # [kl, nq, d]
         vb = vb.repeat_interleave(group, dim=1)
         scores = scale * torch.einsum("ind,jnd->nij", qb, kb)  # [nq, ql, kl]
+        softcap = kw.get("softcap", 0.0)
+        if softcap > 0:  # flash-attn's soft-capping of the scaled scores
+            scores = softcap * torch.tanh(scores / softcap)
+        slopes = kw.get("alibi_slopes")
+        if slopes is not None:  # ALiBi: -slope * |i + kl - ql - j|
+            slope = (slopes[b] if slopes.dim() == 2 else slopes).double().view(nq, 1, 1)
+            i = torch.arange(ql, dtype=torch.float64).view(1, ql, 1)
+            j = torch.arange(kl, dtype=torch.float64).view(1, 1, kl)
+            scores = scores - slope * (i + kl - ql - j).abs()
         visible = visibility(ql, kl, mask_mode, win_left, win_right)
         scores = scores.masked_fill(~visible, -math.inf)
         if sinks is not None:
