@@ -18,10 +18,11 @@ Every call goes to :func:`opmesh.flash_attn` (and, for the cache append, to
 ``softcap`` (scores become ``softcap * tanh(score / softcap)``) and ``alibi_slopes`` (float32
 ``[H]`` or ``[B, H]``: ``-slope * |i + Sk - Sq - j|`` added to the score of query ``i`` and key
 ``j``) are opmesh's arguments of the same names, with gradients (the slopes themselves get none).
-Features opmesh does not have raise ``NotImplementedError`` naming the argument: ``dropout_p > 0``,
-rotary embedding in the cache call (``rotary_cos`` / ``rotary_sin``) and ``cache_leftpad``. ``deterministic`` is accepted: opmesh's kernels are
-deterministic (the same bits for any thread count). Gradients flow wherever
-:func:`opmesh.flash_attn` has a backward (not through paged caches).
+Features opmesh does not have raise ``NotImplementedError`` naming the argument:
+``dropout_p > 0``, rotary embedding in the cache call (``rotary_cos`` / ``rotary_sin``) and
+``cache_leftpad``. ``deterministic`` is accepted: opmesh's kernels are deterministic (the same
+bits for any thread count). Gradients flow wherever :func:`opmesh.flash_attn` has a backward (not
+through paged caches).
 """
 
 from __future__ import annotations

@@ -118,7 +118,9 @@ def test_refusals():
     assert_raises_named(ValueError, "softcap", lambda: call(q, k, v, softcap=float("inf")))
     assert_raises_named(ValueError, "softcap", lambda: call(q, k, v, softcap=float("nan")))
     for bad in (torch.zeros(3), torch.zeros(3, 4), torch.zeros(2, 4, 1)):
-        assert_raises_named(ValueError, "alibi_slopes", lambda: call(q, k, v, alibi_slopes=bad))
+        assert_raises_named(
+            ValueError, "alibi_slopes", lambda bad=bad: call(q, k, v, alibi_slopes=bad)
+        )
     assert_raises_named(
         TypeError, "alibi_slopes", lambda: call(q, k, v, alibi_slopes=torch.zeros(4).double())
     )
