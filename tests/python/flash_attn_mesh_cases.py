@@ -306,6 +306,50 @@ def case_errors(mesh):
     )
 
 
+def _slopes(rows, nq):
+    """ALiBi slopes, [nq] (rows None) or [rows, nq]."""
+    n = nq if rows is None else rows * nq
+    s = torch.linspace(0.05, 0.6, n)
+    return s if rows is None else s.view(rows, nq)
+
+
+def case_score_mods_tnd_dp(mesh):
+    """TND data parallel with slopes per sequence: each rank takes its sequences' rows."""
+    m = mesh.size(0)
+    q_lens, k_lens = _aligned_lengths(m, 5 * m + 1, 7 * m - 1)
+    with _NoGather():
+        _check_tnd(
+            mesh, q_lens, k_lens, ([Shard(0)],) * 3, mask_mode=3, softcap=1.5,
+            alibi_slopes=_slopes(len(q_lens), 4),
+        )  # fmt: skip
+
+
+def case_score_mods_errors(mesh):
+    """ALiBi where a local call would not keep the global diagonal, and sharded slopes."""
+    q, k, v = _inputs(2, 8, 8, 4, 2)
+    S1 = [Shard(1)]
+    dq, dk, dv = (opmesh.distribute_tensor(x, mesh, S1) for x in (q, k, v))
+    slopes = _slopes(None, 4)
+    _expect(
+        ValueError,
+        "alibi_slopes: ALiBi runs on a sharded query sequence",
+        lambda: opmesh.flash_attn(
+            dq, dk, dv, mask_mode=3, alibi_slopes=slopes, context_parallel="ring"
+        ),
+    )
+    _expect(
+        ValueError,
+        "alibi_slopes: with context_parallel='all_gather' ALiBi needs mask_mode=3",
+        lambda: opmesh.flash_attn(dq, dk, dv, alibi_slopes=slopes),
+    )
+    sharded = opmesh.distribute_tensor(slopes, mesh, [Shard(0)])
+    _expect(
+        ValueError,
+        "alibi_slopes: dim 0 is sharded",
+        lambda: opmesh.flash_attn(dq, dk, dv, mask_mode=3, alibi_slopes=sharded),
+    )
+
+
 def cases(mesh):
     m = mesh.size(0)
     S0, S1, S2 = Shard(0), Shard(1), Shard(2)
@@ -500,6 +544,65 @@ def cases(mesh):
             mesh, mask_mode=4, win_left=2, win_right=3
         ),
         "errors": lambda: case_errors(mesh),
+        # softcap (every strategy) and ALiBi slopes cut to each rank's heads and batch entries.
+        "mods_dp_batch_slopes": lambda: _check(
+            mesh, ([S0], [S0], [S0]), b=3, mask_mode=3, softcap=1.5, alibi_slopes=_slopes(3, 4)
+        ),
+        "mods_tp_heads": lambda: _check(
+            mesh,
+            ([S2], [S2], [S2]),
+            nq=2 * m,
+            nkv=m,
+            softcap=1.5,
+            alibi_slopes=_slopes(None, 2 * m),
+        ),  # fmt: skip
+        "mods_tp_fewer_kv_heads": lambda: _check(
+            mesh, ([S2], [R], [R]), nq=8, nkv=2, mask_mode=3, alibi_slopes=_slopes(2, 8)
+        ),
+        "mods_cp_causal_more_keys": lambda: _check(
+            mesh,
+            ([S1], [S1], [S1]),
+            mask_mode=3,
+            s1=9,
+            s2=13,
+            softcap=1.5,
+            alibi_slopes=_slopes(2, 4),
+        ),  # fmt: skip
+        "mods_cp_head_tail": lambda: _check_head_tail(
+            mesh, "opmesh", True, softcap=1.5, alibi_slopes=_slopes(None, 4)
+        ),
+        "mods_ulysses_window": lambda: _check(
+            mesh,
+            ([S1], [S1], [S1]),
+            mask_mode=4,
+            win_left=2,
+            win_right=1,
+            nq=4 * m,
+            nkv=2 * m,
+            context_parallel="ulysses",
+            softcap=1.5,
+            alibi_slopes=_slopes(2, 4 * m),
+        ),  # fmt: skip
+        "mods_ring_softcap": lambda: _check(
+            mesh,
+            ([S1], [S1], [S1]),
+            mask_mode=3,
+            s1=11,
+            s2=11,
+            softcap=1.5,
+            context_parallel="ring",
+        ),  # fmt: skip
+        "mods_tnd_cp_causal": lambda: _check_tnd(
+            mesh,
+            [9, 0, 13],
+            [9, 4, 20],
+            ([S0], [S0], [S0]),
+            mask_mode=3,
+            softcap=1.5,
+            alibi_slopes=_slopes(3, 4),
+        ),  # fmt: skip
+        "mods_tnd_dp": lambda: case_score_mods_tnd_dp(mesh),
+        "mods_errors": lambda: case_score_mods_errors(mesh),
         # Shards that are empty on some ranks: each such rank computes its empty part.
         "empty_shards_heads_2": lambda: _check(mesh, ([S2], [S2], [S2]), nq=2, nkv=2, mask_mode=3),
         "empty_shards_heads_sinks": lambda: _check(
@@ -638,6 +741,16 @@ CASE_NAMES = [
     "tnd_dp_whole_sequences_causal",
     "tnd_dp_whole_sequences_window",
     "errors",
+    "mods_dp_batch_slopes",
+    "mods_tp_heads",
+    "mods_tp_fewer_kv_heads",
+    "mods_cp_causal_more_keys",
+    "mods_cp_head_tail",
+    "mods_ulysses_window",
+    "mods_ring_softcap",
+    "mods_tnd_cp_causal",
+    "mods_tnd_dp",
+    "mods_errors",
     "empty_shards_heads_2",
     "empty_shards_heads_sinks",
     "empty_shards_batch_1",
@@ -733,6 +846,28 @@ def two_axis_cases(mesh):
             sinks=[R, R],
             context_parallel="ulysses",
         ),  # fmt: skip
+        "2d_dp_ulysses_score_mods": lambda: _check(
+            mesh,
+            ([S0, S1], [S0, S1], [S0, S1]),
+            b=3,
+            s1=11,
+            s2=11,
+            nq=8,
+            nkv=2,
+            mask_mode=3,
+            softcap=1.5,
+            alibi_slopes=_slopes(3, 8),
+            context_parallel="ulysses",
+        ),  # fmt: skip
+        "2d_dp_tp_score_mods": lambda: _check(
+            mesh,
+            ([S0, S2], [S0, S2], [S0, S2]),
+            b=3,
+            nq=8,
+            nkv=4,
+            softcap=1.5,
+            alibi_slopes=_slopes(3, 8),
+        ),  # fmt: skip
         "2d_ulysses_ring": lambda: _check(
             mesh,
             ([S1, S1], [S1, S1], [S1, S1]),
@@ -775,6 +910,8 @@ TWO_AXIS_CASE_NAMES = [
     "2d_tp_fewer_kv_heads_cp",
     "2d_tp_fewer_kv_heads_ring",
     "2d_dp_ulysses",
+    "2d_dp_ulysses_score_mods",
+    "2d_dp_tp_score_mods",
     "2d_ulysses_ring",
     "2d_ulysses_all_gather_window",
     "2d_empty_shards_one_head",

@@ -18,6 +18,12 @@ shard:
   Head-tail order (context_parallel.py) in every layout; for TND every sequence is cut into
   2 * cp chunks.
 
+``softcap`` works with every strategy (it changes each score alone). ``alibi_slopes`` (a plain
+tensor or a replicated DTensor, ``[Nq]`` or ``[B, Nq]``) is cut to each rank's query heads and
+batch entries; its bias needs each local call to keep the global diagonal, which data, head and
+TND data parallel, Ulysses and the all-gather strategy with ``mask_mode=3`` do (the ring, the
+two-axis hybrid and the all-gather strategy with other masks are refused by name).
+
 D is never sharded, no input may be Partial. Without context parallel, ``metadata`` is each
 rank's plan of its local problem (its batch slice and heads), made with flash_attn_metadata
 there. The outputs take q's sharding: attn_out's batch, sequence and head dims follow q's, the
@@ -90,6 +96,7 @@ class FlashAttnDistributedOp(DistributedOp):
         call = _MeshInputs.of(args, kwargs)
         kwargs = dict(kwargs)
         strategy = _strategy(call, kwargs)
+        kwargs = _plain_slopes(call, strategy, kwargs)
         args, kwargs = strategy.prepare(call, list(args), kwargs)
         kwargs, slice_sinks = _local_sinks(call, kwargs)
         # Key and value heads replicated while the query heads are split: each rank's gradient
@@ -172,12 +179,14 @@ class FlashAttnDistributedOp(DistributedOp):
             return _RingLocal(func, c.layout_q, c.layout_out, q_layout, c.shapes[1], c.slice_sinks)
         if c.strategy == "tnd_data_parallel":
             # The lengths were rebased to this rank's sequences in preprocess.
-            if not c.slice_sinks:
-                return None
             heads = q_layout.shard_range(DIMS[c.layout_q][2])
-            return lambda q, k, v, **kw: func(
-                q, k, v, **dict(kw, sinks=_head_slice(kw.get("sinks"), heads))
-            )
+
+            def tnd_local(q, k, v, **kw):
+                if c.slice_sinks:
+                    kw = dict(kw, sinks=_head_slice(kw.get("sinks"), heads))
+                return func(q, k, v, **_slopes_slice(kw, heads))
+
+            return tnd_local
         # Keys and values sharded along their sequence arrive gathered in head-tail order.
         s = DIMS[c.layout_q][1]
         kv_gathered = bool(Layout(c.mesh, c.placements[1], c.shapes[1]).tensor_map[s])
@@ -625,6 +634,7 @@ class _UlyssesLocal:
         self.q_rows = _sizes(c.shapes[0][s], self.cp)
         self.k_rows = _sizes(c.shapes[1][s], self.cp)
         self.q_heads = _sizes(c.shapes[0][n], self.cp)
+        self.batch = q_layout.shard_range(b) if b is not None else None
         self.k_heads = _sizes(c.shapes[1][n] * self.repeat, self.cp)
 
     def _exchange(self, x, placements, shape, from_dim, to_dim):
@@ -670,6 +680,7 @@ class _UlyssesLocal:
         heads = (h0, h0 + self.q_heads[self.position])
         kwargs = dict(kwargs)
         kwargs["sinks"] = _head_slice(kwargs.get("sinks"), heads)
+        kwargs = _slopes_slice(kwargs, heads, self.batch)
         cu = {}
         if c.order is not None:
             tnd = c.layout_q == "TND"
@@ -835,6 +846,7 @@ class _Local:
                     kwargs[name] = kwargs[name][b0:b1]
         if self.slice_sinks:
             kwargs["sinks"] = _head_slice(kwargs.get("sinks"), self.heads)
+        kwargs = _slopes_slice(kwargs, self.heads, None if self.tnd else self.batch)
         if self.tnd and self.cp and self.order is not None:
             return self._tnd_head_tail(q, k, v, kwargs)
         if self.tnd and self.cp:
@@ -919,6 +931,9 @@ def _rebased_lengths(kwargs, lo, hi):
     for name in ("seqused_q", "seqused_kv"):
         if kwargs.get(name) is not None:
             kwargs[name] = kwargs[name][lo:hi] if hi > lo else torch.zeros(1, dtype=torch.int32)
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is not None and slopes.dim() == 2:
+        kwargs["alibi_slopes"] = slopes[lo:hi] if hi > lo else slopes.new_zeros(1, slopes.shape[1])
     if kwargs.get("metadata") is None:
         kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
     return kwargs
@@ -931,6 +946,48 @@ def _sizes(total, shards):
 
 def _head_slice(sinks, heads):
     return sinks if sinks is None else sinks[heads[0] : heads[1]]
+
+
+def _plain_slopes(call: _MeshInputs, strategy, kwargs):
+    """ALiBi slopes as a plain tensor (a DTensor must be replicated), refused where the local
+    calls would not keep the global diagonal their distances are measured from."""
+    p = call.p
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is None:
+        return kwargs
+    if p.is_dtensor(slopes):
+        lay = Layout.of(slopes)
+        for dim in range(len(lay.shape)):
+            if lay.tensor_map[dim]:
+                _fail("alibi_slopes", lay, dim, "the slopes must be replicated")
+        slopes = p.to_local(slopes)
+    if call.layouts[0].tensor_map[call.s]:
+        name = strategy.name
+        if name == "ring" or getattr(strategy, "inner", None) is not None:
+            raise ValueError(
+                "alibi_slopes: ALiBi runs on a sharded query sequence with "
+                "context_parallel='all_gather' (mask_mode=3) or 'ulysses', not "
+                f"{kwargs.get('context_parallel', name)!r}"
+            )
+        if name == "all_gather" and call.mode != 3:
+            raise ValueError(
+                "alibi_slopes: with context_parallel='all_gather' ALiBi needs mask_mode=3 (the "
+                f"local calls keep the global diagonal only then), got mask_mode={call.mode}; "
+                "use context_parallel='ulysses'"
+            )
+    return dict(kwargs, alibi_slopes=slopes)
+
+
+def _slopes_slice(kwargs, heads, batch=None):
+    """The ALiBi slopes ([Nq] or [B, Nq]) of a local call's query heads ``[h0, h1)`` and, for
+    slopes per batch entry, its batch entries ``batch = [b0, b1)`` (None: all)."""
+    slopes = kwargs.get("alibi_slopes")
+    if slopes is None:
+        return kwargs
+    slopes = slopes[..., heads[0] : heads[1]]
+    if slopes.dim() == 2 and batch is not None:
+        slopes = slopes[batch[0] : batch[1]]
+    return dict(kwargs, alibi_slopes=slopes)
 
 
 def _local_band(start, rows, s1, s2, batch, kwargs):
@@ -1014,6 +1071,7 @@ class _RingLocal:
             layout_kv=self.layout,
             layout_out=self.layout_out,
             softmax_scale=kwargs.get("softmax_scale"),
+            softcap=kwargs.get("softcap", 0.0),
         )
         out, lse = RingAttention.apply(
             q, k, v, sinks, self.ring, kwargs.get("mask_mode", 0) == 3, options
