@@ -496,6 +496,11 @@ def _flash_host(kwargs):
 
 def flash_attn(q, k, v, kwargs):
     """``kwargs``: flash_attn's keyword arguments with the layouts resolved."""
+    # softcap and ALiBi run on the torch binding only so far.
+    if kwargs.get("softcap", 0.0) != 0.0:
+        raise ValueError("softcap: the MindSpore binding computes without soft-capping; pass 0")
+    if kwargs.get("alibi_slopes") is not None:
+        raise ValueError("alibi_slopes: the MindSpore binding computes without ALiBi; pass None")
     host, metas = _flash_host(kwargs)
     options = {n: x for n, x in kwargs.items() if n not in host and n != "sinks"}
     torch.ops.opmesh.flash_attn(

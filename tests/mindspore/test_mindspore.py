@@ -451,6 +451,16 @@ def test_flash_attn_forward_and_backward_match_torch(layout, mask, dtype):
         assert_same(g, leaf.grad)
 
 
+def test_flash_attn_refuses_softcap_and_alibi_by_name():
+    q = ms.Tensor(np.ones((1, 4, 2, 8), np.float32))
+    for kwargs, argument in (
+        (dict(softcap=2.0), "softcap"),
+        (dict(alibi_slopes=q), "alibi_slopes"),
+    ):
+        with pytest.raises(ValueError, match=f"^{argument}:"):
+            opmesh.flash_attn(q, q, q, **kwargs)
+
+
 def test_flash_attn_without_lse_returns_an_empty_second_output():
     arrays, _ = attn_case("BSND")
     m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
