@@ -220,6 +220,13 @@ def test_half_inputs(case, dtype):
     check(case, dtype)
 
 
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 4, 5, 9)], ids=lambda c: c.name)
+def test_bf16_on_every_kernel_path(case, simd_level):
+    """bf16 inputs: the two score products on the level's bf16-pair kernels where it has them
+    (exact products, float32 sums), float32 FMA elsewhere; the same results either way."""
+    check(case, torch.bfloat16)
+
+
 def test_float32_weights_with_bf16_inputs():
     case = CASES[5]
     t, scale, options = make(case, torch.bfloat16)

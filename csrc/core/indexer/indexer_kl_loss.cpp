@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -59,6 +60,8 @@ class KlLoss {
   KlLoss(const IndexerKlLossParams& p, Isa isa)
       : p_(p),
         k_(kernels::float32_set(isa)),
+        kb_(kernels::select_set(isa, score_dtype(p), -1, true)),
+        pairs_(kb_.word == kernels::Word::kBf16Pair),
         mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
         seqs_(indexer_sequences(index_params(p))),
         group_(p.heads_q / p.heads_k),
@@ -66,7 +69,9 @@ class KlLoss {
         dm_(p.head_dim + p.rope_dim),
         dmp_(round_up(dm_, 16)),
         di_(p.index_dim),
-        dip_(round_up(di_, 16)) {
+        dip_(round_up(di_, 16)),
+        dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)),
+        diw_(round_up((di_ + 1) / 2, kb_.depth_align)) {
     int64_t total = 0;
     for (const Sequence& s : seqs_) {
       z_base_.push_back(total);
@@ -94,7 +99,12 @@ class KlLoss {
           row(std::max({r.dmp_, r.dip_, kTile})),
           ones(2 * kTile * r.igroup_),
           dw(2 * kTile * r.p_.index_heads_q),
-          stats((2 + r.p_.index_heads_k) * kTile) {
+          stats((2 + r.p_.index_heads_k) * kTile),
+          mqp(r.pairs_ ? r.p_.heads_q * kTile * r.dmw_ : 0),
+          mkp(r.pairs_ ? r.p_.heads_k * r.dmw_ * kTile : 0),
+          qip(r.pairs_ ? r.p_.index_heads_q * kTile * r.diw_ : 0),
+          kitp(r.pairs_ ? r.p_.index_heads_k * r.diw_ * kTile : 0),
+          krow(r.pairs_ ? kTile * std::max(r.dmw_, r.diw_) : 0) {
       std::fill(ones.data(), ones.data() + 2 * kTile * r.igroup_, 1.0f);
     }
     AlignedBuffer<float> mq;      // [N1][64][dmp] main query rows (query and rope parts)
@@ -115,7 +125,15 @@ class KlLoss {
     AlignedBuffer<float> ones;
     std::vector<double> dw;     // [2][64][N1index] the two parts of d_weights
     std::vector<double> stats;  // Z, sum P log P, and per index key head sum P I: [2 + N2i][64]
+    // bf16 inputs on pair kernels: the two score products' operands as bf16 pairs.
+    AlignedBuffer<uint32_t> mqp;   // [N1][64][dmw] main query rows (query, then rope)
+    AlignedBuffer<uint32_t> mkp;   // [N2][dmw][64] main keys, packed
+    AlignedBuffer<uint32_t> qip;   // [N1index][64][diw] index query rows
+    AlignedBuffer<uint32_t> kitp;  // [N2index][diw][64] index keys, packed
+    AlignedBuffer<uint32_t> krow;  // [64][words] key rows before packing
   };
+
+  const kernels::KernelSet& products() const { return kb_; }
 
   std::vector<Unit> units(bool queries) const {
     std::vector<Unit> out;
@@ -324,6 +342,42 @@ class KlLoss {
     }
   }
 
+  // n bf16 elements of a row, as they are (the pair kernels' operands).
+  void load_bf16(const KlOperand& t, int64_t b, int64_t token, int64_t head, int64_t n,
+                 uint16_t* dst) const {
+    const uint16_t* src = static_cast<const uint16_t*>(t.data) + offset(t.stride, b, token, head);
+    if (t.stride[3] == 1) {
+      std::memcpy(dst, src, n * sizeof(uint16_t));
+    } else {
+      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * t.stride[3]];
+    }
+  }
+
+  // Key tile [k0, k0 + keys) of both attentions' keys as packed bf16 pairs (zero past `keys`).
+  void pack_key_pairs(Scratch& sc, int64_t b, int64_t k0, int64_t keys) const {
+    const Sequence& seq = seqs_[b];
+    const char* rows[kTile];
+    auto pack = [&](int64_t words, uint32_t* out, auto&& fill_row) {
+      std::fill(sc.krow.data(), sc.krow.data() + kTile * words, 0u);
+      for (int64_t n = 0; n < keys; ++n) {
+        uint32_t* row = sc.krow.data() + n * words;
+        fill_row(seq.k_begin + k0 + n, reinterpret_cast<uint16_t*>(row));
+        rows[n] = reinterpret_cast<const char*>(row);
+      }
+      kb_.pack_keys(rows, keys, words, out);
+    };
+    for (int64_t h = 0; h < p_.heads_k; ++h) {
+      pack(dmw_, sc.mkp.data() + h * dmw_ * kTile, [&](int64_t key, uint16_t* row) {
+        load_bf16(p_.key, b, key, h, p_.head_dim, row);
+        if (p_.rope_dim > 0) load_bf16(p_.key_rope, b, key, h, p_.rope_dim, row + p_.head_dim);
+      });
+    }
+    for (int64_t g = 0; g < p_.index_heads_k; ++g) {
+      pack(diw_, sc.kitp.data() + g * diw_ * kTile,
+           [&](int64_t key, uint16_t* row) { load_bf16(p_.key_index, b, key, g, di_, row); });
+    }
+  }
+
   // The union of the keys rows [i0, i0 + rows) see; empty when none sees any.
   KeyRange key_span(const Sequence& seq, int64_t i0, int64_t rows) const {
     KeyRange span{seq.k_len, 0};
@@ -342,16 +396,27 @@ class KlLoss {
   // and both log-sum-exps; rows past `rows` are zero.
   void pack_queries(Scratch& sc, int64_t b, int64_t i0, int64_t rows) const {
     const Sequence& seq = seqs_[b];
-    std::fill(sc.mq.data(), sc.mq.data() + p_.heads_q * kTile * dmp_, 0.0f);
+    if (pairs_) {
+      std::fill(sc.mqp.data(), sc.mqp.data() + p_.heads_q * kTile * dmw_, 0u);
+      std::fill(sc.qip.data(), sc.qip.data() + p_.index_heads_q * kTile * diw_, 0u);
+    } else {
+      std::fill(sc.mq.data(), sc.mq.data() + p_.heads_q * kTile * dmp_, 0.0f);
+    }
     std::fill(sc.qi.data(), sc.qi.data() + p_.index_heads_q * kTile * dip_, 0.0f);
     std::fill(sc.w.data(), sc.w.data() + kTile * p_.index_heads_q, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = seq.q_begin + i0 + r;
       const int64_t srow = i0 + r + (p_.layout == Layout::kTND ? seq.q_begin : 0);
       for (int64_t h = 0; h < p_.heads_q; ++h) {
-        float* dst = sc.mq.data() + (h * kTile + r) * dmp_;
-        load(p_.query, b, pos, h, p_.head_dim, dst);
-        if (p_.rope_dim > 0) load(p_.query_rope, b, pos, h, p_.rope_dim, dst + p_.head_dim);
+        if (pairs_) {
+          uint16_t* dst = reinterpret_cast<uint16_t*>(sc.mqp.data() + (h * kTile + r) * dmw_);
+          load_bf16(p_.query, b, pos, h, p_.head_dim, dst);
+          if (p_.rope_dim > 0) load_bf16(p_.query_rope, b, pos, h, p_.rope_dim, dst + p_.head_dim);
+        } else {
+          float* dst = sc.mq.data() + (h * kTile + r) * dmp_;
+          load(p_.query, b, pos, h, p_.head_dim, dst);
+          if (p_.rope_dim > 0) load(p_.query_rope, b, pos, h, p_.rope_dim, dst + p_.head_dim);
+        }
         // The main statistics: [B, N2, S1, G] / [N2, T1, G].
         const int64_t n2 = h / group_, gg = h % group_;
         const int64_t at = ((p_.layout == Layout::kBSND ? b * p_.heads_k : 0) + n2) * p_.seq_q;
@@ -362,6 +427,10 @@ class KlLoss {
       }
       for (int64_t h = 0; h < p_.index_heads_q; ++h) {
         load(p_.query_index, b, pos, h, di_, sc.qi.data() + (h * kTile + r) * dip_);
+        if (pairs_) {
+          load_bf16(p_.query_index, b, pos, h, di_,
+                    reinterpret_cast<uint16_t*>(sc.qip.data() + (h * kTile + r) * diw_));
+        }
         const int64_t off = offset(p_.weights.stride, b, pos, h);
         load_row(p_.weights.data, p_.weights.dtype, off, 1, 1,
                  sc.w.data() + r * p_.index_heads_q + h);
@@ -379,13 +448,14 @@ class KlLoss {
   // tile's end are zero.
   void pack_keys(Scratch& sc, int64_t b, int64_t k0, int64_t keys) const {
     const Sequence& seq = seqs_[b];
-    std::fill(sc.mk.data(), sc.mk.data() + p_.heads_k * dm_ * kTile, 0.0f);
+    if (!pairs_) std::fill(sc.mk.data(), sc.mk.data() + p_.heads_k * dm_ * kTile, 0.0f);
     std::fill(sc.kit.data(), sc.kit.data() + p_.index_heads_k * di_ * kTile, 0.0f);
     std::fill(sc.kir.data(), sc.kir.data() + p_.index_heads_k * kTile * dip_, 0.0f);
+    if (pairs_) pack_key_pairs(sc, b, k0, keys);
     float* row = sc.row.data();
     for (int64_t n = 0; n < keys; ++n) {
       const int64_t key = seq.k_begin + k0 + n;
-      for (int64_t h = 0; h < p_.heads_k; ++h) {
+      for (int64_t h = 0; h < p_.heads_k && !pairs_; ++h) {
         load(p_.key, b, key, h, p_.head_dim, row);
         if (p_.rope_dim > 0) load(p_.key_rope, b, key, h, p_.rope_dim, row + p_.head_dim);
         float* kt = sc.mk.data() + h * dm_ * kTile;
@@ -409,8 +479,14 @@ class KlLoss {
     // The G query heads of a key head are consecutive 64-row blocks of mq: one product each.
     // Rows past `rows` are zero queries; whatever they give is masked below.
     for (int64_t n2 = 0; n2 < p_.heads_k; ++n2) {
-      k_.gemm({sc.mq.data() + n2 * group_ * kTile * dmp_, dmp_, sc.mk.data() + n2 * dm_ * kTile,
-               kTile, s, kTile, group_ * kTile, kTile, dm_, nullptr, p_.scale});
+      if (pairs_) {
+        kb_.gemm({sc.mqp.data() + n2 * group_ * kTile * dmw_, dmw_,
+                  sc.mkp.data() + n2 * dmw_ * kTile, kTile, s, kTile, group_ * kTile, kTile, dmw_,
+                  nullptr, p_.scale});
+      } else {
+        k_.gemm({sc.mq.data() + n2 * group_ * kTile * dmp_, dmp_, sc.mk.data() + n2 * dm_ * kTile,
+                 kTile, s, kTile, group_ * kTile, kTile, dm_, nullptr, p_.scale});
+      }
       k_.exp_rows(s, group_ * kTile, kTile, sc.shift.data() + n2 * group_ * kTile);
       for (int64_t h = 0; h < group_; ++h)
         k_.rows.add_into(prob, s + h * kTile * kTile, rows * kTile);
@@ -424,8 +500,13 @@ class KlLoss {
                     int64_t k0) const {
     float* score = sc.score.data();
     std::fill(score, score + kTile * kTile, 0.0f);
-    k_.gemm({sc.qi.data() + g * igroup_ * kTile * dip_, dip_, sc.kit.data() + g * di_ * kTile,
-             kTile, sc.si.data(), kTile, igroup_ * kTile, kTile, di_, nullptr, 1.0f});
+    if (pairs_) {
+      kb_.gemm({sc.qip.data() + g * igroup_ * kTile * diw_, diw_, sc.kitp.data() + g * diw_ * kTile,
+                kTile, sc.si.data(), kTile, igroup_ * kTile, kTile, diw_, nullptr, 1.0f});
+    } else {
+      k_.gemm({sc.qi.data() + g * igroup_ * kTile * dip_, dip_, sc.kit.data() + g * di_ * kTile,
+               kTile, sc.si.data(), kTile, igroup_ * kTile, kTile, di_, nullptr, 1.0f});
+    }
     for (int64_t hl = 0; hl < igroup_; ++hl) {
       const int64_t h = g * igroup_ + hl;
       const float* sh = sc.si.data() + hl * kTile * kTile;
@@ -461,12 +542,26 @@ class KlLoss {
     }
   }
 
+  // The dtype the score products' inputs share: bf16 when all of them are (then they may run on
+  // bf16 pairs), float32 otherwise.
+  static DType score_dtype(const IndexerKlLossParams& p) {
+    const bool bf16 =
+        p.query.dtype == DType::kBFloat16 && p.key.dtype == DType::kBFloat16 &&
+        p.query_index.dtype == DType::kBFloat16 && p.key_index.dtype == DType::kBFloat16 &&
+        (p.rope_dim == 0 ||
+         (p.query_rope.dtype == DType::kBFloat16 && p.key_rope.dtype == DType::kBFloat16));
+    return bf16 ? DType::kBFloat16 : DType::kFloat32;
+  }
+
   const IndexerKlLossParams& p_;
   const kernels::KernelSet& k_;
+  const kernels::KernelSet& kb_;  // the score products' kernels: k_, or bf16 pairs
+  bool pairs_;
   Mask mask_;
   std::vector<Sequence> seqs_;
   int64_t group_, igroup_;
   int64_t dm_, dmp_, di_, dip_;
+  int64_t dmw_, diw_;  // pair words per main and per index row, padded to kb_'s depth_align
   std::vector<int64_t> z_base_;  // first entry of sequence b in z_
   std::vector<float> z_;         // Z for every query row
 };
@@ -552,13 +647,13 @@ void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& p, const Ex
   std::vector<double> loss(queries.size(), 0.0);
   run_dynamic(executor, static_cast<int64_t>(queries.size()), [&](int64_t i, int thread) {
     const int64_t u = query_order[i];
-    const kernels::WorkerScope scope(kernels::float32_set(isa));
+    const kernels::WorkerScope scope(run.products());
     loss[u] = run.query_tile(scratch_of(thread), queries[u]);
   });
   const std::vector<Unit> keys = run.units(false);
   const std::vector<int64_t> key_order = by_cost(keys);
   run_dynamic(executor, static_cast<int64_t>(keys.size()), [&](int64_t i, int thread) {
-    const kernels::WorkerScope scope(kernels::float32_set(isa));
+    const kernels::WorkerScope scope(run.products());
     run.key_tile(scratch_of(thread), keys[key_order[i]]);
   });
   double total = 0.0;
