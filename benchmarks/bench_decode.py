@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,6 +58,28 @@ def dense_cache(k, v, table):
     return kd, vd
 
 
+def stream_sum(k, v):
+    return k.sum(), v.sum()
+
+
+def step_opmesh(q, k, v, table, lengths):
+    return opmesh.flash_attn(
+        q, k, v, block_table=table, seqused_kv=lengths, layout_kv="PA_BBND",
+        mask_mode=3 if q.shape[1] > 1 else 0,
+    )[0]  # fmt: skip
+
+
+def step_sdpa(qt, kd, vd, mask):
+    return F.scaled_dot_product_attention(qt, kd, vd, attn_mask=mask, enable_gqa=True)
+
+
+def bottom_right(sq, context):
+    """The causal mask of sq queries at the end of `context` keys (None for one query)."""
+    if sq == 1:
+        return None
+    return torch.arange(context).view(1, context) <= torch.arange(sq).view(sq, 1) + context - sq
+
+
 def mm_gflops():
     a = torch.randn(2048, 2048).to(torch.bfloat16)
     b = torch.randn(2048, 2048).to(torch.bfloat16)
@@ -76,32 +99,15 @@ def main():
     for nq, nkv in HEADS:
         for context in args.contexts:
             for batch in args.batches:
-                q1, k, v, table, lengths = paged_inputs(batch, context, nq, nkv, 1, gen)
+                _, k, v, table, lengths = paged_inputs(batch, context, nq, nkv, 1, gen)
                 cache_bytes = 2 * k.numel() * k.element_size()
-                stream = time_call(lambda k=k, v=v: (k.sum(), v.sum()), budget_s=args.budget)
+                stream = time_call(partial(stream_sum, k, v), budget_s=args.budget)
                 stream_gbs = cache_bytes / stream / 1e9
                 kd, vd = dense_cache(k, v, table)
                 for sq in args.queries:
                     q = torch.randn(batch, sq, nq, D, generator=gen).to(torch.bfloat16)
-
-                    def ours(q=q):
-                        return opmesh.flash_attn(
-                            q, k, v, block_table=table, seqused_kv=lengths,
-                            layout_kv="PA_BBND", mask_mode=3 if sq > 1 else 0,
-                        )[0]  # fmt: skip
-
-                    qt = q.transpose(1, 2)
-                    mask = None
-                    if sq > 1:
-                        i = torch.arange(sq).view(sq, 1)
-                        j = torch.arange(context).view(1, context)
-                        mask = j <= i + context - sq
-
-                    def sdpa(qt=qt, mask=mask):
-                        return F.scaled_dot_product_attention(
-                            qt, kd, vd, attn_mask=mask, enable_gqa=True
-                        )
-
+                    ours = partial(step_opmesh, q, k, v, table, lengths)
+                    sdpa = partial(step_sdpa, q.transpose(1, 2), kd, vd, bottom_right(sq, context))
                     got = ours().float()
                     want = sdpa().transpose(1, 2).float()
                     error = float((got - want).abs().max())
