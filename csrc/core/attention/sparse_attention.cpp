@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -83,10 +84,12 @@ class Forward {
   Forward(const SparseAttentionParams& p, Isa isa)
       : p_(p),
         geo_(p),
-        k_(kernels::float32_set(isa)),
+        k_(kernels::select_set(isa, p.dtype, -1, true)),
+        pairs_(k_.word == kernels::Word::kBf16Pair),
         g_(geo_.groups()),
         dqk_(p.head_dim + p.rope_dim),
-        dw_(round_up(dqk_, k_.depth_align)),
+        words_(pairs_ ? (dqk_ + 1) / 2 : dqk_),
+        dw_(round_up(words_, k_.depth_align)),
         dvp_(round_up(p.value_dim, 16)),
         rows_(round_up(g_, k_.row_align)) {}
 
@@ -96,15 +99,19 @@ class Forward {
           kp(f.dw_ * kKeyTile),
           vp(kKeyTile * f.dvp_),
           s(f.rows_ * kKeyTile),
+          pb(f.rows_ * kKeyTile),
           o(f.rows_ * f.dvp_),
-          stage(kKeyTile * f.dqk_),
+          stage(kKeyTile * std::max(f.dqk_, f.dw_)),
           m(f.rows_),
           l(f.rows_),
           corr(f.rows_) {}
+    // With bf16 pairs the words below hold pairs: query rows of dw pair words, keys packed as
+    // [dw][64] pair words, values as [32][dvp] pairs of consecutive keys, probabilities in pb.
     AlignedBuffer<float> q;      // [rows][dw] query rows of the group (query | rope)
     AlignedBuffer<uint32_t> kp;  // [dw][64] selected keys, transposed
     AlignedBuffer<float> vp;     // [64][dvp] selected values
     AlignedBuffer<float> s;      // [rows][64] scores, then probabilities
+    AlignedBuffer<uint16_t> pb;  // [rows][64] probabilities in bf16 (pairs only)
     AlignedBuffer<float> o;      // [rows][dvp] output accumulator
     AlignedBuffer<float> stage;  // [64][dqk] key rows (key | rope) before the transpose
     std::vector<float> m, l, corr;
@@ -129,14 +136,21 @@ class Forward {
       for (int64_t r = 0; r < g_; ++r)
         std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
       k_.softmax(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data());
-      k_.gemm({sv, kKeyTile, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_, kKeyTile,
-               sc.corr.data(), 1.0f});
+      if (pairs_) {
+        k_.to_bf16(sv, sc.pb.data(), g_ * kKeyTile);
+        k_.gemm({sc.pb.data(), kKeyTile / 2, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_,
+                 kKeyTile / 2, sc.corr.data(), 1.0f});
+      } else {
+        k_.gemm({sv, kKeyTile, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_, kKeyTile,
+                 sc.corr.data(), 1.0f});
+      }
     }
     write(sc, s, i, g);
   }
 
  private:
   void pack_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    if (pairs_) return pack_query_pairs(sc, s, i, g);
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
       float* dst = sc.q.data() + r * dw_;
@@ -150,8 +164,67 @@ class Forward {
     }
   }
 
+  // n bf16 elements (stride `stride`) at element `offset` of `base`, as they are.
+  static void copy_bf16(const void* base, int64_t offset, int64_t stride, int64_t n,
+                        uint16_t* dst) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    if (stride == 1) {
+      std::memcpy(dst, src, n * sizeof(uint16_t));
+    } else {
+      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * stride];
+    }
+  }
+
+  // The group's query rows as bf16 pairs (query | rope, zero-padded to dw words).
+  void pack_query_pairs(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    for (int64_t r = 0; r < g_; ++r) {
+      const int64_t h = g * g_ + r;
+      uint32_t* words = reinterpret_cast<uint32_t*>(sc.q.data()) + r * dw_;
+      std::fill(words, words + dw_, 0u);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(words);
+      copy_bf16(p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3],
+                p_.head_dim, dst);
+      if (p_.rope_dim > 0) {
+        copy_bf16(p_.query_rope, geo_.query_offset(p_.query_rope_stride, s, i, h),
+                  p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+      }
+    }
+  }
+
+  // Keys and values of n selected positions as bf16 pairs: keys packed [dw][64], values with
+  // keys 2l and 2l + 1 interleaved element by element.
+  void pack_pairs(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n) const {
+    const char* rows[kKeyTile];
+    uint32_t* stage = reinterpret_cast<uint32_t*>(sc.stage.data());
+    for (int64_t c = 0; c < n; ++c) {
+      uint32_t* words = stage + c * dw_;
+      std::fill(words, words + dw_, 0u);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(words);
+      copy_bf16(p_.key, geo_.key_offset(p_.key_stride, s, keys[c], g), p_.key_stride[3],
+                p_.head_dim, dst);
+      if (p_.rope_dim > 0) {
+        copy_bf16(p_.key_rope, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
+                  p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+      }
+      rows[c] = reinterpret_cast<const char*>(words);
+    }
+    k_.pack_keys(rows, n, dw_, sc.kp.data());
+    uint32_t* vp = reinterpret_cast<uint32_t*>(sc.vp.data());
+    std::fill(vp, vp + kKeyTile / 2 * dvp_, 0u);
+    const int64_t dv = p_.value_dim;
+    for (int64_t c = 0; c < n; ++c) {
+      const uint16_t* src =
+          static_cast<const uint16_t*>(p_.value) + geo_.key_offset(p_.value_stride, s, keys[c], g);
+      uint32_t* dst = vp + (c / 2) * dvp_;
+      const int shift = (c & 1) * 16;
+      const int64_t sd = p_.value_stride[3];
+      for (int64_t e = 0; e < dv; ++e) dst[e] |= static_cast<uint32_t>(src[e * sd]) << shift;
+    }
+  }
+
   // Keys and values of n selected positions: keys transposed into kp, values as rows of vp.
   void pack(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n) const {
+    if (pairs_) return pack_pairs(sc, s, g, keys, n);
     const char* rows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
       float* dst = sc.stage.data() + c * dqk_;
@@ -191,11 +264,13 @@ class Forward {
 
   const SparseAttentionParams& p_;
   sparse::Geometry geo_;
-  const kernels::KernelSet& k_;
-  int64_t g_;    // query heads per key head: the rows of one product
-  int64_t dqk_;  // D + Dr
-  int64_t dw_;   // dqk_ padded to the set's depth_align
-  int64_t dvp_;  // Dv padded to 16
+  const kernels::KernelSet& k_;  // float32 kernels, or bf16 pairs for bf16 inputs
+  bool pairs_;
+  int64_t g_;      // query heads per key head: the rows of one product
+  int64_t dqk_;    // D + Dr
+  int64_t words_;  // words per query/key row: dqk_, or its pairs
+  int64_t dw_;     // words_ padded to the set's depth_align
+  int64_t dvp_;    // Dv padded to 16
   int64_t rows_;
 };
 
