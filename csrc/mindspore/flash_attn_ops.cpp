@@ -207,22 +207,20 @@ std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call) {
   return std::vector<int64_t>(words.begin(), words.end());
 }
 
-// softcap and ALiBi run on the torch binding only so far: refused by name here.
+// softcap and the ALiBi slopes (checked by the shared shape function before the call): the
+// slopes' row stride, 0 for one slope per query head.
 template <class Call>
-void refuse_score_mods(const Call& call) {
-  if (call.softcap != 0.0) {
-    value_error("softcap: the MindSpore binding computes without soft-capping; pass 0");
-  }
-  if (call.alibi_slopes.has_value()) {
-    value_error("alibi_slopes: the MindSpore binding computes without ALiBi; pass None");
-  }
+int64_t alibi_row_stride(const Call& call) {
+  if (!call.alibi_slopes.has_value()) return 0;
+  const auto& shape = call.alibi_slopes->shape();
+  return shape.size() == 2 ? shape[1] : 0;
 }
 
 py::object flash_attn(const FlashAttnCall& call) {
-  refuse_score_mods(call);
   const bool return_softmax_lse = call.return_softmax_lse;
   resolve({&call.q, &call.k, &call.v});
   resolve(call.sinks);
+  resolve(call.alibi_slopes);
   attn::PlanConfig c = base_config(call);
   calls::FlashAttnShapes shapes = shapes_of(call.q, call.k, c);
   const auto lengths = host_lengths(call);
@@ -265,10 +263,15 @@ py::object flash_attn(const FlashAttnCall& call) {
   std::vector<ms::Tensor> inputs{call.q, call.k, call.v};
   const bool has_sinks = call.sinks.has_value();
   if (has_sinks) inputs.push_back(*call.sinks);
+  const bool has_alibi = call.alibi_slopes.has_value();
+  if (has_alibi) inputs.push_back(*call.alibi_slopes);
+  const int64_t alibi_sb = alibi_row_stride(call);
+  const float softcap = static_cast<float>(call.softcap);
   const float scale = scale_of(call, c.head_dim);
   return launch("OpmeshFlashAttn", inputs, outs,
-                [prepared, lengths, table, shapes, has_sinks, return_softmax_lse, scale, no_heads](
-                    const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+                [prepared, lengths, table, shapes, has_sinks, has_alibi, alibi_sb, softcap,
+                 return_softmax_lse, scale,
+                 no_heads](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
                   if (no_heads) return;  // empty outputs
                   const attn::PlanConfig& c = prepared->config;
                   const bool tnd = shapes.q_tnd;
@@ -290,6 +293,9 @@ py::object flash_attn(const FlashAttnCall& call) {
                     p.block_size = shapes.block_size;
                   }
                   if (has_sinks) p.sinks = in[3].data_ptr<float>();
+                  if (has_alibi) p.alibi_slopes = in[has_sinks ? 4 : 3].data_ptr<float>();
+                  p.alibi_sb = alibi_sb;
+                  p.softcap = softcap;
                   p.softmax_scale = scale;
                   const std::vector<int64_t> os = strides_of(out[0]);
                   const bool bnsd = c.layout_out == attn::Layout::kBNSD;
@@ -317,7 +323,6 @@ py::object flash_attn(const FlashAttnCall& call) {
 }
 
 py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
-  refuse_score_mods(call);
   attn::PlanConfig c = base_config(call);
   if (c.layout_kv == attn::Layout::kPagedBBND) value_error("layout_kv: PA_BBND has no backward");
   const attn::Layout lo = c.layout_out;
@@ -338,6 +343,10 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
   std::vector<ms::Tensor> inputs{call.dout, call.q, call.k, call.v, call.out, call.lse};
   if (has_sinks) inputs.push_back(*call.sinks);
   if (has_dlse) inputs.push_back(*call.dlse);
+  const bool has_alibi = call.alibi_slopes.has_value();
+  if (has_alibi) inputs.push_back(*call.alibi_slopes);
+  const int64_t alibi_sb = alibi_row_stride(call);
+  const float softcap = static_cast<float>(call.softcap);
   auto spec = [](const ms::Tensor& t) {
     return OutputSpec{t.data_type(), std::vector<int64_t>(t.shape().begin(), t.shape().end())};
   };
@@ -345,48 +354,51 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
       spec(call.q), spec(call.k), spec(call.v),
       has_sinks ? spec(*call.sinks) : OutputSpec{mindspore::kNumberTypeFloat32, {0}}};
   const float scale = scale_of(call, c.head_dim);
-  return launch("OpmeshFlashAttnBackward", inputs, outs,
-                [prepared, lengths, shapes, has_sinks, has_dlse, scale, no_heads](
-                    const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& grads) {
-                  const attn::PlanConfig& c = prepared->config;
-                  const bool tnd = shapes.q_tnd;
-                  for (auto& g : grads) fill(g, 0.0f);
-                  if (no_heads) return;  // zero gradients (of no elements but the sinks')
-                  attn::FlashAttnBackwardParams p;
-                  p.config = c;
-                  p.dtype = core_dtype(in[1], "q");
-                  p.dout = view_of(in[0], c.layout_out);
-                  p.q = view_of(in[1], c.layout_q);
-                  p.k = view_of(in[2], c.layout_kv);
-                  p.v = view_of(in[3], c.layout_kv);
-                  p.out = view_of(in[4], c.layout_out);
-                  const std::vector<int64_t> ls = strides_of(in[5]);
-                  p.lse = in[5].data_ptr<float>();
-                  p.lse_sb = tnd ? 0 : ls[0];
-                  p.lse_sn = ls[tnd ? 0 : 1];
-                  p.lse_ss = ls[tnd ? 1 : 2];
-                  size_t next = 6;
-                  if (has_sinks) {
-                    p.sinks = in[next++].data_ptr<float>();
-                    p.dsinks = grads[3].data_ptr<float>();
-                  }
-                  if (has_dlse) {
-                    p.dlse = in[next].data_ptr<float>();
-                    p.dlse_sb = p.lse_sb;
-                    p.dlse_sn = p.lse_sn;
-                    p.dlse_ss = p.lse_ss;
-                  }
-                  p.softmax_scale = scale;
-                  p.dq = mutable_view_of(grads[0], c.layout_q);
-                  p.dk = mutable_view_of(grads[1], c.layout_kv);
-                  p.dv = mutable_view_of(grads[2], c.layout_kv);
-                  checked([&] {
-                    attn::flash_attn_backward(
-                        p, prepared->sequences, ThreadExecutor(), core::active_isa(),
-                        prepared->decoded ? &prepared->decoded->backward : nullptr);
-                    return 0;
-                  });
-                });
+  return launch(
+      "OpmeshFlashAttnBackward", inputs, outs,
+      [prepared, lengths, shapes, has_sinks, has_dlse, has_alibi, alibi_sb, softcap, scale,
+       no_heads](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& grads) {
+        const attn::PlanConfig& c = prepared->config;
+        const bool tnd = shapes.q_tnd;
+        for (auto& g : grads) fill(g, 0.0f);
+        if (no_heads) return;  // zero gradients (of no elements but the sinks')
+        attn::FlashAttnBackwardParams p;
+        p.config = c;
+        p.dtype = core_dtype(in[1], "q");
+        p.dout = view_of(in[0], c.layout_out);
+        p.q = view_of(in[1], c.layout_q);
+        p.k = view_of(in[2], c.layout_kv);
+        p.v = view_of(in[3], c.layout_kv);
+        p.out = view_of(in[4], c.layout_out);
+        const std::vector<int64_t> ls = strides_of(in[5]);
+        p.lse = in[5].data_ptr<float>();
+        p.lse_sb = tnd ? 0 : ls[0];
+        p.lse_sn = ls[tnd ? 0 : 1];
+        p.lse_ss = ls[tnd ? 1 : 2];
+        size_t next = 6;
+        if (has_sinks) {
+          p.sinks = in[next++].data_ptr<float>();
+          p.dsinks = grads[3].data_ptr<float>();
+        }
+        if (has_dlse) {
+          p.dlse = in[next++].data_ptr<float>();
+          p.dlse_sb = p.lse_sb;
+          p.dlse_sn = p.lse_sn;
+          p.dlse_ss = p.lse_ss;
+        }
+        if (has_alibi) p.alibi_slopes = in[next].data_ptr<float>();
+        p.alibi_sb = alibi_sb;
+        p.softcap = softcap;
+        p.softmax_scale = scale;
+        p.dq = mutable_view_of(grads[0], c.layout_q);
+        p.dk = mutable_view_of(grads[1], c.layout_kv);
+        p.dv = mutable_view_of(grads[2], c.layout_kv);
+        checked([&] {
+          attn::flash_attn_backward(p, prepared->sequences, ThreadExecutor(), core::active_isa(),
+                                    prepared->decoded ? &prepared->decoded->backward : nullptr);
+          return 0;
+        });
+      });
 }
 
 }  // namespace opmesh::ms_binding

@@ -496,22 +496,19 @@ def _flash_host(kwargs):
 
 def flash_attn(q, k, v, kwargs):
     """``kwargs``: flash_attn's keyword arguments with the layouts resolved."""
-    # softcap and ALiBi run on the torch binding only so far.
-    if kwargs.get("softcap", 0.0) != 0.0:
-        raise ValueError("softcap: the MindSpore binding computes without soft-capping; pass 0")
-    if kwargs.get("alibi_slopes") is not None:
-        raise ValueError("alibi_slopes: the MindSpore binding computes without ALiBi; pass None")
     host, metas = _flash_host(kwargs)
-    options = {n: x for n, x in kwargs.items() if n not in host and n != "sinks"}
+    tensors = ("sinks", "alibi_slopes")
+    options = {n: x for n, x in kwargs.items() if n not in host and n not in tensors}
     torch.ops.opmesh.flash_attn(
         _meta(q, "q"),
         _meta(k, "k"),
         _meta(v, "v"),
         sinks=_meta(kwargs["sinks"], "sinks"),
+        alibi_slopes=_meta(kwargs["alibi_slopes"], "alibi_slopes"),
         **metas,
         **options,
     )
-    return _flash_function().apply(q, k, v, kwargs["sinks"], host, options)
+    return _flash_function().apply(q, k, v, kwargs["sinks"], kwargs["alibi_slopes"], host, options)
 
 
 _BACKWARD = _schema.positional("flash_attn_backward")
@@ -531,7 +528,7 @@ def _flash_function():
         (on MindSpore it runs as MindSpore's autograd Function)."""
 
         @staticmethod
-        def forward(ctx, q, k, v, sinks, host, options):
+        def forward(ctx, q, k, v, sinks, alibi_slopes, host, options):
             # The lse is computed whether asked or not: the backward needs it.
             out, lse = _call(
                 "flash_attn",
@@ -539,16 +536,17 @@ def _flash_function():
                 k=k,
                 v=v,
                 sinks=sinks,
+                alibi_slopes=alibi_slopes,
                 **host,
                 **dict(options, return_softmax_lse=True),
             )
-            ctx.save_for_backward(q, k, v, out, lse, sinks)
+            ctx.save_for_backward(q, k, v, out, lse, sinks, alibi_slopes)
             ctx.call = (host, options)
             return out, (lse if options["return_softmax_lse"] else _empty_lse())
 
         @staticmethod
         def backward(ctx, dout, dlse):
-            q, k, v, out, lse, sinks = ctx.saved_tensors
+            q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
             host, options = ctx.call
             lengths = {n: host[n] for n in _LENGTHS}
             options = {n: x for n, x in options.items() if n != "return_softmax_lse"}
@@ -558,22 +556,25 @@ def _flash_function():
                 *(_meta(x, n) for x, n in zip((dout, q, k, v, out, lse), _BACKWARD, strict=True)),
                 dlse=_meta(dlse, "dlse"),
                 sinks=_meta(sinks, "sinks"),
+                alibi_slopes=_meta(alibi_slopes, "alibi_slopes"),
                 **{n: _int32_meta(x) for n, x in lengths.items()},
                 **options,
             )
             # Inside MindSpore's backward, a pending result (a stub) handed to an extension
             # cannot be resolved there; a Tensor made from it can.
-            dout, q, k, v, out, lse, dlse, sinks = (
-                _concrete(x) for x in (dout, q, k, v, out, lse, dlse, sinks)
+            dout, q, k, v, out, lse, dlse, sinks, alibi_slopes = (
+                _concrete(x) for x in (dout, q, k, v, out, lse, dlse, sinks, alibi_slopes)
             )
             dq, dk, dv, dsinks = _call(
                 "flash_attn_backward",
                 **dict(zip(_BACKWARD, (dout, q, k, v, out, lse), strict=True)),
                 dlse=dlse,
                 sinks=sinks,
+                alibi_slopes=alibi_slopes,
                 **lengths,
                 **options,
             )
-            return dq, dk, dv, (dsinks if sinks is not None else None), None, None
+            # The ALiBi slopes get no gradient (as on torch).
+            return dq, dk, dv, (dsinks if sinks is not None else None), None, None, None
 
     return FlashAttnFunction

@@ -451,14 +451,28 @@ def test_flash_attn_forward_and_backward_match_torch(layout, mask, dtype):
         assert_same(g, leaf.grad)
 
 
-def test_flash_attn_refuses_softcap_and_alibi_by_name():
-    q = ms.Tensor(np.ones((1, 4, 2, 8), np.float32))
-    for kwargs, argument in (
-        (dict(softcap=2.0), "softcap"),
-        (dict(alibi_slopes=q), "alibi_slopes"),
-    ):
-        with pytest.raises(ValueError, match=f"^{argument}:"):
-            opmesh.flash_attn(q, q, q, **kwargs)
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_flash_attn_softcap_and_alibi_match_torch(layout, per_batch):
+    arrays, lengths = attn_case(layout)
+    m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
+    slopes = np.abs(randn(3 if layout == "TND" else 2, 4) if per_batch else randn(4)) * 0.3
+    m_slopes, t_slopes = both(slopes)
+    kw = dict(layout_q=layout, return_softmax_lse=True, mask_mode=3, softcap=1.5, **lengths)
+
+    def loss(q, k, v, slopes):
+        out, lse = opmesh.flash_attn(q, k, v, alibi_slopes=slopes, **kw)
+        return (out.float() * out.float()).sum() + lse.sum() * 0.5
+
+    m_grads = ms.grad(loss, grad_position=(0, 1, 2))(*m_in, m_slopes)
+    leaves = [x.clone().requires_grad_() for x in t_in]
+    loss(*leaves, t_slopes).backward()
+    m_out, m_lse = opmesh.flash_attn(*m_in, alibi_slopes=m_slopes, **kw)
+    t_out, t_lse = opmesh.flash_attn(*t_in, alibi_slopes=t_slopes, **kw)
+    assert_same(m_out, t_out)
+    assert_same(m_lse, t_lse)
+    for g, leaf in zip(m_grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
 
 
 def test_flash_attn_without_lse_returns_an_empty_second_output():
