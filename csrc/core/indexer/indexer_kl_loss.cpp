@@ -87,6 +87,7 @@ class KlLoss {
           qi(r.p_.index_heads_q * kTile * r.dip_),
           kit(r.p_.index_heads_k * r.di_ * kTile),
           kir(r.p_.index_heads_k * kTile * r.dip_),
+          qit(r.p_.index_heads_q * r.di_ * kTile),
           w(kTile * r.p_.index_heads_q),
           shift(r.p_.heads_q * kTile),
           ishift(r.p_.index_heads_k * kTile),
@@ -112,6 +113,7 @@ class KlLoss {
     AlignedBuffer<float> qi;      // [N1index][64][dip] index query rows, zero-padded
     AlignedBuffer<float> kit;     // [N2index][di][64] index keys, transposed
     AlignedBuffer<float> kir;     // [N2index][64][dip] index key rows
+    AlignedBuffer<float> qit;     // [N1index][di][64] index query rows, transposed (key pass)
     AlignedBuffer<float> w;       // [64][N1index] weights
     AlignedBuffer<float> shift;   // [N1][64] the main log-sum-exp (+inf: the row has no mass)
     AlignedBuffer<float> ishift;  // [N2index][64] the indexer's log-sum-exp
@@ -280,18 +282,19 @@ class KlLoss {
     const int64_t keys = std::min(kTile, seq.k_len - k0);
     const int64_t n2i = p_.index_heads_k;
     pack_keys(sc, u.b, k0, keys);
-    std::fill(sc.acc.data(), sc.acc.data() + n2i * kTile * dip_, 0.0f);
+    // d_key_index transposed, [N2index][di][64]: each product adds one query head's share.
+    std::fill(sc.acc.data(), sc.acc.data() + n2i * di_ * kTile, 0.0f);
     for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
       const int64_t rows = std::min(kTile, seq.q_len - i0);
       const KeyRange span = key_span(seq, i0, rows);
       if (span.end <= k0 || span.begin >= k0 + keys) continue;
       pack_queries(sc, u.b, i0, rows);
+      transpose_index_queries(sc);
       target(sc, seq, i0, rows, k0);
       for (int64_t g = 0; g < n2i; ++g) {
         index_scores(sc, seq, g, i0, rows, k0);
         index_softmax(sc, seq, g, i0, rows, k0);
-        // dI = q - P / Z in sc.score; then coef = [64 keys][group x 64 rows], the transpose of
-        // dI w [S > 0] for each query head of the group.
+        // dI = q - P / Z in sc.score.
         float* di = sc.score.data();
         for (int64_t r = 0; r < rows; ++r) {
           const float zr = z_[z_base_[u.b] + i0 + r];
@@ -299,29 +302,30 @@ class KlLoss {
           const float keep = zr > 0.0f ? 1.0f : 0.0f;
           k_.rows.target_gradient(di + r * kTile, sc.prob.data() + r * kTile, inv, keep);
         }
-        const int64_t depth = igroup_ * kTile;
-        float* ct = sc.coef.data();
-        float* tmp = sc.row.data();
+        // Per query head of the group: coef = dI w [S > 0] ([64 rows][64 keys]), and
+        // d_key_index^T += query_index^T coef.
         for (int64_t hl = 0; hl < igroup_; ++hl) {
           const int64_t h = g * igroup_ + hl;
           const float* sh = sc.si.data() + hl * kTile * kTile;
+          float* coef = sc.coef.data() + hl * kTile * kTile;
           for (int64_t r = 0; r < kTile; ++r) {
             const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
-            k_.rows.masked_scale(sh + r * kTile, di + r * kTile, wr, tmp);
-            for (int64_t c = 0; c < kTile; ++c) ct[c * depth + hl * kTile + r] = tmp[c];
+            k_.rows.masked_scale(sh + r * kTile, di + r * kTile, wr, coef + r * kTile);
           }
+          k_.gemm({sc.qit.data() + h * di_ * kTile, kTile, coef, kTile,
+                   sc.acc.data() + g * di_ * kTile, kTile, di_, kTile, kTile, sc.ones.data(),
+                   1.0f});
         }
-        // d_key_index[key] += sum over the group's heads and rows of coef * query_index rows.
-        k_.gemm({ct, depth, sc.qi.data() + g * igroup_ * kTile * dip_, dip_,
-                 sc.acc.data() + g * kTile * dip_, dip_, kTile, dip_, depth, sc.ones.data(), 1.0f});
       }
     }
     for (int64_t n = 0; n < keys; ++n) {
       const int64_t key = seq.k_begin + k0 + n;
       for (int64_t g = 0; g < n2i; ++g) {
         const KlGradient& dk = p_.d_key_index;
-        store_row(dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_,
-                  sc.acc.data() + (g * kTile + n) * dip_, 1.0f);
+        float* row = sc.row.data();
+        const float* col = sc.acc.data() + g * di_ * kTile + n;
+        for (int64_t e = 0; e < di_; ++e) row[e] = col[e * kTile];
+        store_row(dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_, row, 1.0f);
       }
     }
   }
@@ -339,6 +343,18 @@ class KlLoss {
       k_.widen(static_cast<const char*>(t.data) + off * elem, t.dtype, n, dst);
     } else {
       load_row(t.data, t.dtype, off, t.stride[3], n, dst);
+    }
+  }
+
+  // The index query rows of every head transposed, [N1index][di][64] (sc.qit), for the key
+  // pass's d_key_index^T product.
+  void transpose_index_queries(Scratch& sc) const {
+    const char* rows[kTile];
+    for (int64_t h = 0; h < p_.index_heads_q; ++h) {
+      for (int64_t r = 0; r < kTile; ++r) {
+        rows[r] = reinterpret_cast<const char*>(sc.qi.data() + (h * kTile + r) * dip_);
+      }
+      k_.pack_keys(rows, kTile, di_, reinterpret_cast<uint32_t*>(sc.qit.data() + h * di_ * kTile));
     }
   }
 
