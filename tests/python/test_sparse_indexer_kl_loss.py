@@ -140,10 +140,12 @@ def test_grid_float32(case):
     check(case, torch.float32, k, shared=shared)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", [CASES[4], CASES[9]], ids=lambda c: c.name)
-def test_every_kernel_path(case, simd_level):
+def test_every_kernel_path(case, simd_level, dtype):
+    """bf16 inputs: the main score product on the level's bf16-pair kernels where it has them."""
     k, shared = GRID[case.name]
-    check(case, torch.float32, k, shared=shared, seed=1)
+    check(case, dtype, k, shared=shared, seed=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -41,6 +42,8 @@ class SparseKl {
       : sp_(sp),
         p_(sp.dense),
         k_(kernels::float32_set(isa)),
+        kb_(kernels::select_set(isa, main_dtype(sp.dense), -1, true)),
+        pairs_(kb_.word == kernels::Word::kBf16Pair),
         mask_(indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens)),
         seqs_(indexer_sequences(index_params(p_))),
         g_(p_.heads_q / p_.heads_k),
@@ -48,14 +51,16 @@ class SparseKl {
         ig_t_(ig_ <= kKeyTile ? kKeyTile : ig_),
         dm_(p_.head_dim + p_.rope_dim),
         dmp_(round_up(dm_, 16)),
-        dip_(round_up(p_.index_dim, 16)) {
+        dip_(round_up(p_.index_dim, 16)),
+        dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)) {
     const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
     active_.assign(rows * p_.index_heads_k, 0);
     d_index_.assign(rows * p_.index_heads_k * sp_.sparse_count, 0.0f);
   }
 
   const std::vector<Sequence>& sequences() const { return seqs_; }
-  const kernels::KernelSet& kernel_set() const { return k_; }
+  // The kernels whose worker setup the tasks run under (the main score product's).
+  const kernels::KernelSet& kernel_set() const { return kb_; }
 
   struct Scratch {
     explicit Scratch(const SparseKl& r)
@@ -72,7 +77,10 @@ class SparseKl {
           lse(r.p_.heads_q),
           w(r.p_.index_heads_q),
           ones(r.ig_, 1.0f),
-          dw(r.ig_) {}
+          dw(r.ig_),
+          qp(r.pairs_ ? (r.p_.heads_q + 16) * r.dmw_ : 0),
+          kstage(r.pairs_ ? kKeyTile * r.dmw_ : 0),
+          ktp(r.pairs_ ? r.dmw_ * kKeyTile : 0) {}
     AlignedBuffer<float> q;       // [N1][dmp] main query rows (query | rope), zero-padded
     AlignedBuffer<float> qi;      // [N1index][dip] index query rows, zero-padded
     AlignedBuffer<float> qit;     // pass 2: [64][ig_t] coefficients, transposed
@@ -96,6 +104,10 @@ class SparseKl {
     std::vector<float> key_grad;  // pass 2: [keys][dip]
     std::vector<int32_t> hits;
     std::vector<float> hit_d;
+    // bf16 inputs on pair kernels: the main score product's operands as bf16 pairs.
+    AlignedBuffer<uint32_t> qp;      // [N1 (+16 readable)][dmw] main query rows (query | rope)
+    AlignedBuffer<uint32_t> kstage;  // [64][dmw] selected main key rows
+    AlignedBuffer<uint32_t> ktp;     // [dmw][64] the same, packed
   };
 
   // Pass 1 for token i of s: the loss of its rows (returned), d_query_index, d_weights and the
@@ -224,7 +236,17 @@ class SparseKl {
 
   // Main query rows and log-sum-exps, index query rows and weights of token i.
   void load_token(Scratch& sc, const Sequence& s, int64_t i) const {
-    for (int64_t h = 0; h < p_.heads_q; ++h) {
+    for (int64_t h = 0; h < p_.heads_q && pairs_; ++h) {
+      uint32_t* words = sc.qp.data() + h * dmw_;
+      std::fill(words, words + dmw_, 0u);
+      uint16_t* q = reinterpret_cast<uint16_t*>(words);
+      copy_bf16(p_.query, query_row(p_.query.stride, s, i, h), p_.head_dim, q);
+      if (p_.rope_dim > 0) {
+        copy_bf16(p_.query_rope, query_row(p_.query_rope.stride, s, i, h), p_.rope_dim,
+                  q + p_.head_dim);
+      }
+    }
+    for (int64_t h = 0; h < p_.heads_q && !pairs_; ++h) {
       float* q = sc.q.data() + h * dmp_;
       load(p_.query, query_row(p_.query.stride, s, i, h), p_.head_dim, q);
       if (p_.rope_dim > 0) {
@@ -284,10 +306,45 @@ class SparseKl {
     std::fill(k + p_.index_dim, k + dip_, 0.0f);
   }
 
+  // n bf16 elements of operand o at element `offset`, as they are.
+  static void copy_bf16(const KlOperand& o, int64_t offset, int64_t n, uint16_t* dst) {
+    const uint16_t* src = static_cast<const uint16_t*>(o.data) + offset;
+    if (o.stride[3] == 1) {
+      std::memcpy(dst, src, n * sizeof(uint16_t));
+    } else {
+      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * o.stride[3]];
+    }
+  }
+
+  // The main scores of key head kh's query rows against the chunk's m selected keys (from c0),
+  // on bf16 pairs, into sc.s.
+  void pair_scores(Scratch& sc, const Sequence& s, int64_t kh, int64_t c0, int64_t m) const {
+    const char* rows[kKeyTile];
+    for (int64_t c = 0; c < m; ++c) {
+      const int64_t j = sc.keys[c0 + c];
+      uint32_t* words = sc.kstage.data() + c * dmw_;
+      std::fill(words, words + dmw_, 0u);
+      uint16_t* k = reinterpret_cast<uint16_t*>(words);
+      copy_bf16(p_.key, key_row(p_.key.stride, s, j, kh), p_.head_dim, k);
+      if (p_.rope_dim > 0) {
+        copy_bf16(p_.key_rope, key_row(p_.key_rope.stride, s, j, kh), p_.rope_dim, k + p_.head_dim);
+      }
+      rows[c] = reinterpret_cast<const char*>(words);
+    }
+    kb_.pack_keys(rows, m, dmw_, sc.ktp.data());
+    kb_.gemm({sc.qp.data() + kh * g_ * dmw_, dmw_, sc.ktp.data(), kKeyTile, sc.s.data(), kKeyTile,
+              g_, kKeyTile, dmw_, nullptr, p_.scale});
+  }
+
   // Adds P of the chunk's m selected keys (from c0) into sc.prob.
   void target_chunk(Scratch& sc, const Sequence& s, int64_t c0, int64_t m) const {
     const char* rows[kKeyTile];
     for (int64_t kh = 0; kh < p_.heads_k; ++kh) {
+      if (pairs_) {
+        pair_scores(sc, s, kh, c0, m);
+        finish_target(sc, kh, c0, m);
+        continue;
+      }
       for (int64_t c = 0; c < m; ++c) {
         const int64_t j = sc.keys[c0 + c];
         float* k = sc.krow.data() + c * dmp_;
@@ -302,13 +359,27 @@ class SparseKl {
       float* sv = sc.s.data();
       k_.gemm({sc.q.data() + kh * g_ * dmp_, dmp_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_,
                kKeyTile, dmp_, nullptr, p_.scale});
-      for (int64_t r = 0; r < g_; ++r) {
-        std::fill(sv + r * kKeyTile + m, sv + (r + 1) * kKeyTile, -kInf);
-      }
-      k_.exp_rows(sv, g_, kKeyTile, sc.lse.data() + kh * g_);
-      float* prob = sc.prob.data() + c0;
-      for (int64_t r = 0; r < g_; ++r) k_.rows.add_into(prob, sv + r * kKeyTile, m);
+      finish_target(sc, kh, c0, m);
     }
+  }
+
+  // The scores in sc.s (key head kh, m keys from c0) to probabilities, summed into sc.prob.
+  void finish_target(Scratch& sc, int64_t kh, int64_t c0, int64_t m) const {
+    float* sv = sc.s.data();
+    for (int64_t r = 0; r < g_; ++r) {
+      std::fill(sv + r * kKeyTile + m, sv + (r + 1) * kKeyTile, -kInf);
+    }
+    k_.exp_rows(sv, g_, kKeyTile, sc.lse.data() + kh * g_);
+    float* prob = sc.prob.data() + c0;
+    for (int64_t r = 0; r < g_; ++r) k_.rows.add_into(prob, sv + r * kKeyTile, m);
+  }
+
+  // bf16 when the main query and key (and their rope parts) are, float32 otherwise.
+  static DType main_dtype(const IndexerKlLossParams& p) {
+    const bool bf16 = p.query.dtype == DType::kBFloat16 && p.key.dtype == DType::kBFloat16 &&
+                      (p.rope_dim == 0 || (p.query_rope.dtype == DType::kBFloat16 &&
+                                           p.key_rope.dtype == DType::kBFloat16));
+    return bf16 ? DType::kBFloat16 : DType::kFloat32;
   }
 
   // The index scores of group g over the row's nk selected keys into sc.sidx [ig][padded], and
@@ -401,11 +472,14 @@ class SparseKl {
   const SparseKlLossParams& sp_;
   const IndexerKlLossParams& p_;
   const kernels::KernelSet& k_;
+  const kernels::KernelSet& kb_;  // the main score product's kernels: k_, or bf16 pairs
+  bool pairs_;
   Mask mask_;
   std::vector<Sequence> seqs_;
   int64_t g_, ig_;
   int64_t ig_t_;  // row stride of the transposed coefficients
   int64_t dm_, dmp_, dip_;
+  int64_t dmw_;                  // pair words per main row, padded to kb_'s depth_align
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
   std::vector<float> d_index_;   // [rows][N2index][K]: dI per selection entry
 };
