@@ -246,6 +246,75 @@ TEST(KernelSets, ExpRowsMatchesDoubleReference) {
   }
 }
 
+// The bf16 row operations: rounding to nearest even (ties, NaN, infinities) as dtype.h rounds,
+// interleaving, and the score modifications (softcap, ALiBi, the softcap's derivative) against
+// double precision.
+TEST(KernelSets, RowOpsForBf16PairsAndScoreModifications) {
+  const float inf = std::numeric_limits<float>::infinity();
+  constexpr int64_t kWidth = 64;
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> u(-6.0f, 6.0f);
+    std::vector<float> a(kWidth), b(kWidth);
+    for (auto& x : a) x = u(rng);
+    for (auto& x : b) x = u(rng);
+    a[0] = 1.0f + 1.0f / 256.0f;  // a tie: rounds to even (1.0)
+    a[1] = 1.0f + 3.0f / 256.0f;  // a tie: rounds up to even
+    a[2] = std::numeric_limits<float>::quiet_NaN();
+    a[3] = inf;
+    b[4] = -inf;
+    b[5] = 3.4e38f;  // rounds to infinity
+    std::vector<uint32_t> pairs(kWidth);
+    set->rows.pair_rows(a.data(), b.data(), pairs.data());
+    for (int64_t c = 0; c < kWidth; ++c) {
+      const uint32_t want_lo = float_to_bf16_bits(a[c]), want_hi = float_to_bf16_bits(b[c]);
+      EXPECT_EQ(pairs[c], want_lo | (want_hi << 16)) << "pair_rows " << c;
+    }
+    // interleave_bf16, with and without a second row, at a length that is not a whole vector.
+    std::vector<uint16_t> r0(37), r1(37);
+    for (size_t e = 0; e < r0.size(); ++e) {
+      r0[e] = static_cast<uint16_t>(rng());
+      r1[e] = static_cast<uint16_t>(rng());
+    }
+    std::vector<uint32_t> out(40, 0xdeadbeefu);
+    set->rows.interleave_bf16(r0.data(), r1.data(), 37, out.data());
+    for (int64_t e = 0; e < 37; ++e) EXPECT_EQ(out[e], r0[e] | (uint32_t{r1[e]} << 16)) << e;
+    EXPECT_EQ(out[37], 0xdeadbeefu);  // nothing past n
+    set->rows.interleave_bf16(r0.data(), nullptr, 37, out.data());
+    for (int64_t e = 0; e < 37; ++e) EXPECT_EQ(out[e], uint32_t{r0[e]}) << e;
+    // score_mods: softcap with its derivative, then ALiBi in both directions.
+    for (const float cap : {0.0f, 0.7f, 30.0f}) {
+      for (const int64_t dir : {int64_t{-1}, int64_t{1}}) {
+        std::vector<float> s(a.begin(), a.end()), deriv(kWidth, -1.0f);
+        s[2] = u(rng);
+        s[3] = 80.0f;  // saturates the cap
+        const std::vector<float> x = s;
+        const float slope = 0.125f;
+        const int64_t dist0 = 20;
+        set->rows.score_mods(s.data(), cap, slope, dist0, dir, deriv.data());
+        for (int64_t c = 0; c < kWidth; ++c) {
+          double want = x[c];
+          double dwant = 1.0;
+          if (cap > 0.0f) {
+            const double t = std::tanh(double(x[c]) / cap);
+            want = cap * t;
+            dwant = 1.0 - t * t;
+          }
+          want -= slope * std::abs(double(dist0 + dir * c));
+          EXPECT_NEAR(s[c], want, 2e-6 * (1.0 + std::abs(want))) << cap << " " << dir << " " << c;
+          if (cap > 0.0f) EXPECT_NEAR(deriv[c], dwant, 1e-6) << cap << " " << c;
+        }
+        if (cap == 0.0f) EXPECT_EQ(deriv[0], -1.0f);  // no cap: the derivative is not written
+      }
+    }
+    std::vector<float> d(a), f(b);
+    d[2] = 1.0f;
+    set->rows.multiply_into(d.data(), f.data());
+    for (int64_t c = 3; c < kWidth; ++c) EXPECT_EQ(d[c], a[c] * b[c]) << c;
+  }
+}
+
 TEST(KernelSets, ScoreTileMatchesDoubleReference) {
   constexpr int kCapacity = 32;
   for (const KernelSet* set : sets_under_test()) {

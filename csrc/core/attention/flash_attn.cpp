@@ -279,12 +279,7 @@ class Runner {
         const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vrows[2 * i]);
         const uint16_t* r1 =
             2 * i + 1 < valid ? reinterpret_cast<const uint16_t*>(vrows[2 * i + 1]) : nullptr;
-        uint32_t* dst = vp + i * dvp_;
-        if (r1 != nullptr) {
-          for (int64_t e = 0; e < dv_; ++e) dst[e] = r0[e] | (static_cast<uint32_t>(r1[e]) << 16);
-        } else {
-          for (int64_t e = 0; e < dv_; ++e) dst[e] = r0[e];
-        }
+        k_.rows.interleave_bf16(r0, r1, dv_, vp + i * dvp_);
       }
     } else if (fast_v) {
       for (int64_t n = 0; n < valid; ++n) std::memcpy(vp + n * dvp_, vrows[n], dv_ * sizeof(float));

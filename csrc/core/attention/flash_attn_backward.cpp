@@ -653,13 +653,10 @@ class Backward {
 
   // out[l][e] = rows[2l][e] | rows[2l + 1][e] << 16 for e < n, l < count / 2: bf16 rows (ld
   // elements apart) paired along their index, out's rows ld_out words apart.
-  static void interleave_rows(const uint16_t* rows, int64_t ld, int64_t count, int64_t n,
-                              uint32_t* out, int64_t ld_out) {
+  void interleave_rows(const uint16_t* rows, int64_t ld, int64_t count, int64_t n, uint32_t* out,
+                       int64_t ld_out) const {
     for (int64_t l = 0; 2 * l < count; ++l) {
-      const uint16_t* r0 = rows + 2 * l * ld;
-      const uint16_t* r1 = r0 + ld;
-      uint32_t* o = out + l * ld_out;
-      for (int64_t e = 0; e < n; ++e) o[e] = r0[e] | (static_cast<uint32_t>(r1[e]) << 16);
+      k_.rows.interleave_bf16(rows + 2 * l * ld, rows + (2 * l + 1) * ld, n, out + l * ld_out);
     }
   }
 

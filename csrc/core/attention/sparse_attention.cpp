@@ -212,13 +212,22 @@ class Forward {
     uint32_t* vp = reinterpret_cast<uint32_t*>(sc.vp.data());
     std::fill(vp, vp + kKeyTile / 2 * dvp_, 0u);
     const int64_t dv = p_.value_dim;
-    for (int64_t c = 0; c < n; ++c) {
-      const uint16_t* src =
-          static_cast<const uint16_t*>(p_.value) + geo_.key_offset(p_.value_stride, s, keys[c], g);
+    const int64_t sd = p_.value_stride[3];
+    auto value = [&](int64_t c) {
+      return static_cast<const uint16_t*>(p_.value) +
+             geo_.key_offset(p_.value_stride, s, keys[c], g);
+    };
+    for (int64_t c = 0; c < n; c += 2) {
       uint32_t* dst = vp + (c / 2) * dvp_;
-      const int shift = (c & 1) * 16;
-      const int64_t sd = p_.value_stride[3];
-      for (int64_t e = 0; e < dv; ++e) dst[e] |= static_cast<uint32_t>(src[e * sd]) << shift;
+      if (sd == 1) {
+        k_.rows.interleave_bf16(value(c), c + 1 < n ? value(c + 1) : nullptr, dv, dst);
+        continue;
+      }
+      for (int64_t half = 0; half < 2 && c + half < n; ++half) {
+        const uint16_t* src = value(c + half);
+        for (int64_t e = 0; e < dv; ++e)
+          dst[e] |= static_cast<uint32_t>(src[e * sd]) << (16 * half);
+      }
     }
   }
 

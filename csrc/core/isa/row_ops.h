@@ -183,12 +183,23 @@ void multiply_into(float* d, const float* f) {
   for (int64_t c = 0; c < kRowWidth; ++c) d[c] *= f[c];
 }
 
+// out[e] = a[e] | b[e] << 16 for n entries (b null: zeros): two bf16 rows as one row of pairs.
+void interleave_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* out) {
+  if (b == nullptr) {
+#pragma omp simd
+    for (int64_t e = 0; e < n; ++e) out[e] = a[e];
+    return;
+  }
+#pragma omp simd
+  for (int64_t e = 0; e < n; ++e) out[e] = a[e] | (static_cast<uint32_t>(b[e]) << 16);
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
-  return RowOps{&shift_and_mask, &probability_gradient, &add_into,
-                &relu_axpy,      &split_coefficients,   &target_gradient,
-                &masked_scale,   &entropy_terms,        &row_dots,
-                &pair_rows,      &score_mods,           &multiply_into};
+  return RowOps{
+      &shift_and_mask,  &probability_gradient, &add_into,       &relu_axpy, &split_coefficients,
+      &target_gradient, &masked_scale,         &entropy_terms,  &row_dots,  &pair_rows,
+      &score_mods,      &multiply_into,        &interleave_bf16};
 }
 
 }  // namespace

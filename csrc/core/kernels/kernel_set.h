@@ -86,6 +86,9 @@ struct RowOps {
   void (*score_mods)(float* s, float cap, float slope, int64_t dist0, int64_t dir, float* deriv);
   // d[c] <- d[c] f[c].
   void (*multiply_into)(float* d, const float* f);
+  // out[e] = a[e] | b[e] << 16 for n entries (b null: zeros): rows a and b of bf16 values as
+  // one row of pairs, the operand of a product along the rows' index (values by key pairs).
+  void (*interleave_bf16)(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* out);
 };
 
 struct KernelSet {
