@@ -775,6 +775,10 @@ def flash_attn(
         )
     call = dict(locals())
     del call["context_parallel"]
+    if softcap == 0.0:
+        # The schema's default: a float constant in a compiled graph makes Dynamo restart its
+        # analysis to specialise it, so an unused softcap is left out of the call.
+        del call["softcap"]
     if _on_mindspore(q, k, v):
         return _ms.flash_attn(q, k, v, {n: x for n, x in call.items() if n not in ("q", "k", "v")})
     for name in ATTN_LENGTHS:
