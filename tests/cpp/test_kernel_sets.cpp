@@ -127,6 +127,7 @@ TEST(KernelSets, RegistryDescribesWhatRunsHere) {
     EXPECT_TRUE(s.accepts(DType::kBFloat16));
     EXPECT_EQ(s.accepts(DType::kFloat32), s.word == Word::kFloat32);
     EXPECT_EQ(s.to_bf16 != nullptr, s.word == Word::kBf16Pair);
+    EXPECT_EQ(s.softmax_bf16 != nullptr, s.word == Word::kBf16Pair);
     EXPECT_NE(s.gemm, nullptr);
     EXPECT_NE(s.softmax, nullptr);
     EXPECT_NE(s.pack_keys, nullptr);
@@ -312,6 +313,33 @@ TEST(KernelSets, RowOpsForBf16PairsAndScoreModifications) {
     d[2] = 1.0f;
     set->rows.multiply_into(d.data(), f.data());
     for (int64_t c = 3; c < kWidth; ++c) EXPECT_EQ(d[c], a[c] * b[c]) << c;
+  }
+}
+
+// softmax_bf16 is softmax followed by to_bf16, bit for bit, without touching the scores'
+// buffer beyond reading it.
+TEST(KernelSets, SoftmaxToBf16IsSoftmaxThenRounding) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const KernelSet* set : sets_under_test()) {
+    if (set->word != Word::kBf16Pair) continue;
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> u(-20.0f, 5.0f);
+    const int64_t rows = 4, cols = 128;
+    std::vector<float> s(rows * cols);
+    for (auto& x : s) x = u(rng);
+    for (int64_t c = 0; c < cols; ++c) s[2 * cols + c] = -inf;  // a row that sees nothing
+    s[3 * cols + 5] = -inf;
+    std::vector<float> m{-inf, 1.5f, -inf, 30.0f}, l{0.0f, 2.0f, 0.0f, 1.0f};
+    std::vector<float> m2 = m, l2 = l, c1(rows), c2(rows), s2 = s;
+    std::vector<uint16_t> want(rows * cols), got(rows * cols);
+    set->softmax(s.data(), rows, cols, m.data(), l.data(), c1.data());
+    set->to_bf16(s.data(), want.data(), rows * cols);
+    set->softmax_bf16(s2.data(), rows, cols, m2.data(), l2.data(), c2.data(), got.data());
+    EXPECT_EQ(want, got);
+    EXPECT_EQ(m, m2);
+    EXPECT_EQ(l, l2);
+    EXPECT_EQ(c1, c2);
   }
 }
 

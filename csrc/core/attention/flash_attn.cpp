@@ -354,11 +354,11 @@ class Runner {
     const uint32_t* vp = sc.vcache.data() + first_slot * v_tile_words_;
     const State cur = sc.cur(*this);
     float* corr = sc.correction(*this);
-    k_.softmax(s, rows, cols, cur.m, cur.l, corr);
     if (pairs_) {
-      k_.to_bf16(s, sc.pb.data(), rows * cols);
+      k_.softmax_bf16(s, rows, cols, cur.m, cur.l, corr, sc.pb.data());
       k_.gemm({sc.pb.data(), cols / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
     } else {
+      k_.softmax(s, rows, cols, cur.m, cur.l, corr);
       k_.gemm({s, cols, vp, dvp_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
     }
   }

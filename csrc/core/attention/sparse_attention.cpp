@@ -135,12 +135,12 @@ class Forward {
                p_.scale});
       for (int64_t r = 0; r < g_; ++r)
         std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
-      k_.softmax(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data());
       if (pairs_) {
-        k_.to_bf16(sv, sc.pb.data(), g_ * kKeyTile);
+        k_.softmax_bf16(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data(), sc.pb.data());
         k_.gemm({sc.pb.data(), kKeyTile / 2, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_,
                  kKeyTile / 2, sc.corr.data(), 1.0f});
       } else {
+        k_.softmax(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data());
         k_.gemm({sv, kKeyTile, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_, kKeyTile,
                  sc.corr.data(), 1.0f});
       }

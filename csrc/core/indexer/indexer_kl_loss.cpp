@@ -22,6 +22,8 @@ namespace {
 using kernels::round_up;
 
 constexpr int64_t kTile = kernels::kKeyTile;  // query positions per query tile, keys per key tile
+// Key tiles per unit of the key pass: each query tile it packs serves all of them.
+constexpr int64_t kKeyBlock = 4;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -96,7 +98,8 @@ class KlLoss {
           si(r.igroup_ * kTile * kTile),
           score(kTile * kTile),
           coef(2 * kTile * r.igroup_ * kTile),
-          acc(std::max(r.p_.index_heads_q * 2 * kTile, r.p_.index_heads_k * kTile) * r.dip_),
+          acc(std::max(r.p_.index_heads_q * 2 * kTile * r.dip_,
+                       kKeyBlock * r.p_.index_heads_k * r.di_ * kTile)),
           row(std::max({r.dmp_, r.dip_, kTile})),
           ones(2 * kTile * r.igroup_),
           dw(2 * kTile * r.p_.index_heads_q),
@@ -122,7 +125,7 @@ class KlLoss {
     AlignedBuffer<float> si;      // [group][64][64] index scores of one key head's query heads
     AlignedBuffer<float> score;   // [64][64] I, then the indexer's softmax, then dI
     AlignedBuffer<float> coef;    // products' left operands
-    AlignedBuffer<float> acc;     // pass 1: [N1index][2][64][dip]; pass 2: [N2index][64][dip]
+    AlignedBuffer<float> acc;     // pass 1: [N1index][2][64][dip]; pass 2: [4][N2index][di][64]
     AlignedBuffer<float> row;
     AlignedBuffer<float> ones;
     std::vector<double> dw;     // [2][64][N1index] the two parts of d_weights
@@ -143,7 +146,10 @@ class KlLoss {
       const Sequence& seq = seqs_[b];
       const int64_t len = queries ? seq.q_len : seq.k_len;
       if (seq.q_len == 0 || seq.k_len == 0) continue;
-      for (int64_t t = 0; t * kTile < len; ++t) {
+      // Query units are tiles; key units are blocks of kKeyBlock tiles (a query tile packed
+      // once serves the whole block).
+      const int64_t step = queries ? kTile : kKeyBlock * kTile;
+      for (int64_t t = 0; t * step < len; ++t) {
         double cost = 0.0;
         if (queries) {
           for (int64_t i = t * kTile; i < std::min(len, (t + 1) * kTile); ++i) {
@@ -151,18 +157,20 @@ class KlLoss {
             cost += static_cast<double>(r.end - r.begin);
           }
         } else {
-          if (!key_tile_seen(seq, t * kTile, (t + 1) * kTile)) continue;
-          // Per query tile, its first and last rows' overlap with the key tile (both ends of
-          // the visible ranges grow with the row): O(query tiles), not O(rows).
-          const int64_t k0 = t * kTile, k1 = (t + 1) * kTile;
-          auto seen = [&](int64_t i) {
-            const KeyRange r = visible_keys(mask_, seq, i);
-            return static_cast<double>(
-                std::max<int64_t>(0, std::min(r.end, k1) - std::max(r.begin, k0)));
-          };
-          for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
-            const int64_t last = std::min(seq.q_len, i0 + kTile) - 1;
-            cost += 0.5 * static_cast<double>(last - i0 + 1) * (seen(i0) + seen(last)) + 1.0;
+          for (int64_t k0 = t * step; k0 < std::min(len, (t + 1) * step); k0 += kTile) {
+            const int64_t k1 = k0 + kTile;
+            if (!key_tile_seen(seq, k0, k1)) continue;
+            // Per query tile, its first and last rows' overlap with the key tile (both ends
+            // of the visible ranges grow with the row): O(query tiles), not O(rows).
+            auto seen = [&](int64_t i) {
+              const KeyRange r = visible_keys(mask_, seq, i);
+              return static_cast<double>(
+                  std::max<int64_t>(0, std::min(r.end, k1) - std::max(r.begin, k0)));
+            };
+            for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+              const int64_t last = std::min(seq.q_len, i0 + kTile) - 1;
+              cost += 0.5 * static_cast<double>(last - i0 + 1) * (seen(i0) + seen(last)) + 1.0;
+            }
           }
         }
         if (cost > 0) out.push_back({static_cast<int32_t>(b), static_cast<int32_t>(t), cost});
@@ -274,58 +282,75 @@ class KlLoss {
     return loss;
   }
 
-  // Pass 2: key tile u.t of sequence u.b against every query tile that sees it; writes its
-  // d_key_index rows. Needs Z from pass 1.
-  void key_tile(Scratch& sc, const Unit& u) const {
+  // Pass 2: key tiles [first, first + 4 * 64) of block u.t of sequence u.b against every query
+  // tile that sees them (each query tile packed once for the block); writes their d_key_index
+  // rows. Needs Z from pass 1.
+  void key_block(Scratch& sc, const Unit& u) const {
     const Sequence& seq = seqs_[u.b];
-    const int64_t k0 = u.t * kTile;
-    const int64_t keys = std::min(kTile, seq.k_len - k0);
+    const int64_t first = u.t * kKeyBlock * kTile;
+    const int64_t last = std::min(seq.k_len, first + kKeyBlock * kTile);
     const int64_t n2i = p_.index_heads_k;
-    pack_keys(sc, u.b, k0, keys);
-    // d_key_index transposed, [N2index][di][64]: each product adds one query head's share.
-    std::fill(sc.acc.data(), sc.acc.data() + n2i * di_ * kTile, 0.0f);
+    // d_key_index transposed, [tile][N2index][di][64]: each product adds one query head's share.
+    std::fill(sc.acc.data(), sc.acc.data() + kKeyBlock * n2i * di_ * kTile, 0.0f);
     for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
       const int64_t rows = std::min(kTile, seq.q_len - i0);
       const KeyRange span = key_span(seq, i0, rows);
-      if (span.end <= k0 || span.begin >= k0 + keys) continue;
+      if (span.end <= first || span.begin >= last) continue;
       pack_queries(sc, u.b, i0, rows);
       transpose_index_queries(sc);
-      target(sc, seq, i0, rows, k0);
-      for (int64_t g = 0; g < n2i; ++g) {
-        index_scores(sc, seq, g, i0, rows, k0);
-        index_softmax(sc, seq, g, i0, rows, k0);
-        // dI = q - P / Z in sc.score.
-        float* di = sc.score.data();
-        for (int64_t r = 0; r < rows; ++r) {
-          const float zr = z_[z_base_[u.b] + i0 + r];
-          const float inv = zr > 0.0f ? 1.0f / zr : 0.0f;
-          const float keep = zr > 0.0f ? 1.0f : 0.0f;
-          k_.rows.target_gradient(di + r * kTile, sc.prob.data() + r * kTile, inv, keep);
-        }
-        // Per query head of the group: coef = dI w [S > 0] ([64 rows][64 keys]), and
-        // d_key_index^T += query_index^T coef.
-        for (int64_t hl = 0; hl < igroup_; ++hl) {
-          const int64_t h = g * igroup_ + hl;
-          const float* sh = sc.si.data() + hl * kTile * kTile;
-          float* coef = sc.coef.data() + hl * kTile * kTile;
-          for (int64_t r = 0; r < kTile; ++r) {
-            const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
-            k_.rows.masked_scale(sh + r * kTile, di + r * kTile, wr, coef + r * kTile);
-          }
-          k_.gemm({sc.qit.data() + h * di_ * kTile, kTile, coef, kTile,
-                   sc.acc.data() + g * di_ * kTile, kTile, di_, kTile, kTile, sc.ones.data(),
-                   1.0f});
+      for (int64_t k0 = first; k0 < last; k0 += kTile) {
+        const int64_t keys = std::min(kTile, seq.k_len - k0);
+        if (span.end <= k0 || span.begin >= k0 + keys) continue;
+        pack_keys(sc, u.b, k0, keys);
+        key_tile_against(sc, seq, u.b, i0, rows, k0,
+                         sc.acc.data() + (k0 - first) / kTile * n2i * di_ * kTile);
+      }
+    }
+    for (int64_t k0 = first; k0 < last; k0 += kTile) {
+      const float* acc = sc.acc.data() + (k0 - first) / kTile * n2i * di_ * kTile;
+      for (int64_t n = 0; n < std::min(kTile, seq.k_len - k0); ++n) {
+        const int64_t key = seq.k_begin + k0 + n;
+        for (int64_t g = 0; g < n2i; ++g) {
+          const KlGradient& dk = p_.d_key_index;
+          float* row = sc.row.data();
+          const float* col = acc + g * di_ * kTile + n;
+          for (int64_t e = 0; e < di_; ++e) row[e] = col[e * kTile];
+          store_row(dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_, row,
+                    1.0f);
         }
       }
     }
-    for (int64_t n = 0; n < keys; ++n) {
-      const int64_t key = seq.k_begin + k0 + n;
-      for (int64_t g = 0; g < n2i; ++g) {
-        const KlGradient& dk = p_.d_key_index;
-        float* row = sc.row.data();
-        const float* col = sc.acc.data() + g * di_ * kTile + n;
-        for (int64_t e = 0; e < di_; ++e) row[e] = col[e * kTile];
-        store_row(dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_, row, 1.0f);
+  }
+
+  // The packed query tile at i0 against the packed key tile at k0: adds the tile's share of
+  // d_key_index^T into acc ([N2index][di][64]).
+  void key_tile_against(Scratch& sc, const Sequence& seq, int64_t b, int64_t i0, int64_t rows,
+                        int64_t k0, float* acc) const {
+    const int64_t n2i = p_.index_heads_k;
+    target(sc, seq, i0, rows, k0);
+    for (int64_t g = 0; g < n2i; ++g) {
+      index_scores(sc, seq, g, i0, rows, k0);
+      index_softmax(sc, seq, g, i0, rows, k0);
+      // dI = q - P / Z in sc.score.
+      float* di = sc.score.data();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float zr = z_[z_base_[b] + i0 + r];
+        const float inv = zr > 0.0f ? 1.0f / zr : 0.0f;
+        const float keep = zr > 0.0f ? 1.0f : 0.0f;
+        k_.rows.target_gradient(di + r * kTile, sc.prob.data() + r * kTile, inv, keep);
+      }
+      // Per query head of the group: coef = dI w [S > 0] ([64 rows][64 keys]), and
+      // d_key_index^T += query_index^T coef.
+      for (int64_t hl = 0; hl < igroup_; ++hl) {
+        const int64_t h = g * igroup_ + hl;
+        const float* sh = sc.si.data() + hl * kTile * kTile;
+        float* coef = sc.coef.data() + hl * kTile * kTile;
+        for (int64_t r = 0; r < kTile; ++r) {
+          const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
+          k_.rows.masked_scale(sh + r * kTile, di + r * kTile, wr, coef + r * kTile);
+        }
+        k_.gemm({sc.qit.data() + h * di_ * kTile, kTile, coef, kTile, acc + g * di_ * kTile, kTile,
+                 di_, kTile, kTile, sc.ones.data(), 1.0f});
       }
     }
   }
@@ -670,7 +695,7 @@ void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& p, const Ex
   const std::vector<int64_t> key_order = by_cost(keys);
   run_dynamic(executor, static_cast<int64_t>(keys.size()), [&](int64_t i, int thread) {
     const kernels::WorkerScope scope(run.products());
-    run.key_tile(scratch_of(thread), keys[key_order[i]]);
+    run.key_block(scratch_of(thread), keys[key_order[i]]);
   });
   double total = 0.0;
   for (double l : loss) total += l;

@@ -17,7 +17,8 @@
 // Two passes over units a single task owns, so no two tasks write the same element and results
 // are bitwise independent of the thread count: query tiles (the loss, Z, d_query_index and
 // d_weights, with the target's and the indexer's parts accumulated apart and combined once Z is
-// known) and key tiles (d_key_index, with Z from the first pass).
+// known) and blocks of four key tiles (d_key_index, with Z from the first pass; each query tile
+// packed once serves the block).
 #pragma once
 
 #include <cstdint>

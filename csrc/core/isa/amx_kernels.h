@@ -175,7 +175,8 @@ KernelSet amx_kernel_set(const char* name) {
           &avx512::pack_keys,
           &K::score_tile,
           &avx512::widen,
-          row_ops()};
+          row_ops(),
+          &avx512_bf16::softmax_bf16};
 }
 
 }  // namespace opmesh::core::kernels

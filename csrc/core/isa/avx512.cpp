@@ -7,31 +7,13 @@
 
 #include "avx512_gemm.h"
 #include "avx512_policies.h"
+#include "avx512_softmax.h"
 #include "avx512_tile.h"
 #include "row_ops.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::avx512 {
 namespace {
-
-// exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f with f in [-1/2, 1/2] and a
-// degree-7 Taylor polynomial of 2^f (relative error below 1e-7). -inf gives 0, NaN stays NaN.
-inline __m512 exp_nonpositive(__m512 x) {
-  // MAXPS returns its second operand when either is NaN: (floor, x) keeps a NaN.
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 void gemm(const GemmArgs& g) { Avx512Gemm<Float32Policy>::run(g); }
 
@@ -121,38 +103,7 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
 }
 
 void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* x = s + r * cols;
-    __mmask16 nan = 0;
-    __m512 top[2] = {_mm512_set1_ps(m[r]), _mm512_set1_ps(m[r])};
-    for (int64_t j = 0; j < cols; j += 32) {
-      for (int u = 0; u < 2; ++u) {
-        const __m512 v = _mm512_loadu_ps(x + j + 16 * u);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        top[u] = _mm512_max_ps(top[u], v);
-      }
-    }
-    float row_max = _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1]));
-    if (nan != 0 || m[r] != m[r]) row_max = std::numeric_limits<float>::quiet_NaN();
-    if (row_max == kNegInf) {
-      for (int64_t j = 0; j < cols; j += 16) _mm512_storeu_ps(x + j, _mm512_setzero_ps());
-      correction[r] = 1.0f;
-      continue;
-    }
-    const __m512 mv = _mm512_set1_ps(row_max);
-    __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t j = 0; j < cols; j += 32) {
-      for (int u = 0; u < 2; ++u) {
-        const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16 * u), mv));
-        sum[u] = _mm512_add_ps(sum[u], p);
-        _mm512_storeu_ps(x + j + 16 * u, p);
-      }
-    }
-    correction[r] = std::exp(m[r] - row_max);
-    l[r] = l[r] * correction[r] + _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
-    m[r] = row_max;
-  }
+  softmax_rows(s, rows, cols, m, l, correction, [](float* x, __m512 p) { _mm512_storeu_ps(x, p); });
 }
 
 void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
@@ -166,9 +117,9 @@ void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,      1,        6,
-                             1,        nullptr,      nullptr,        &gemm,  &softmax, &exp_rows,
-                             nullptr,  &pack_keys,   &score_tile,    &widen, row_ops()};
+  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,      1,         6,
+                             1,        nullptr,      nullptr,        &gemm,  &softmax,  &exp_rows,
+                             nullptr,  &pack_keys,   &score_tile,    &widen, row_ops(), nullptr};
   return set;
 }
 

@@ -4,6 +4,7 @@
 // to bf16. Softmax and key packing are the avx512 set's.
 #include "avx512_gemm.h"
 #include "avx512_policies.h"
+#include "avx512_softmax.h"
 #include "avx512_tile.h"
 #include "row_ops.h"
 #include "sets.h"
@@ -30,6 +31,15 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
+void softmax_bf16(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction,
+                  uint16_t* p16) {
+  softmax_rows(s, rows, cols, m, l, correction, [&](float* x, __m512 p) {
+    const __m256bh h = _mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + (x - s)),
+                        reinterpret_cast<const __m256i&>(h));
+  });
+}
+
 const KernelSet& kernel_set() {
   static const KernelSet set{"avx512_bf16/pairs",
                              Isa::kAvx512Bf16,
@@ -47,7 +57,8 @@ const KernelSet& kernel_set() {
                              &avx512::pack_keys,
                              &score_tile,
                              &avx512::widen,
-                             row_ops()};
+                             row_ops(),
+                             &softmax_bf16};
   return set;
 }
 
