@@ -55,8 +55,10 @@ lint: $(DEPS_STAMP)
 	$(VENV)/bin/ruff format --check opmesh tests benchmarks
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'tests/cpp/*.cpp')
 
+# Compiled graphs are cached in the tree's build folder, so a clean clone compiles everything
+# afresh, as CI does (a warm shared cache hides first-compile behaviour such as Dynamo restarts).
 test-py: build
-	$(PY) -m pytest -q
+	TORCHINDUCTOR_CACHE_DIR=$${TORCHINDUCTOR_CACHE_DIR:-$(CURDIR)/build/inductor-cache} $(PY) -m pytest -q
 
 # The MindSpore suite in its own environment (.venv-mindspore: MindSpore 2.10 needs numpy 1.x).
 # opmesh is installed there with OPMESH_MINDSPORE=ON (its own build directory); the binding is

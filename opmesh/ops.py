@@ -689,7 +689,7 @@ def flash_attn(
     seqused_q: LengthsLike = None,
     seqused_kv: LengthsLike = None,
     sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
+    softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     metadata: torch.Tensor | None = None,
     softmax_scale: float | None = None,
@@ -733,8 +733,8 @@ def flash_attn(
         seqused_q, seqused_kv: int32 ``[B]`` lengths in use; with cu_seqlens the shorter wins.
             ``seqused_kv`` is required for paged keys/values.
         sinks: float32 ``[Nq]``, one logit per query head added to the softmax denominator.
-        softcap: logit soft-capping (as Gemma 2 and flash-attn): a finite value ``>= 0``; 0
-            leaves the scores as they are.
+        softcap: logit soft-capping (as Gemma 2 and flash-attn): a finite value ``>= 0``; None
+            or 0 leaves the scores as they are.
         alibi_slopes: float32 ``[Nq]`` or ``[B, Nq]`` (per sequence for TND), flash-attn's ALiBi
             bias; the slopes get no gradient (a slopes tensor that requires one is refused).
         metadata: a :func:`flash_attn_metadata` plan for exactly these arguments; None plans here.
@@ -775,9 +775,9 @@ def flash_attn(
         )
     call = dict(locals())
     del call["context_parallel"]
-    if softcap == 0.0:
-        # The schema's default: a float constant in a compiled graph makes Dynamo restart its
-        # analysis to specialise it, so an unused softcap is left out of the call.
+    if softcap is None or softcap == 0.0:
+        # The schema's default. The Python default is None, not 0.0: under dynamic=True Dynamo
+        # traces a float default as a symbolic float, and a guard on it restarts the analysis.
         del call["softcap"]
     if _on_mindspore(q, k, v):
         return _ms.flash_attn(q, k, v, {n: x for n, x in call.items() if n not in ("q", "k", "v")})

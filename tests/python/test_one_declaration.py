@@ -75,6 +75,10 @@ def test_every_operator_has_a_schema_read_by_python():
 # Public defaults that differ from the operator's on purpose: the public function derives them
 # (layout_kv and layout_out follow layout_q; a block_table implies PA_BBND).
 DERIVED = {"layout_kv", "layout_out"}
+# Public defaults of None that stand for the operator's default (the argument is left out of the
+# call): under dynamic shapes Dynamo traces a float default as a symbolic float, and a guard on
+# it makes Dynamo restart its analysis.
+LEFT_OUT = {"softcap"}
 
 
 @pytest.mark.parametrize(
@@ -98,6 +102,9 @@ def test_public_defaults_are_the_operators(function, op):
     checked = 0
     for name, param in inspect.signature(function).parameters.items():
         if name in DERIVED or param.default is inspect.Parameter.empty:
+            continue
+        if name in LEFT_OUT:
+            assert param.default is None and name in schema_defaults, name
             continue
         if name in schema_defaults:
             assert param.default == schema_defaults[name], name
