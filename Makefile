@@ -91,4 +91,5 @@ bench: build
 	$(PY) benchmarks/bench_context_parallel.py
 	$(PY) benchmarks/bench_context_parallel.py --world 4 --seq 16384 --heads 32 --kv-heads 8 --repeats 1
 	$(PY) benchmarks/bench_dsa_mesh.py
+	$(PY) benchmarks/bench_transformers.py
 	$(PY) benchmarks/model_context_parallel.py

@@ -1,0 +1,147 @@
+"""Hugging Face transformers models with attn_implementation="opmesh" against "sdpa" and "eager",
+in one run: tokens per second of a prefill, of greedy generation and of one training step.
+
+* Llama-shaped (random weights, bf16): hidden 1024, 8 query heads and 2 key heads of dim 128,
+  4 layers. Prefill of S tokens; generation of 32 tokens after a prompt of S / 2; one training
+  step (forward and backward) on S / 2 tokens.
+* DeepSeek-V3.2-shaped (random weights, bf16, MLA keys expanded per head, top-2048 indexer):
+  prefill of S tokens, where "opmesh" attends to the indexer's top-k keys only and the other
+  implementations attend densely under a top-k mask.
+
+    python benchmarks/bench_transformers.py [--seq 4096] [--dsa-seq 8192] [--skip-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import transformers  # noqa: E402
+from common import time_call, write_results  # noqa: E402
+
+import opmesh.integrations.transformers as opmesh_hf  # noqa: E402
+
+VOCAB = 1024
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=65536,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def deepseek_v32():
+    config = transformers.DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+        kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        index_n_heads=8, index_head_dim=64, index_topk=2048, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, max_position_embeddings=65536,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def tokens(batch, length, seed=0):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(model, ids, budget):
+    def run():
+        with torch.no_grad():
+            model(ids, use_cache=False)
+
+    return ids.numel() / time_call(run, min_repeats=1, budget_s=budget)
+
+
+def generate(model, ids, new_tokens):
+    def run():
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+
+    run()
+    start = time.perf_counter()
+    run()
+    return ids.shape[0] * new_tokens / (time.perf_counter() - start)
+
+
+def train_step(model, ids, budget):
+    model.train()
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    rate = ids.numel() / time_call(run, min_repeats=1, budget_s=budget)
+    model.eval()
+    return rate
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--dsa-seq", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--budget", type=float, default=5.0)
+    parser.add_argument("--skip-eager", action="store_true", help="leave the eager path out")
+    args = parser.parse_args()
+    opmesh_hf.register()
+    impls = ["opmesh", "sdpa"] + ([] if args.skip_eager else ["eager"])
+    torch.manual_seed(0)
+    rows = []
+
+    model = llama()
+    cases = [
+        ("prefill", lambda: prefill(model, tokens(1, args.seq), args.budget), args.seq),
+        ("generate", lambda: generate(model, tokens(1, args.seq // 2), args.new_tokens),
+         args.seq // 2),
+        ("train step", lambda: train_step(model, tokens(1, args.seq // 2), args.budget),
+         args.seq // 2),
+    ]  # fmt: skip
+    for what, fn, length in cases:
+        rates = {}
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            rates[impl] = fn()
+        rows.append(row("Llama 8/2 x128, 4 layers", what, length, rates))
+        print(rows[-1], flush=True)
+
+    model = deepseek_v32()
+    rates = {}
+    for impl in impls:
+        model.set_attn_implementation(impl)
+        rates[impl] = prefill(model, tokens(1, args.dsa_seq), args.budget)
+    rows.append(row("DeepSeek-V3.2 top-2048, 2 layers", "prefill", args.dsa_seq, rates))
+    print(rows[-1], flush=True)
+
+    columns = ["model", "step", "tokens", "opmesh tok/s", "sdpa tok/s", "eager tok/s",
+               "opmesh / sdpa", "opmesh / eager"]  # fmt: skip
+    notes = [
+        "Tokens per second (higher is better): the prefill and the training step count the "
+        "input tokens, generation the new tokens (after its prompt of `tokens`), batch 1, bf16.",
+        "The model's own code runs around the attention, so the ratios are those of whole "
+        "models, not of the attention alone.",
+    ]
+    print(write_results("transformers", rows, columns, notes))
+
+
+def row(model, step, length, rates):
+    out = {"model": model, "step": step, "tokens": length}
+    for impl, rate in rates.items():
+        out[f"{impl} tok/s"] = f"{rate:.1f}"
+    out["opmesh / sdpa"] = f"{rates['opmesh'] / rates['sdpa']:.2f}x"
+    if "eager" in rates:
+        out["opmesh / eager"] = f"{rates['opmesh'] / rates['eager']:.2f}x"
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Adapters that put opmesh's operators under other libraries' extension points."""

@@ -1,0 +1,356 @@
+"""opmesh as an attention implementation of Hugging Face transformers.
+
+After :func:`register`, ``attn_implementation="opmesh"`` (in ``from_pretrained`` or
+``model.set_attn_implementation``) runs a model's attention on :func:`opmesh.flash_attn`, and the
+top-k sparse attention of DeepSeek-V3.2-style models on :func:`opmesh.sparse_flash_attention`.
+
+Masks: the mask function registered with the attention builds transformers' boolean mask (as the
+``"sdpa"`` implementation does, with padded query rows cleared). The attention runs without it
+when transformers drops it (no padding, plain causal or full attention). Otherwise the mask is
+read once per forward into per-sequence token lists (padding on either side, packed sequences,
+static caches) and, if it is exactly the causal, windowed or full pattern over those sequences,
+attention runs on the packed real tokens. Any other mask, and any mask inside a compiled graph,
+runs as sparse attention of each query over the keys its mask row shows.
+See docs/transformers.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .. import ops
+
+NAME = "opmesh"
+
+
+def register() -> None:
+    """Registers ``"opmesh"`` with transformers' ``AttentionInterface`` and
+    ``AttentionMaskInterface`` (calling it again changes nothing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, attention_mask)
+
+
+def attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The mask function of ``"opmesh"``: transformers' boolean ``[B, 1, q, kv]`` mask (None when
+    no token is masked beyond the causal or full pattern), with the rows of padded queries
+    cleared, so that every visible row belongs to a real token."""
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+
+    mask = sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=causal_mask_function if mask_function is None else mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+    if mask is None or attention_mask is None or attention_mask.dim() != 2:
+        return mask
+    padding = prepare_padding_mask(attention_mask.bool(), kv_length, kv_offset)
+    positions = torch.arange(q_length, device=padding.device) + q_offset
+    real_queries = padding[:, positions.clamp(max=padding.shape[-1] - 1)]
+    return mask & real_queries[:, None, :, None]
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention function of ``"opmesh"``: ``query [B, H, Sq, D]``, ``key``/``value``
+    ``[B, Hkv, Skv, D/Dv]`` in, ``[B, Sq, H, Dv]`` out (no attention weights).
+
+    Honours the module's causality (``is_causal``), ``scaling``, ``sliding_window``, ``softcap``
+    (Gemma 2), ``s_aux`` sinks (gpt-oss) and DSA ``indices`` ``[B, Sq, K]`` (DeepSeek-V3.2).
+    """
+    if dropout and module.training:
+        raise ValueError(
+            f"dropout: opmesh attention has no dropout, got p={dropout} in training; set the "
+            "config's attention_dropout to 0"
+        )
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    sinks = None if s_aux is None else s_aux.float()
+    mask = None if attention_mask is None else _visible(attention_mask)
+    if indices is not None:
+        return _sparse(query, key, value, mask, indices, scaling, sinks, causal), None
+    mode, left, right = _mask_mode(causal, sliding_window)
+    common = dict(
+        softmax_scale=scaling, sinks=sinks, softcap=softcap or None, mask_mode=mode,
+        win_left=left, win_right=right,
+    )  # fmt: skip
+    if mask is None:
+        q_len = query.shape[2]
+        if causal and 1 < q_len < key.shape[2]:
+            # transformers drops the mask for a prefill into an empty static cache: the queries
+            # are the first keys, the rest of the cache is unwritten.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        out, _ = ops.flash_attn(
+            query, key, value, layout_q="BNSD", layout_kv="BNSD", layout_out="BSND", **common
+        )
+        return out, None
+    plan = None
+    if not torch.compiler.is_compiling():
+        plan = _plan(mask, query.shape[0], causal, sliding_window, kwargs.get("position_ids"))
+    if plan is None:
+        # Any other mask, and every mask in a compiled graph (reading it into sequences needs
+        # the host): each query attends to the keys its mask row shows, as sparse attention.
+        if softcap:
+            raise ValueError(
+                "softcap: opmesh attention takes a softcap with no mask or a mask of padded or "
+                "packed sequences, outside torch.compile; this mask needs sparse attention, "
+                "which has no softcap"
+            )
+        return _sparse(query, key, value, mask, None, scaling, sinks, False), None
+    q = query.transpose(1, 2)[plan.q_batch, plan.q_pos]
+    k = key.transpose(1, 2)[plan.k_batch, plan.k_pos]
+    v = value.transpose(1, 2)[plan.k_batch, plan.k_pos]
+    out, _ = ops.flash_attn(
+        q, k, v, cu_seqlens_q=plan.cu_q, cu_seqlens_kv=plan.cu_k, layout_q="TND", **common
+    )
+    batch, heads, q_len = query.shape[:3]
+    full = out.new_zeros(batch, q_len, heads, out.shape[-1])
+    return full.index_put((plan.q_batch, plan.q_pos), out), None
+
+
+def _mask_mode(causal: bool, window: int | None) -> tuple[int, int, int]:
+    """flash_attn's mask for transformers' pattern (a window of w keys: the token and w - 1
+    before it, and after it too when not causal)."""
+    if window is None:
+        return (3 if causal else 0), -1, -1
+    return 4, window - 1, (0 if causal else window - 1)
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    """The boolean ``[B, Sq, Skv]`` visibility of a 4-D boolean or additive mask."""
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(
+            f"attention_mask: expected a [B, 1, q, kv] mask, got shape {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        visible = mask == 0
+        hidden = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((visible | hidden).all()):
+            raise ValueError(
+                "attention_mask: an additive mask with values other than 0 and the dtype's "
+                "minimum is a bias, which opmesh attention does not take"
+            )
+        mask = visible
+    return mask[:, 0]
+
+
+class _Plan(NamedTuple):
+    q_batch: torch.Tensor  # the batch row and position of each packed query
+    q_pos: torch.Tensor
+    k_batch: torch.Tensor
+    k_pos: torch.Tensor
+    cu_q: torch.Tensor  # int32 cumulative counts per sequence
+    cu_k: torch.Tensor
+    q_seq: torch.Tensor  # the sequence of each packed query
+
+
+_last_plan: list = []  # one entry: (mask ref, key, plan); every layer of a forward shares the mask
+
+
+def _plan(mask, batch, causal, window, position_ids) -> _Plan | None:
+    """The packed sequences of the mask, or None if it is not the causal / windowed / full
+    pattern over padded or packed sequences."""
+    # Layers take views of one mask (the attention and the DSA indexer slice it apart): the
+    # cache holds the tensor the views share, and the key the view's geometry.
+    root = mask if mask._base is None else mask._base
+    key = (root._version, mask.shape, mask.stride(), mask.storage_offset(), batch, causal, window)
+    key += (id(position_ids),)
+    if _last_plan and _last_plan[0][0]() is root and _last_plan[0][1] == key:
+        return _last_plan[0][2]
+    visible = mask.expand(batch, *mask.shape[1:])
+    plan = _read_sequences(visible, causal, window, None)
+    if plan is None and position_ids is not None and visible.shape[1] == visible.shape[2]:
+        plan = _read_sequences(visible, causal, window, _packed(position_ids, batch))
+    _last_plan[:] = [(weakref.ref(root), key, plan)]
+    return plan
+
+
+def _packed(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """Sequence numbers within each row: a sequence starts where the position ids do not step
+    by one (packed sequences restart them)."""
+    positions = position_ids.expand(batch, -1)
+    steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    return (steps != 1).cumsum(-1)
+
+
+def _read_sequences(visible, causal, window, segment) -> _Plan | None:
+    """The sequences of a ``[B, Sq, Skv]`` visibility: the real queries and keys of each batch
+    row (and packed segment), in order, if the visibility is exactly the pattern over them."""
+    batch, q_len, kv_len = visible.shape
+    q_real, k_real = visible.any(-1), visible.any(-2)
+    rows = torch.arange(batch, device=visible.device)[:, None] * (kv_len + 1)
+    seq_q = rows + (0 if segment is None else segment)
+    seq_k = rows + (0 if segment is None else segment)
+    q_batch, q_pos = q_real.nonzero(as_tuple=True)
+    k_batch, k_pos = k_real.nonzero(as_tuple=True)
+    ids_q, ids_k = (
+        seq_q.expand(batch, q_len)[q_batch, q_pos],
+        seq_k.expand(batch, kv_len)[k_batch, k_pos],
+    )
+    ids = torch.unique(torch.cat([ids_q, ids_k]))
+    which_q, which_k = torch.searchsorted(ids, ids_q), torch.searchsorted(ids, ids_k)
+    count_q = torch.bincount(which_q, minlength=ids.numel())
+    count_k = torch.bincount(which_k, minlength=ids.numel())
+    zero = count_q.new_zeros(1)
+    cu_q, cu_k = torch.cat([zero, count_q.cumsum(0)]), torch.cat([zero, count_k.cumsum(0)])
+    rank_q = torch.arange(q_batch.numel(), device=visible.device) - cu_q[which_q]
+    rank_k = torch.arange(k_batch.numel(), device=visible.device) - cu_k[which_k]
+    diagonal = rank_q + (count_k - count_q)[which_q]  # bottom-right alignment
+    # The pattern these sequences imply, compared with the mask.
+    owner_q = torch.full((batch, q_len), -1, dtype=torch.long, device=visible.device)
+    owner_k = torch.full((batch, kv_len), -2, dtype=torch.long, device=visible.device)
+    diag = torch.zeros((batch, q_len), dtype=torch.long, device=visible.device)
+    rank = torch.zeros((batch, kv_len), dtype=torch.long, device=visible.device)
+    owner_q[q_batch, q_pos], owner_k[k_batch, k_pos] = which_q, which_k
+    diag[q_batch, q_pos], rank[k_batch, k_pos] = diagonal, rank_k
+    offset = rank[:, None, :] - diag[:, :, None]  # key rank minus the query's diagonal
+    expected = owner_q[:, :, None] == owner_k[:, None, :]
+    if causal:
+        expected &= offset <= 0
+    if window is not None:
+        expected &= offset >= 1 - window
+        if not causal:
+            expected &= offset <= window - 1
+    if not torch.equal(expected, visible):
+        return None
+    return _Plan(q_batch, q_pos, k_batch, k_pos, cu_q.int(), cu_k.int(), which_q)
+
+
+def _sparse(query, key, value, mask, indices, scaling, sinks, causal) -> torch.Tensor:
+    """Each query over the keys its ``indices [B, Sq, K]`` select (one selection for every
+    head; None: every key), restricted to the keys the mask shows it."""
+    batch, _, q_len, _ = query.shape
+    if indices is None:
+        indices = torch.arange(key.shape[2], device=query.device).expand(batch, q_len, -1)
+    elif indices.dim() != 3 or indices.shape[:2] != (batch, q_len):
+        raise ValueError(
+            f"indices: expected [B, Sq, K] = [{batch}, {q_len}, K], got {tuple(indices.shape)}"
+        )
+    mode = 3 if causal else 0
+    if mask is not None:
+        selected = indices.long()
+        seen = mask.expand(batch, -1, -1).gather(-1, selected.clamp(min=0))
+        indices = torch.where(seen & (selected >= 0), selected, -1)
+        mode = 0  # the mask now carries causality, windows and padding
+    out, _, _ = ops.sparse_flash_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        indices.to(torch.int32).unsqueeze(2),
+        query.shape[-1] ** -0.5 if scaling is None else scaling,
+        sparse_mode=mode,
+        sinks=sinks,
+    )
+    return out
+
+
+def use_lightning_indexer(model: torch.nn.Module) -> int:
+    """Makes the DSA indexers of a DeepSeek-V3.2 model (``DeepseekV32Indexer``) score and select
+    their top-k keys with :func:`opmesh.lightning_indexer`, the model's scales folded into its
+    weights; returns how many it changed.
+
+    The projections, rotary embedding and indexer key cache stay the model's own. The selection
+    is the model's up to ties in the score, listed with ``-1`` where a token sees fewer keys than
+    ``index_topk``, which the ``"opmesh"`` attention reads; under any other attention
+    implementation, inside ``torch.compile``, or with a mask that is not a causal pattern over
+    padded or packed sequences, an indexer runs the model's own code."""
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV32Indexer":
+            if not hasattr(module, "_opmesh_model_forward"):
+                module._opmesh_model_forward = module.forward
+                module.forward = types.MethodType(_indexer_forward, module)
+            changed += 1
+    if not changed:
+        raise ValueError(f"model: {type(model).__name__} has no DeepseekV32Indexer module")
+    return changed
+
+
+def _indexer_forward(
+    self,
+    hidden_states,
+    q_resid,
+    position_embeddings,
+    attention_mask,
+    position_ids=None,
+    past_key_values=None,
+):
+    own = self._opmesh_model_forward
+    args = (hidden_states, q_resid, position_embeddings, attention_mask, position_ids)
+    if (
+        getattr(self.config, "_attn_implementation", None) != NAME
+        or torch.compiler.is_compiling()
+        or attention_mask is None
+        or attention_mask.dtype != torch.bool
+    ):
+        return own(*args, past_key_values=past_key_values)
+    plan = _plan(attention_mask, hidden_states.shape[0], True, None, position_ids)
+    if plan is None:
+        return own(*args, past_key_values=past_key_values)
+    with torch.no_grad():
+        batch, length, _ = hidden_states.shape
+        rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb
+        rope, rest = self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim
+        q = self.wq_b(q_resid).view(batch, length, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([rope, rest], -1), k.split([rope, rest], -1)
+        q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
+        q, k = torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1).squeeze(2)
+        if past_key_values is not None:
+            k = past_key_values.update_indexer(k, self.layer_idx)
+        # relu(c * x) = c * relu(x) for c > 0: the model's scales go into the weights.
+        scale = self.n_heads**-0.5 * self.softmax_scale
+        weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+        count = min(self.index_topk, k.shape[1])
+        picked, _ = ops.lightning_indexer(
+            q[plan.q_batch, plan.q_pos],
+            k[plan.k_batch, plan.k_pos].unsqueeze(1),
+            (weights * scale)[plan.q_batch, plan.q_pos],
+            actual_seq_lengths_query=plan.cu_q[1:],
+            actual_seq_lengths_key=plan.cu_k[1:],
+            layout_query="TND",
+            layout_key="TND",
+            sparse_count=count,
+        )
+        picked = picked[:, 0].long()  # positions within each sequence's keys, -1 past the end
+        first_key = plan.cu_k[:-1].long()[plan.q_seq]
+        slots = plan.k_pos[
+            (first_key[:, None] + picked.clamp(min=0)).clamp(max=plan.k_pos.numel() - 1)
+        ]
+        out = torch.full((batch, length, count), -1, dtype=torch.int32, device=q.device)
+        out[plan.q_batch, plan.q_pos] = torch.where(picked >= 0, slots, -1).int()
+        return out

@@ -1,0 +1,307 @@
+"""opmesh as the attention of Hugging Face transformers models: tiny random models built here
+(no downloads) give the logits, loss, gradients and greedy generations of transformers' own
+eager attention, on padded batches (only real tokens compared), packed sequences and static
+caches; what opmesh cannot honour is refused by name."""
+
+import pytest
+import torch
+import torch._dynamo.testing
+from conftest import assert_raises_named
+
+transformers = pytest.importorskip("transformers")
+
+import opmesh.integrations.transformers as opmesh_hf  # noqa: E402
+
+opmesh_hf.register()
+
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+TWO_KINDS = ["sliding_attention", "full_attention"]
+
+
+def tiny(name):
+    """A 2-layer random configuration of each family: GQA 4/2 (DeepSeek-V3.2: MLA keys per
+    head), sliding windows shorter than the test sequences, sinks, softcap, a top-4 indexer."""
+    t = transformers
+    if name == "llama":
+        return t.LlamaConfig(**COMMON, intermediate_size=96, num_key_value_heads=2)
+    if name == "qwen3":
+        return t.Qwen3Config(
+            **COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+            use_sliding_window=True, sliding_window=5, max_window_layers=0, layer_types=TWO_KINDS,
+        )  # fmt: skip
+    if name == "gpt_oss":
+        return t.GptOssConfig(
+            **COMMON, intermediate_size=32, num_key_value_heads=2, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=4, layer_types=TWO_KINDS,
+        )  # fmt: skip
+    if name == "gemma2":
+        return t.Gemma2Config(
+            **COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=16, sliding_window=4,
+            attn_logit_softcapping=5.0, final_logit_softcapping=None, layer_types=TWO_KINDS,
+        )  # fmt: skip
+    assert name == "deepseek_v32"
+    return t.DeepseekV32Config(
+        **COMMON, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1,
+    )  # fmt: skip
+
+
+MODELS = ["llama", "qwen3", "gpt_oss", "gemma2", "deepseek_v32"]
+
+
+def build(name, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny(name), dtype=dtype).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("sinks"):  # gpt-oss initialises its sinks to zero
+                p.normal_()
+    return model
+
+
+def batch(rows=3, length=13, side="left"):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (rows, length), generator=gen)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    for r, pad in enumerate([0, 3, 7][:rows]):
+        if side == "left":
+            mask[r, :pad] = 0
+        else:
+            mask[r, length - pad :] = 0
+    return ids, mask
+
+
+def run(model, impl, fn):
+    model.set_attn_implementation(impl)
+    return fn(model)
+
+
+def close(a, b, tol):
+    assert a.shape == b.shape
+    err = (a.double() - b.double()).abs().max().item()
+    assert err <= tol * max(1.0, b.double().abs().max().item()), err
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_logits_on_a_padded_batch_match_eager(name, side):
+    model = build(name)
+    ids, mask = batch(side=side)
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids, attention_mask=mask).logits[mask.bool()]
+
+    close(run(model, "opmesh", logits), run(model, "eager", logits), 2e-5)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_matches_eager_token_for_token(name, cache):
+    model = build(name)
+    ids, mask = batch()
+
+    def generate(m):
+        with torch.no_grad():
+            return m.generate(
+                ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                cache_implementation=cache, pad_token_id=0,
+            )  # fmt: skip
+
+    assert torch.equal(run(model, "opmesh", generate), run(model, "eager", generate))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_loss_and_every_gradient_match_eager_in_training(name):
+    model = build(name).train()
+    ids, mask = batch(side="right")
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(m):
+        m.zero_grad()
+        loss = m(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        return loss.detach(), grads
+
+    loss, grads = run(model, "opmesh", step)
+    loss_ref, grads_ref = run(model, "eager", step)
+    close(loss, loss_ref, 1e-5)
+    assert grads.keys() == grads_ref.keys()
+    for n in grads_ref:
+        close(grads[n], grads_ref[n], 1e-4)
+    if name == "gpt_oss":
+        assert any(n.endswith("sinks") for n in grads)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_packed_sequences_attend_within_their_own_sequence(name):
+    model = build(name)
+    ids, _ = batch(rows=2, length=12)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], list(range(12))])
+    # transformers reads packing from the position ids when there is no 2-D mask and no cache.
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids, position_ids=positions, use_cache=False).logits
+
+    packed = run(model, "opmesh", logits)
+    close(packed, run(model, "eager", logits), 2e-5)
+    alone = run(model, "opmesh", lambda m: m(ids[:1, 5:], use_cache=False).logits)
+    close(packed[:1, 5:], alone.detach(), 2e-5)
+
+
+def test_a_bf16_prefill_without_padding_matches_sdpa():
+    model = build("llama", torch.bfloat16)
+    ids = torch.randint(
+        0, COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3)
+    )
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids).logits.float()
+
+    close(run(model, "opmesh", logits), run(model, "sdpa", logits), 3e-2)
+
+
+def test_dropout_in_training_is_refused():
+    config = tiny("llama")
+    config.attention_dropout = 0.1
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    model.set_attn_implementation("opmesh")
+    assert_raises_named(ValueError, "dropout", lambda: model(torch.zeros(1, 4, dtype=torch.long)))
+
+
+def test_any_other_boolean_mask_runs_as_sparse_attention():
+    """A prefix seen both ways (as prefix-LM masks are) is no causal pattern: each query then
+    attends to the keys its mask row shows, and the logits are transformers' own."""
+    model = build("llama")
+    ids, _ = batch(rows=2, length=10)
+    prefix = torch.ones(10, 10, dtype=torch.bool).tril()
+    prefix[:4, :4] = True
+    custom = prefix.expand(2, 1, 10, 10)
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids, attention_mask=custom).logits
+
+    close(run(model, "opmesh", logits), run(model, "sdpa", logits), 2e-5)
+
+
+def test_what_the_kernels_cannot_take_is_refused_by_name():
+    model = build("llama")
+    model.set_attn_implementation("opmesh")
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    bias = torch.zeros(1, 1, 6, 6)
+    bias[..., 0] = 0.5
+    assert_raises_named(ValueError, "attention_mask", lambda: model(ids, attention_mask=bias))
+    gemma = build("gemma2")
+    gemma.set_attn_implementation("opmesh")
+    both_ways = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    assert_raises_named(ValueError, "softcap", lambda: gemma(ids, attention_mask=both_ways))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_compiled_forward_is_one_graph_and_matches_eager(padded):
+    model = build("qwen3")
+    ids, mask = batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    model.set_attn_implementation("opmesh")
+    compiled = torch.compile(
+        lambda i, m: model(i, attention_mask=m, use_cache=False).logits,
+        backend=counter,
+        fullgraph=True,
+    )
+    with torch.no_grad():
+        ours = compiled(ids, mask)[mask.bool()]
+    assert counter.frame_count == 1
+    reference = run(model, "eager", lambda m: m(ids, attention_mask=mask).logits.detach())
+    close(ours, reference[mask.bool()], 2e-5)
+
+
+def test_dsa_indices_of_the_wrong_shape_are_refused():
+    q = torch.randn(1, 2, 5, 8)
+    wrong = torch.zeros(1, 4, 2, dtype=torch.int32)
+    assert_raises_named(
+        ValueError,
+        "indices",
+        lambda: opmesh_hf.attention_forward(torch.nn.Module(), q, q, q, None, indices=wrong),
+    )
+
+
+def test_register_twice_changes_nothing():
+    from transformers import AttentionInterface
+
+    opmesh_hf.register()
+    assert AttentionInterface._global_mapping["opmesh"] is opmesh_hf.attention_forward
+
+
+def indexer_picks(model, ids, mask):
+    """The logits, and each DSA indexer's output, of one forward."""
+    picks = []
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: picks.append(out))
+        for m in model.modules()
+        if type(m).__name__ == "DeepseekV32Indexer"
+    ]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    for hook in hooks:
+        hook.remove()
+    return logits, picks
+
+
+def test_the_lightning_indexer_selects_what_the_model_selects():
+    """The first layer's indexer sees the same inputs both ways: the same keys among those each
+    token sees (ours lists -1 where it sees fewer than index_topk; the model lists hidden keys,
+    which the attention then masks). Later layers' inputs differ by rounding, which can swap
+    near-equal scores, so the whole model is compared with a top-k that takes every key."""
+    model = build("deepseek_v32")
+    model.set_attn_implementation("opmesh")
+    ids, mask = batch()
+    _, (theirs, *_) = indexer_picks(model, ids, mask)
+    assert opmesh_hf.use_lightning_indexer(model) == 2
+    assert opmesh_hf.use_lightning_indexer(model) == 2  # again: nothing changes
+    _, (ours, *_) = indexer_picks(model, ids, mask)
+    real = mask.bool()
+    visible = real[:, None, :] & torch.ones(13, 13, dtype=torch.bool).tril()
+    assert ours.shape == theirs.shape == (3, 13, 4)
+    for b, i in real.nonzero().tolist():
+        expected = {j for j in theirs[b, i].tolist() if visible[b, i, j]}
+        assert set(ours[b, i].tolist()) - {-1} == expected, (b, i)
+    assert (ours[~real] == -1).all()
+
+
+def test_a_dsa_model_on_the_lightning_indexer_matches_eager():
+    config = tiny("deepseek_v32")
+    config.index_topk = 32  # every key the tokens see, in whatever order
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference.load_state_dict(model.state_dict())
+    reference.set_attn_implementation("eager")
+    model.set_attn_implementation("opmesh")
+    opmesh_hf.use_lightning_indexer(model)
+    ids, mask = batch()
+    ours, picks = indexer_picks(model, ids, mask)
+    assert all(p.shape[-1] == 13 and (p == -1).any() for p in picks)  # the opmesh indexer ran
+    theirs, _ = indexer_picks(reference, ids, mask)
+    close(ours[mask.bool()], theirs[mask.bool()], 2e-5)
+
+    def generate(m):
+        with torch.no_grad():
+            return m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)  # fmt: skip
+
+    assert torch.equal(generate(model), generate(reference))
+
+
+def test_the_lightning_indexer_needs_a_dsa_model():
+    assert_raises_named(
+        ValueError, "model", lambda: opmesh_hf.use_lightning_indexer(build("llama"))
+    )
