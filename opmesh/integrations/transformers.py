@@ -143,11 +143,11 @@ def attention_forward(
 
 
 def _mask_mode(causal: bool, window: int | None) -> tuple[int, int, int]:
-    """flash_attn's mask for transformers' pattern (a window of w keys: the token and w - 1
-    before it, and after it too when not causal)."""
+    """flash_attn's mask for transformers' pattern. A causal window of w keys is the token and
+    the w - 1 before it; a bidirectional one reaches w keys either side."""
     if window is None:
         return (3 if causal else 0), -1, -1
-    return 4, window - 1, (0 if causal else window - 1)
+    return (4, window - 1, 0) if causal else (4, window, window)
 
 
 def _visible(mask: torch.Tensor) -> torch.Tensor:
@@ -228,24 +228,35 @@ def _read_sequences(visible, causal, window, segment) -> _Plan | None:
     zero = count_q.new_zeros(1)
     cu_q, cu_k = torch.cat([zero, count_q.cumsum(0)]), torch.cat([zero, count_k.cumsum(0)])
     rank_q = torch.arange(q_batch.numel(), device=visible.device) - cu_q[which_q]
-    rank_k = torch.arange(k_batch.numel(), device=visible.device) - cu_k[which_k]
     diagonal = rank_q + (count_k - count_q)[which_q]  # bottom-right alignment
-    # The pattern these sequences imply, compared with the mask.
-    owner_q = torch.full((batch, q_len), -1, dtype=torch.long, device=visible.device)
-    owner_k = torch.full((batch, kv_len), -2, dtype=torch.long, device=visible.device)
-    diag = torch.zeros((batch, q_len), dtype=torch.long, device=visible.device)
-    rank = torch.zeros((batch, kv_len), dtype=torch.long, device=visible.device)
-    owner_q[q_batch, q_pos], owner_k[k_batch, k_pos] = which_q, which_k
-    diag[q_batch, q_pos], rank[k_batch, k_pos] = diagonal, rank_k
-    offset = rank[:, None, :] - diag[:, :, None]  # key rank minus the query's diagonal
-    expected = owner_q[:, :, None] == owner_k[:, None, :]
-    if causal:
-        expected &= offset <= 0
+    # Query t of sequence s should see the real keys of s ranked lo..hi. Between two keys of s
+    # in a row lie only keys of s or padding, so that set is the real keys between two slots,
+    # and a row shows it if its visible keys start and end at those slots and are as many as
+    # the real keys between them (its visible keys are real keys by construction).
+    last_rank = count_k[which_q] - 1
+    hi = diagonal.clamp(max=last_rank) if causal else last_rank
+    lo = torch.zeros_like(diagonal)
     if window is not None:
-        expected &= offset >= 1 - window
+        lo = (diagonal - (window - 1 if causal else window)).clamp(min=0)
         if not causal:
-            expected &= offset <= window - 1
-    if not torch.equal(expected, visible):
+            hi = (diagonal + window).clamp(max=last_rank)
+    if q_batch.numel() == 0:
+        return _Plan(q_batch, q_pos, k_batch, k_pos, cu_q.int(), cu_k.int(), which_q)
+    if bool((hi < lo).any()):
+        return None
+    first_key = cu_k[which_q]
+    rows = visible[q_batch, q_pos].to(torch.uint8)
+    first = rows.argmax(-1)
+    last = kv_len - 1 - rows.flip(-1).argmax(-1)
+    real_before = k_real.cumsum(-1)  # [B, Skv]: real keys up to each slot
+    between = real_before[q_batch, last] - real_before[q_batch, first] + 1
+    fits = (
+        torch.equal(first, k_pos[first_key + lo])
+        and torch.equal(last, k_pos[first_key + hi])
+        and torch.equal(rows.sum(-1), hi - lo + 1)
+        and torch.equal(between, hi - lo + 1)
+    )
+    if not fits:
         return None
     return _Plan(q_batch, q_pos, k_batch, k_pos, cu_q.int(), cu_k.int(), which_q)
 
@@ -354,3 +365,82 @@ def _indexer_forward(
         out = torch.full((batch, length, count), -1, dtype=torch.int32, device=q.device)
         out[plan.q_batch, plan.q_pos] = torch.where(picked >= 0, slots, -1).int()
         return out
+
+
+def absorb_mla(model: torch.nn.Module) -> int:
+    """Runs the attention of a DeepSeek-V3.2 model (``DeepseekV32Attention``) on the compressed
+    key-value latent, as DeepSeek's own kernels do: the key up-projection folded into the
+    queries and the value up-projection applied after attention, so one latent row (with its
+    rotary part) serves every head, and :func:`opmesh.sparse_flash_attention` runs in its MLA
+    absorb mode (``attention_mode=2``). Returns how many modules it changed.
+
+    transformers expands the latent into keys and values per head first; over the top-k keys of
+    every token that makes the attention read ``heads`` times as many rows. Absorbed, the same
+    result (up to rounding) reads each selected latent row once for all heads. The projections,
+    rotary embedding, cache and indexer stay the model's own; under any other attention
+    implementation a module runs the model's own code."""
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV32Attention":
+            if not hasattr(module, "_opmesh_model_forward"):
+                module._opmesh_model_forward = module.forward
+                module.forward = types.MethodType(_absorbed_attention_forward, module)
+            changed += 1
+    if not changed:
+        raise ValueError(f"model: {type(model).__name__} has no DeepseekV32Attention module")
+    return changed
+
+
+def _absorbed_attention_forward(
+    self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+    position_ids=None, **kwargs,
+):  # fmt: skip
+    if getattr(self.config, "_attn_implementation", None) != NAME:
+        return self._opmesh_model_forward(
+            hidden_states, position_embeddings, attention_mask, past_key_values=past_key_values,
+            position_ids=position_ids, **kwargs,
+        )  # fmt: skip
+    if self.training and self.attention_dropout:
+        raise ValueError(
+            f"dropout: opmesh attention has no dropout, got p={self.attention_dropout} in "
+            "training; set the config's attention_dropout to 0"
+        )
+    modeling = sys.modules[type(self).__module__]
+    batch, length = hidden_states.shape[:-1]
+    nope, rope, lora = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(batch, length, -1, nope + rope).transpose(1, 2)
+    q_pass, q_rot = q.split([nope, rope], -1)
+    latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([lora, rope], -1)
+    latent = self.kv_a_layernorm(latent).view(batch, 1, length, lora)
+    k_rot = k_rot.view(batch, 1, length, rope)
+    q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, *position_embeddings)
+    if past_key_values is not None:
+        latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)
+    picked = self.indexer(
+        hidden_states, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids,
+        past_key_values=past_key_values,
+    )  # fmt: skip
+    # kv_b_proj's rows are, per head, nope key features then v_head_dim value features.
+    up = self.kv_b_proj.weight.view(self.num_heads, nope + self.v_head_dim, lora)
+    key_up, value_up = up[:, :nope], up[:, nope:]
+    q_latent = torch.einsum("bhsn,hnl->bshl", q_pass, key_up)  # [B, S, H, lora]
+    mask = None if attention_mask is None else _visible(attention_mask)
+    if mask is not None:
+        selected = picked.long()
+        seen = mask.expand(batch, -1, -1).gather(-1, selected.clamp(min=0))
+        picked = torch.where(seen & (selected >= 0), selected, -1)
+    keys = latent.transpose(1, 2)  # [B, T, 1, lora]: keys and values are the same rows
+    out_latent, _, _ = ops.sparse_flash_attention(
+        q_latent,
+        keys,
+        keys,
+        picked.to(torch.int32).unsqueeze(2),
+        self.scaling,
+        query_rope=q_rot.transpose(1, 2),
+        key_rope=k_rot.transpose(1, 2),
+        sparse_mode=0 if mask is not None else 3,
+        attention_mode=2,
+    )
+    out = torch.einsum("bshl,hvl->bshv", out_latent, value_up)
+    return self.o_proj(out.reshape(batch, length, -1)), None

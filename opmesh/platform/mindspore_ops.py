@@ -547,6 +547,12 @@ def _flash_function():
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
+            needs = getattr(ctx, "needs_input_grad", None)
+            if alibi_slopes is not None and needs is not None and needs[4]:
+                raise ValueError(
+                    "alibi_slopes: flash_attn has no gradient for the ALiBi slopes (fixed per "
+                    "head); leave them out of the positions and weights differentiated"
+                )
             host, options = ctx.call
             lengths = {n: host[n] for n in _LENGTHS}
             options = {n: x for n, x in options.items() if n != "return_softmax_lse"}

@@ -475,6 +475,21 @@ def test_flash_attn_softcap_and_alibi_match_torch(layout, per_batch):
         assert_same(g, leaf.grad)
 
 
+def test_flash_attn_refuses_a_gradient_for_the_alibi_slopes():
+    """As on torch: the slopes have no gradient, so differentiating by them raises instead of
+    giving zeros."""
+    arrays, lengths = attn_case("BSND")
+    m_in = [both(a)[0] for a in arrays]
+    m_slopes = both(np.abs(randn(4)) * 0.3)[0]
+
+    def loss(q, k, v, slopes):
+        return opmesh.flash_attn(q, k, v, alibi_slopes=slopes, mask_mode=3, **lengths)[0].sum()
+
+    assert len(ms.grad(loss, grad_position=(0, 1, 2))(*m_in, m_slopes)) == 3
+    with pytest.raises(ValueError, match="^alibi_slopes: "):
+        ms.grad(loss, grad_position=(0, 3))(*m_in, m_slopes)
+
+
 def test_flash_attn_without_lse_returns_an_empty_second_output():
     arrays, _ = attn_case("BSND")
     m_in, t_in = zip(*(both(a) for a in arrays), strict=True)

@@ -305,3 +305,146 @@ def test_the_lightning_indexer_needs_a_dsa_model():
     assert_raises_named(
         ValueError, "model", lambda: opmesh_hf.use_lightning_indexer(build("llama"))
     )
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_dsa_attention_absorbed_into_the_latent_matches_eager(cache):
+    model, reference = build("deepseek_v32"), build("deepseek_v32")
+    reference.set_attn_implementation("eager")
+    model.set_attn_implementation("opmesh")
+    assert opmesh_hf.absorb_mla(model) == opmesh_hf.absorb_mla(model) == 2
+    forward = model.model.layers[0].self_attn.forward
+    assert forward.__func__ is opmesh_hf._absorbed_attention_forward
+    ids, mask = batch()
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids, attention_mask=mask).logits[mask.bool()]
+
+    close(logits(model), logits(reference), 2e-5)
+
+    def generate(m):
+        with torch.no_grad():
+            return m.generate(
+                ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                cache_implementation=cache, pad_token_id=0,
+            )  # fmt: skip
+
+    assert torch.equal(generate(model), generate(reference))
+
+
+def test_dsa_attention_absorbed_into_the_latent_trains_as_eager():
+    model, reference = build("deepseek_v32").train(), build("deepseek_v32").train()
+    reference.set_attn_implementation("eager")
+    model.set_attn_implementation("opmesh")
+    opmesh_hf.absorb_mla(model)
+    ids, mask = batch(side="right")
+    labels = ids.masked_fill(mask == 0, -100)
+    losses, grads = [], []
+    for m in (model, reference):
+        loss = m(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    close(losses[0], losses[1], 1e-5)
+    assert grads[0].keys() == grads[1].keys() and any("kv_b_proj" in n for n in grads[0])
+    for n in grads[1]:
+        close(grads[0][n], grads[1][n], 1e-4)
+
+
+def test_absorbing_needs_a_dsa_model():
+    assert_raises_named(ValueError, "model", lambda: opmesh_hf.absorb_mla(build("llama")))
+
+
+def pattern_of(plan, batch, q_len, kv_len, causal, window):
+    """The mask a plan stands for, built the long way: every pair of a query and a key of one
+    sequence, kept by the key's rank against the query's diagonal."""
+    expected = torch.zeros(batch, q_len, kv_len, dtype=torch.bool)
+    for s in range(plan.cu_q.numel() - 1):
+        queries = range(plan.cu_q[s], plan.cu_q[s + 1])
+        keys = range(plan.cu_k[s], plan.cu_k[s + 1])
+        for r, t in enumerate(queries):
+            diagonal = r + len(keys) - len(queries)
+            for c, j in enumerate(keys):
+                if causal:
+                    seen = c <= diagonal and (window is None or c > diagonal - window)
+                else:
+                    seen = window is None or abs(c - diagonal) <= window
+                if seen:
+                    expected[plan.q_batch[t], plan.q_pos[t], plan.k_pos[j]] = True
+    return expected
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 3), (False, None), (False, 2)])
+def test_masks_are_read_into_sequences_exactly(causal, window):
+    """Padding on either side, packing and a cache offset give plans; a plan is accepted only
+    if it stands for the mask bit for bit, also after any one bit of the mask flips."""
+    from transformers import masking_utils as mu
+
+    if causal:
+        function = mu.causal_mask_function
+        if window is not None:
+            function = mu.sliding_window_causal_mask_function(window)
+    else:
+        function = mu.bidirectional_mask_function
+        if window is not None:
+            function = mu.sliding_window_bidirectional_mask_function(window)
+    gen = torch.Generator().manual_seed(5)
+    padding = torch.ones(3, 9, dtype=torch.bool)
+    padding[1, :3] = False
+    padding[2, 6:] = False
+    masks = [
+        opmesh_hf.attention_mask(3, 9, 9, mask_function=function, attention_mask=padding),
+        opmesh_hf.attention_mask(3, 4, 9, q_offset=5, mask_function=function,
+                                 attention_mask=padding, allow_is_causal_skip=False),
+    ]  # fmt: skip
+    if causal:
+        segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]])
+        packed = mu.and_masks(function, mu.packed_sequence_mask_function(segments))
+        masks.append(
+            opmesh_hf.attention_mask(1, 9, 9, mask_function=packed, allow_is_causal_skip=False)
+        )
+    for mask in masks:
+        visible = mask[:, 0]
+        batch, q_len, kv_len = visible.shape
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]]) if batch == 1 else None
+        plan = opmesh_hf._plan(visible, batch, causal, window, positions)
+        assert plan is not None
+        assert torch.equal(pattern_of(plan, batch, q_len, kv_len, causal, window), visible)
+        for _ in range(12):
+            flipped = visible.clone()
+            b, i, j = (int(torch.randint(n, (1,), generator=gen)) for n in visible.shape)
+            flipped[b, i, j] = ~flipped[b, i, j]
+            plan = opmesh_hf._plan(flipped, batch, causal, window, positions)
+            if plan is not None:
+                assert torch.equal(pattern_of(plan, batch, q_len, kv_len, causal, window), flipped)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("padded", [False, True])
+def test_bidirectional_attention_matches_sdpa(window, padded):
+    """An encoder's attention (is_causal False), full or in a window of `window` keys either
+    side, with and without padding, against SDPA with transformers' own mask."""
+    from transformers import masking_utils as mu
+
+    function = mu.bidirectional_mask_function
+    if window is not None:
+        function = mu.sliding_window_bidirectional_mask_function(window)
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    if padded:
+        padding[1, 6:] = False
+    mask = opmesh_hf.attention_mask(2, 9, 9, mask_function=function, attention_mask=padding)
+    if window is None and not padded:
+        assert mask is None  # transformers drops it: full attention
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=gen) for h in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal = False
+    ours, _ = opmesh_hf.attention_forward(module, q, k, v, mask, sliding_window=window)
+    full = mu.sdpa_mask(2, 9, 9, mask_function=function, attention_mask=padding,
+                        allow_is_causal_skip=False)  # fmt: skip
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=full, enable_gqa=True
+    ).transpose(1, 2)
+    real = padding
+    close(ours[real], reference[real].float(), 1e-5)
