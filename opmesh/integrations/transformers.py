@@ -176,6 +176,7 @@ class _Plan(NamedTuple):
     cu_q: torch.Tensor  # int32 cumulative counts per sequence
     cu_k: torch.Tensor
     q_seq: torch.Tensor  # the sequence of each packed query
+    whole_rows: bool  # every row is one sequence of all its query and key slots
 
 
 _last_plan: list = []  # one entry: (mask ref, key, plan); every layer of a forward shares the mask
@@ -240,8 +241,10 @@ def _read_sequences(visible, causal, window, segment) -> _Plan | None:
         lo = (diagonal - (window - 1 if causal else window)).clamp(min=0)
         if not causal:
             hi = (diagonal + window).clamp(max=last_rank)
+    whole = ids.numel() == batch and count_q.eq(q_len).all() and count_k.eq(kv_len).all()
+    plan = _Plan(q_batch, q_pos, k_batch, k_pos, cu_q.int(), cu_k.int(), which_q, bool(whole))
     if q_batch.numel() == 0:
-        return _Plan(q_batch, q_pos, k_batch, k_pos, cu_q.int(), cu_k.int(), which_q)
+        return plan
     if bool((hi < lo).any()):
         return None
     first_key = cu_k[which_q]
@@ -256,9 +259,7 @@ def _read_sequences(visible, causal, window, segment) -> _Plan | None:
         and torch.equal(rows.sum(-1), hi - lo + 1)
         and torch.equal(between, hi - lo + 1)
     )
-    if not fits:
-        return None
-    return _Plan(q_batch, q_pos, k_batch, k_pos, cu_q.int(), cu_k.int(), which_q)
+    return plan if fits else None
 
 
 def _sparse(query, key, value, mask, indices, scaling, sinks, causal) -> torch.Tensor:
@@ -347,6 +348,11 @@ def _indexer_forward(
         scale = self.n_heads**-0.5 * self.softmax_scale
         weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
         count = min(self.index_topk, k.shape[1])
+        if plan.whole_rows:  # each row one sequence of all its slots: BSND, positions are slots
+            picked, _ = ops.lightning_indexer(
+                q, k.unsqueeze(2), weights * scale, sparse_count=count
+            )
+            return picked[:, :, 0]
         picked, _ = ops.lightning_indexer(
             q[plan.q_batch, plan.q_pos],
             k[plan.k_batch, plan.k_pos].unsqueeze(1),

@@ -496,6 +496,12 @@ def _flash_host(kwargs):
 
 def flash_attn(q, k, v, kwargs):
     """``kwargs``: flash_attn's keyword arguments with the layouts resolved."""
+    if getattr(kwargs["alibi_slopes"], "requires_grad", False):
+        # A Parameter that asks for a gradient (plain MindSpore tensors carry no such flag).
+        raise ValueError(
+            "alibi_slopes: flash_attn has no gradient for the ALiBi slopes (fixed per head); "
+            "pass a tensor, or a Parameter with requires_grad=False"
+        )
     host, metas = _flash_host(kwargs)
     tensors = ("sinks", "alibi_slopes")
     options = {n: x for n, x in kwargs.items() if n not in host and n not in tensors}
@@ -547,12 +553,6 @@ def _flash_function():
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
-            needs = getattr(ctx, "needs_input_grad", None)
-            if alibi_slopes is not None and needs is not None and needs[4]:
-                raise ValueError(
-                    "alibi_slopes: flash_attn has no gradient for the ALiBi slopes (fixed per "
-                    "head); leave them out of the positions and weights differentiated"
-                )
             host, options = ctx.call
             lengths = {n: host[n] for n in _LENGTHS}
             options = {n: x for n, x in options.items() if n != "return_softmax_lse"}

@@ -20,7 +20,8 @@ TWO_KINDS = ["sliding_attention", "full_attention"]
 
 def tiny(name):
     """A 2-layer random configuration of each family: GQA 4/2 (DeepSeek-V3.2: MLA keys per
-    head), sliding windows shorter than the test sequences, sinks, softcap, a top-4 indexer."""
+    head), sliding windows shorter than the test sequences, sinks, softcap, a top-4 indexer
+    (with 8 heads, so that few keys score exactly 0 after the relu and tie)."""
     t = transformers
     if name == "llama":
         return t.LlamaConfig(**COMMON, intermediate_size=96, num_key_value_heads=2)
@@ -43,7 +44,7 @@ def tiny(name):
     return t.DeepseekV32Config(
         **COMMON, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4,
+        index_n_heads=8, index_head_dim=16, index_topk=4, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
         topk_group=1,
     )  # fmt: skip
@@ -256,7 +257,8 @@ def indexer_picks(model, ids, mask):
     return logits, picks
 
 
-def test_the_lightning_indexer_selects_what_the_model_selects():
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_lightning_indexer_selects_what_the_model_selects(padded):
     """The first layer's indexer sees the same inputs both ways: the same keys among those each
     token sees (ours lists -1 where it sees fewer than index_topk; the model lists hidden keys,
     which the attention then masks). Later layers' inputs differ by rounding, which can swap
@@ -264,6 +266,8 @@ def test_the_lightning_indexer_selects_what_the_model_selects():
     model = build("deepseek_v32")
     model.set_attn_implementation("opmesh")
     ids, mask = batch()
+    if not padded:  # every row one whole sequence: the indexer runs on BSND as it is
+        mask = torch.ones_like(mask)
     _, (theirs, *_) = indexer_picks(model, ids, mask)
     assert opmesh_hf.use_lightning_indexer(model) == 2
     assert opmesh_hf.use_lightning_indexer(model) == 2  # again: nothing changes
@@ -277,7 +281,8 @@ def test_the_lightning_indexer_selects_what_the_model_selects():
     assert (ours[~real] == -1).all()
 
 
-def test_a_dsa_model_on_the_lightning_indexer_matches_eager():
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_dsa_model_on_the_lightning_indexer_matches_eager(padded):
     config = tiny("deepseek_v32")
     config.index_topk = 32  # every key the tokens see, in whatever order
     torch.manual_seed(0)
@@ -288,6 +293,8 @@ def test_a_dsa_model_on_the_lightning_indexer_matches_eager():
     model.set_attn_implementation("opmesh")
     opmesh_hf.use_lightning_indexer(model)
     ids, mask = batch()
+    if not padded:
+        mask = torch.ones_like(mask)
     ours, picks = indexer_picks(model, ids, mask)
     assert all(p.shape[-1] == 13 and (p == -1).any() for p in picks)  # the opmesh indexer ran
     theirs, _ = indexer_picks(reference, ids, mask)
