@@ -262,6 +262,13 @@ def _read_sequences(visible, causal, window, segment) -> _Plan | None:
     return plan if fits else None
 
 
+def _shown(mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The ``[B, Sq, K]`` indices with -1 for every key the ``[B or 1, Sq, Skv]`` mask hides."""
+    selected = indices.long()
+    seen = mask.expand(indices.shape[0], -1, -1).gather(-1, selected.clamp(min=0))
+    return torch.where(seen & (selected >= 0), selected, -1)
+
+
 def _sparse(query, key, value, mask, indices, scaling, sinks, causal) -> torch.Tensor:
     """Each query over the keys its ``indices [B, Sq, K]`` select (one selection for every
     head; None: every key), restricted to the keys the mask shows it."""
@@ -274,9 +281,7 @@ def _sparse(query, key, value, mask, indices, scaling, sinks, causal) -> torch.T
         )
     mode = 3 if causal else 0
     if mask is not None:
-        selected = indices.long()
-        seen = mask.expand(batch, -1, -1).gather(-1, selected.clamp(min=0))
-        indices = torch.where(seen & (selected >= 0), selected, -1)
+        indices = _shown(mask, indices)
         mode = 0  # the mask now carries causality, windows and padding
     out, _, _ = ops.sparse_flash_attention(
         query.transpose(1, 2),
@@ -300,15 +305,21 @@ def use_lightning_indexer(model: torch.nn.Module) -> int:
     ``index_topk``, which the ``"opmesh"`` attention reads; under any other attention
     implementation, inside ``torch.compile``, or with a mask that is not a causal pattern over
     padded or packed sequences, an indexer runs the model's own code."""
+    return _replace_forward(model, "DeepseekV32Indexer", _indexer_forward)
+
+
+def _replace_forward(model, class_name, forward) -> int:
+    """Gives every module of that class ``forward`` (once; the model's own stays reachable as
+    ``_opmesh_model_forward``) and returns how many there are."""
     changed = 0
     for module in model.modules():
-        if type(module).__name__ == "DeepseekV32Indexer":
+        if type(module).__name__ == class_name:
             if not hasattr(module, "_opmesh_model_forward"):
                 module._opmesh_model_forward = module.forward
-                module.forward = types.MethodType(_indexer_forward, module)
+                module.forward = types.MethodType(forward, module)
             changed += 1
     if not changed:
-        raise ValueError(f"model: {type(model).__name__} has no DeepseekV32Indexer module")
+        raise ValueError(f"model: {type(model).__name__} has no {class_name} module")
     return changed
 
 
@@ -385,16 +396,7 @@ def absorb_mla(model: torch.nn.Module) -> int:
     result (up to rounding) reads each selected latent row once for all heads. The projections,
     rotary embedding, cache and indexer stay the model's own; under any other attention
     implementation a module runs the model's own code."""
-    changed = 0
-    for module in model.modules():
-        if type(module).__name__ == "DeepseekV32Attention":
-            if not hasattr(module, "_opmesh_model_forward"):
-                module._opmesh_model_forward = module.forward
-                module.forward = types.MethodType(_absorbed_attention_forward, module)
-            changed += 1
-    if not changed:
-        raise ValueError(f"model: {type(model).__name__} has no DeepseekV32Attention module")
-    return changed
+    return _replace_forward(model, "DeepseekV32Attention", _absorbed_attention_forward)
 
 
 def _absorbed_attention_forward(
@@ -433,9 +435,7 @@ def _absorbed_attention_forward(
     q_latent = torch.einsum("bhsn,hnl->bshl", q_pass, key_up)  # [B, S, H, lora]
     mask = None if attention_mask is None else _visible(attention_mask)
     if mask is not None:
-        selected = picked.long()
-        seen = mask.expand(batch, -1, -1).gather(-1, selected.clamp(min=0))
-        picked = torch.where(seen & (selected >= 0), selected, -1)
+        picked = _shown(mask, picked)
     keys = latent.transpose(1, 2)  # [B, T, 1, lora]: keys and values are the same rows
     out_latent, _, _ = ops.sparse_flash_attention(
         q_latent,
