@@ -40,8 +40,10 @@ def tiny(name):
             **COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=16, sliding_window=4,
             attn_logit_softcapping=5.0, final_logit_softcapping=None, layer_types=TWO_KINDS,
         )  # fmt: skip
-    assert name == "deepseek_v32"
-    return t.DeepseekV32Config(
+    dsa = t.GlmMoeDsaConfig if name == "glm_moe_dsa" else t.DeepseekV32Config
+    extra = dict(indexer_types=["full", "shared"]) if name == "glm_moe_dsa" else {}
+    return dsa(
+        **extra,
         **COMMON, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         index_n_heads=8, index_head_dim=16, index_topk=4, n_routed_experts=4,
@@ -50,7 +52,8 @@ def tiny(name):
     )  # fmt: skip
 
 
-MODELS = ["llama", "qwen3", "gpt_oss", "gemma2", "deepseek_v32"]
+# GLM-MoE-DSA: DeepSeek-V3.2's attention with the second layer reusing the first's top-k.
+MODELS = ["llama", "qwen3", "gpt_oss", "gemma2", "deepseek_v32", "glm_moe_dsa"]
 
 
 def build(name, dtype=torch.float32):
