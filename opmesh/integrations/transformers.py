@@ -214,14 +214,12 @@ def _read_sequences(visible, causal, window, segment) -> _Plan | None:
     batch, q_len, kv_len = visible.shape
     q_real, k_real = visible.any(-1), visible.any(-2)
     rows = torch.arange(batch, device=visible.device)[:, None] * (kv_len + 1)
-    seq_q = rows + (0 if segment is None else segment)
-    seq_k = rows + (0 if segment is None else segment)
+    # A segment (packing) numbers query and key slots alike: it comes only with q_len == kv_len.
+    sequence = rows + (0 if segment is None else segment)
     q_batch, q_pos = q_real.nonzero(as_tuple=True)
     k_batch, k_pos = k_real.nonzero(as_tuple=True)
-    ids_q, ids_k = (
-        seq_q.expand(batch, q_len)[q_batch, q_pos],
-        seq_k.expand(batch, kv_len)[k_batch, k_pos],
-    )
+    ids_q = sequence.expand(batch, q_len)[q_batch, q_pos]
+    ids_k = sequence.expand(batch, kv_len)[k_batch, k_pos]
     ids = torch.unique(torch.cat([ids_q, ids_k]))
     which_q, which_k = torch.searchsorted(ids, ids_q), torch.searchsorted(ids, ids_k)
     count_q = torch.bincount(which_q, minlength=ids.numel())
