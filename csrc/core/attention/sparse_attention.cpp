@@ -164,17 +164,6 @@ class Forward {
     }
   }
 
-  // n bf16 elements (stride `stride`) at element `offset` of `base`, as they are.
-  static void copy_bf16(const void* base, int64_t offset, int64_t stride, int64_t n,
-                        uint16_t* dst) {
-    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
-    if (stride == 1) {
-      std::memcpy(dst, src, n * sizeof(uint16_t));
-    } else {
-      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * stride];
-    }
-  }
-
   // The group's query rows as bf16 pairs (query | rope, zero-padded to dw words).
   void pack_query_pairs(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
     for (int64_t r = 0; r < g_; ++r) {
@@ -182,10 +171,10 @@ class Forward {
       uint32_t* words = reinterpret_cast<uint32_t*>(sc.q.data()) + r * dw_;
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
-      copy_bf16(p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3],
+      sparse::copy_bf16(p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3],
                 p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        copy_bf16(p_.query_rope, geo_.query_offset(p_.query_rope_stride, s, i, h),
+        sparse::copy_bf16(p_.query_rope, geo_.query_offset(p_.query_rope_stride, s, i, h),
                   p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
       }
     }
@@ -200,10 +189,10 @@ class Forward {
       uint32_t* words = stage + c * dw_;
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
-      copy_bf16(p_.key, geo_.key_offset(p_.key_stride, s, keys[c], g), p_.key_stride[3],
+      sparse::copy_bf16(p_.key, geo_.key_offset(p_.key_stride, s, keys[c], g), p_.key_stride[3],
                 p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        copy_bf16(p_.key_rope, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
+        sparse::copy_bf16(p_.key_rope, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
                   p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(words);

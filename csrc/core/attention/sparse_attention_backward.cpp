@@ -38,17 +38,26 @@ float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// Heads one product of the key pass takes as its depth on bf16 pairs: 64 pair words, the width
+// of a transposed tile.
+constexpr int64_t kPairHeads = 2 * kKeyTile;
+
 class Backward {
  public:
   Backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr, Isa isa)
       : p_(p),
         gr_(gr),
         geo_(p),
-        k_(kernels::float32_set(isa)),
+        k_(kernels::select_set(isa, p.dtype, -1, true)),
+        pairs_(k_.word == kernels::Word::kBf16Pair),
         g_(geo_.groups()),
         dqk_(p.head_dim + p.rope_dim),
         dq16_(round_up(dqk_, 16)),
-        dv16_(round_up(p.value_dim, 16)) {
+        dv16_(round_up(p.value_dim, 16)),
+        rows_(round_up(g_, pairs_ ? std::max<int64_t>(2, k_.row_align) : k_.row_align)),
+        dw_(pairs_ ? round_up((dqk_ + 1) / 2, k_.depth_align) : dq16_),
+        dwv_(pairs_ ? round_up((p.value_dim + 1) / 2, k_.depth_align) : dv16_),
+        head_pairs_(pairs_ ? round_up((g_ + 1) / 2, kKeyTile) : 0) {
     const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
     lse_.assign(rows * p.heads_q, kInf);
     delta_.assign(rows * p.heads_q, 0.0f);
@@ -58,35 +67,51 @@ class Backward {
   const sparse::Geometry& geometry() const { return geo_; }
   const kernels::KernelSet& kernel_set() const { return k_; }
 
-  // One worker's buffers: O(G x 64 + 64 x (D + Dr + Dv)), whatever the sequence lengths.
+  // One worker's buffers: O(G x (64 + D + Dr + Dv) + 64 x (D + Dr + Dv)), whatever the sequence
+  // lengths. With bf16 pairs the word buffers hold pairs: query, output-gradient, key and value
+  // rows along their head dims (q, dout, krow, vrow), keys and values transposed (kt, vt), keys
+  // as key pairs (kp), and queries and output gradients as head pairs (qh, oh).
   struct Scratch {
     explicit Scratch(const Backward& b)
-        : q(b.g_ * b.dq16_),
-          dout(b.g_ * b.dv16_),
-          acc(std::max(b.g_ * b.dq16_, kKeyTile * std::max(b.dq16_, b.dv16_))),
-          krow(kKeyTile * b.dq16_),
-          vrow(kKeyTile * b.dv16_),
-          kt(b.dq16_ * kKeyTile),
-          vt(b.dv16_ * kKeyTile),
-          s(b.g_ * kKeyTile),
-          dp(b.g_ * kKeyTile),
-          pt(kKeyTile * b.g_),
-          dst(kKeyTile * b.g_),
-          ones(b.g_, 1.0f),
-          row(std::max(b.dqk_, b.p_.value_dim)) {}
-    AlignedBuffer<float> q;      // [G][dq16] query rows (query | rope)
-    AlignedBuffer<float> dout;   // [G][dv16]
-    AlignedBuffer<float> acc;    // pass 1: dq [G][dq16]; pass 2: a product's [64][dq16 or dv16]
-    AlignedBuffer<float> krow;   // [64][dq16] selected key rows (key | rope)
-    AlignedBuffer<float> vrow;   // [64][dv16] selected value rows
-    AlignedBuffer<uint32_t> kt;  // [dq16][64] keys transposed
-    AlignedBuffer<uint32_t> vt;  // [dv16][64] values transposed
-    AlignedBuffer<float> s;      // [G][64] scores, then probabilities
-    AlignedBuffer<float> dp;     // [G][64] dP, then dS
-    AlignedBuffer<float> pt;     // [64][G] P transposed
-    AlignedBuffer<float> dst;    // [64][G] dS transposed
+        : q(b.rows_ * b.dw_),
+          dout(b.rows_ * b.dwv_),
+          acc(std::max(b.rows_ * b.dq16_, kKeyTile * std::max(b.dq16_, b.dv16_))),
+          acc2(b.pairs_ ? kKeyTile * std::max(b.dq16_, b.dv16_) : 0),
+          krow(kKeyTile * b.dw_),
+          vrow(kKeyTile * b.dwv_),
+          kt(b.dw_ * kKeyTile),
+          vt(b.dwv_ * kKeyTile),
+          kp(b.pairs_ ? kKeyTile / 2 * b.dq16_ : 0),
+          qh(b.head_pairs_ * b.dq16_),
+          oh(b.head_pairs_ * b.dv16_),
+          s(b.rows_ * kKeyTile),
+          dp(b.rows_ * kKeyTile),
+          pt(kKeyTile * std::max<int64_t>(b.g_, kKeyTile)),
+          dst(kKeyTile * std::max<int64_t>(b.g_, kKeyTile)),
+          ds16(b.pairs_ ? b.rows_ * kKeyTile : 0),
+          words(b.pairs_ ? kKeyTile * kKeyTile : 0),
+          ones(std::max<int64_t>(b.rows_, kKeyTile), 1.0f),
+          row(std::max(b.dqk_, b.p_.value_dim)),
+          row2(b.p_.value_dim) {}
+    AlignedBuffer<uint32_t> q;     // [rows][dw] query rows (query | rope)
+    AlignedBuffer<uint32_t> dout;  // [rows][dwv]
+    AlignedBuffer<float> acc;      // pass 1: dq [rows][dq16]; pass 2: a product's [64][dq16|dv16]
+    AlignedBuffer<float> acc2;     // pass 2 on pairs: the other product
+    AlignedBuffer<uint32_t> krow;  // [64][dw] selected key rows (key | rope)
+    AlignedBuffer<uint32_t> vrow;  // [64][dwv] selected value rows
+    AlignedBuffer<uint32_t> kt;    // [dw][64] keys transposed
+    AlignedBuffer<uint32_t> vt;    // [dwv][64] values transposed
+    AlignedBuffer<uint32_t> kp;    // [32][dq16] keys as key pairs (pairs)
+    AlignedBuffer<uint32_t> qh;    // [head pairs][dq16] queries as head pairs (pairs)
+    AlignedBuffer<uint32_t> oh;    // [head pairs][dv16] output gradients as head pairs (pairs)
+    AlignedBuffer<float> s;        // [rows][64] scores, then probabilities
+    AlignedBuffer<float> dp;       // [rows][64] dP, then dS
+    AlignedBuffer<uint32_t> pt;    // [64][G] P transposed (float32), [64][64] head pairs (pairs)
+    AlignedBuffer<uint32_t> dst;   // [64][G] dS transposed, the same
+    AlignedBuffer<uint16_t> ds16;  // [rows][64] dS in bf16, as key pairs (pairs)
+    AlignedBuffer<uint32_t> words;  // [64][64] head-pair rows before their transpose (pairs)
     std::vector<float> ones;
-    std::vector<float> row;
+    std::vector<float> row, row2;
     std::vector<int32_t> keys;
     std::vector<int32_t> hits;
   };
@@ -94,7 +119,7 @@ class Backward {
   // Writes the token's rows of lse_, delta_ and sink_share_ (no other task touches them) and its
   // dq: the sum over its selected keys in selection order.
   void query_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g) {
-    load_token(sc, s, i, g);
+    load_token(sc, s, i, g, false);
     const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
     const int64_t stats = geo_.stats_offset(s, i, g);
     float* lse = lse_.data() + row;
@@ -103,7 +128,9 @@ class Backward {
       const int64_t h = g * g_ + r;
       sparse::load(k_, gr_.out, p_.dtype, geo_.query_offset(gr_.out_stride, s, i, h),
                    gr_.out_stride[3], p_.value_dim, sc.row.data());
-      delta[r] = dot(sc.dout.data() + r * dv16_, sc.row.data(), p_.value_dim);
+      sparse::load(k_, gr_.dout, p_.dtype, geo_.query_offset(gr_.dout_stride, s, i, h),
+                   gr_.dout_stride[3], p_.value_dim, sc.row2.data());
+      delta[r] = dot(sc.row2.data(), sc.row.data(), p_.value_dim);
       const float m = gr_.softmax_max[stats + r];
       if (m == -kInf) continue;  // nothing selected: lse stays +inf, no probability anywhere
       const float sink = p_.sinks != nullptr ? std::exp(p_.sinks[h] - m) : 0.0f;
@@ -115,10 +142,16 @@ class Backward {
     std::fill(dq, dq + g_ * dq16_, 0.0f);
     for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
-      probabilities(sc, s, g, sc.keys.data() + c0, n, lse, delta);
+      probabilities(sc, s, g, sc.keys.data() + c0, n, lse, delta, true);
       // dq += scale dS K
-      k_.gemm({sc.dp.data(), kKeyTile, sc.krow.data(), dq16_, dq, dq16_, g_, dq16_, kKeyTile,
-               sc.ones.data(), p_.scale});
+      if (pairs_) {
+        k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
+        k_.gemm({sc.ds16.data(), kKeyTile / 2, sc.kp.data(), dq16_, dq, dq16_, g_, dq16_,
+                 kKeyTile / 2, sc.ones.data(), p_.scale});
+      } else {
+        k_.gemm({sc.dp.data(), kKeyTile, sc.krow.data(), dq16_, dq, dq16_, g_, dq16_, kKeyTile,
+                 sc.ones.data(), p_.scale});
+      }
     }
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t out = geo_.token(s, i) * p_.heads_q + g * g_ + r;
@@ -145,28 +178,26 @@ class Backward {
         if (j >= j0 && j < j1) sc.hits.push_back(j);
       }
       if (sc.hits.empty()) continue;
-      load_token(sc, s, i, g);
+      load_token(sc, s, i, g, true);
       const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t n = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
         const int32_t* hits = sc.hits.data() + c0;
-        probabilities(sc, s, g, hits, n, lse_.data() + row, delta_.data() + row);
-        for (int64_t c = 0; c < n; ++c) {
-          for (int64_t r = 0; r < g_; ++r) {
-            sc.pt.data()[c * g_ + r] = sc.s.data()[r * kKeyTile + c];
-            sc.dst.data()[c * g_ + r] = sc.dp.data()[r * kKeyTile + c];
-          }
-        }
+        probabilities(sc, s, g, hits, n, lse_.data() + row, delta_.data() + row, false);
         // dV rows += P^T dout; dK rows += scale dS^T Q.
-        float* tmp = sc.acc.data();
-        k_.gemm({sc.pt.data(), g_, sc.dout.data(), dv16_, tmp, dv16_, n, dv16_, g_, nullptr, 1.0f});
-        for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dv.data() + (hits[c] - j0) * dv16_, tmp + c * dv16_, p_.value_dim);
+        const float* tv = sc.acc.data();
+        const float* tk = pairs_ ? sc.acc2.data() : sc.acc.data();
+        if (pairs_) {
+          pair_key_products(sc, n);
+        } else {
+          float_key_product(sc, sc.s.data(), sc.dout.data(), dv16_, 1.0f, n);
         }
-        k_.gemm(
-            {sc.dst.data(), g_, sc.q.data(), dq16_, tmp, dq16_, n, dq16_, g_, nullptr, p_.scale});
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dk.data() + (hits[c] - j0) * dq16_, tmp + c * dq16_, dqk_);
+          k_.rows.add_into(dv.data() + (hits[c] - j0) * dv16_, tv + c * dv16_, p_.value_dim);
+        }
+        if (!pairs_) float_key_product(sc, sc.dp.data(), sc.q.data(), dq16_, p_.scale, n);
+        for (int64_t c = 0; c < n; ++c) {
+          k_.rows.add_into(dk.data() + (hits[c] - j0) * dq16_, tk + c * dq16_, dqk_);
         }
       }
     }
@@ -196,59 +227,158 @@ class Backward {
   }
 
  private:
-  // Query rows (query | rope, zero-padded to dq16) and dout rows of token i's group g.
-  void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
-    for (int64_t r = 0; r < g_; ++r) {
-      const int64_t h = g * g_ + r;
-      float* q = sc.q.data() + r * dq16_;
-      sparse::load(k_, p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
-                   p_.query_stride[3], p_.head_dim, q);
-      if (p_.rope_dim > 0) {
-        sparse::load(k_, p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
-                     p_.query_rope_stride[3], p_.rope_dim, q + p_.head_dim);
-      }
-      std::fill(q + dqk_, q + dq16_, 0.0f);
-      float* d = sc.dout.data() + r * dv16_;
-      sparse::load(k_, gr_.dout, p_.dtype, geo_.query_offset(gr_.dout_stride, s, i, h),
-                   gr_.dout_stride[3], p_.value_dim, d);
-      std::fill(d + p_.value_dim, d + dv16_, 0.0f);
+  // Float32: acc[c][e] = alpha sum_r x[r][c] y[r][e] for the n keys c of a chunk, x one of the
+  // [G][64] products (P or dS) and y [G][ld] rows (dout or q), through x's transpose.
+  void float_key_product(Scratch& sc, const float* x, const uint32_t* y, int64_t ld, float alpha,
+                         int64_t n) const {
+    float* xt = reinterpret_cast<float*>(sc.pt.data());
+    for (int64_t c = 0; c < n; ++c) {
+      for (int64_t r = 0; r < g_; ++r) xt[c * g_ + r] = x[r * kKeyTile + c];
+    }
+    k_.gemm({xt, g_, y, ld, sc.acc.data(), ld, n, ld, g_, nullptr, alpha});
+  }
+
+  // bf16 pairs: acc = P^T dout and acc2 = scale dS^T Q for the n keys of a chunk, the heads as
+  // the depth in pairs, up to kPairHeads heads a product (later ones add to the first).
+  void pair_key_products(Scratch& sc, int64_t n) const {
+    const char* rows[kKeyTile];
+    for (int64_t l = 0; l < kKeyTile; ++l) {
+      rows[l] = reinterpret_cast<const char*>(sc.words.data() + l * kKeyTile);
+    }
+    for (int64_t h0 = 0; h0 < g_; h0 += kPairHeads) {
+      const int64_t pairs = (std::min(kPairHeads, g_ - h0) + 1) / 2;
+      const int64_t depth = round_up(pairs, k_.depth_align);
+      const float* scale_rows = h0 == 0 ? nullptr : sc.ones.data();
+      // xt[c][l] = (x[h0 + 2l][c], x[h0 + 2l + 1][c]): rows past G are zero.
+      auto transpose = [&](const float* x, uint32_t* xt) {
+        for (int64_t l = 0; l < pairs; ++l) {
+          k_.rows.pair_rows(x + (h0 + 2 * l) * kKeyTile, x + (h0 + 2 * l + 1) * kKeyTile,
+                            sc.words.data() + l * kKeyTile);
+        }
+        k_.pack_keys(rows, pairs, kKeyTile, xt);
+      };
+      transpose(sc.s.data(), sc.pt.data());
+      transpose(sc.dp.data(), sc.dst.data());
+      k_.gemm({sc.pt.data(), kKeyTile, sc.oh.data() + h0 / 2 * dv16_, dv16_, sc.acc.data(), dv16_,
+               n, dv16_, depth, scale_rows, 1.0f});
+      k_.gemm({sc.dst.data(), kKeyTile, sc.qh.data() + h0 / 2 * dq16_, dq16_, sc.acc2.data(),
+               dq16_, n, dq16_, depth, scale_rows, p_.scale});
     }
   }
 
-  // For n keys of one chunk: their rows and transposes, P = exp(scale q.k - lse) in sc.s and
-  // dS = P (dout.v - delta) in sc.dp (columns past n are 0).
+  // Query rows (query | rope) and dout rows of token i's group g, zero-padded, as float32 rows
+  // of dq16 / dv16 or as bf16 pairs of dw / dwv words; on pairs, with `heads` also as head pairs
+  // (the depth of the key pass's products).
+  void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g, bool heads) const {
+    for (int64_t r = 0; r < g_; ++r) {
+      const int64_t h = g * g_ + r;
+      const int64_t qo = geo_.query_offset(p_.query_stride, s, i, h);
+      const int64_t ro =
+          p_.rope_dim > 0 ? geo_.query_offset(p_.query_rope_stride, s, i, h) : int64_t{0};
+      const int64_t oo = geo_.query_offset(gr_.dout_stride, s, i, h);
+      if (pairs_) {
+        uint32_t* q = sc.q.data() + r * dw_;
+        std::fill(q, q + dw_, 0u);
+        uint16_t* q16 = reinterpret_cast<uint16_t*>(q);
+        sparse::copy_bf16(p_.query, qo, p_.query_stride[3], p_.head_dim, q16);
+        if (p_.rope_dim > 0) {
+          sparse::copy_bf16(p_.query_rope, ro, p_.query_rope_stride[3], p_.rope_dim,
+                            q16 + p_.head_dim);
+        }
+        uint32_t* d = sc.dout.data() + r * dwv_;
+        std::fill(d, d + dwv_, 0u);
+        sparse::copy_bf16(gr_.dout, oo, gr_.dout_stride[3], p_.value_dim,
+                          reinterpret_cast<uint16_t*>(d));
+        continue;
+      }
+      float* q = reinterpret_cast<float*>(sc.q.data()) + r * dq16_;
+      sparse::load(k_, p_.query, p_.dtype, qo, p_.query_stride[3], p_.head_dim, q);
+      if (p_.rope_dim > 0) {
+        sparse::load(k_, p_.query_rope, p_.dtype, ro, p_.query_rope_stride[3], p_.rope_dim,
+                     q + p_.head_dim);
+      }
+      std::fill(q + dqk_, q + dq16_, 0.0f);
+      float* d = reinterpret_cast<float*>(sc.dout.data()) + r * dv16_;
+      sparse::load(k_, gr_.dout, p_.dtype, oo, gr_.dout_stride[3], p_.value_dim, d);
+      std::fill(d + p_.value_dim, d + dv16_, 0.0f);
+    }
+    if (!pairs_ || !heads) return;
+    // qh[l][e] = (q[2l][e], q[2l + 1][e]), oh likewise; rows past G are zero.
+    const uint16_t* q16 = reinterpret_cast<const uint16_t*>(sc.q.data());
+    const uint16_t* o16 = reinterpret_cast<const uint16_t*>(sc.dout.data());
+    for (int64_t l = 0; 2 * l < g_; ++l) {
+      k_.rows.interleave_bf16(q16 + 2 * l * 2 * dw_, q16 + (2 * l + 1) * 2 * dw_, dqk_,
+                              sc.qh.data() + l * dq16_);
+      k_.rows.interleave_bf16(o16 + 2 * l * 2 * dwv_, o16 + (2 * l + 1) * 2 * dwv_, p_.value_dim,
+                              sc.oh.data() + l * dv16_);
+    }
+  }
+
+  // Key row c of a chunk (key | rope of position j) as float32 or as bf16 pairs, zero-padded.
+  void load_key(Scratch& sc, const Sequence& s, int64_t g, int64_t c, int32_t j) const {
+    const int64_t ko = geo_.key_offset(p_.key_stride, s, j, g);
+    const int64_t ro = p_.rope_dim > 0 ? geo_.key_offset(p_.key_rope_stride, s, j, g) : 0;
+    const int64_t vo = geo_.key_offset(p_.value_stride, s, j, g);
+    if (pairs_) {
+      uint32_t* k = sc.krow.data() + c * dw_;
+      std::fill(k, k + dw_, 0u);
+      uint16_t* k16 = reinterpret_cast<uint16_t*>(k);
+      sparse::copy_bf16(p_.key, ko, p_.key_stride[3], p_.head_dim, k16);
+      if (p_.rope_dim > 0) {
+        sparse::copy_bf16(p_.key_rope, ro, p_.key_rope_stride[3], p_.rope_dim, k16 + p_.head_dim);
+      }
+      uint32_t* v = sc.vrow.data() + c * dwv_;
+      std::fill(v, v + dwv_, 0u);
+      sparse::copy_bf16(p_.value, vo, p_.value_stride[3], p_.value_dim,
+                        reinterpret_cast<uint16_t*>(v));
+      return;
+    }
+    float* k = reinterpret_cast<float*>(sc.krow.data()) + c * dq16_;
+    sparse::load(k_, p_.key, p_.dtype, ko, p_.key_stride[3], p_.head_dim, k);
+    if (p_.rope_dim > 0) {
+      sparse::load(k_, p_.key_rope, p_.dtype, ro, p_.key_rope_stride[3], p_.rope_dim,
+                   k + p_.head_dim);
+    }
+    std::fill(k + dqk_, k + dq16_, 0.0f);
+    float* v = reinterpret_cast<float*>(sc.vrow.data()) + c * dv16_;
+    sparse::load(k_, p_.value, p_.dtype, vo, p_.value_stride[3], p_.value_dim, v);
+  }
+
+  // For n keys of one chunk: their rows and transposes (with `key_pairs` on bf16 pairs, the keys
+  // as key pairs too), P = exp(scale q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp
+  // (columns past n are 0).
   void probabilities(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n,
-                     const float* lse, const float* delta) const {
+                     const float* lse, const float* delta, bool key_pairs) const {
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
-      float* k = sc.krow.data() + c * dq16_;
-      sparse::load(k_, p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, keys[c], g),
-                   p_.key_stride[3], p_.head_dim, k);
-      if (p_.rope_dim > 0) {
-        sparse::load(k_, p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
-                     p_.key_rope_stride[3], p_.rope_dim, k + p_.head_dim);
-      }
-      std::fill(k + dqk_, k + dq16_, 0.0f);
-      float* v = sc.vrow.data() + c * dv16_;
-      sparse::load(k_, p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, keys[c], g),
-                   p_.value_stride[3], p_.value_dim, v);
-      krows[c] = reinterpret_cast<const char*>(k);
-      vrows[c] = reinterpret_cast<const char*>(v);
+      load_key(sc, s, g, c, keys[c]);
+      krows[c] = reinterpret_cast<const char*>(sc.krow.data() + c * dw_);
+      vrows[c] = reinterpret_cast<const char*>(sc.vrow.data() + c * dwv_);
     }
-    std::fill(sc.krow.data() + n * dq16_, sc.krow.data() + kKeyTile * dq16_, 0.0f);
-    k_.pack_keys(krows, n, dq16_, sc.kt.data());
-    k_.pack_keys(vrows, n, p_.value_dim, sc.vt.data());
-    std::fill(sc.vt.data() + p_.value_dim * kKeyTile, sc.vt.data() + dv16_ * kKeyTile, 0u);
+    std::fill(sc.krow.data() + n * dw_, sc.krow.data() + kKeyTile * dw_, 0u);
+    k_.pack_keys(krows, n, dw_, sc.kt.data());
+    k_.pack_keys(vrows, n, pairs_ ? dwv_ : p_.value_dim, sc.vt.data());
+    if (pairs_ && key_pairs) {
+      // kp[l][e] = (k[2l][e], k[2l + 1][e]): the B operand of dq += dS K over key pairs.
+      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(sc.krow.data());
+      for (int64_t l = 0; l < kKeyTile / 2; ++l) {
+        k_.rows.interleave_bf16(k16 + 2 * l * 2 * dw_, k16 + (2 * l + 1) * 2 * dw_, dqk_,
+                                sc.kp.data() + l * dq16_);
+      }
+    }
+    if (!pairs_) {
+      std::fill(sc.vt.data() + p_.value_dim * kKeyTile, sc.vt.data() + dv16_ * kKeyTile, 0u);
+    }
     float* sv = sc.s.data();
     float* dp = sc.dp.data();
-    k_.gemm({sc.q.data(), dq16_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dq16_, nullptr,
+    k_.gemm({sc.q.data(), dw_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
              p_.scale});
     for (int64_t r = 0; r < g_; ++r) {
       std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
     }
     k_.exp_rows(sv, g_, kKeyTile, lse);
-    k_.gemm({sc.dout.data(), dv16_, sc.vt.data(), kKeyTile, dp, kKeyTile, g_, kKeyTile, dv16_,
+    k_.gemm({sc.dout.data(), dwv_, sc.vt.data(), kKeyTile, dp, kKeyTile, g_, kKeyTile, dwv_,
              nullptr, 1.0f});
     for (int64_t r = 0; r < g_; ++r) {
       for (int64_t c = 0; c < kKeyTile; ++c) {
@@ -265,11 +395,15 @@ class Backward {
   const SparseAttentionParams& p_;
   const SparseAttentionGrads& gr_;
   sparse::Geometry geo_;
-  const kernels::KernelSet& k_;
+  const kernels::KernelSet& k_;  // float32 kernels, or bf16 pairs for bf16 inputs
+  bool pairs_;
   int64_t g_;
   int64_t dqk_;
   int64_t dq16_;  // dqk_ padded to 16: a product's output width
   int64_t dv16_;
+  int64_t rows_;        // G padded to the set's row_align (and to even on pairs)
+  int64_t dw_, dwv_;    // words per query/key and value row: dq16_/dv16_, or pairs padded
+  int64_t head_pairs_;  // rows of qh and oh: G / 2 rounded up to whole transposed tiles
   std::vector<float> lse_;         // [rows][N1]: +inf where nothing is selected
   std::vector<float> delta_;       // [rows][N1]
   std::vector<float> sink_share_;  // [rows][N1]

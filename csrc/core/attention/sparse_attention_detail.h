@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../indexer/indexer.h"
@@ -77,6 +78,16 @@ class Geometry {
   Mask mask_;
   int64_t groups_;
 };
+
+// Copies n bf16 elements (stride `stride`) at element `offset` of `base` as they are.
+inline void copy_bf16(const void* base, int64_t offset, int64_t stride, int64_t n, uint16_t* dst) {
+  const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+  if (stride == 1) {
+    std::memcpy(dst, src, n * sizeof(uint16_t));
+  } else {
+    for (int64_t e = 0; e < n; ++e) dst[e] = src[e * stride];
+  }
+}
 
 // Loads n elements (stride `stride`) at element `offset` of `base` as float: contiguous rows
 // through the kernel set's conversion, others element by element.
