@@ -143,9 +143,17 @@ def test_grid_float32(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", [CASES[4], CASES[9]], ids=lambda c: c.name)
 def test_every_kernel_path(case, simd_level, dtype):
-    """bf16 inputs: the main score product on the level's bf16-pair kernels where it has them."""
+    """bf16 inputs: the score products and the index gradients' products on the level's bf16-pair
+    kernels where it has them."""
     k, shared = GRID[case.name]
     check(case, dtype, k, shared=shared, seed=1)
+
+
+def test_an_odd_index_group_wider_than_128_heads_on_every_kernel_path(simd_level):
+    """On pairs the key pass takes the index heads as its depth, 128 at a time: 131 heads (odd)
+    take two products, the second over a half-empty pair; K = 70 takes two key chunks."""
+    case = Case("odd_wide_group", s1=20, s2=26, n1=2, n2=1, d=8, n1i=131, n2i=1, di=10)
+    check(case, torch.bfloat16, 70)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

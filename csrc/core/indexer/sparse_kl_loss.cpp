@@ -44,6 +44,8 @@ class SparseKl {
         k_(kernels::float32_set(isa)),
         kb_(kernels::select_set(isa, main_dtype(sp.dense), -1, true)),
         pairs_(kb_.word == kernels::Word::kBf16Pair),
+        ki_(kernels::select_set(isa, index_dtype(sp.dense), -1, true)),
+        ipairs_(ki_.word == kernels::Word::kBf16Pair),
         mask_(indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens)),
         seqs_(indexer_sequences(index_params(p_))),
         g_(p_.heads_q / p_.heads_k),
@@ -52,15 +54,17 @@ class SparseKl {
         dm_(p_.head_dim + p_.rope_dim),
         dmp_(round_up(dm_, 16)),
         dip_(round_up(p_.index_dim, 16)),
-        dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)) {
+        dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)),
+        diw_(round_up((p_.index_dim + 1) / 2, ki_.depth_align)),
+        head_pairs_(ipairs_ ? round_up(ig_, kKeyTile) : 0) {
     const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
     active_.assign(rows * p_.index_heads_k, 0);
     d_index_.assign(rows * p_.index_heads_k * sp_.sparse_count, 0.0f);
   }
 
   const std::vector<Sequence>& sequences() const { return seqs_; }
-  // The kernels whose worker setup the tasks run under (the main score product's).
-  const kernels::KernelSet& kernel_set() const { return kb_; }
+  // The kernels whose worker setup the tasks run under: a pair set either product uses.
+  const kernels::KernelSet& kernel_set() const { return pairs_ ? kb_ : ki_; }
 
   struct Scratch {
     explicit Scratch(const SparseKl& r)
@@ -72,15 +76,22 @@ class SparseKl {
           s(r.g_ * kKeyTile),
           irow(kKeyTile * r.dip_),
           kit(r.dip_ * kKeyTile),
-          coef(r.ig_ * kKeyTile),
+          coef((r.ig_ + 1) * kKeyTile),
           acc(std::max(r.ig_ * std::max(r.dip_, kKeyTile), kKeyTile * r.dip_)),
           lse(r.p_.heads_q),
           w(r.p_.index_heads_q),
-          ones(r.ig_, 1.0f),
+          ones(std::max(r.ig_, kKeyTile), 1.0f),
           dw(r.ig_),
           qp(r.pairs_ ? (r.p_.heads_q + 16) * r.dmw_ : 0),
           kstage(r.pairs_ ? kKeyTile * r.dmw_ : 0),
-          ktp(r.pairs_ ? r.dmw_ * kKeyTile : 0) {}
+          ktp(r.pairs_ ? r.dmw_ * kKeyTile : 0),
+          qip(r.ipairs_ ? (r.p_.index_heads_q + 16) * r.diw_ : 0),
+          istage(r.ipairs_ ? kKeyTile * r.diw_ : 0),
+          kitp(r.ipairs_ ? r.diw_ * kKeyTile : 0),
+          coef16(r.ipairs_ ? (r.ig_ + 16) * 2 * kKeyTile : 0),
+          coef_lo(r.ipairs_ ? (r.ig_ + 1) * kKeyTile : 0),
+          qih(r.head_pairs_ * r.dip_),
+          words(r.ipairs_ ? 2 * kKeyTile * kKeyTile : 0) {}
     AlignedBuffer<float> q;       // [N1][dmp] main query rows (query | rope), zero-padded
     AlignedBuffer<float> qi;      // [N1index][dip] index query rows, zero-padded
     AlignedBuffer<float> qit;     // pass 2: [64][ig_t] coefficients, transposed
@@ -89,7 +100,7 @@ class SparseKl {
     AlignedBuffer<float> s;       // [G][64] main scores, then probabilities
     AlignedBuffer<float> irow;    // [64][dip] selected index key rows
     AlignedBuffer<uint32_t> kit;  // [dip][64] the same, transposed
-    AlignedBuffer<float> coef;    // [ig][64] coefficients of one chunk
+    AlignedBuffer<float> coef;    // [ig][64] coefficients of one chunk (a zero row after)
     AlignedBuffer<float> acc;     // pass 1 [ig][dip] d_query_index; pass 2 [ig][64], [64][dip]
     std::vector<float> lse;       // [N1] main log-sum-exp (+inf: nothing selected)
     std::vector<float> w;         // [N1index]
@@ -108,6 +119,19 @@ class SparseKl {
     AlignedBuffer<uint32_t> qp;      // [N1 (+16 readable)][dmw] main query rows (query | rope)
     AlignedBuffer<uint32_t> kstage;  // [64][dmw] selected main key rows
     AlignedBuffer<uint32_t> ktp;     // [dmw][64] the same, packed
+    // bf16 index inputs on pair kernels: the index products' operands as bf16 pairs.
+    AlignedBuffer<uint32_t> qip;     // [N1index (+16 readable)][diw] index query rows
+    AlignedBuffer<uint32_t> istage;  // [64][diw] selected index key rows
+    AlignedBuffer<uint32_t> kitp;    // [diw][64] the same, packed
+    // [ig (+16 readable)][128] coefficients as key pairs: 32 words of bf16(coef), then 32 of
+    // bf16(coef - bf16(coef)), so that one product over both keeps float32's accuracy.
+    AlignedBuffer<uint16_t> coef16;
+    AlignedBuffer<float> coef_lo;    // [ig + 1][64] coef - bf16(coef) (the last row zero)
+    AlignedBuffer<uint32_t> qih;     // pass 2: [head pairs][dip] group's index queries, head pairs
+    AlignedBuffer<uint32_t> words;   // pass 2: [64][64] coefficient head pairs, then transposed
+    // [padded][dip] the row's index keys as key pairs: per chunk of 64 keys their 32 pairs, twice
+    // (the B operand of coef16's two halves).
+    std::vector<uint32_t> key_pairs;
   };
 
   // Pass 1 for token i of s: the loss of its rows (returned), d_query_index, d_weights and the
@@ -147,7 +171,6 @@ class SparseKl {
   void key_pass(Scratch& sc, const Sequence& s, int64_t g, int64_t j0, int64_t j1) const {
     const int64_t n = sp_.index_heads == 1 ? 0 : g;
     sc.key_grad.assign((j1 - j0) * dip_, 0.0f);
-    float* tmp = sc.acc.data();
     for (int64_t i = 0; i < s.q_len; ++i) {
       const KeyRange vis = visible_keys(mask_, s, i);
       const int64_t lo = std::max(j0, vis.begin), hi = std::min(j1, vis.end);
@@ -169,28 +192,25 @@ class SparseKl {
       sc.hit_d.resize(round_up(sc.hit_d.size(), kKeyTile), 0.0f);
       load_group(sc, s, i, g);
       const float* w = sc.w.data() + g * ig_;
-      const float* qi = sc.qi.data() + g * ig_ * dip_;
-      const char* rows[kKeyTile];
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
-        for (int64_t c = 0; c < m; ++c) {
-          load_index_key(s, sc.hits[c0 + c], g, sc.irow.data() + c * dip_);
-          rows[c] = reinterpret_cast<const char*>(sc.irow.data() + c * dip_);
-        }
-        k_.pack_keys(rows, m, dip_, sc.kit.data());
-        // Index scores [ig][64], the coefficients dI w [S > 0] in the same layout, then their
-        // transpose [64][ig] for d_key_index rows += coef^T x query rows.
+        // Index scores [ig][64], the coefficients dI w [S > 0] in the same layout, then
+        // d_key_index rows += coef^T x query rows.
         float* st = sc.acc.data();
-        k_.gemm(
-            {qi, dip_, sc.kit.data(), kKeyTile, st, kKeyTile, ig_, kKeyTile, dip_, nullptr, 1.0f});
+        index_product(sc, s, g, sc.hits.data() + c0, m, st, kKeyTile, nullptr);
         std::fill(sc.hit_d.begin() + c0 + m, sc.hit_d.begin() + c0 + kKeyTile, 0.0f);
         float* coef = sc.coef.data();
         for (int64_t h = 0; h < ig_; ++h) {
           k_.rows.masked_scale(st + h * kKeyTile, sc.hit_d.data() + c0, w[h], coef + h * kKeyTile);
         }
-        const float* coef_t = transpose_coefficients(sc, coef);
         float* tmp = sc.acc.data();
-        k_.gemm({coef_t, ig_t_, qi, dip_, tmp, dip_, m, dip_, ig_, nullptr, 1.0f});
+        if (ipairs_) {
+          pair_key_product(sc, coef, m, tmp);
+        } else {
+          const float* coef_t = transpose_coefficients(sc, coef);
+          k_.gemm({coef_t, ig_t_, sc.qi.data() + g * ig_ * dip_, dip_, tmp, dip_, m, dip_, ig_,
+                   nullptr, 1.0f});
+        }
         for (int64_t c = 0; c < m; ++c) {
           k_.rows.add_into(sc.key_grad.data() + (sc.hits[c0 + c] - j0) * dip_, tmp + c * dip_,
                            p_.index_dim);
@@ -263,24 +283,83 @@ class SparseKl {
         sc.lse[kh * g_ + r] = m == -kInf ? kInf : m + std::log(p_.softmax_sum[stats + r]);
       }
     }
-    for (int64_t h = 0; h < p_.index_heads_q; ++h) {
-      float* q = sc.qi.data() + h * dip_;
-      load(p_.query_index, query_row(p_.query_index.stride, s, i, h), p_.index_dim, q);
-      std::fill(q + p_.index_dim, q + dip_, 0.0f);
-    }
+    for (int64_t h = 0; h < p_.index_heads_q; ++h) load_index_query(sc, s, i, h);
     load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
              p_.weights.stride[2], p_.index_heads_q, sc.w.data());
+  }
+
+  // Index query row h of token i, zero-padded: float32 into sc.qi or bf16 pairs into sc.qip.
+  void load_index_query(Scratch& sc, const Sequence& s, int64_t i, int64_t h) const {
+    const int64_t offset = query_row(p_.query_index.stride, s, i, h);
+    if (ipairs_) {
+      uint32_t* words = sc.qip.data() + h * diw_;
+      std::fill(words, words + diw_, 0u);
+      copy_bf16(p_.query_index, offset, p_.index_dim, reinterpret_cast<uint16_t*>(words));
+      return;
+    }
+    float* q = sc.qi.data() + h * dip_;
+    load(p_.query_index, offset, p_.index_dim, q);
+    std::fill(q + p_.index_dim, q + dip_, 0.0f);
   }
 
   // Pass 2: token i's weights and group g's index query rows.
   void load_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
     load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
              p_.weights.stride[2], p_.index_heads_q, sc.w.data());
-    for (int64_t r = 0; r < ig_; ++r) {
-      float* q = sc.qi.data() + (g * ig_ + r) * dip_;
-      load(p_.query_index, query_row(p_.query_index.stride, s, i, g * ig_ + r), p_.index_dim, q);
-      std::fill(q + p_.index_dim, q + dip_, 0.0f);
+    for (int64_t r = 0; r < ig_; ++r) load_index_query(sc, s, i, g * ig_ + r);
+    if (!ipairs_) return;
+    // Per block of 64 heads from h0 with p pairs: qih rows h0 + l and h0 + p + l both hold pair
+    // l, (qi[h0 + 2l][e], qi[h0 + 2l + 1][e]) (an odd last head with zeros): the B operand of
+    // pair_key_product's two halves.
+    const uint16_t* q16 = reinterpret_cast<const uint16_t*>(sc.qip.data() + g * ig_ * diw_);
+    for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
+      const int64_t p = (std::min(kKeyTile, ig_ - h0) + 1) / 2;
+      for (int64_t l = 0; l < p; ++l) {
+        const int64_t h = h0 + 2 * l;
+        const uint16_t* second = h + 1 < ig_ ? q16 + (h + 1) * 2 * diw_ : nullptr;
+        uint32_t* row = sc.qih.data() + (h0 + l) * dip_;
+        ki_.rows.interleave_bf16(q16 + h * 2 * diw_, second, p_.index_dim, row);
+        std::memcpy(row + p * dip_, row, dip_ * sizeof(uint32_t));
+      }
     }
+  }
+
+  // The index scores of group g against m index key rows keys[0..m) into `out` ([ig] rows,
+  // stride ld, 64 columns); on pairs, with key_pairs also the rows as key pairs there
+  // ([32][dip]).
+  void index_product(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t m,
+                     float* out, int64_t ld, uint32_t* key_pairs) const {
+    const char* rows[kKeyTile];
+    if (!ipairs_) {
+      for (int64_t c = 0; c < m; ++c) {
+        float* k = sc.irow.data() + c * dip_;
+        load_index_key(s, keys[c], g, k);
+        rows[c] = reinterpret_cast<const char*>(k);
+      }
+      k_.pack_keys(rows, m, dip_, sc.kit.data());
+      k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, out, ld, ig_,
+               kKeyTile, dip_, nullptr, 1.0f});
+      return;
+    }
+    for (int64_t c = 0; c < kKeyTile; ++c) {
+      uint32_t* words = sc.istage.data() + c * diw_;
+      std::fill(words, words + diw_, 0u);
+      if (c < m) {
+        copy_bf16(p_.key_index, key_row(p_.key_index.stride, s, keys[c], g), p_.index_dim,
+                  reinterpret_cast<uint16_t*>(words));
+      }
+      rows[c] = reinterpret_cast<const char*>(words);
+    }
+    ki_.pack_keys(rows, m, diw_, sc.kitp.data());
+    ki_.gemm({sc.qip.data() + g * ig_ * diw_, diw_, sc.kitp.data(), kKeyTile, out, ld, ig_,
+              kKeyTile, diw_, nullptr, 1.0f});
+    if (key_pairs == nullptr) return;
+    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(sc.istage.data());
+    for (int64_t l = 0; l < kKeyTile / 2; ++l) {
+      ki_.rows.interleave_bf16(k16 + 2 * l * 2 * diw_, k16 + (2 * l + 1) * 2 * diw_,
+                               p_.index_dim, key_pairs + l * dip_);
+    }
+    std::memcpy(key_pairs + kKeyTile / 2 * dip_, key_pairs, kKeyTile / 2 * dip_ * sizeof(uint32_t));
   }
 
   // coef [ig][64] transposed to [64][ig_t_]: by the kernel set's key packing (a transpose of
@@ -298,6 +377,36 @@ class SparseKl {
       for (int64_t c = 0; c < kKeyTile; ++c) out[c * ig_t_ + h] = coef[h * kKeyTile + c];
     }
     return out;
+  }
+
+  // On pairs: out[c] = sum_h coef[h][c] qi[h] for the m keys c of a chunk, with the group's heads
+  // as the depth in pairs, 64 heads a product (later ones add to the first). Each product's
+  // depth is the p pairs of bf16(coef), then the p pairs of bf16(coef - bf16(coef)), against
+  // qih's two copies of the query pairs: float32's accuracy in one product.
+  void pair_key_product(Scratch& sc, const float* coef, int64_t m, float* out) const {
+    float* lo = sc.coef_lo.data();
+    for (int64_t h = 0; h < ig_; ++h) {
+      ki_.rows.bf16_residual(coef + h * kKeyTile, lo + h * kKeyTile);
+    }
+    uint32_t* paired = sc.words.data();
+    uint32_t* transposed = sc.words.data() + kKeyTile * kKeyTile;
+    const char* rows[kKeyTile];
+    for (int64_t l = 0; l < kKeyTile; ++l) {
+      rows[l] = reinterpret_cast<const char*>(paired + l * kKeyTile);
+    }
+    for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
+      const int64_t p = (std::min(kKeyTile, ig_ - h0) + 1) / 2;
+      // paired[l] = (x[h0 + 2l], x[h0 + 2l + 1]) for coef, then for lo (their row ig is zero).
+      for (int64_t l = 0; l < p; ++l) {
+        const int64_t h = h0 + 2 * l;
+        ki_.rows.pair_rows(coef + h * kKeyTile, coef + (h + 1) * kKeyTile, paired + l * kKeyTile);
+        ki_.rows.pair_rows(lo + h * kKeyTile, lo + (h + 1) * kKeyTile,
+                           paired + (p + l) * kKeyTile);
+      }
+      ki_.pack_keys(rows, 2 * p, kKeyTile, transposed);
+      ki_.gemm({transposed, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_,
+                round_up(2 * p, ki_.depth_align), h0 == 0 ? nullptr : sc.ones.data(), 1.0f});
+    }
   }
 
   // Index key row of key j, head g, into k (zero-padded to dip).
@@ -374,6 +483,13 @@ class SparseKl {
     for (int64_t r = 0; r < g_; ++r) k_.rows.add_into(prob, sv + r * kKeyTile, m);
   }
 
+  // bf16 when the index query and key are, float32 otherwise.
+  static DType index_dtype(const IndexerKlLossParams& p) {
+    const bool bf16 =
+        p.query_index.dtype == DType::kBFloat16 && p.key_index.dtype == DType::kBFloat16;
+    return bf16 ? DType::kBFloat16 : DType::kFloat32;
+  }
+
   // bf16 when the main query and key (and their rope parts) are, float32 otherwise.
   static DType main_dtype(const IndexerKlLossParams& p) {
     const bool bf16 = p.query.dtype == DType::kBFloat16 && p.key.dtype == DType::kBFloat16 &&
@@ -387,21 +503,31 @@ class SparseKl {
   void index_scores(Scratch& sc, const Sequence& s, int64_t g, int64_t nk, int64_t padded) const {
     sc.sidx.resize(ig_ * padded);  // every chunk's product writes its 64 columns
     sc.score.assign(padded, 0.0f);
-    // The row's index key rows, kept for d_query_index (rows past nk zero).
-    sc.row_keys.resize(padded * dip_);
-    std::fill(sc.row_keys.begin() + nk * dip_, sc.row_keys.end(), 0.0f);
-    const char* rows[kKeyTile];
+    // The row's index key rows, kept for d_query_index (rows past nk zero): float32 rows, or
+    // key pairs on pairs.
+    if (ipairs_) {
+      sc.key_pairs.assign(padded * dip_, 0u);
+    } else {
+      sc.row_keys.resize(padded * dip_);
+      std::fill(sc.row_keys.begin() + nk * dip_, sc.row_keys.end(), 0.0f);
+    }
     const float* w = sc.w.data() + g * ig_;
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const int64_t m = std::min(kKeyTile, nk - c0);
-      for (int64_t c = 0; c < m; ++c) {
-        float* k = sc.row_keys.data() + (c0 + c) * dip_;
-        load_index_key(s, sc.keys[c0 + c], g, k);
-        rows[c] = reinterpret_cast<const char*>(k);
+      if (ipairs_) {
+        index_product(sc, s, g, sc.keys.data() + c0, m, sc.sidx.data() + c0, padded,
+                      sc.key_pairs.data() + c0 * dip_);
+      } else {
+        const char* rows[kKeyTile];
+        for (int64_t c = 0; c < m; ++c) {
+          float* k = sc.row_keys.data() + (c0 + c) * dip_;
+          load_index_key(s, sc.keys[c0 + c], g, k);
+          rows[c] = reinterpret_cast<const char*>(k);
+        }
+        k_.pack_keys(rows, m, dip_, sc.kit.data());
+        k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile,
+                 sc.sidx.data() + c0, padded, ig_, kKeyTile, dip_, nullptr, 1.0f});
       }
-      k_.pack_keys(rows, m, dip_, sc.kit.data());
-      k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, sc.sidx.data() + c0,
-               padded, ig_, kKeyTile, dip_, nullptr, 1.0f});
       for (int64_t h = 0; h < ig_; ++h) {
         k_.rows.relu_axpy(w[h], sc.sidx.data() + h * padded + c0, sc.score.data() + c0);
       }
@@ -441,7 +567,6 @@ class SparseKl {
     float* coef = sc.coef.data();
     float* unused = sc.s.data();  // split_coefficients' second output, not read
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
-      const int64_t m = std::min(kKeyTile, nk - c0);
       const float* d = sc.dsc.data() + c0;
       for (int64_t h = 0; h < ig_; ++h) {
         float part = 0.0f, ignored = 0.0f;
@@ -449,8 +574,20 @@ class SparseKl {
                                    coef + h * kKeyTile, unused, &part, &ignored);
         sc.dw[h] += part;
       }
-      k_.gemm({coef, kKeyTile, sc.row_keys.data() + c0 * dip_, dip_, acc, dip_, ig_, dip_, kKeyTile,
-               sc.ones.data(), 1.0f});
+      if (ipairs_) {
+        for (int64_t h = 0; h < ig_; ++h) {
+          uint16_t* row = sc.coef16.data() + h * 2 * kKeyTile;
+          float* lo = sc.coef_lo.data() + h * kKeyTile;
+          ki_.to_bf16(coef + h * kKeyTile, row, kKeyTile);
+          ki_.rows.bf16_residual(coef + h * kKeyTile, lo);
+          ki_.to_bf16(lo, row + kKeyTile, kKeyTile);
+        }
+        ki_.gemm({sc.coef16.data(), kKeyTile, sc.key_pairs.data() + c0 * dip_, dip_, acc, dip_,
+                  ig_, dip_, kKeyTile, sc.ones.data(), 1.0f});
+      } else {
+        k_.gemm({coef, kKeyTile, sc.row_keys.data() + c0 * dip_, dip_, acc, dip_, ig_, dip_,
+                 kKeyTile, sc.ones.data(), 1.0f});
+      }
     }
     store_group(sc, s, i, g);
     return loss;
@@ -474,12 +611,16 @@ class SparseKl {
   const kernels::KernelSet& k_;
   const kernels::KernelSet& kb_;  // the main score product's kernels: k_, or bf16 pairs
   bool pairs_;
+  const kernels::KernelSet& ki_;  // the index products' kernels: k_, or bf16 pairs
+  bool ipairs_;
   Mask mask_;
   std::vector<Sequence> seqs_;
   int64_t g_, ig_;
   int64_t ig_t_;  // row stride of the transposed coefficients
   int64_t dm_, dmp_, dip_;
   int64_t dmw_;                  // pair words per main row, padded to kb_'s depth_align
+  int64_t diw_;                  // pair words per index row, padded to ki_'s depth_align
+  int64_t head_pairs_;           // rows of qih: ig rounded up to whole blocks of 64 heads
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
   std::vector<float> d_index_;   // [rows][N2index][K]: dI per selection entry
 };

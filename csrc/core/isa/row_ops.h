@@ -194,12 +194,23 @@ void interleave_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* 
   for (int64_t e = 0; e < n; ++e) out[e] = a[e] | (static_cast<uint32_t>(b[e]) << 16);
 }
 
+// lo[c] = x[c] - bf16(x[c]).
+void bf16_residual(const float* x, float* lo) {
+#pragma omp simd
+  for (int64_t c = 0; c < kRowWidth; ++c) {
+    const uint32_t bits = bf16_bits(x[c]) << 16;
+    float hi;
+    __builtin_memcpy(&hi, &bits, sizeof(hi));
+    lo[c] = x[c] - hi;
+  }
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
   return RowOps{
       &shift_and_mask,  &probability_gradient, &add_into,       &relu_axpy, &split_coefficients,
       &target_gradient, &masked_scale,         &entropy_terms,  &row_dots,  &pair_rows,
-      &score_mods,      &multiply_into,        &interleave_bf16};
+      &score_mods,      &multiply_into,        &interleave_bf16, &bf16_residual};
 }
 
 }  // namespace

@@ -89,6 +89,9 @@ struct RowOps {
   // out[e] = a[e] | b[e] << 16 for n entries (b null: zeros): rows a and b of bf16 values as
   // one row of pairs, the operand of a product along the rows' index (values by key pairs).
   void (*interleave_bf16)(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* out);
+  // lo[c] = x[c] - bf16(x[c]) (round to nearest even): what a row of float32 operands loses to
+  // bf16, so that bf16(x) + bf16(lo) carries x to about 2^-17 relative in two pair products.
+  void (*bf16_residual)(const float* x, float* lo);
 };
 
 struct KernelSet {
