@@ -31,7 +31,8 @@ class AttnCase:
     k_used: tuple[int, ...] | None = None
 
 
-# Every layout (BSND, BNSD, TND, paged PA_BBND with block sizes 16 and 64); S1 < S2 and S1 > S2;
+# Every layout (BSND, BNSD, TND, paged PA_BBND with block sizes 16 and 64); decode with keys read
+# in place; S1 < S2 and S1 > S2;
 # varlen with empty sequences; windows 0, 1, large and -1 on each side; sinks; GQA 1/4/8; head
 # dims 64, 128, (192, 128) and odd 17/33; seqused with and without cu_seqlens.
 CASES = [
@@ -78,6 +79,23 @@ CASES = [
         block_size=64,
     ),
     AttnCase("paged_tnd", "TND", "PA_BBND", (5, 0, 30), (50, 7, 30), 4, 2, 64, block_size=16),
+    # Decode with bf16 keys read in place (at most 16 query rows per sequence, whole 64-key
+    # blocks): 4, 8 and 16 rows; one block exactly, and partial last tiles inside a block.
+    AttnCase(
+        "paged_64_decode",
+        "BSND",
+        "PA_BBND",
+        (1, 2, 4),
+        (200, 64, 130),
+        8,
+        2,
+        128,
+        mask_mode=3,
+        block_size=64,
+    ),
+    # Unpaged decode: whole tiles in place, the last partial tile packed; a 12-row sequence
+    # beside a 20-row one that packs every tile.
+    AttnCase("decode_tnd", "TND", "TND", (3, 5), (150, 97), 4, 1, 64, mask_mode=3),
     AttnCase(
         "window_0_0", "BSND", "BSND", (80,), (80,), 4, 1, 64, mask_mode=4, win_left=0, win_right=0
     ),

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -78,7 +79,8 @@ class Runner {
         dvp_(round_up(dv_, 16)),
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * dvp_),
-        slot_floats_(g_.rows * (dvp_ + 2)) {}
+        slot_floats_(g_.rows * (dvp_ + 2)),
+        direct_keys_(direct_keys(p, k_)) {}
 
   int64_t slot_floats() const { return slot_floats_; }
   const KernelSet& kernel_set() const { return k_; }
@@ -93,7 +95,9 @@ class Runner {
           stats(5 * r.g_.rows),
           row(std::max(r.d_, r.dv_) + 2),
           stage(kKeyTile * r.words_),
-          vis(r.g_.positions) {}
+          vis(r.g_.positions),
+          qt(r.direct_keys_ ? r.dw_ * kKeyTile : 0),
+          st(r.direct_keys_ ? kKeyTile * 16 : 0) {}
     AlignedBuffer<uint32_t> q;
     AlignedBuffer<float> s;
     AlignedBuffer<uint16_t> pb;
@@ -102,6 +106,8 @@ class Runner {
     AlignedBuffer<float> row;
     AlignedBuffer<float> stage;  // widened key rows before their transpose
     std::vector<KeyRange> vis;
+    AlignedBuffer<uint32_t> qt;  // direct keys: the query rows transposed, [dw][64] pair words
+    AlignedBuffer<float> st;     // direct keys: one tile's S^T, [64 keys][16 rows]
     int64_t p0 = 0;  // the unit's first query position (for the ALiBi distances)
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
@@ -226,6 +232,13 @@ class Runner {
         std::fill(dst + words_, dst + dw_, 0u);
       }
     }
+    if (!decode_rows(b)) return;
+    const int64_t rows = (p1 - p0) * g_.group;
+    const char* qrows[kKeyTile];
+    for (int64_t r = 0; r < rows; ++r) {
+      qrows[r] = reinterpret_cast<const char*>(sc.q.data() + r * dw_);
+    }
+    k_.pack_keys(qrows, rows, dw_, sc.qt.data());
   }
 
   // Packs key tile j of (b, h) as [depth][64] words (transposed) and value tile j as
@@ -233,12 +246,13 @@ class Runner {
   // of float32 or bf16 take a direct path; anything else is converted element by element.
   void pack_tile(Scratch& sc, int64_t b, int64_t h, int64_t j, uint32_t* kp, uint32_t* vp) const {
     const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
+    const bool keys = !reads_keys_in_place(b, j);
     const bool fast_k = p_.k.sd == 1 && (pairs_ ? d_ % 2 == 0 : p_.dtype == DType::kFloat32);
     const bool fast_v = p_.v.sd == 1 && (pairs_ || p_.dtype == DType::kFloat32);
     // Contiguous rows of another type for the float32 kernels: widened, then as the fast path.
     const bool stage_k = !fast_k && !pairs_ && p_.k.sd == 1;
     const bool stage_v = !fast_v && !pairs_ && p_.v.sd == 1;
-    if (!fast_k && !stage_k) std::fill(kp, kp + k_tile_words_, 0u);
+    if (keys && !fast_k && !stage_k) std::fill(kp, kp + k_tile_words_, 0u);
     if (valid < kKeyTile || !(fast_v || stage_v) || dvp_ != dv_) {
       std::fill(vp, vp + v_tile_words_, 0u);
     }
@@ -251,14 +265,18 @@ class Runner {
       vrows[n] =
           static_cast<const char*>(p_.v.data) + key_offset(p_.v, b, h, j * kKeyTile + n) * elem;
     }
-    if (stage_k) {
+    if (!keys) {
+      // Read in place by the score product.
+    } else if (stage_k) {
       for (int64_t n = 0; n < valid; ++n) {
         float* dst = sc.stage.data() + n * words_;
         k_.widen(krows[n], p_.dtype, d_, dst);
         krows[n] = reinterpret_cast<const char*>(dst);
       }
     }
-    if (fast_k || stage_k) {
+    if (!keys) {
+      // Read in place by the score product.
+    } else if (fast_k || stage_k) {
       k_.pack_keys(krows, valid, words_, kp);
       std::fill(kp + words_ * kKeyTile, kp + dw_ * kKeyTile, 0u);
     } else {
@@ -346,8 +364,12 @@ class Runner {
       const int64_t slot = ensure_tile(sc, b, h, j);
       if (i == 0) first_slot = slot;
       float* si = s + i * kKeyTile;
-      k_.gemm({sc.q.data(), dw_, sc.kcache.data() + slot * k_tile_words_, kKeyTile, si, cols, rows,
-               kKeyTile, dw_, nullptr, p_.softmax_scale});
+      if (reads_keys_in_place(b, j)) {
+        in_place_scores(sc, b, h, j, si, cols, rows);
+      } else {
+        k_.gemm({sc.q.data(), dw_, sc.kcache.data() + slot * k_tile_words_, kKeyTile, si, cols,
+                 rows, kKeyTile, dw_, nullptr, p_.softmax_scale});
+      }
       if (mods_) modify_tile(sc, si, cols, b, h, j, rows);
       if (j < sp.full_begin || j >= sp.full_end) mask_tile(sc, si, cols, j, rows);
     }
@@ -360,6 +382,22 @@ class Runner {
     } else {
       k_.softmax(s, rows, cols, cur.m, cur.l, corr);
       k_.gemm({s, cols, vp, dvp_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
+    }
+  }
+
+  // The scores of key tile j of (b, h) from the key rows where they lie: S^T = K Q^T into sc.st
+  // ([64][16]), then transposed into s (rows with stride ld). Rows past the sequence's keys
+  // (inside a paged block) are read and then masked like any key the row does not see.
+  void in_place_scores(Scratch& sc, int64_t b, int64_t h, int64_t j, float* s, int64_t ld,
+                       int64_t rows) const {
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(
+        static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
+    float* st = sc.st.data();
+    k_.gemm({keys, p_.k.ss / 2, sc.qt.data(), kKeyTile, st, 16, kKeyTile, 16, dw_, nullptr,
+             p_.softmax_scale});
+    for (int64_t r = 0; r < rows; ++r) {
+      float* out = s + r * ld;
+      for (int64_t c = 0; c < kKeyTile; ++c) out[c] = st[c * 16 + r];
     }
   }
 
@@ -475,6 +513,32 @@ class Runner {
   int64_t dvp_;
   int64_t k_tile_words_, v_tile_words_;
   int64_t slot_floats_;
+  // bf16 keys whose rows are whole depth tiles of contiguous pairs: for sequences of at most 16
+  // query rows (decode), the score product reads the key rows where they lie, as the A operand
+  // (S^T = K Q^T), instead of packing each key tile first; only the values are packed.
+  bool direct_keys_;
+
+  static bool direct_keys(const FlashAttnParams& p, const KernelSet& k) {
+    const bool paged = p.block_table != nullptr;
+    // Whole 4-byte pair words: an aligned base and even element strides.
+    const bool words = reinterpret_cast<uintptr_t>(p.k.data) % 4 == 0 && p.k.ss % 2 == 0 &&
+                       p.k.sn % 2 == 0 && p.k.sb % 2 == 0;
+    return k.word == kernels::Word::kBf16Pair && p.dtype == DType::kBFloat16 &&
+           p.config.head_dim % (2 * k.depth_align) == 0 && p.k.sd == 1 && words &&
+           (!paged || p.block_size % kKeyTile == 0);
+  }
+
+  // Whether sequence b's query rows (all its positions times the group) fit one 16-row tile.
+  bool decode_rows(int64_t b) const {
+    return direct_keys_ && seqs_[b].q_len * g_.group <= 16;
+  }
+
+  // Whether key tile j of sequence b is read in place: a decode sequence whose tile has all its
+  // 64 rows in memory with one stride (a paged block holds whole tiles; unpaged, the tile lies
+  // inside the sequence).
+  bool reads_keys_in_place(int64_t b, int64_t j) const {
+    return decode_rows(b) && (p_.block_table != nullptr || (j + 1) * kKeyTile <= seqs_[b].k_len);
+  }
 };
 
 }  // namespace
