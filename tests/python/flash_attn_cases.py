@@ -79,16 +79,17 @@ CASES = [
         block_size=64,
     ),
     AttnCase("paged_tnd", "TND", "PA_BBND", (5, 0, 30), (50, 7, 30), 4, 2, 64, block_size=16),
-    # Decode with bf16 keys read in place (at most 16 query rows per sequence, whole 64-key
-    # blocks): 4, 8 and 16 rows; one block exactly, and partial last tiles inside a block.
+    # Decode with bf16 keys read in place (one key head, at most 16 query rows per sequence,
+    # whole 64-key blocks): 4, 8 and 16 rows; one block exactly, and partial last tiles inside a
+    # block.
     AttnCase(
         "paged_64_decode",
         "BSND",
         "PA_BBND",
         (1, 2, 4),
         (200, 64, 130),
-        8,
-        2,
+        4,
+        1,
         128,
         mask_mode=3,
         block_size=64,

@@ -513,9 +513,10 @@ class Runner {
   int64_t dvp_;
   int64_t k_tile_words_, v_tile_words_;
   int64_t slot_floats_;
-  // bf16 keys whose rows are whole depth tiles of contiguous pairs: for sequences of at most 16
-  // query rows (decode), the score product reads the key rows where they lie, as the A operand
-  // (S^T = K Q^T), instead of packing each key tile first; only the values are packed.
+  // bf16 keys of one key head, rows back to back, each a whole number of depth tiles of pairs:
+  // for sequences of at most 16 query rows (decode), the score product reads the key rows where
+  // they lie, as the A operand (S^T = K Q^T), instead of packing each key tile first; only the
+  // values are packed.
   bool direct_keys_;
 
   static bool direct_keys(const FlashAttnParams& p, const KernelSet& k) {
@@ -523,7 +524,11 @@ class Runner {
     // Whole 4-byte pair words: an aligned base and even element strides.
     const bool words = reinterpret_cast<uintptr_t>(p.k.data) % 4 == 0 && p.k.ss % 2 == 0 &&
                        p.k.sn % 2 == 0 && p.k.sb % 2 == 0;
-    return k.word == kernels::Word::kBf16Pair && p.dtype == DType::kBFloat16 &&
+    // Key rows back to back (one key head): the tile loads stream one contiguous run. With
+    // several key heads interleaved, a tile of one head's rows reads 256-byte pieces far apart,
+    // slower than the packing pass's vector loads (measured on decode).
+    const bool contiguous = p.k.ss == p.config.head_dim;
+    return k.word == kernels::Word::kBf16Pair && p.dtype == DType::kBFloat16 && contiguous &&
            p.config.head_dim % (2 * k.depth_align) == 0 && p.k.sd == 1 && words &&
            (!paged || p.block_size % kKeyTile == 0);
   }
