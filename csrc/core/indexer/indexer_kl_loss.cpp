@@ -73,7 +73,8 @@ class KlLoss {
         di_(p.index_dim),
         dip_(round_up(di_, 16)),
         dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)),
-        diw_(round_up((di_ + 1) / 2, kb_.depth_align)) {
+        diw_(round_up((di_ + 1) / 2, kb_.depth_align)),
+        di16_(round_up(di_, 16)) {
     int64_t total = 0;
     for (const Sequence& s : seqs_) {
       z_base_.push_back(total);
@@ -108,7 +109,12 @@ class KlLoss {
           mkp(r.pairs_ ? r.p_.heads_k * r.dmw_ * kTile : 0),
           qip(r.pairs_ ? r.p_.index_heads_q * kTile * r.diw_ : 0),
           kitp(r.pairs_ ? r.p_.index_heads_k * r.diw_ * kTile : 0),
-          krow(r.pairs_ ? kTile * std::max(r.dmw_, r.diw_) : 0) {
+          krow(r.pairs_ ? std::max(kTile * std::max(r.dmw_, r.diw_), kTile / 2 * r.dip_) : 0),
+          kirp(r.pairs_ ? r.p_.index_heads_k * kTile * r.dip_ : 0),
+          qitp(r.pairs_ ? r.p_.index_heads_q * r.di16_ * kTile : 0),
+          coef16(r.pairs_ ? (r.igroup_ * 2 * kTile + 16) * 2 * kTile : 0),
+          coefp(r.pairs_ ? kTile * kTile : 0),
+          lo(r.pairs_ ? kTile * kTile : 0) {
       std::fill(ones.data(), ones.data() + 2 * kTile * r.igroup_, 1.0f);
     }
     AlignedBuffer<float> mq;      // [N1][64][dmp] main query rows (query and rope parts)
@@ -135,7 +141,15 @@ class KlLoss {
     AlignedBuffer<uint32_t> mkp;   // [N2][dmw][64] main keys, packed
     AlignedBuffer<uint32_t> qip;   // [N1index][64][diw] index query rows
     AlignedBuffer<uint32_t> kitp;  // [N2index][diw][64] index keys, packed
-    AlignedBuffer<uint32_t> krow;  // [64][words] key rows before packing
+    AlignedBuffer<uint32_t> krow;  // [64][words] key rows before packing (or [32][dip] pairs)
+    // The two gradient products on pairs. Their left or right operand is a float32 coefficient
+    // c, carried as bf16(c) and bf16(c - bf16(c)) side by side along the depth against the
+    // other operand twice: float32's accuracy in one product of twice the depth.
+    AlignedBuffer<uint32_t> kirp;   // [N2index][64][dip]: key pairs of index keys, then again
+    AlignedBuffer<uint32_t> qitp;   // [N1index][di16][64]: query-row pairs, then again
+    AlignedBuffer<uint16_t> coef16;  // [coef rows (+16)][128]: 64 bf16(c), then 64 bf16(lo)
+    AlignedBuffer<uint32_t> coefp;  // [64][64]: coef's query-row pairs (32 rows), then lo's
+    AlignedBuffer<float> lo;        // [64][64] c - bf16(c) of one head's coefficients
   };
 
   const kernels::KernelSet& products() const { return kb_; }
@@ -243,9 +257,23 @@ class KlLoss {
             }
           }
         }
-        k_.gemm({sc.coef.data(), kTile, sc.kir.data() + g * kTile * dip_, dip_,
-                 sc.acc.data() + g * igroup_ * 2 * kTile * dip_, dip_, igroup_ * 2 * kTile, dip_,
-                 kTile, sc.ones.data(), 1.0f});
+        float* acc = sc.acc.data() + g * igroup_ * 2 * kTile * dip_;
+        if (pairs_) {
+          const int64_t n = igroup_ * 2 * kTile;
+          for (int64_t r = 0; r < n; ++r) {
+            const float* c = sc.coef.data() + r * kTile;
+            uint16_t* row = sc.coef16.data() + r * 2 * kTile;
+            float* lo = sc.lo.data();
+            kb_.to_bf16(c, row, kTile);
+            kb_.rows.bf16_residual(c, lo);
+            kb_.to_bf16(lo, row + kTile, kTile);
+          }
+          kb_.gemm({sc.coef16.data(), kTile, sc.kirp.data() + g * kTile * dip_, dip_, acc, dip_, n,
+                    dip_, kTile, sc.ones.data(), 1.0f});
+        } else {
+          k_.gemm({sc.coef.data(), kTile, sc.kir.data() + g * kTile * dip_, dip_, acc, dip_,
+                   igroup_ * 2 * kTile, dip_, kTile, sc.ones.data(), 1.0f});
+        }
       }
     }
     // Combine the parts now that Z is known, and write the tile's rows.
@@ -349,8 +377,24 @@ class KlLoss {
           const float wr = r < rows ? sc.w.data()[r * p_.index_heads_q + h] : 0.0f;
           k_.rows.masked_scale(sh + r * kTile, di + r * kTile, wr, coef + r * kTile);
         }
-        k_.gemm({sc.qit.data() + h * di_ * kTile, kTile, coef, kTile, acc + g * di_ * kTile, kTile,
-                 di_, kTile, kTile, sc.ones.data(), 1.0f});
+        if (pairs_) {
+          // coefp rows l < 32: (coef[2l], coef[2l + 1]); rows 32 + l: the same of lo.
+          float* lo = sc.lo.data();
+          for (int64_t r = 0; r < kTile; ++r) {
+            kb_.rows.bf16_residual(coef + r * kTile, lo + r * kTile);
+          }
+          uint32_t* cp = sc.coefp.data();
+          for (int64_t l = 0; l < kTile / 2; ++l) {
+            kb_.rows.pair_rows(coef + 2 * l * kTile, coef + (2 * l + 1) * kTile, cp + l * kTile);
+            kb_.rows.pair_rows(lo + 2 * l * kTile, lo + (2 * l + 1) * kTile,
+                               cp + (kTile / 2 + l) * kTile);
+          }
+          kb_.gemm({sc.qitp.data() + h * di16_ * kTile, kTile, cp, kTile, acc + g * di_ * kTile,
+                    kTile, di_, kTile, kTile, sc.ones.data(), 1.0f});
+        } else {
+          k_.gemm({sc.qit.data() + h * di_ * kTile, kTile, coef, kTile, acc + g * di_ * kTile,
+                   kTile, di_, kTile, kTile, sc.ones.data(), 1.0f});
+        }
       }
     }
   }
@@ -375,6 +419,23 @@ class KlLoss {
   // pass's d_key_index^T product.
   void transpose_index_queries(Scratch& sc) const {
     const char* rows[kTile];
+    if (pairs_) {
+      // qitp[h][e][l] = qitp[h][e][32 + l] = (qi[h][2l][e], qi[h][2l + 1][e]), through the query
+      // rows paired in sc.krow ([32][dip] words) and the key packing's transpose.
+      uint32_t* paired = sc.krow.data();
+      for (int64_t l = 0; l < kTile / 2; ++l) {
+        rows[l] = rows[kTile / 2 + l] = reinterpret_cast<const char*>(paired + l * dip_);
+      }
+      for (int64_t h = 0; h < p_.index_heads_q; ++h) {
+        const uint16_t* q16 = reinterpret_cast<const uint16_t*>(sc.qip.data() + h * kTile * diw_);
+        for (int64_t l = 0; l < kTile / 2; ++l) {
+          kb_.rows.interleave_bf16(q16 + 2 * l * 2 * diw_, q16 + (2 * l + 1) * 2 * diw_, di_,
+                                   paired + l * dip_);
+        }
+        kb_.pack_keys(rows, kTile, di_, sc.qitp.data() + h * di16_ * kTile);
+      }
+      return;
+    }
     for (int64_t h = 0; h < p_.index_heads_q; ++h) {
       for (int64_t r = 0; r < kTile; ++r) {
         rows[r] = reinterpret_cast<const char*>(sc.qi.data() + (h * kTile + r) * dip_);
@@ -416,6 +477,14 @@ class KlLoss {
     for (int64_t g = 0; g < p_.index_heads_k; ++g) {
       pack(diw_, sc.kitp.data() + g * diw_ * kTile,
            [&](int64_t key, uint16_t* row) { load_bf16(p_.key_index, b, key, g, di_, row); });
+      // kirp[g][l] = kirp[g][32 + l] = (k[2l], k[2l + 1]) from the rows still in sc.krow.
+      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(sc.krow.data());
+      uint32_t* out = sc.kirp.data() + g * kTile * dip_;
+      for (int64_t l = 0; l < kTile / 2; ++l) {
+        kb_.rows.interleave_bf16(k16 + 2 * l * 2 * diw_, k16 + (2 * l + 1) * 2 * diw_, di_,
+                                 out + l * dip_);
+      }
+      std::memcpy(out + kTile / 2 * dip_, out, kTile / 2 * dip_ * sizeof(uint32_t));
     }
   }
 
@@ -603,6 +672,7 @@ class KlLoss {
   int64_t group_, igroup_;
   int64_t dm_, dmp_, di_, dip_;
   int64_t dmw_, diw_;  // pair words per main and per index row, padded to kb_'s depth_align
+  int64_t di16_;       // di rounded up to 16: rows of the key pass's left operand on pairs
   std::vector<int64_t> z_base_;  // first entry of sequence b in z_
   std::vector<float> z_;         // Z for every query row
 };
