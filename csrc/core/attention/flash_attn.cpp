@@ -108,7 +108,7 @@ class Runner {
     std::vector<KeyRange> vis;
     AlignedBuffer<uint32_t> qt;  // direct keys: the query rows transposed, [dw][64] pair words
     AlignedBuffer<float> st;     // direct keys: one tile's S^T, [64 keys][16 rows]
-    int64_t p0 = 0;  // the unit's first query position (for the ALiBi distances)
+    int64_t p0 = 0;              // the unit's first query position (for the ALiBi distances)
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
     bool cache_all = false;
@@ -534,9 +534,7 @@ class Runner {
   }
 
   // Whether sequence b's query rows (all its positions times the group) fit one 16-row tile.
-  bool decode_rows(int64_t b) const {
-    return direct_keys_ && seqs_[b].q_len * g_.group <= 16;
-  }
+  bool decode_rows(int64_t b) const { return direct_keys_ && seqs_[b].q_len * g_.group <= 16; }
 
   // Whether key tile j of sequence b is read in place: a decode sequence whose tile has all its
   // 64 rows in memory with one stride (a paged block holds whole tiles; unpaged, the tile lies

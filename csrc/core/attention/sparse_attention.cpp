@@ -172,10 +172,10 @@ class Forward {
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
       sparse::copy_bf16(p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3],
-                p_.head_dim, dst);
+                        p_.head_dim, dst);
       if (p_.rope_dim > 0) {
         sparse::copy_bf16(p_.query_rope, geo_.query_offset(p_.query_rope_stride, s, i, h),
-                  p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+                          p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
       }
     }
   }
@@ -190,10 +190,10 @@ class Forward {
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
       sparse::copy_bf16(p_.key, geo_.key_offset(p_.key_stride, s, keys[c], g), p_.key_stride[3],
-                p_.head_dim, dst);
+                        p_.head_dim, dst);
       if (p_.rope_dim > 0) {
         sparse::copy_bf16(p_.key_rope, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
-                  p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+                          p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(words);
     }

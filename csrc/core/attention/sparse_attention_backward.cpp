@@ -93,22 +93,22 @@ class Backward {
           ones(std::max<int64_t>(b.rows_, kKeyTile), 1.0f),
           row(std::max(b.dqk_, b.p_.value_dim)),
           row2(b.p_.value_dim) {}
-    AlignedBuffer<uint32_t> q;     // [rows][dw] query rows (query | rope)
-    AlignedBuffer<uint32_t> dout;  // [rows][dwv]
-    AlignedBuffer<float> acc;      // pass 1: dq [rows][dq16]; pass 2: a product's [64][dq16|dv16]
-    AlignedBuffer<float> acc2;     // pass 2 on pairs: the other product
-    AlignedBuffer<uint32_t> krow;  // [64][dw] selected key rows (key | rope)
-    AlignedBuffer<uint32_t> vrow;  // [64][dwv] selected value rows
-    AlignedBuffer<uint32_t> kt;    // [dw][64] keys transposed
-    AlignedBuffer<uint32_t> vt;    // [dwv][64] values transposed
-    AlignedBuffer<uint32_t> kp;    // [32][dq16] keys as key pairs (pairs)
-    AlignedBuffer<uint32_t> qh;    // [head pairs][dq16] queries as head pairs (pairs)
-    AlignedBuffer<uint32_t> oh;    // [head pairs][dv16] output gradients as head pairs (pairs)
-    AlignedBuffer<float> s;        // [rows][64] scores, then probabilities
-    AlignedBuffer<float> dp;       // [rows][64] dP, then dS
-    AlignedBuffer<uint32_t> pt;    // [64][G] P transposed (float32), [64][64] head pairs (pairs)
-    AlignedBuffer<uint32_t> dst;   // [64][G] dS transposed, the same
-    AlignedBuffer<uint16_t> ds16;  // [rows][64] dS in bf16, as key pairs (pairs)
+    AlignedBuffer<uint32_t> q;      // [rows][dw] query rows (query | rope)
+    AlignedBuffer<uint32_t> dout;   // [rows][dwv]
+    AlignedBuffer<float> acc;       // pass 1: dq [rows][dq16]; pass 2: a product's [64][dq16|dv16]
+    AlignedBuffer<float> acc2;      // pass 2 on pairs: the other product
+    AlignedBuffer<uint32_t> krow;   // [64][dw] selected key rows (key | rope)
+    AlignedBuffer<uint32_t> vrow;   // [64][dwv] selected value rows
+    AlignedBuffer<uint32_t> kt;     // [dw][64] keys transposed
+    AlignedBuffer<uint32_t> vt;     // [dwv][64] values transposed
+    AlignedBuffer<uint32_t> kp;     // [32][dq16] keys as key pairs (pairs)
+    AlignedBuffer<uint32_t> qh;     // [head pairs][dq16] queries as head pairs (pairs)
+    AlignedBuffer<uint32_t> oh;     // [head pairs][dv16] output gradients as head pairs (pairs)
+    AlignedBuffer<float> s;         // [rows][64] scores, then probabilities
+    AlignedBuffer<float> dp;        // [rows][64] dP, then dS
+    AlignedBuffer<uint32_t> pt;     // [64][G] P transposed (float32), [64][64] head pairs (pairs)
+    AlignedBuffer<uint32_t> dst;    // [64][G] dS transposed, the same
+    AlignedBuffer<uint16_t> ds16;   // [rows][64] dS in bf16, as key pairs (pairs)
     AlignedBuffer<uint32_t> words;  // [64][64] head-pair rows before their transpose (pairs)
     std::vector<float> ones;
     std::vector<float> row, row2;
@@ -261,8 +261,8 @@ class Backward {
       transpose(sc.dp.data(), sc.dst.data());
       k_.gemm({sc.pt.data(), kKeyTile, sc.oh.data() + h0 / 2 * dv16_, dv16_, sc.acc.data(), dv16_,
                n, dv16_, depth, scale_rows, 1.0f});
-      k_.gemm({sc.dst.data(), kKeyTile, sc.qh.data() + h0 / 2 * dq16_, dq16_, sc.acc2.data(),
-               dq16_, n, dq16_, depth, scale_rows, p_.scale});
+      k_.gemm({sc.dst.data(), kKeyTile, sc.qh.data() + h0 / 2 * dq16_, dq16_, sc.acc2.data(), dq16_,
+               n, dq16_, depth, scale_rows, p_.scale});
     }
   }
 
@@ -272,35 +272,14 @@ class Backward {
   void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g, bool heads) const {
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
-      const int64_t qo = geo_.query_offset(p_.query_stride, s, i, h);
       const int64_t ro =
           p_.rope_dim > 0 ? geo_.query_offset(p_.query_rope_stride, s, i, h) : int64_t{0};
-      const int64_t oo = geo_.query_offset(gr_.dout_stride, s, i, h);
-      if (pairs_) {
-        uint32_t* q = sc.q.data() + r * dw_;
-        std::fill(q, q + dw_, 0u);
-        uint16_t* q16 = reinterpret_cast<uint16_t*>(q);
-        sparse::copy_bf16(p_.query, qo, p_.query_stride[3], p_.head_dim, q16);
-        if (p_.rope_dim > 0) {
-          sparse::copy_bf16(p_.query_rope, ro, p_.query_rope_stride[3], p_.rope_dim,
-                            q16 + p_.head_dim);
-        }
-        uint32_t* d = sc.dout.data() + r * dwv_;
-        std::fill(d, d + dwv_, 0u);
-        sparse::copy_bf16(gr_.dout, oo, gr_.dout_stride[3], p_.value_dim,
-                          reinterpret_cast<uint16_t*>(d));
-        continue;
-      }
-      float* q = reinterpret_cast<float*>(sc.q.data()) + r * dq16_;
-      sparse::load(k_, p_.query, p_.dtype, qo, p_.query_stride[3], p_.head_dim, q);
-      if (p_.rope_dim > 0) {
-        sparse::load(k_, p_.query_rope, p_.dtype, ro, p_.query_rope_stride[3], p_.rope_dim,
-                     q + p_.head_dim);
-      }
-      std::fill(q + dqk_, q + dq16_, 0.0f);
-      float* d = reinterpret_cast<float*>(sc.dout.data()) + r * dv16_;
-      sparse::load(k_, gr_.dout, p_.dtype, oo, gr_.dout_stride[3], p_.value_dim, d);
-      std::fill(d + p_.value_dim, d + dv16_, 0.0f);
+      load_joined(
+          {p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3], p_.head_dim},
+          {p_.query_rope, ro, p_.query_rope_stride[3], p_.rope_dim}, sc.q.data() + r * dw_, dw_);
+      load_joined(
+          {gr_.dout, geo_.query_offset(gr_.dout_stride, s, i, h), gr_.dout_stride[3], p_.value_dim},
+          {}, sc.dout.data() + r * dwv_, dwv_);
     }
     if (!pairs_ || !heads) return;
     // qh[l][e] = (q[2l][e], q[2l + 1][e]), oh likewise; rows past G are zero.
@@ -314,34 +293,39 @@ class Backward {
     }
   }
 
-  // Key row c of a chunk (key | rope of position j) as float32 or as bf16 pairs, zero-padded.
+  // Key row c of a chunk (key | rope of position j) and its value row, zero-padded.
   void load_key(Scratch& sc, const Sequence& s, int64_t g, int64_t c, int32_t j) const {
-    const int64_t ko = geo_.key_offset(p_.key_stride, s, j, g);
     const int64_t ro = p_.rope_dim > 0 ? geo_.key_offset(p_.key_rope_stride, s, j, g) : 0;
-    const int64_t vo = geo_.key_offset(p_.value_stride, s, j, g);
+    load_joined({p_.key, geo_.key_offset(p_.key_stride, s, j, g), p_.key_stride[3], p_.head_dim},
+                {p_.key_rope, ro, p_.key_rope_stride[3], p_.rope_dim}, sc.krow.data() + c * dw_,
+                dw_);
+    load_joined(
+        {p_.value, geo_.key_offset(p_.value_stride, s, j, g), p_.value_stride[3], p_.value_dim}, {},
+        sc.vrow.data() + c * dwv_, dwv_);
+  }
+
+  // n elements of a tensor from element `offset`, `stride` apart.
+  struct Part {
+    const void* data = nullptr;
+    int64_t offset = 0;
+    int64_t stride = 1;
+    int64_t n = 0;
+  };
+
+  // Parts a and b one after the other in a row of `width` words, zero-padded: bf16 pairs on
+  // pairs (the elements as they are), float32 otherwise (widened).
+  void load_joined(const Part& a, const Part& b, uint32_t* dst, int64_t width) const {
     if (pairs_) {
-      uint32_t* k = sc.krow.data() + c * dw_;
-      std::fill(k, k + dw_, 0u);
-      uint16_t* k16 = reinterpret_cast<uint16_t*>(k);
-      sparse::copy_bf16(p_.key, ko, p_.key_stride[3], p_.head_dim, k16);
-      if (p_.rope_dim > 0) {
-        sparse::copy_bf16(p_.key_rope, ro, p_.key_rope_stride[3], p_.rope_dim, k16 + p_.head_dim);
-      }
-      uint32_t* v = sc.vrow.data() + c * dwv_;
-      std::fill(v, v + dwv_, 0u);
-      sparse::copy_bf16(p_.value, vo, p_.value_stride[3], p_.value_dim,
-                        reinterpret_cast<uint16_t*>(v));
+      std::fill(dst, dst + width, 0u);
+      uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+      sparse::copy_bf16(a.data, a.offset, a.stride, a.n, d16);
+      if (b.n > 0) sparse::copy_bf16(b.data, b.offset, b.stride, b.n, d16 + a.n);
       return;
     }
-    float* k = reinterpret_cast<float*>(sc.krow.data()) + c * dq16_;
-    sparse::load(k_, p_.key, p_.dtype, ko, p_.key_stride[3], p_.head_dim, k);
-    if (p_.rope_dim > 0) {
-      sparse::load(k_, p_.key_rope, p_.dtype, ro, p_.key_rope_stride[3], p_.rope_dim,
-                   k + p_.head_dim);
-    }
-    std::fill(k + dqk_, k + dq16_, 0.0f);
-    float* v = reinterpret_cast<float*>(sc.vrow.data()) + c * dv16_;
-    sparse::load(k_, p_.value, p_.dtype, vo, p_.value_stride[3], p_.value_dim, v);
+    float* d = reinterpret_cast<float*>(dst);
+    sparse::load(k_, a.data, p_.dtype, a.offset, a.stride, a.n, d);
+    if (b.n > 0) sparse::load(k_, b.data, p_.dtype, b.offset, b.stride, b.n, d + a.n);
+    std::fill(d + a.n + b.n, d + width, 0.0f);
   }
 
   // For n keys of one chunk: their rows and transposes (with `key_pairs` on bf16 pairs, the keys
@@ -401,11 +385,11 @@ class Backward {
   int64_t dqk_;
   int64_t dq16_;  // dqk_ padded to 16: a product's output width
   int64_t dv16_;
-  int64_t rows_;        // G padded to the set's row_align (and to even on pairs)
-  int64_t dw_, dwv_;    // words per query/key and value row: dq16_/dv16_, or pairs padded
-  int64_t head_pairs_;  // rows of qh and oh: G / 2 rounded up to whole transposed tiles
-  std::vector<float> lse_;         // [rows][N1]: +inf where nothing is selected
-  std::vector<float> delta_;       // [rows][N1]
+  int64_t rows_;              // G padded to the set's row_align (and to even on pairs)
+  int64_t dw_, dwv_;          // words per query/key and value row: dq16_/dv16_, or pairs padded
+  int64_t head_pairs_;        // rows of qh and oh: G / 2 rounded up to whole transposed tiles
+  std::vector<float> lse_;    // [rows][N1]: +inf where nothing is selected
+  std::vector<float> delta_;  // [rows][N1]
   std::vector<float> sink_share_;  // [rows][N1]
 };
 

@@ -145,11 +145,11 @@ class KlLoss {
     // The two gradient products on pairs. Their left or right operand is a float32 coefficient
     // c, carried as bf16(c) and bf16(c - bf16(c)) side by side along the depth against the
     // other operand twice: float32's accuracy in one product of twice the depth.
-    AlignedBuffer<uint32_t> kirp;   // [N2index][64][dip]: key pairs of index keys, then again
-    AlignedBuffer<uint32_t> qitp;   // [N1index][di16][64]: query-row pairs, then again
+    AlignedBuffer<uint32_t> kirp;    // [N2index][64][dip]: key pairs of index keys, then again
+    AlignedBuffer<uint32_t> qitp;    // [N1index][di16][64]: query-row pairs, then again
     AlignedBuffer<uint16_t> coef16;  // [coef rows (+16)][128]: 64 bf16(c), then 64 bf16(lo)
-    AlignedBuffer<uint32_t> coefp;  // [64][64]: coef's query-row pairs (32 rows), then lo's
-    AlignedBuffer<float> lo;        // [64][64] c - bf16(c) of one head's coefficients
+    AlignedBuffer<uint32_t> coefp;   // [64][64]: coef's query-row pairs (32 rows), then lo's
+    AlignedBuffer<float> lo;         // [64][64] c - bf16(c) of one head's coefficients
   };
 
   const kernels::KernelSet& products() const { return kb_; }

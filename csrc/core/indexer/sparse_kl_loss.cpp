@@ -126,9 +126,9 @@ class SparseKl {
     // [ig (+16 readable)][128] coefficients as key pairs: 32 words of bf16(coef), then 32 of
     // bf16(coef - bf16(coef)), so that one product over both keeps float32's accuracy.
     AlignedBuffer<uint16_t> coef16;
-    AlignedBuffer<float> coef_lo;    // [ig + 1][64] coef - bf16(coef) (the last row zero)
-    AlignedBuffer<uint32_t> qih;     // pass 2: [head pairs][dip] group's index queries, head pairs
-    AlignedBuffer<uint32_t> words;   // pass 2: [64][64] coefficient head pairs, then transposed
+    AlignedBuffer<float> coef_lo;   // [ig + 1][64] coef - bf16(coef) (the last row zero)
+    AlignedBuffer<uint32_t> qih;    // pass 2: [head pairs][dip] group's index queries, head pairs
+    AlignedBuffer<uint32_t> words;  // pass 2: [64][64] coefficient head pairs, then transposed
     // [padded][dip] the row's index keys as key pairs: per chunk of 64 keys their 32 pairs, twice
     // (the B operand of coef16's two halves).
     std::vector<uint32_t> key_pairs;
@@ -337,8 +337,8 @@ class SparseKl {
         rows[c] = reinterpret_cast<const char*>(k);
       }
       k_.pack_keys(rows, m, dip_, sc.kit.data());
-      k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, out, ld, ig_,
-               kKeyTile, dip_, nullptr, 1.0f});
+      k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, out, ld, ig_, kKeyTile,
+               dip_, nullptr, 1.0f});
       return;
     }
     for (int64_t c = 0; c < kKeyTile; ++c) {
@@ -356,8 +356,8 @@ class SparseKl {
     if (key_pairs == nullptr) return;
     const uint16_t* k16 = reinterpret_cast<const uint16_t*>(sc.istage.data());
     for (int64_t l = 0; l < kKeyTile / 2; ++l) {
-      ki_.rows.interleave_bf16(k16 + 2 * l * 2 * diw_, k16 + (2 * l + 1) * 2 * diw_,
-                               p_.index_dim, key_pairs + l * dip_);
+      ki_.rows.interleave_bf16(k16 + 2 * l * 2 * diw_, k16 + (2 * l + 1) * 2 * diw_, p_.index_dim,
+                               key_pairs + l * dip_);
     }
     std::memcpy(key_pairs + kKeyTile / 2 * dip_, key_pairs, kKeyTile / 2 * dip_ * sizeof(uint32_t));
   }
@@ -400,8 +400,7 @@ class SparseKl {
       for (int64_t l = 0; l < p; ++l) {
         const int64_t h = h0 + 2 * l;
         ki_.rows.pair_rows(coef + h * kKeyTile, coef + (h + 1) * kKeyTile, paired + l * kKeyTile);
-        ki_.rows.pair_rows(lo + h * kKeyTile, lo + (h + 1) * kKeyTile,
-                           paired + (p + l) * kKeyTile);
+        ki_.rows.pair_rows(lo + h * kKeyTile, lo + (h + 1) * kKeyTile, paired + (p + l) * kKeyTile);
       }
       ki_.pack_keys(rows, 2 * p, kKeyTile, transposed);
       ki_.gemm({transposed, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_,
@@ -525,8 +524,8 @@ class SparseKl {
           rows[c] = reinterpret_cast<const char*>(k);
         }
         k_.pack_keys(rows, m, dip_, sc.kit.data());
-        k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile,
-                 sc.sidx.data() + c0, padded, ig_, kKeyTile, dip_, nullptr, 1.0f});
+        k_.gemm({sc.qi.data() + g * ig_ * dip_, dip_, sc.kit.data(), kKeyTile, sc.sidx.data() + c0,
+                 padded, ig_, kKeyTile, dip_, nullptr, 1.0f});
       }
       for (int64_t h = 0; h < ig_; ++h) {
         k_.rows.relu_axpy(w[h], sc.sidx.data() + h * padded + c0, sc.score.data() + c0);
@@ -582,8 +581,8 @@ class SparseKl {
           ki_.rows.bf16_residual(coef + h * kKeyTile, lo);
           ki_.to_bf16(lo, row + kKeyTile, kKeyTile);
         }
-        ki_.gemm({sc.coef16.data(), kKeyTile, sc.key_pairs.data() + c0 * dip_, dip_, acc, dip_,
-                  ig_, dip_, kKeyTile, sc.ones.data(), 1.0f});
+        ki_.gemm({sc.coef16.data(), kKeyTile, sc.key_pairs.data() + c0 * dip_, dip_, acc, dip_, ig_,
+                  dip_, kKeyTile, sc.ones.data(), 1.0f});
       } else {
         k_.gemm({coef, kKeyTile, sc.row_keys.data() + c0 * dip_, dip_, acc, dip_, ig_, dip_,
                  kKeyTile, sc.ones.data(), 1.0f});

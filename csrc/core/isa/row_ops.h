@@ -208,8 +208,8 @@ void bf16_residual(const float* x, float* lo) {
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
   return RowOps{
-      &shift_and_mask,  &probability_gradient, &add_into,       &relu_axpy, &split_coefficients,
-      &target_gradient, &masked_scale,         &entropy_terms,  &row_dots,  &pair_rows,
+      &shift_and_mask,  &probability_gradient, &add_into,        &relu_axpy,    &split_coefficients,
+      &target_gradient, &masked_scale,         &entropy_terms,   &row_dots,     &pair_rows,
       &score_mods,      &multiply_into,        &interleave_bf16, &bf16_residual};
 }
 
