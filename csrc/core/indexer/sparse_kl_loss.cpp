@@ -416,12 +416,7 @@ class SparseKl {
 
   // n bf16 elements of operand o at element `offset`, as they are.
   static void copy_bf16(const KlOperand& o, int64_t offset, int64_t n, uint16_t* dst) {
-    const uint16_t* src = static_cast<const uint16_t*>(o.data) + offset;
-    if (o.stride[3] == 1) {
-      std::memcpy(dst, src, n * sizeof(uint16_t));
-    } else {
-      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * o.stride[3]];
-    }
+    sparse::copy_bf16(o.data, offset, o.stride[3], n, dst);
   }
 
   // The main scores of key head kh's query rows against the chunk's m selected keys (from c0),
