@@ -111,6 +111,21 @@ def test_softmax_scale_and_lse_flag():
     assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.2, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["gqa8_128", "dense_bsnd"])
+def test_any_softmax_scale_on_every_kernel_path(name, dtype, scale, simd_level):
+    # bf16 sets fold a positive scale into the softmax's exp and leave the product unscaled; a
+    # negative or zero scale (which reverses or flattens the scores' order) takes the product's
+    # scaling instead.
+    q, k, v, kw = make_inputs(BY_NAME[name], dtype)
+    out, lse = opmesh.flash_attn(q, k, v, softmax_scale=scale, return_softmax_lse=True, **kw)
+    want_out, want_lse = flash_attn_reference(q, k, v, softmax_scale=scale, **kw)
+    out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[dtype]
+    assert_close(out, want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
+    assert_close(lse, want_lse, atol=lse_atol, rtol=lse_rtol, name="softmax_lse")
+
+
 def test_metadata_reused_across_calls_and_layers():
     case = BY_NAME["tnd_varlen_empty"]
     q, k, v, kw = make_inputs(case)

@@ -148,13 +148,13 @@ def stats_rows(t, case):
 FORWARD_TOL = {torch.float32: 2e-5, torch.float64: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def check_forward(case, dtype, **extra):
+def check_forward(case, dtype, scale=SCALE, **extra):
     q, k, v, idx, kwargs = make_inputs(case, dtype)
     kwargs.update(extra)
     out, smax, ssum = opmesh.sparse_flash_attention(
-        q, k, v, idx, SCALE, return_softmax_lse=True, **kwargs
+        q, k, v, idx, scale, return_softmax_lse=True, **kwargs
     )
-    want, wmax, wsum = reference(q, k, v, idx, SCALE, **kwargs)
+    want, wmax, wsum = reference(q, k, v, idx, scale, **kwargs)
     assert out.dtype == dtype and out.shape == (*q.shape[:-1], case.dv)
     tol = FORWARD_TOL[dtype]
     torch.testing.assert_close(rows_of(out, case).double(), want, atol=tol, rtol=tol)
@@ -181,6 +181,13 @@ def test_masks_and_bands(case, sparse_mode, band):
 def test_every_kernel_path(case, simd_level):
     check_forward(case, torch.float32)
     check_forward(case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+def test_negative_and_zero_scale_on_every_kernel_path(scale, simd_level):
+    # bf16 sets fold a positive scale into the softmax's exp; these take the product's scaling.
+    for dtype in (torch.float32, torch.bfloat16):
+        check_forward(CASES[2], dtype, scale=scale)
 
 
 def gradients(case, dtype, **extra):

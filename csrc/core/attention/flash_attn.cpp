@@ -67,6 +67,8 @@ class Runner {
         k_(choose_set(p, seqs, isa)),
         pairs_(k_.word == kernels::Word::kBf16Pair),
         mods_(p.softcap > 0.0f || p.alibi_slopes != nullptr),
+        raw_scores_(pairs_ && !mods_ && p.softmax_scale > 0.0f),
+        score_alpha_(raw_scores_ ? 1.0f : p.softmax_scale),
         d_(p.config.head_dim),
         dv_(p.config.head_dim_v),
         words_(pairs_ ? (d_ + 1) / 2 : d_),
@@ -368,7 +370,7 @@ class Runner {
         in_place_scores(sc, b, h, j, si, cols, rows);
       } else {
         k_.gemm({sc.q.data(), dw_, sc.kcache.data() + slot * k_tile_words_, kKeyTile, si, cols,
-                 rows, kKeyTile, dw_, nullptr, p_.softmax_scale});
+                 rows, kKeyTile, dw_, nullptr, score_alpha_});
       }
       if (mods_) modify_tile(sc, si, cols, b, h, j, rows);
       if (j < sp.full_begin || j >= sp.full_end) mask_tile(sc, si, cols, j, rows);
@@ -377,7 +379,8 @@ class Runner {
     const State cur = sc.cur(*this);
     float* corr = sc.correction(*this);
     if (pairs_) {
-      k_.softmax_bf16(s, rows, cols, cur.m, cur.l, corr, sc.pb.data());
+      k_.softmax_bf16(s, rows, cols, raw_scores_ ? p_.softmax_scale : 1.0f, cur.m, cur.l, corr,
+                      sc.pb.data());
       k_.gemm({sc.pb.data(), cols / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
     } else {
       k_.softmax(s, rows, cols, cur.m, cur.l, corr);
@@ -394,7 +397,7 @@ class Runner {
         static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
     float* st = sc.st.data();
     k_.gemm({keys, p_.k.ss / 2, sc.qt.data(), kKeyTile, st, 16, kKeyTile, 16, dw_, nullptr,
-             p_.softmax_scale});
+             score_alpha_});
     for (int64_t r = 0; r < rows; ++r) {
       float* out = s + r * ld;
       for (int64_t c = 0; c < kKeyTile; ++c) out[c] = st[c * 16 + r];
@@ -504,6 +507,11 @@ class Runner {
   const KernelSet& k_;
   bool pairs_;
   bool mods_;  // softcap or ALiBi
+  // bf16 pairs without score modifiers and with a positive scale: the score product leaves its
+  // tiles unscaled (the AMX tiles store straight into the scores) and the softmax folds the
+  // scale into its exp; otherwise the product applies score_alpha_ = the scale.
+  bool raw_scores_;
+  float score_alpha_;
   int64_t d_, dv_;
   int64_t words_;        // packed words per q/k row
   int64_t dw_;           // words_ padded to the set's depth_align (zero words)

@@ -86,6 +86,7 @@ class Forward {
         geo_(p),
         k_(kernels::select_set(isa, p.dtype, -1, true)),
         pairs_(k_.word == kernels::Word::kBf16Pair),
+        raw_scores_(pairs_ && p.scale > 0.0f),
         g_(geo_.groups()),
         dqk_(p.head_dim + p.rope_dim),
         words_(pairs_ ? (dqk_ + 1) / 2 : dqk_),
@@ -131,12 +132,14 @@ class Forward {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
       pack(sc, s, g, sc.keys.data() + c0, n);
       float* sv = sc.s.data();
+      // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
-               p_.scale});
+               raw_scores_ ? 1.0f : p_.scale});
       for (int64_t r = 0; r < g_; ++r)
         std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
       if (pairs_) {
-        k_.softmax_bf16(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data(), sc.pb.data());
+        k_.softmax_bf16(sv, g_, kKeyTile, raw_scores_ ? p_.scale : 1.0f, sc.m.data(), sc.l.data(),
+                        sc.corr.data(), sc.pb.data());
         k_.gemm({sc.pb.data(), kKeyTile / 2, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_,
                  kKeyTile / 2, sc.corr.data(), 1.0f});
       } else {
@@ -264,11 +267,12 @@ class Forward {
   sparse::Geometry geo_;
   const kernels::KernelSet& k_;  // float32 kernels, or bf16 pairs for bf16 inputs
   bool pairs_;
-  int64_t g_;      // query heads per key head: the rows of one product
-  int64_t dqk_;    // D + Dr
-  int64_t words_;  // words per query/key row: dqk_, or its pairs
-  int64_t dw_;     // words_ padded to the set's depth_align
-  int64_t dvp_;    // Dv padded to 16
+  bool raw_scores_;  // bf16 pairs and a positive scale: scores unscaled, the scale in the exp
+  int64_t g_;        // query heads per key head: the rows of one product
+  int64_t dqk_;      // D + Dr
+  int64_t words_;    // words per query/key row: dqk_, or its pairs
+  int64_t dw_;       // words_ padded to the set's depth_align
+  int64_t dvp_;      // Dv padded to 16
   int64_t rows_;
 };
 

@@ -103,15 +103,16 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
 }
 
 void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
-  softmax_rows(s, rows, cols, m, l, correction, [](float* x, __m512 p) { _mm512_storeu_ps(x, p); });
+  softmax_rows(s, rows, cols, 1.0f, m, l, correction,
+               [](float* x, __m512 p) { _mm512_storeu_ps(x, p); });
 }
 
 void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 m = _mm512_set1_ps(shift[r]);
+    const __m512 m = _mm512_set1_ps(shift[r] * kLog2e);
     for (int64_t c = 0; c < cols; c += 16) {
       float* x = s + r * cols + c;
-      _mm512_storeu_ps(x, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x), m)));
+      _mm512_storeu_ps(x, exp_shifted(_mm512_loadu_ps(x), m));
     }
   }
 }

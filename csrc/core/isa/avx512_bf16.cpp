@@ -31,9 +31,9 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   }
 }
 
-void softmax_bf16(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction,
-                  uint16_t* p16) {
-  softmax_rows(s, rows, cols, m, l, correction, [&](float* x, __m512 p) {
+void softmax_bf16(float* s, int64_t rows, int64_t cols, float scale, float* m, float* l,
+                  float* correction, uint16_t* p16) {
+  softmax_rows(s, rows, cols, scale, m, l, correction, [&](float* x, __m512 p) {
     const __m256bh h = _mm512_cvtneps_pbh(p);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + (x - s)),
                         reinterpret_cast<const __m256i&>(h));

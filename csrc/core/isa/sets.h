@@ -31,8 +31,8 @@ void widen(const void* src, DType dtype, int64_t n, float* dst);
 namespace avx512_bf16 {
 const KernelSet& kernel_set();
 void to_bf16(const float* src, uint16_t* dst, int64_t n);
-void softmax_bf16(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction,
-                  uint16_t* p16);
+void softmax_bf16(float* s, int64_t rows, int64_t cols, float scale, float* m, float* l,
+                  float* correction, uint16_t* p16);
 }  // namespace avx512_bf16
 
 // amx_bf16 on a portable emulation of the tile operations (tile_emulation.h).

@@ -143,10 +143,12 @@ struct KernelSet {
   // Flash attention's backward and the KL losses.
   RowOps rows;
 
-  // softmax, with the probabilities rounded to bf16 into p16 ([rows][cols], the P.V product's
-  // operand) instead of written back to s; set for bf16-pair sets only.
-  void (*softmax_bf16)(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction,
-                       uint16_t* p16);
+  // softmax over the scores scale * s (scale > 0; s as the product left it, unscaled), with the
+  // probabilities rounded to bf16 into p16 ([rows][cols], the P.V product's operand) instead of
+  // written back to s; m, l and correction are those of the scaled scores. Set for bf16-pair
+  // sets only.
+  void (*softmax_bf16)(float* s, int64_t rows, int64_t cols, float scale, float* m, float* l,
+                       float* correction, uint16_t* p16);
 
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
