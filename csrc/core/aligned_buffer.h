@@ -1,4 +1,5 @@
-// A fixed-size, 64-byte aligned, zero-filled scratch array (one cache line, one zmm register).
+// A 64-byte aligned, zero-filled scratch array (one cache line, one zmm register): AMX tile
+// loads of rows that straddle cache lines run at less than half speed.
 #pragma once
 
 #include <cstddef>
@@ -22,14 +23,22 @@ class AlignedBuffer {
     if (bytes != 0 && p == nullptr) throw std::bad_alloc();
     if (bytes != 0) std::memset(p, 0, bytes);
     data_.reset(static_cast<T*>(p));
+    count_ = count;
   }
+  AlignedBuffer() : AlignedBuffer(0) {}
   T* data() const { return data_.get(); }
+  size_t size() const { return count_; }
+  // Grows to at least `count` elements; contents are not kept (a grown buffer is zero-filled).
+  void grow(size_t count) {
+    if (count > count_) *this = AlignedBuffer(count);
+  }
 
  private:
   struct Free {
     void operator()(T* p) const { std::free(p); }
   };
   std::unique_ptr<T, Free> data_;
+  size_t count_ = 0;
 };
 
 }  // namespace opmesh::core

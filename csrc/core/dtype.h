@@ -52,9 +52,11 @@ inline float fp16_bits_to_float(uint16_t bits) {
 inline uint16_t float_to_bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  // Both results, then a select (no branch, so that loops of it vectorise): a NaN is quietened,
+  // anything else rounded to nearest even.
+  const uint32_t quiet = (u >> 16) | 0x40u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
 // binary32 -> binary16 bits, round to nearest even, with subnormals, overflow to inf, and NaN.

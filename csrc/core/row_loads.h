@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "dtype.h"
 
@@ -46,6 +47,10 @@ inline void store_row(void* base, DType dtype, int64_t offset, int64_t stride, i
     }
     case DType::kBFloat16: {
       uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+      if (stride == 1) {  // the common case, as its own loop so that it vectorises
+        for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16_bits(src[i] * scale);
+        return;
+      }
       for (int64_t i = 0; i < n; ++i) dst[i * stride] = float_to_bf16_bits(src[i] * scale);
       return;
     }
@@ -66,6 +71,11 @@ inline void store_row(void* base, DType dtype, int64_t offset, int64_t stride, i
 inline void load_row_bf16_pairs(const void* base, int64_t offset, int64_t stride, int64_t n,
                                 uint32_t* out) {
   const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+  if (stride == 1) {  // little-endian words of two elements: a copy, then the odd last element
+    std::memcpy(out, src, (n / 2) * sizeof(uint32_t));
+    if (n % 2 != 0) out[n / 2] = src[n - 1];
+    return;
+  }
   for (int64_t l = 0; 2 * l < n; ++l) {
     const uint32_t lo = src[2 * l * stride];
     const uint32_t hi = 2 * l + 1 < n ? src[(2 * l + 1) * stride] : 0u;

@@ -79,8 +79,9 @@ class Runner {
                                            : 2),
         block_tiles_(k_.block_tiles),
         dvp_(round_up(dv_, 16)),
+        vld_(dvp_ % 32 == 0 ? dvp_ + 16 : dvp_),
         k_tile_words_(dw_ * kKeyTile),
-        v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * dvp_),
+        v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * vld_),
         slot_floats_(g_.rows * (dvp_ + 2)),
         direct_keys_(direct_keys(p, k_)) {}
 
@@ -114,8 +115,8 @@ class Runner {
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
     bool cache_all = false;
-    std::vector<uint32_t> kcache;  // packed key tiles, one after another
-    std::vector<uint32_t> vcache;  // packed value tiles: those of a block are contiguous
+    AlignedBuffer<uint32_t> kcache;  // packed key tiles, one after another
+    AlignedBuffer<uint32_t> vcache;  // packed value tiles: those of a block are contiguous
     std::vector<uint8_t> packed;
     State cur(const Runner& r) { return {o.data(), stats.data(), stats.data() + r.g_.rows}; }
     State run(const Runner& r) {
@@ -299,13 +300,13 @@ class Runner {
         const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vrows[2 * i]);
         const uint16_t* r1 =
             2 * i + 1 < valid ? reinterpret_cast<const uint16_t*>(vrows[2 * i + 1]) : nullptr;
-        k_.rows.interleave_bf16(r0, r1, dv_, vp + i * dvp_);
+        k_.rows.interleave_bf16(r0, r1, dv_, vp + i * vld_);
       }
     } else if (fast_v) {
-      for (int64_t n = 0; n < valid; ++n) std::memcpy(vp + n * dvp_, vrows[n], dv_ * sizeof(float));
+      for (int64_t n = 0; n < valid; ++n) std::memcpy(vp + n * vld_, vrows[n], dv_ * sizeof(float));
     } else if (stage_v) {
       for (int64_t n = 0; n < valid; ++n) {
-        k_.widen(vrows[n], p_.dtype, dv_, reinterpret_cast<float*>(vp) + n * dvp_);
+        k_.widen(vrows[n], p_.dtype, dv_, reinterpret_cast<float*>(vp) + n * vld_);
       }
     } else {
       uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
@@ -314,10 +315,10 @@ class Runner {
         if (pairs_) {
           const uint16_t* src = static_cast<const uint16_t*>(p_.v.data) + vo;
           for (int64_t e = 0; e < dv_; ++e) {
-            vp16[((n / 2) * dvp_ + e) * 2 + (n & 1)] = src[e * p_.v.sd];
+            vp16[((n / 2) * vld_ + e) * 2 + (n & 1)] = src[e * p_.v.sd];
           }
         } else {
-          load_row(p_.v.data, p_.dtype, vo, p_.v.sd, dv_, reinterpret_cast<float*>(vp) + n * dvp_);
+          load_row(p_.v.data, p_.dtype, vo, p_.v.sd, dv_, reinterpret_cast<float*>(vp) + n * vld_);
         }
       }
     }
@@ -335,12 +336,8 @@ class Runner {
       sc.cache_all = walker_.num_query_tiles(b) > 1 &&
                      n * (k_tile_words_ + v_tile_words_) * 4 <= kCacheLimitBytes;
       const int64_t slots = sc.cache_all ? n : block_tiles_;
-      if (static_cast<int64_t>(sc.kcache.size()) < slots * k_tile_words_) {
-        sc.kcache.resize(slots * k_tile_words_);
-      }
-      if (static_cast<int64_t>(sc.vcache.size()) < slots * v_tile_words_) {
-        sc.vcache.resize(slots * v_tile_words_);
-      }
+      sc.kcache.grow(slots * k_tile_words_);
+      sc.vcache.grow(slots * v_tile_words_);
       sc.packed.assign(slots, 0);
     }
     const int64_t index = sc.cache_all ? j : j % block_tiles_;
@@ -381,10 +378,10 @@ class Runner {
     if (pairs_) {
       k_.softmax_bf16(s, rows, cols, raw_scores_ ? p_.softmax_scale : 1.0f, cur.m, cur.l, corr,
                       sc.pb.data());
-      k_.gemm({sc.pb.data(), cols / 2, vp, dvp_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
+      k_.gemm({sc.pb.data(), cols / 2, vp, vld_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
     } else {
       k_.softmax(s, rows, cols, cur.m, cur.l, corr);
-      k_.gemm({s, cols, vp, dvp_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
+      k_.gemm({s, cols, vp, vld_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
     }
   }
 
@@ -468,33 +465,8 @@ class Runner {
         }
         const int64_t pos = seq.q_begin + i;
         if (p_.lse != nullptr) p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss] = lse;
-        write_row(st.o + r * dvp_, scale, b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn);
-      }
-    }
-  }
-
-  void write_row(const float* o, float scale, int64_t offset) const {
-    const int64_t sd = p_.out_sd;
-    switch (p_.dtype) {
-      case DType::kFloat32: {
-        float* dst = static_cast<float*>(p_.out) + offset;
-        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = o[e] * scale;
-        return;
-      }
-      case DType::kBFloat16: {
-        uint16_t* dst = static_cast<uint16_t*>(p_.out) + offset;
-        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = float_to_bf16_bits(o[e] * scale);
-        return;
-      }
-      case DType::kFloat16: {
-        uint16_t* dst = static_cast<uint16_t*>(p_.out) + offset;
-        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = float_to_fp16_bits(o[e] * scale);
-        return;
-      }
-      case DType::kFloat64: {
-        double* dst = static_cast<double*>(p_.out) + offset;
-        for (int64_t e = 0; e < dv_; ++e) dst[e * sd] = static_cast<double>(o[e] * scale);
-        return;
+        store_row(p_.out, p_.dtype, b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn, p_.out_sd,
+                  dv_, st.o + r * dvp_, scale);
       }
     }
   }
@@ -519,6 +491,10 @@ class Runner {
   int64_t elem_;         // bytes per input element
   int64_t block_tiles_;  // key tiles per online-softmax step (the kernel set's)
   int64_t dvp_;
+  // Packed value rows' stride: dvp_, or 16 words more where dvp_ is a multiple of 32 words, so
+  // that the rows of a column tile (a power-of-two stride apart otherwise) spread over the L1
+  // cache's sets instead of evicting each other within a few.
+  int64_t vld_;
   int64_t k_tile_words_, v_tile_words_;
   int64_t slot_floats_;
   // bf16 keys of one key head, rows back to back, each a whole number of depth tiles of pairs:

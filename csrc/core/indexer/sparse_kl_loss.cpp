@@ -108,7 +108,7 @@ class SparseKl {
     std::vector<double> dw;
     std::vector<float> prob;      // P over the row's selected keys, padded to 64
     std::vector<float> score;     // I, padded to 64
-    std::vector<float> sidx;      // [ig][padded] the index scores of one group
+    AlignedBuffer<float> sidx;    // [ig][padded] the index scores of one group
     std::vector<float> dsc;       // dI
     std::vector<float> row_keys;  // [padded][dip] the row's selected index key rows
     std::vector<int32_t> keys, entries;
@@ -131,7 +131,7 @@ class SparseKl {
     AlignedBuffer<uint32_t> words;  // pass 2: [64][64] coefficient head pairs, then transposed
     // [padded][dip] the row's index keys as key pairs: per chunk of 64 keys their 32 pairs, twice
     // (the B operand of coef16's two halves).
-    std::vector<uint32_t> key_pairs;
+    AlignedBuffer<uint32_t> key_pairs;
   };
 
   // Pass 1 for token i of s: the loss of its rows (returned), d_query_index, d_weights and the
@@ -495,12 +495,13 @@ class SparseKl {
   // The index scores of group g over the row's nk selected keys into sc.sidx [ig][padded], and
   // I into sc.score.
   void index_scores(Scratch& sc, const Sequence& s, int64_t g, int64_t nk, int64_t padded) const {
-    sc.sidx.resize(ig_ * padded);  // every chunk's product writes its 64 columns
+    sc.sidx.grow(ig_ * padded);  // every chunk's product writes its 64 columns
     sc.score.assign(padded, 0.0f);
     // The row's index key rows, kept for d_query_index (rows past nk zero): float32 rows, or
     // key pairs on pairs.
     if (ipairs_) {
-      sc.key_pairs.assign(padded * dip_, 0u);
+      sc.key_pairs.grow(padded * dip_);
+      std::fill(sc.key_pairs.data(), sc.key_pairs.data() + padded * dip_, 0u);
     } else {
       sc.row_keys.resize(padded * dip_);
       std::fill(sc.row_keys.begin() + nk * dip_, sc.row_keys.end(), 0.0f);

@@ -44,16 +44,41 @@ struct AmxKernels {
     }
   }
 
-  // A block of kR x kC tiles (each 1 or 2) at rows m0, columns n0.
+  // A block of kR x kC tiles (each 1 or 2) at rows m0, columns n0. With alpha 1 and whole
+  // tiles the accumulators start from C (first scaled in place, row by row, where the row scale
+  // is not 1; zero without a row scale) and are stored straight back: no pass through memory.
+  // Otherwise they start from zero and go through memory to the AVX-512 epilogue.
   template <int kR, int kC>
   static void gemm_block(const GemmArgs& g, int64_t m0, int64_t n0) {
     const uint32_t* a = static_cast<const uint32_t*>(g.a) + m0 * g.lda;
     const uint32_t* b = static_cast<const uint32_t*>(g.b) + n0;
     const int64_t sa = g.lda * 4, sb = g.ldb * 4;
-    Tiles::template zero<0>();
-    if constexpr (kC > 1) Tiles::template zero<1>();
-    if constexpr (kR > 1) Tiles::template zero<2>();
-    if constexpr (kR > 1 && kC > 1) Tiles::template zero<3>();
+    const int64_t rows0 = std::min<int64_t>(kTileRows, g.m - m0);
+    const int64_t rows1 = std::min<int64_t>(kTileRows, g.m - m0 - kTileRows);
+    float* c = g.c + m0 * g.ldc + n0;
+    const int64_t ldc = g.ldc, sc = g.ldc * 4;
+    float* c1 = c + kTileRows * ldc;
+    const bool direct = g.alpha == 1.0f && rows0 == kTileRows && (kR == 1 || rows1 == kTileRows);
+    if (direct && g.row_scale != nullptr) {
+      const float* rs = g.row_scale + m0;
+      for (int64_t r = 0; r < kR * kTileRows; ++r) {
+        if (rs[r] == 1.0f) continue;
+        const __m512 f = _mm512_set1_ps(rs[r]);
+        for (int col = 0; col < kC; ++col) {
+          float* x = c + r * ldc + 16 * col;
+          _mm512_storeu_ps(x, _mm512_mul_ps(f, _mm512_loadu_ps(x)));
+        }
+      }
+      Tiles::template load<0>(c, sc);
+      if constexpr (kC > 1) Tiles::template load<1>(c + 16, sc);
+      if constexpr (kR > 1) Tiles::template load<2>(c1, sc);
+      if constexpr (kR > 1 && kC > 1) Tiles::template load<3>(c1 + 16, sc);
+    } else {
+      Tiles::template zero<0>();
+      if constexpr (kC > 1) Tiles::template zero<1>();
+      if constexpr (kR > 1) Tiles::template zero<2>();
+      if constexpr (kR > 1 && kC > 1) Tiles::template zero<3>();
+    }
     for (int64_t k = 0; k < g.depth; k += kTileWords) {
       Tiles::template load<4>(a + k, sa);
       if constexpr (kR > 1) Tiles::template load<5>(a + kTileRows * g.lda + k, sa);
@@ -64,25 +89,28 @@ struct AmxKernels {
       if constexpr (kR > 1) Tiles::template dpbf16<2, 5, 6>();
       if constexpr (kR > 1 && kC > 1) Tiles::template dpbf16<3, 5, 7>();
     }
+    if (direct) {
+      Tiles::template store<0>(c, sc);
+      if constexpr (kC > 1) Tiles::template store<1>(c + 16, sc);
+      if constexpr (kR > 1) Tiles::template store<2>(c1, sc);
+      if constexpr (kR > 1 && kC > 1) Tiles::template store<3>(c1 + 16, sc);
+      return;
+    }
     alignas(64) float acc[kTileRows * 16];
-    const int64_t rows0 = std::min<int64_t>(kTileRows, g.m - m0);
-    const int64_t rows1 = std::min<int64_t>(kTileRows, g.m - m0 - kTileRows);
-    float* c = g.c + m0 * g.ldc + n0;
     const float* rs = g.row_scale != nullptr ? g.row_scale + m0 : nullptr;
     Tiles::template store<0>(acc, 64);
-    emit(acc, rows0, c, g.ldc, rs, g.alpha);
+    emit(acc, rows0, c, ldc, rs, g.alpha);
     if constexpr (kC > 1) {
       Tiles::template store<1>(acc, 64);
-      emit(acc, rows0, c + 16, g.ldc, rs, g.alpha);
+      emit(acc, rows0, c + 16, ldc, rs, g.alpha);
     }
     if constexpr (kR > 1) {
-      float* c1 = c + kTileRows * g.ldc;
       const float* rs1 = rs != nullptr ? rs + kTileRows : nullptr;
       Tiles::template store<2>(acc, 64);
-      emit(acc, rows1, c1, g.ldc, rs1, g.alpha);
+      emit(acc, rows1, c1, ldc, rs1, g.alpha);
       if constexpr (kC > 1) {
         Tiles::template store<3>(acc, 64);
-        emit(acc, rows1, c1 + 16, g.ldc, rs1, g.alpha);
+        emit(acc, rows1, c1 + 16, ldc, rs1, g.alpha);
       }
     }
   }
