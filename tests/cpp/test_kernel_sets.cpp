@@ -230,10 +230,16 @@ TEST(KernelSets, ExpRowsMatchesDoubleReference) {
     for (auto& x : s) x = u(rng);
     s[3] = -inf;                     // a masked score
     s[cols + 7] = shift[1] + 1e-6f;  // rounding may put a score just above its log-sum-exp
+    // Exponentials in float32's subnormal range: 0 instead (a subnormal operand sends every
+    // product that reads it to microcode assists).
+    for (int64_t c = 0; c < 6; ++c) s[2 * cols + 20 + c] = shift[2] - 88.0f - 3.0f * c;
     std::vector<float> got = s;
     set->exp_rows(got.data(), rows, cols, shift.data());
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
+        const float y = got[r * cols + c];
+        ASSERT_FALSE(y != 0.0f && std::abs(y) < std::numeric_limits<float>::min())
+            << set->name << " subnormal at row " << r << " col " << c;
         const double x = double(s[r * cols + c]) - double(shift[r]);
         const double want = std::exp(x);
         // The kernels subtract in float32: |x| * 2^-24 of relative error before the exponential.
@@ -335,11 +341,45 @@ TEST(KernelSets, SoftmaxToBf16IsSoftmaxThenRounding) {
     std::vector<uint16_t> want(rows * cols), got(rows * cols);
     set->softmax(s.data(), rows, cols, m.data(), l.data(), c1.data());
     set->to_bf16(s.data(), want.data(), rows * cols);
-    set->softmax_bf16(s2.data(), rows, cols, m2.data(), l2.data(), c2.data(), got.data());
+    set->softmax_bf16(s2.data(), rows, cols, 1.0f, m2.data(), l2.data(), c2.data(), got.data());
     EXPECT_EQ(want, got);
     EXPECT_EQ(m, m2);
     EXPECT_EQ(l, l2);
     EXPECT_EQ(c1, c2);
+  }
+}
+
+// softmax_bf16 with a scale is the softmax of the scaled scores: the same running maximum (a
+// positive scale keeps the order), sums and probabilities to float32 rounding.
+TEST(KernelSets, SoftmaxBf16FoldsAPositiveScale) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float scale = 0.37f;
+  for (const KernelSet* set : sets_under_test()) {
+    if (set->word != Word::kBf16Pair) continue;
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(6);
+    std::uniform_real_distribution<float> u(-40.0f, 12.0f);
+    const int64_t rows = 3, cols = 192;
+    std::vector<float> raw(rows * cols);
+    for (auto& x : raw) x = u(rng);
+    raw[7] = -inf;
+    std::vector<float> scaled(raw.size());
+    for (size_t i = 0; i < raw.size(); ++i) scaled[i] = scale * raw[i];
+    std::vector<float> m{-inf, 2.0f, 9.0f}, l{0.0f, 1.5f, 3.0f};
+    std::vector<float> m2 = m, l2 = l, c1(rows), c2(rows);
+    std::vector<uint16_t> want(rows * cols), got(rows * cols);
+    set->softmax(scaled.data(), rows, cols, m.data(), l.data(), c1.data());
+    set->to_bf16(scaled.data(), want.data(), rows * cols);
+    set->softmax_bf16(raw.data(), rows, cols, scale, m2.data(), l2.data(), c2.data(), got.data());
+    EXPECT_EQ(m, m2);
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_NEAR(l2[r], l[r], 1e-6f * l[r]) << r;
+      EXPECT_NEAR(c2[r], c1[r], 1e-6f * c1[r]) << r;
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      // bf16 neighbours at most: the two exponentials differ by float32 rounding only.
+      EXPECT_LE(std::abs(int(got[i]) - int(want[i])), 1) << i;
+    }
   }
 }
 

@@ -35,6 +35,13 @@ void gemm(const GemmArgs& g) {
   }
 }
 
+// exp(x) for x <= 0, with results below float32's smallest normal flushed to 0 as the vector
+// sets flush them (subnormal probabilities would slow every product that reads them).
+inline float exp_flushed(float x) {
+  const float y = std::exp(x);
+  return y < std::numeric_limits<float>::min() ? 0.0f : y;
+}
+
 void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
@@ -48,7 +55,7 @@ void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* co
     }
     float sum = 0.0f;
     for (int64_t j = 0; j < cols; ++j) {
-      x[j] = std::exp(x[j] - top);
+      x[j] = exp_flushed(x[j] - top);
       sum += x[j];
     }
     correction[r] = std::exp(m[r] - top);
@@ -59,7 +66,7 @@ void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* co
 
 void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) s[r * cols + c] = std::exp(s[r * cols + c] - shift[r]);
+    for (int64_t c = 0; c < cols; ++c) s[r * cols + c] = exp_flushed(s[r * cols + c] - shift[r]);
   }
 }
 
