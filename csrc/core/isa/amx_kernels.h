@@ -117,10 +117,10 @@ struct AmxKernels {
 
   static void gemm(const GemmArgs& g) {
     ensure_configured();
-    for (int64_t n0 = 0; n0 < g.n; n0 += 32) {
-      const bool two_cols = g.n - n0 >= 32;
-      for (int64_t m0 = 0; m0 < g.m; m0 += 2 * kTileRows) {
-        const bool two_rows = g.m - m0 > kTileRows;
+    for (int64_t m0 = 0; m0 < g.m; m0 += 2 * kTileRows) {
+      const bool two_rows = g.m - m0 > kTileRows;
+      for (int64_t n0 = 0; n0 < g.n; n0 += 32) {
+        const bool two_cols = g.n - n0 >= 32;
         if (two_rows && two_cols) {
           gemm_block<2, 2>(g, m0, n0);
         } else if (two_rows) {
