@@ -253,6 +253,37 @@ TEST(KernelSets, ExpRowsMatchesDoubleReference) {
   }
 }
 
+// The backward reaches the probabilities two ways: exp_rows with the log-sum-exp as the shift,
+// or RowOps::shift_and_mask and then exp_rows with a zero shift. Both must give the same bits,
+// or a sequence's gradients would depend on which way its batch's plan takes.
+TEST(KernelSets, ExpRowsShiftedEqualsShiftAndMaskThenExp) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const KernelSet* set : sets_under_test()) {
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> u(-25.0f, 3.0f);
+    const int64_t rows = kKeyTile, cols = 16;
+    std::vector<float> score(rows), lse(rows), zeros(rows, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      score[r] = u(rng);
+      lse[r] = score[r] + std::abs(u(rng)) * 0.7f;
+    }
+    lse[5] = inf;
+    std::vector<int64_t> lo(rows, 0), hi(rows, 1);
+    std::vector<float> shifted(score);  // one key column: shift_and_mask, then exp
+    set->rows.shift_and_mask(shifted.data(), lse.data(), lo.data(), hi.data(), 0);
+    std::vector<float> via_mask(rows * cols), direct(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        via_mask[r * cols + c] = shifted[r];
+        direct[r * cols + c] = score[r];
+      }
+    }
+    set->exp_rows(via_mask.data(), rows, cols, zeros.data());
+    set->exp_rows(direct.data(), rows, cols, lse.data());
+    EXPECT_EQ(via_mask, direct) << set->name;
+  }
+}
+
 // The bf16 row operations: rounding to nearest even (ties, NaN, infinities) as dtype.h rounds,
 // interleaving, and the score modifications (softcap, ALiBi, the softcap's derivative) against
 // double precision.

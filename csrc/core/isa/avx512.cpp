@@ -109,10 +109,15 @@ void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* co
 
 void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 m = _mm512_set1_ps(shift[r] * kLog2e);
+    // The difference first, rounded, then base 2: the same bits as RowOps::shift_and_mask
+    // followed by a zero shift, the other backward schedule's way to the same probabilities (a
+    // sequence's gradients must not depend on which schedule its batch gets).
+    const __m512 m = _mm512_set1_ps(shift[r]);
+    const __m512 log2e = _mm512_set1_ps(kLog2e);
     for (int64_t c = 0; c < cols; c += 16) {
       float* x = s + r * cols + c;
-      _mm512_storeu_ps(x, exp_shifted(_mm512_loadu_ps(x), m));
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x), m);
+      _mm512_storeu_ps(x, exp2_nonpositive(_mm512_mul_ps(d, log2e)));
     }
   }
 }

@@ -37,11 +37,6 @@ inline __m512 exp2_nonpositive(__m512 t) {
 
 inline constexpr float kLog2e = 1.44269504088896341f;
 
-// exp(x - shift) for x <= shift: one fused multiply-subtract into base 2.
-inline __m512 exp_shifted(__m512 x, __m512 shift_log2e) {
-  return exp2_nonpositive(_mm512_fmsub_ps(x, _mm512_set1_ps(kLog2e), shift_log2e));
-}
-
 // The softmax step of KernelSet::softmax over `rows` rows of `cols` scores, each scaled by
 // `scale` (> 0) on the way in, so that m, l and the probabilities are those of scale * s;
 // store(x, p) writes the 16 probabilities p of columns x..x+15 of a row (s itself, or another
