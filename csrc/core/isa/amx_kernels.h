@@ -3,8 +3,9 @@
 // the layout TDPBF16PS wants for both sides: A rows of pairs along the depth, B rows of 16
 // column pairs per depth word. Tiles hold 16 rows x 16 words, so the set declares depth_align 16
 // (packed depth zero-padded to whole tiles) and row_align 16 (A readable up to a whole tile;
-// results of the padding rows are discarded). Accumulators go through memory to AVX-512 for the
-// row scaling of the attention GEMM and for the indexer's relu and weighted head sum.
+// results of the padding rows are discarded). A product of whole tiles with alpha 1 keeps its
+// accumulators in the tiles from C to C; otherwise, and for the indexer's relu and weighted head
+// sum, they go through memory to AVX-512.
 // Tile registers: 0-3 accumulators, 4-5 A, 6-7 B.
 #pragma once
 
