@@ -27,7 +27,6 @@ class AlignedBuffer {
   }
   AlignedBuffer() : AlignedBuffer(0) {}
   T* data() const { return data_.get(); }
-  size_t size() const { return count_; }
   // Grows to at least `count` elements; contents are not kept (a grown buffer is zero-filled).
   void grow(size_t count) {
     if (count > count_) *this = AlignedBuffer(count);

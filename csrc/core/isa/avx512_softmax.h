@@ -18,7 +18,7 @@ namespace {
 // 2^f fitted for least maximum relative error on that interval (below 2.4e-7 with float32
 // evaluation). n comes from adding and subtracting 1.5 * 2^23 (round to nearest on the FMA
 // ports, no VRNDSCALEPS). Below 2^-126 the result is 0, never a subnormal: subnormal
-// probabilities would send every product that reads them to microcode assists (measured 4x
+// probabilities would send every product that reads them to microcode assists (measured 3.5x
 // slower float32 causal attention). -inf gives 0, NaN stays NaN.
 inline __m512 exp2_nonpositive(__m512 t) {
   // Not-less-than, unordered: true for NaN, false for -inf and anything below -126.
