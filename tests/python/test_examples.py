@@ -73,14 +73,20 @@ def test_train_context_parallel_learns_and_matches_one_process():
 
 
 def test_train_context_parallel_on_two_nodes():
-    """Two nodes of two processes each, joined by torchrun's rendezvous on 127.0.0.1 (as on a
-    cluster, with the first node's address): four ranks training with Ulysses context parallel
-    follow one process's losses."""
-    import socket
+    """Two nodes of two processes each, joined by torchrun's rendezvous on 127.0.0.1: four ranks
+    training with Ulysses context parallel follow one process's losses. The rendezvous store
+    lives in this process, as a cluster's would on a host of its own: hosted by one node's agent
+    (torchrun's default), it goes away when that node finishes, and the other node's agent, still
+    watching its workers, then fails on the lost connection (exit status 1) however well the
+    training went."""
+    from datetime import timedelta
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=600)
+    )
+    port = store.port
     script = str(ROOT / "examples" / "train_context_parallel.py")
     nodes = [
         subprocess.Popen(
@@ -98,6 +104,8 @@ def test_train_context_parallel_on_two_nodes():
                 f"127.0.0.1:{port}",
                 "--rdzv-id",
                 "opmesh-two-nodes",
+                "--rdzv-conf",
+                "is_host=false",
                 "--node-rank",
                 str(node),
                 script,
