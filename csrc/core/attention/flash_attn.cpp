@@ -110,7 +110,8 @@ class Runner {
           row(std::max(r.d_, r.dv_) + 2),
           stage(kKeyTile * r.words_),
           vis(r.g_.positions),
-          st(r.direct_keys_ ? kKeyTile * 16 : 0) {
+          st(r.direct_keys_ ? kKeyTile * 16 : 0),
+          st_rows(r.direct_keys_ ? kKeyTile * 16 : 0) {
       use(r, 0);
     }
     AlignedBuffer<float> s;
@@ -118,8 +119,9 @@ class Runner {
     AlignedBuffer<float> row;
     AlignedBuffer<float> stage;  // widened key rows before their transpose
     std::vector<KeyRange> vis;
-    AlignedBuffer<float> st;  // direct keys: one tile's S^T, [64 keys][16 rows]
-    int64_t p0 = 0;           // the unit's first query position (for the ALiBi distances)
+    AlignedBuffer<float> st;          // direct keys: one tile's S^T, [64 keys][16 rows]
+    AlignedBuffer<uint32_t> st_rows;  // direct keys: S^T transposed, [16 rows][64 keys]
+    int64_t p0 = 0;                   // the unit's first query position (for the ALiBi distances)
     std::vector<std::unique_ptr<UnitState>> units;
     UnitState* u = nullptr;  // the unit being run
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
@@ -465,10 +467,13 @@ class Runner {
     float* st = sc.st.data();
     k_.gemm({keys, p_.k.ss / 2, sc.u->qt.data(), kKeyTile, st, 16, kKeyTile, 16, dw_, nullptr,
              score_alpha_});
-    for (int64_t r = 0; r < rows; ++r) {
-      float* out = s + r * ld;
-      for (int64_t c = 0; c < kKeyTile; ++c) out[c] = st[c * 16 + r];
-    }
+    // The transpose of S^T's rows (16 words each, `rows` of them used) is the set's key packing.
+    const char* lines[kKeyTile];
+    for (int64_t c = 0; c < kKeyTile; ++c) lines[c] = reinterpret_cast<const char*>(st + c * 16);
+    uint32_t* packed = sc.st_rows.data();
+    k_.pack_keys(lines, kKeyTile, rows, packed);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(s + r * ld, packed + r * kKeyTile, sizeof(float) * kKeyTile);
   }
 
   // softcap and ALiBi on the scores of key tile j (rows with stride ld: position, then head of
