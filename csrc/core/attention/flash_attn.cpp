@@ -286,6 +286,22 @@ class Runner {
     return b * view.sb + (seqs_[b].k_begin + key) * view.ss + h * view.sn;
   }
 
+  // Where rows [0, valid) of key tile j of (b, h) lie: one address computation per run of rows
+  // in one paged block (the whole tile unpaged), each row the row stride after the last.
+  void tile_rows(const View& view, int64_t b, int64_t h, int64_t j, int64_t valid,
+                 const char** rows) const {
+    const int64_t stride = view.ss * elem_;
+    for (int64_t n = 0; n < valid;) {
+      const int64_t key = j * kKeyTile + n;
+      const int64_t run = p_.block_table != nullptr
+                              ? std::min(valid - n, p_.block_size - key % p_.block_size)
+                              : valid - n;
+      const char* row = at(view, key_offset(view, b, h, key));
+      for (int64_t i = 0; i < run; ++i, row += stride) rows[n + i] = row;
+      n += run;
+    }
+  }
+
   const char* at(const View& view, int64_t offset) const {
     return static_cast<const char*>(view.data) + offset * elem_;
   }
@@ -331,15 +347,10 @@ class Runner {
     if (valid < kKeyTile || !(fast_v || stage_v) || dvp_ != dv_) {
       std::fill(vp, vp + v_tile_words_, 0u);
     }
-    const int64_t elem = elem_;
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
-    for (int64_t n = 0; n < valid; ++n) {
-      krows[n] =
-          static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile + n) * elem;
-      vrows[n] =
-          static_cast<const char*>(p_.v.data) + key_offset(p_.v, b, h, j * kKeyTile + n) * elem;
-    }
+    if (keys) tile_rows(p_.k, b, h, j, valid, krows);
+    tile_rows(p_.v, b, h, j, valid, vrows);
     if (!keys) {
       // Read in place by the score product.
     } else if (stage_k) {
