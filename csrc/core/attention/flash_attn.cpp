@@ -21,6 +21,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kCacheLimitBytes = int64_t{64} << 20;
+constexpr int64_t kSideBySideBytes = int64_t{2} << 20;
 
 using kernels::KernelSet;
 using kernels::round_up;
@@ -83,7 +84,12 @@ class Runner {
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * vld_),
         slot_floats_(g_.rows * (dvp_ + 2)),
-        direct_keys_(direct_keys(p, k_)) {}
+        direct_keys_(direct_keys(p, k_)) {
+    const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * elem_;
+    const int64_t state_bytes =
+        4 * (rows_cap_ * dw_ + 2 * g_.rows * dvp_ + (direct_keys_ ? dw_ * kKeyTile : 0));
+    side_heads_ = std::max<int64_t>(1, kSideBySideBytes / (rows_bytes + state_bytes));
+  }
 
   int64_t slot_floats() const { return slot_floats_; }
   const KernelSet& kernel_set() const { return k_; }
@@ -233,6 +239,12 @@ class Runner {
     return p_.config.num_heads_kv > 1 && k_from == sp.begin && k_to == sp.end && k_to > k_from &&
            walker_.num_query_tiles(b) == 1;
   }
+
+  // How many key heads run side by side at most: as many as keep one block's key and value rows
+  // and the running states of all of them within kSideBySideBytes (about a core's L2 cache). More
+  // heads would evict the rows before the last head reads them, and only add states to carry
+  // (measured: 64 key heads side by side ran 7% slower than one at a time).
+  int64_t side_by_side_heads() const { return side_heads_; }
 
   // Whole units (b, h, t) of key heads [h0, h1), side by side: block by block, each head in turn.
   // In the interleaved layouts a key or value row holds the key heads next to each other, so the
@@ -587,6 +599,7 @@ class Runner {
   // rows (decode), the score product reads the key rows where they lie, as the A operand (S^T = K
   // Q^T), instead of packing each key tile first; only the values are packed.
   bool direct_keys_;
+  int64_t side_heads_ = 1;  // side_by_side_heads()
 
   static bool direct_keys(const FlashAttnParams& p, const KernelSet& k) {
     const bool paged = p.block_table != nullptr;
@@ -728,7 +741,8 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
           if (!runner.side_by_side(b, k_from, k_to, sp)) {
             flush();
             runner.piece(sc, b, h, t, k_from, k_to, sp, range, workspace);
-          } else if (group.h1 > group.h0 && group.b == b && group.t == t && group.h1 == h) {
+          } else if (group.h1 > group.h0 && group.b == b && group.t == t && group.h1 == h &&
+                     group.h1 - group.h0 < runner.side_by_side_heads()) {
             ++group.h1;
           } else {
             flush();
