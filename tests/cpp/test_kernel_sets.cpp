@@ -321,6 +321,18 @@ TEST(KernelSets, RowOpsForBf16PairsAndScoreModifications) {
     EXPECT_EQ(out[37], 0xdeadbeefu);  // nothing past n
     set->rows.interleave_bf16(r0.data(), nullptr, 37, out.data());
     for (int64_t e = 0; e < 37; ++e) EXPECT_EQ(out[e], uint32_t{r0[e]}) << e;
+    // store_bf16: the portable conversion's bits after the scale (ties, NaN, infinities, a
+    // subnormal), at a length that is not a whole vector, nothing written past it.
+    std::vector<float> row(a.begin(), a.begin() + 37);
+    row[6] = 1.0e-39f;  // subnormal
+    std::vector<uint16_t> stored(40, 0xbeefu);
+    for (const float scale : {1.0f, 0.37f}) {
+      set->rows.store_bf16(row.data(), scale, 37, stored.data());
+      for (int64_t e = 0; e < 37; ++e) {
+        EXPECT_EQ(stored[e], float_to_bf16_bits(row[e] * scale)) << "store_bf16 " << e;
+      }
+      EXPECT_EQ(stored[37], 0xbeefu);
+    }
     // score_mods: softcap with its derivative, then ALiBi in both directions.
     for (const float cap : {0.0f, 0.7f, 30.0f}) {
       for (const int64_t dir : {int64_t{-1}, int64_t{1}}) {

@@ -524,11 +524,11 @@ class Runner {
       const int64_t lo = std::clamp<int64_t>(vr.begin - first_key, 0, kKeyTile);
       const int64_t hi =
           vr.end > vr.begin ? std::clamp<int64_t>(vr.end - first_key, 0, kKeyTile) : 0;
+      // Columns [0, lo) and [hi, 64): everything when hi <= lo.
       for (int64_t g = 0; g < g_.group; ++g) {
         float* x = s + (i * g_.group + g) * ld;
-        for (int64_t c = 0; c < kKeyTile; ++c) {
-          if (c < lo || c >= hi) x[c] = kNegInf;
-        }
+        std::fill(x, x + lo, kNegInf);
+        std::fill(x + hi, x + kKeyTile, kNegInf);
       }
     }
   }
@@ -563,8 +563,13 @@ class Runner {
         }
         const int64_t pos = seq.q_begin + i;
         if (p_.lse != nullptr) p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss] = lse;
-        store_row(p_.out, p_.dtype, b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn, p_.out_sd,
-                  dv_, st.o + r * dvp_, scale);
+        const int64_t offset = b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn;
+        if (p_.dtype == DType::kBFloat16 && p_.out_sd == 1) {
+          // The kernel set's conversion: the same bits as store_row's, in its vector width.
+          k_.rows.store_bf16(st.o + r * dvp_, scale, dv_, static_cast<uint16_t*>(p_.out) + offset);
+        } else {
+          store_row(p_.out, p_.dtype, offset, p_.out_sd, dv_, st.o + r * dvp_, scale);
+        }
       }
     }
   }

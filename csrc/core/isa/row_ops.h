@@ -1,4 +1,4 @@
-// The element-wise row operations of flash attention's backward and of the KL losses (RowOps in
+// The element-wise row operations of flash attention and of the KL losses (RowOps in
 // kernels/kernel_set.h), written once as loops the compiler vectorises. Every kernel set's
 // translation unit includes this header and so compiles the loops with its own instruction-set
 // flags; the anonymous namespace gives each translation unit its own copy, so no code built for
@@ -205,12 +205,19 @@ void bf16_residual(const float* x, float* lo) {
   }
 }
 
+// dst[i] = bf16(src[i] scale).
+void store_bf16(const float* src, float scale, int64_t n, uint16_t* dst) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bf16_bits(src[i] * scale));
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
-  return RowOps{
-      &shift_and_mask,  &probability_gradient, &add_into,        &relu_axpy,    &split_coefficients,
-      &target_gradient, &masked_scale,         &entropy_terms,   &row_dots,     &pair_rows,
-      &score_mods,      &multiply_into,        &interleave_bf16, &bf16_residual};
+  return RowOps{&shift_and_mask,  &probability_gradient, &add_into,
+                &relu_axpy,       &split_coefficients,   &target_gradient,
+                &masked_scale,    &entropy_terms,        &row_dots,
+                &pair_rows,       &score_mods,           &multiply_into,
+                &interleave_bf16, &bf16_residual,        &store_bf16};
 }
 
 }  // namespace

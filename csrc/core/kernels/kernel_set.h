@@ -53,7 +53,7 @@ struct ScoreTileArgs {
   int64_t depth;  // words per row, a multiple of depth_align; padding words are zero
 };
 
-// The element-wise row operations of flash attention's backward and of the KL losses, on float32
+// The element-wise row operations of flash attention and of the KL losses, on float32
 // rows of kKeyTile entries unless a count is given (isa/row_ops.h writes them once; each set
 // compiles them with its own flags).
 struct RowOps {
@@ -92,6 +92,9 @@ struct RowOps {
   // lo[c] = x[c] - bf16(x[c]) (round to nearest even): what a row of float32 operands loses to
   // bf16, so that bf16(x) + bf16(lo) carries x to about 2^-17 relative in two pair products.
   void (*bf16_residual)(const float* x, float* lo);
+  // dst[i] = bf16(src[i] scale) (round to nearest even, NaN quietened) for n entries: a row of
+  // float32 results stored as bf16, the same bits as the portable conversion (dtype.h).
+  void (*store_bf16)(const float* src, float scale, int64_t n, uint16_t* dst);
 };
 
 struct KernelSet {
