@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "dtype.h"
+#include "kernels/kernel_set.h"
 
 namespace opmesh::core {
 
@@ -81,6 +82,18 @@ inline void load_row_bf16_pairs(const void* base, int64_t offset, int64_t stride
     const uint32_t hi = 2 * l + 1 < n ? src[(2 * l + 1) * stride] : 0u;
     out[l] = lo | (hi << 16);
   }
+}
+
+// store_row through kernel set k where the destination is a contiguous bf16 row: the set's
+// conversion (RowOps::store_bf16) gives the same bits in its vector width, where this header's
+// loop, compiled for the baseline instruction set, converts four values at a time.
+inline void store_row(const kernels::KernelSet& k, void* base, DType dtype, int64_t offset,
+                      int64_t stride, int64_t n, const float* src, float scale) {
+  if (dtype == DType::kBFloat16 && stride == 1) {
+    k.rows.store_bf16(src, scale, n, static_cast<uint16_t*>(base) + offset);
+    return;
+  }
+  store_row(base, dtype, offset, stride, n, src, scale);
 }
 
 }  // namespace opmesh::core

@@ -563,13 +563,8 @@ class Runner {
         }
         const int64_t pos = seq.q_begin + i;
         if (p_.lse != nullptr) p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss] = lse;
-        const int64_t offset = b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn;
-        if (p_.dtype == DType::kBFloat16 && p_.out_sd == 1) {
-          // The kernel set's conversion: the same bits as store_row's, in its vector width.
-          k_.rows.store_bf16(st.o + r * dvp_, scale, dv_, static_cast<uint16_t*>(p_.out) + offset);
-        } else {
-          store_row(p_.out, p_.dtype, offset, p_.out_sd, dv_, st.o + r * dvp_, scale);
-        }
+        store_row(k_, p_.out, p_.dtype, b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn,
+                  p_.out_sd, dv_, st.o + r * dvp_, scale);
       }
     }
   }

@@ -206,9 +206,9 @@ class Backward {
       const int64_t key = seq.k_begin + first + n;
       const MutableView& gk = p_.dk;
       const MutableView& gv = p_.dv;
-      store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_, dk + n * dp_,
-                1.0f);
-      store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
+      store_row(k_, gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_,
+                dk + n * dp_, 1.0f);
+      store_row(k_, gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
                 dv + n * dvp_, 1.0f);
     }
   }
@@ -272,8 +272,8 @@ class Backward {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = seq.q_begin + i0 + r;
       const MutableView& gq = p_.dq;
-      store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_, dq + r * dp_,
-                1.0f);
+      store_row(k_, gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_,
+                dq + r * dp_, 1.0f);
     }
   }
 
@@ -527,8 +527,8 @@ class Backward {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = seq.q_begin + i0 + r;
       const MutableView& gq = p_.dq;
-      store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_, dq + r * dp_,
-                1.0f);
+      store_row(k_, gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + u.h * gq.sn, gq.sd, d_,
+                dq + r * dp_, 1.0f);
     }
   }
 
@@ -568,9 +568,9 @@ class Backward {
       const int64_t key = seq.k_begin + k0 + n;
       const MutableView& gk = p_.dk;
       const MutableView& gv = p_.dv;
-      store_row(gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_, dk + n * dp_,
-                1.0f);
-      store_row(gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
+      store_row(k_, gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_,
+                dk + n * dp_, 1.0f);
+      store_row(k_, gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
                 dv + n * dvp_, 1.0f);
     }
   }
@@ -586,7 +586,7 @@ class Backward {
         for (int64_t e = 0; e < d_; ++e) row[e] = col[e * kTile];
         const int64_t pos = seq.q_begin + i;
         const MutableView& gq = p_.dq;
-        store_row(gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + head * gq.sn, gq.sd, d_, row,
+        store_row(k_, gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + head * gq.sn, gq.sd, d_, row,
                   1.0f);
       }
     }

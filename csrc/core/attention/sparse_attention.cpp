@@ -254,7 +254,7 @@ class Forward {
       float denom = sc.l[r];
       if (p_.sinks != nullptr && m > -kInf) denom += std::exp(p_.sinks[h] - m);
       const float inv = m > -kInf && denom > 0.0f ? 1.0f / denom : 0.0f;
-      store_row(p_.out, p_.dtype, geo_.query_offset(p_.out_stride, s, i, h), p_.out_stride[3],
+      store_row(k_, p_.out, p_.dtype, geo_.query_offset(p_.out_stride, s, i, h), p_.out_stride[3],
                 p_.value_dim, sc.o.data() + r * dvp_, inv);
       if (p_.softmax_max != nullptr) {
         p_.softmax_max[stats + r] = m;

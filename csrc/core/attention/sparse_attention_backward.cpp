@@ -155,9 +155,9 @@ class Backward {
     }
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t out = geo_.token(s, i) * p_.heads_q + g * g_ + r;
-      store_row(gr_.dq, p_.dtype, out * p_.head_dim, 1, p_.head_dim, dq + r * dq16_, 1.0f);
+      store_row(k_, gr_.dq, p_.dtype, out * p_.head_dim, 1, p_.head_dim, dq + r * dq16_, 1.0f);
       if (p_.rope_dim > 0) {
-        store_row(gr_.dq_rope, p_.dtype, out * p_.rope_dim, 1, p_.rope_dim,
+        store_row(k_, gr_.dq_rope, p_.dtype, out * p_.rope_dim, 1, p_.rope_dim,
                   dq + r * dq16_ + p_.head_dim, 1.0f);
       }
     }
@@ -204,12 +204,12 @@ class Backward {
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t key_row = key_row_of(s, j) * p_.heads_k + g;
       const float* dkj = dk.data() + (j - j0) * dq16_;
-      store_row(gr_.dk, p_.dtype, key_row * p_.head_dim, 1, p_.head_dim, dkj, 1.0f);
+      store_row(k_, gr_.dk, p_.dtype, key_row * p_.head_dim, 1, p_.head_dim, dkj, 1.0f);
       if (p_.rope_dim > 0) {
-        store_row(gr_.dk_rope, p_.dtype, key_row * p_.rope_dim, 1, p_.rope_dim, dkj + p_.head_dim,
-                  1.0f);
+        store_row(k_, gr_.dk_rope, p_.dtype, key_row * p_.rope_dim, 1, p_.rope_dim,
+                  dkj + p_.head_dim, 1.0f);
       }
-      store_row(gr_.dv, p_.dtype, key_row * p_.value_dim, 1, p_.value_dim,
+      store_row(k_, gr_.dv, p_.dtype, key_row * p_.value_dim, 1, p_.value_dim,
                 dv.data() + (j - j0) * dv16_, 1.0f);
     }
   }

@@ -290,13 +290,14 @@ class KlLoss {
           out[e] = zr > 0.0f ? a[r * dip_ + e] - a[(kTile + r) * dip_ + e] * inv : 0.0f;
         }
         const KlGradient& dq = p_.d_query_index;
-        store_row(dq.data, dq.dtype, offset(dq.stride, u.b, pos, h), dq.stride[3], di_, out, 1.0f);
+        store_row(k_, dq.data, dq.dtype, offset(dq.stride, u.b, pos, h), dq.stride[3], di_, out,
+                  1.0f);
         const double* dw1 = sc.dw.data();
         const double* dw2 = dw1 + kTile * n1i;
         const float dw =
             zr > 0.0f ? static_cast<float>(dw1[r * n1i + h] - dw2[r * n1i + h] / z[r]) : 0.0f;
         const KlGradient& gw = p_.d_weights;
-        store_row(gw.data, gw.dtype, offset(gw.stride, u.b, pos, h), 1, 1, &dw, 1.0f);
+        store_row(k_, gw.data, gw.dtype, offset(gw.stride, u.b, pos, h), 1, 1, &dw, 1.0f);
       }
       if (zr > 0.0f) {
         for (int64_t g = 0; g < n2i; ++g) {
@@ -343,7 +344,7 @@ class KlLoss {
           float* row = sc.row.data();
           const float* col = acc + g * di_ * kTile + n;
           for (int64_t e = 0; e < di_; ++e) row[e] = col[e * kTile];
-          store_row(dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_, row,
+          store_row(k_, dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_, row,
                     1.0f);
         }
       }

@@ -219,7 +219,7 @@ class SparseKl {
     }
     for (int64_t j = j0; j < j1; ++j) {
       const KlGradient& out = p_.d_key_index;
-      store_row(out.data, out.dtype, key_row(out.stride, s, j, g), out.stride[3], p_.index_dim,
+      store_row(k_, out.data, out.dtype, key_row(out.stride, s, j, g), out.stride[3], p_.index_dim,
                 sc.key_grad.data() + (j - j0) * dip_, 1.0f);
     }
   }
@@ -594,10 +594,10 @@ class SparseKl {
     const KlGradient& dw = p_.d_weights;
     for (int64_t r = 0; r < ig_; ++r) {
       const int64_t h = g * ig_ + r;
-      store_row(dq.data, dq.dtype, query_row(dq.stride, s, i, h), dq.stride[3], p_.index_dim,
+      store_row(k_, dq.data, dq.dtype, query_row(dq.stride, s, i, h), dq.stride[3], p_.index_dim,
                 sc.acc.data() + r * dip_, 1.0f);
       const float v = static_cast<float>(sc.dw[r]);
-      store_row(dw.data, dw.dtype, query_row(dw.stride, s, i, h), 1, 1, &v, 1.0f);
+      store_row(k_, dw.data, dw.dtype, query_row(dw.stride, s, i, h), 1, 1, &v, 1.0f);
     }
   }
 
