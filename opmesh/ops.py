@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from . import platform as _platform
-from ._schema import ATTN_LENGTHS, UNBOUNDED, positional
+from ._schema import ATTN_LENGTHS, UNBOUNDED, positional, without_defaults
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
 from .distributed.ops.dsa import TABLES as _DSA_TABLES
@@ -59,7 +59,11 @@ def _run(name: str, call: dict, **dispatch_only):
     args = [kwargs.pop(n) for n in positional(name)]
     if any(isinstance(v, dtensor) for v in call.values()):
         return DISPATCHER.dispatch(name, op, tuple(args), {**kwargs, **dispatch_only})
-    return op(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # Traced once: no parsing time to save, and comparing a symbolic size with a default
+        # would add a guard (and make Dynamo restart its analysis).
+        return op(*args, **kwargs)
+    return op(*args, **without_defaults(name, kwargs))
 
 
 def _as_lengths(value: LengthsLike, name: str) -> torch.Tensor | None:

@@ -110,3 +110,26 @@ def test_public_defaults_are_the_operators(function, op):
             assert param.default == schema_defaults[name], name
             checked += 1
     assert checked >= 1
+
+
+def test_calls_leave_out_the_arguments_that_equal_their_default():
+    """An eager call passes the operator only what differs from the schema's defaults (each
+    keyword costs argument parsing); a value of another type than the default's, or a tensor,
+    is always passed."""
+    t = torch.zeros(1)
+    kwargs = {
+        "block_table": None,  # default None: left out
+        "sinks": t,  # a tensor where the default is None: passed
+        "softcap": 0.0,  # the default: left out
+        "mask_mode": 3,  # not the default: passed
+        "win_left": -1,  # the default: left out
+        "layout_q": "TND",  # not the default: passed
+        "layout_kv": "BSND",  # the default: left out
+        "return_softmax_lse": True,  # not the default: passed
+        "max_seqlen_q": 0,  # an int where the default is None: passed
+    }
+    kept = _schema.without_defaults("flash_attn", kwargs)
+    assert list(kept) == ["sinks", "mask_mode", "layout_q", "return_softmax_lse", "max_seqlen_q"]
+    assert kept["sinks"] is t
+    # A float default compared with an int of the same value: different types, passed.
+    assert _schema.without_defaults("flash_attn", {"softcap": 0}) == {"softcap": 0}
