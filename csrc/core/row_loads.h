@@ -1,6 +1,7 @@
 // Gathers one strided row of a tensor into a packed buffer, converting to the kernels' word type.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -81,6 +82,23 @@ inline void load_row_bf16_pairs(const void* base, int64_t offset, int64_t stride
     const uint32_t lo = src[2 * l * stride];
     const uint32_t hi = 2 * l + 1 < n ? src[(2 * l + 1) * stride] : 0u;
     out[l] = lo | (hi << 16);
+  }
+}
+
+// The addresses of `count` consecutive key rows from key `first`: rows[i] for key first + i.
+// Rows follow each other `stride` bytes apart within a paged block of `block_size` keys (0: not
+// paged, one run); `address(key)` gives the first row of each run, so a tile of keys costs one
+// block-table lookup per block instead of a division per row.
+template <class Address>
+inline void key_row_addresses(int64_t first, int64_t count, int64_t block_size, int64_t stride,
+                              Address address, const char** rows) {
+  for (int64_t n = 0; n < count;) {
+    const int64_t key = first + n;
+    const int64_t run =
+        block_size > 0 ? std::min(count - n, block_size - key % block_size) : count - n;
+    const char* row = address(key);
+    for (int64_t i = 0; i < run; ++i, row += stride) rows[n + i] = row;
+    n += run;
   }
 }
 

@@ -298,20 +298,12 @@ class Runner {
     return b * view.sb + (seqs_[b].k_begin + key) * view.ss + h * view.sn;
   }
 
-  // Where rows [0, valid) of key tile j of (b, h) lie: one address computation per run of rows
-  // in one paged block (the whole tile unpaged), each row the row stride after the last.
+  // Where rows [0, valid) of key tile j of (b, h) lie.
   void tile_rows(const View& view, int64_t b, int64_t h, int64_t j, int64_t valid,
                  const char** rows) const {
-    const int64_t stride = view.ss * elem_;
-    for (int64_t n = 0; n < valid;) {
-      const int64_t key = j * kKeyTile + n;
-      const int64_t run = p_.block_table != nullptr
-                              ? std::min(valid - n, p_.block_size - key % p_.block_size)
-                              : valid - n;
-      const char* row = at(view, key_offset(view, b, h, key));
-      for (int64_t i = 0; i < run; ++i, row += stride) rows[n + i] = row;
-      n += run;
-    }
+    key_row_addresses(
+        j * kKeyTile, valid, p_.block_table != nullptr ? p_.block_size : 0, view.ss * elem_,
+        [&](int64_t key) { return at(view, key_offset(view, b, h, key)); }, rows);
   }
 
   const char* at(const View& view, int64_t offset) const {

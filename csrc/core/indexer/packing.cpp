@@ -62,16 +62,12 @@ void Packer::pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count
   if (ks[3] == 1 && (!bf16_pairs_ || o_.head_dim % 2 == 0)) {
     const bool direct = bf16_pairs_ || o_.qk_dtype == DType::kFloat32;
     const char* rows[kKeyTile];
-    // One address computation per run of rows in one paged block (all of them unpaged).
-    for (int64_t j = 0; j < count;) {
-      const int64_t key = j0 + j;
-      const int64_t run = o_.block_table != nullptr
-                              ? std::min(count - j, o_.block_size - key % o_.block_size)
-                              : count - j;
-      const char* first = static_cast<const char*>(o_.key) + key_offset(seq, g, key) * elem_;
-      for (int64_t i = 0; i < run; ++i) rows[j + i] = first + i * ks[1] * elem_;
-      j += run;
-    }
+    key_row_addresses(
+        j0, count, o_.block_table != nullptr ? o_.block_size : 0, ks[1] * elem_,
+        [&](int64_t key) {
+          return static_cast<const char*>(o_.key) + key_offset(seq, g, key) * elem_;
+        },
+        rows);
     for (int64_t j = 0; j < count; ++j) {
       if (!direct) {
         float* staged = stage + j * words_;
