@@ -74,7 +74,8 @@ class Runner {
         dv_(p.config.head_dim_v),
         words_(pairs_ ? (d_ + 1) / 2 : d_),
         dw_(round_up(words_, k_.depth_align)),
-        rows_cap_(round_up(g_.rows, k_.row_align)),
+        rows_(largest_tile_rows(seqs, g_)),
+        rows_cap_(round_up(rows_, k_.row_align)),
         elem_(p.dtype == DType::kFloat64   ? 8
               : p.dtype == DType::kFloat32 ? 4
                                            : 2),
@@ -87,7 +88,7 @@ class Runner {
         direct_keys_(direct_keys(p, k_)) {
     const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * elem_;
     const int64_t state_bytes =
-        4 * (rows_cap_ * dw_ + 2 * g_.rows * dvp_ + (direct_keys_ ? dw_ * kKeyTile : 0));
+        4 * (rows_cap_ * dw_ + 2 * rows_ * dvp_ + (direct_keys_ ? dw_ * kKeyTile : 0));
     side_heads_ = std::max<int64_t>(1, kSideBySideBytes / (rows_bytes + state_bytes));
   }
 
@@ -99,8 +100,8 @@ class Runner {
   struct UnitState {
     explicit UnitState(const Runner& r)
         : q(r.rows_cap_ * r.dw_),
-          o(2 * r.g_.rows * r.dvp_),
-          stats(5 * r.g_.rows),
+          o(2 * r.rows_ * r.dvp_),
+          stats(5 * r.rows_),
           qt(r.direct_keys_ ? r.dw_ * kKeyTile : 0) {}
     AlignedBuffer<uint32_t> q;
     AlignedBuffer<float> o;      // current state's output, then the running fold's
@@ -133,6 +134,11 @@ class Runner {
     // Packed key/value tiles of one (sequence, key head), kept while a worker stays on it.
     int32_t cache_b = -1, cache_h = -1;
     bool cache_all = false;
+    // Set by piece(): whether the worker's stretch holds a later query tile of the piece's
+    // (sequence, key head), which would read the packed tiles again. Units past stretch_end (a
+    // unit index) belong to other stretches.
+    bool tiles_reused = false;
+    int64_t stretch_end = 0;
     AlignedBuffer<uint32_t> kcache;  // packed key tiles, one after another
     AlignedBuffer<uint32_t> vcache;  // packed value tiles: those of a block are contiguous
     std::vector<uint8_t> packed;
@@ -141,14 +147,12 @@ class Runner {
       while (units.size() <= i) units.push_back(std::make_unique<UnitState>(r));
       u = units[i].get();
     }
-    State cur(const Runner& r) {
-      return {u->o.data(), u->stats.data(), u->stats.data() + r.g_.rows};
-    }
+    State cur(const Runner& r) { return {u->o.data(), u->stats.data(), u->stats.data() + r.rows_}; }
     State run(const Runner& r) {
-      return {u->o.data() + r.g_.rows * r.dvp_, u->stats.data() + 2 * r.g_.rows,
-              u->stats.data() + 3 * r.g_.rows};
+      return {u->o.data() + r.rows_ * r.dvp_, u->stats.data() + 2 * r.rows_,
+              u->stats.data() + 3 * r.rows_};
     }
-    float* correction(const Runner& r) { return u->stats.data() + 4 * r.g_.rows; }
+    float* correction(const Runner& r) { return u->stats.data() + 4 * r.rows_; }
   };
 
   void reset(const State& s, int64_t rows) const {
@@ -179,6 +183,8 @@ class Runner {
     const bool last = k_to == sp.end;
     const bool det = plan_.chunk_tiles > 0;
     sc.use(*this, 0);
+    sc.tiles_reused = t + 1 < walker_.num_query_tiles(b) &&
+                      walker_.unit_index(walker_.unit_start(b, h, t + 1)) < sc.stretch_end;
     const State cur = sc.cur(*this);
     const State run = sc.run(*this);
     reset(cur, rows);
@@ -257,6 +263,7 @@ class Runner {
     const int64_t p1 = walker_.tile_end(b, t);
     const int64_t rows = (p1 - p0) * g_.group;
     const bool det = plan_.chunk_tiles > 0;
+    sc.tiles_reused = false;  // one query tile
     for (int32_t h = h0; h < h1; ++h) {
       sc.use(*this, h - h0);
       reset(sc.cur(*this), rows);
@@ -419,12 +426,13 @@ class Runner {
       const int64_t n = (seqs_[b].k_len + kKeyTile - 1) / kKeyTile;
       sc.cache_b = b;
       sc.cache_h = h;
-      // Worth keeping only when more than one query tile of this (b, h) can reuse the tiles.
-      sc.cache_all = walker_.num_query_tiles(b) > 1 &&
-                     n * (k_tile_words_ + v_tile_words_) * 4 <= kCacheLimitBytes;
+      // Worth keeping only when another query tile of this (b, h) will reuse the tiles; otherwise
+      // a long sequence's packed tiles would only be written out of cache.
+      sc.cache_all = sc.tiles_reused && n * (k_tile_words_ + v_tile_words_) * 4 <= kCacheLimitBytes;
       const int64_t slots = sc.cache_all ? n : block_tiles_;
-      sc.kcache.grow(slots * k_tile_words_);
-      sc.vcache.grow(slots * v_tile_words_);
+      // pack_tile writes every word the products read.
+      sc.kcache.grow_uninitialized(slots * k_tile_words_);
+      sc.vcache.grow_uninitialized(slots * v_tile_words_);
       sc.packed.assign(slots, 0);
     }
     const int64_t index = sc.cache_all ? j : j % block_tiles_;
@@ -575,9 +583,12 @@ class Runner {
   bool raw_scores_;
   float score_alpha_;
   int64_t d_, dv_;
-  int64_t words_;        // packed words per q/k row
-  int64_t dw_;           // words_ padded to the set's depth_align (zero words)
-  int64_t rows_cap_;     // tile rows padded to the set's row_align
+  int64_t words_;  // packed words per q/k row
+  int64_t dw_;     // words_ padded to the set's depth_align (zero words)
+  // Rows of the call's largest query tile: the plan's tile rows, or fewer where every sequence
+  // has fewer query positions (decode), so that a small call's scratch stays small.
+  int64_t rows_;
+  int64_t rows_cap_;     // rows_ padded to the set's row_align
   int64_t elem_;         // bytes per input element
   int64_t block_tiles_;  // key tiles per online-softmax step (the kernel set's)
   int64_t dvp_;
@@ -592,6 +603,12 @@ class Runner {
   // Q^T), instead of packing each key tile first; only the values are packed.
   bool direct_keys_;
   int64_t side_heads_ = 1;  // side_by_side_heads()
+
+  static int64_t largest_tile_rows(const std::vector<Sequence>& seqs, const Geometry& g) {
+    int64_t positions = 0;
+    for (const Sequence& s : seqs) positions = std::max(positions, std::min(s.q_len, g.positions));
+    return std::max<int64_t>(1, positions) * g.group;
+  }
 
   static bool direct_keys(const FlashAttnParams& p, const KernelSet& k) {
     const bool paged = p.block_table != nullptr;
@@ -716,6 +733,7 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
     Runner::Scratch& sc = scratch_of(thread);
     const kernels::WorkerScope scope(runner.kernel_set());
     const WorkerRange& range = plan.workers[w];
+    sc.stretch_end = walker.unit_index(range.end) + (walker.mid_unit(range.end) ? 1 : 0);
     // Consecutive whole units of one query tile and neighbouring key heads run side by side.
     struct {
       int32_t b = 0, t = 0, h0 = 0, h1 = 0;
