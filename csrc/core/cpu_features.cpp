@@ -59,7 +59,8 @@ Isa detected_vector_isa() {
     __builtin_cpu_init();
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512dq");
     if (avx512 && __builtin_cpu_supports("avx512bf16")) return Isa::kAvx512Bf16;
     if (avx512) return Isa::kAvx512;
     if (avx2) return Isa::kAvx2;

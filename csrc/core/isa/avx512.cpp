@@ -103,8 +103,10 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
 }
 
 void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
-  softmax_rows(s, rows, cols, 1.0f, m, l, correction,
-               [](float* x, __m512 p) { _mm512_storeu_ps(x, p); });
+  softmax_rows(s, rows, cols, 1.0f, m, l, correction, [](float* x, __m512 p0, __m512 p1) {
+    _mm512_storeu_ps(x, p0);
+    _mm512_storeu_ps(x + 16, p1);
+  });
 }
 
 void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {

@@ -16,16 +16,15 @@ namespace {
 
 // 2^t for t <= 0: 2^n * 2^f with n = round(t), f in [-1/2, 1/2] and a degree-5 polynomial of
 // 2^f fitted for least maximum relative error on that interval (below 2.4e-7 with float32
-// evaluation). n comes from adding and subtracting 1.5 * 2^23 (round to nearest on the FMA
-// ports, no VRNDSCALEPS). Below 2^-126 the result is 0, never a subnormal: subnormal
-// probabilities would send every product that reads them to microcode assists (measured 3.5x
-// slower float32 causal attention). -inf gives 0, NaN stays NaN.
+// evaluation). VREDUCEPS gives f = t - round(t) (to nearest even) in one instruction, and n = t - f
+// is exact. Below 2^-126 the result is 0, never a subnormal: subnormal probabilities would send
+// every product that reads them to microcode assists (measured 3.5x slower float32 causal
+// attention). -inf gives 0, NaN stays NaN.
 inline __m512 exp2_nonpositive(__m512 t) {
   // Not-less-than, unordered: true for NaN, false for -inf and anything below -126.
   const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
-  const __m512 f = _mm512_sub_ps(t, n);
+  const __m512 f = _mm512_reduce_round_ps(t, _MM_FROUND_TO_NEAREST_INT, _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(t, f);
   __m512 p = _mm512_set1_ps(1.327647129073739e-3f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675540961325169e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092088699e-2f));
@@ -39,9 +38,10 @@ inline constexpr float kLog2e = 1.44269504088896341f;
 
 // The softmax step of KernelSet::softmax over `rows` rows of `cols` scores, each scaled by
 // `scale` (> 0) on the way in, so that m, l and the probabilities are those of scale * s;
-// store(x, p) writes the 16 probabilities p of columns x..x+15 of a row (s itself, or another
-// buffer). A positive scale keeps the order of the scores: the scaled maximum is the maximum's
-// product, and exp(scale * s - m) is one fused multiply-subtract into base 2.
+// store(x, p0, p1) writes the 32 probabilities of columns x..x+31 of a row, p0 then p1 (to s
+// itself, or to another buffer; cols is a multiple of 32). A positive scale keeps the order of the
+// scores: the scaled maximum is the maximum's product, and exp(scale * s - m) is one fused
+// multiply-subtract into base 2.
 template <class Store>
 inline void softmax_rows(float* s, int64_t rows, int64_t cols, float scale, float* m, float* l,
                          float* correction, Store store) {
@@ -60,7 +60,7 @@ inline void softmax_rows(float* s, int64_t rows, int64_t cols, float scale, floa
     float row_max = std::max(m[r], scale * _mm512_reduce_max_ps(_mm512_max_ps(top[0], top[1])));
     if (nan != 0 || m[r] != m[r]) row_max = std::numeric_limits<float>::quiet_NaN();
     if (row_max == kNegInf) {
-      for (int64_t j = 0; j < cols; j += 16) store(x + j, _mm512_setzero_ps());
+      for (int64_t j = 0; j < cols; j += 32) store(x + j, _mm512_setzero_ps(), _mm512_setzero_ps());
       correction[r] = 1.0f;
       continue;
     }
@@ -68,11 +68,12 @@ inline void softmax_rows(float* s, int64_t rows, int64_t cols, float scale, floa
     const __m512 b = _mm512_set1_ps(row_max * kLog2e);
     __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t j = 0; j < cols; j += 32) {
+      __m512 p[2];
       for (int u = 0; u < 2; ++u) {
-        const __m512 p = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16 * u), a, b));
-        sum[u] = _mm512_add_ps(sum[u], p);
-        store(x + j + 16 * u, p);
+        p[u] = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16 * u), a, b));
+        sum[u] = _mm512_add_ps(sum[u], p[u]);
       }
+      store(x + j, p[0], p[1]);
     }
     correction[r] = std::exp(m[r] - row_max);
     l[r] = l[r] * correction[r] + _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
