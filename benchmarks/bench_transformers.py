@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -63,16 +62,14 @@ def prefill(model, ids, budget):
     return ids.numel() / time_call(run, min_repeats=1, budget_s=budget)
 
 
-def generate(model, ids, new_tokens):
+def generate(model, ids, new_tokens, budget):
     def run():
         with torch.no_grad():
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=0)  # fmt: skip
 
-    run()
-    start = time.perf_counter()
-    run()
-    return ids.shape[0] * new_tokens / (time.perf_counter() - start)
+    # The median of at least three runs: one run's time moves by 10-30 % on a shared machine.
+    return ids.shape[0] * new_tokens / time_call(run, min_repeats=3, budget_s=budget)
 
 
 def train_step(model, ids, budget):
@@ -120,7 +117,8 @@ def llama_rows(args, impls):
     model = llama()
     cases = [
         ("prefill", lambda: prefill(model, tokens(1, args.seq), args.budget), args.seq),
-        ("generate", lambda: generate(model, tokens(1, args.seq // 2), args.new_tokens),
+        ("generate",
+         lambda: generate(model, tokens(1, args.seq // 2), args.new_tokens, args.budget),
          args.seq // 2),
         ("train step", lambda: train_step(model, tokens(1, args.seq // 2), args.budget),
          args.seq // 2),
