@@ -429,7 +429,8 @@ class Runner {
       // Worth keeping only when another query tile of this (b, h) will reuse the tiles; otherwise
       // a long sequence's packed tiles would only be written out of cache.
       sc.cache_all = sc.tiles_reused && n * (k_tile_words_ + v_tile_words_) * 4 <= kCacheLimitBytes;
-      const int64_t slots = sc.cache_all ? n : block_tiles_;
+      // (A short sequence needs fewer slots than a block: a small call's buffers stay small.)
+      const int64_t slots = sc.cache_all ? n : std::min(block_tiles_, n);
       // pack_tile writes every word the products read.
       sc.kcache.grow_uninitialized(slots * k_tile_words_);
       sc.vcache.grow_uninitialized(slots * v_tile_words_);
