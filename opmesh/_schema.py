@@ -22,11 +22,20 @@ _DEFAULTS = {
     name: {a.name: a.default_value for a in arguments if a.has_default_value()}
     for name, arguments in _SCHEMAS.items()
 }
+_TENSORS = {
+    name: tuple(a.name for a in arguments if "Tensor" in str(a.type))
+    for name, arguments in _SCHEMAS.items()
+}
 
 
 def positional(op_name: str) -> tuple[str, ...]:
     """The names of ``op_name``'s positional parameters, in order."""
     return _POSITIONAL[op_name]
+
+
+def tensor_parameters(op_name: str) -> tuple[str, ...]:
+    """The names of ``op_name``'s parameters that take a tensor (or a list of them)."""
+    return _TENSORS[op_name]
 
 
 def defaults(op_name: str) -> dict:

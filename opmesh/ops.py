@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from . import platform as _platform
-from ._schema import ATTN_LENGTHS, UNBOUNDED, positional, without_defaults
+from ._schema import ATTN_LENGTHS, UNBOUNDED, positional, tensor_parameters, without_defaults
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
 from .distributed.ops.dsa import TABLES as _DSA_TABLES
@@ -57,7 +57,11 @@ def _run(name: str, call: dict, **dispatch_only):
     dtensor = _platform.current().DTensor
     kwargs = dict(call)
     args = [kwargs.pop(n) for n in positional(name)]
-    if any(isinstance(v, dtensor) for v in call.values()):
+    # Only a tensor parameter can hold a DTensor; a plain tensor's exact type says it is not one.
+    if any(
+        type(v) is not torch.Tensor and isinstance(v, dtensor)
+        for v in map(call.get, tensor_parameters(name))
+    ):
         return DISPATCHER.dispatch(name, op, tuple(args), {**kwargs, **dispatch_only})
     if torch.compiler.is_compiling():
         # Traced once: no parsing time to save, and comparing a symbolic size with a default
