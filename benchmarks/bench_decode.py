@@ -18,6 +18,9 @@ D flops at the GFLOP/s of a bf16 ``torch.mm`` measured in the same run).
   decode would reach if memory kept up.
 * SDPA takes the same cache as a dense [B, H, S, D] tensor (``enable_gqa``; a bottom-right
   boolean mask for S_q = 16), as a user without a paged kernel would.
+* The streaming sum, the decode, the in-cache decode and SDPA are timed in turn, three rounds,
+  and each reports the median of its rounds: on a shared machine the rates drift by 10-20 %
+  within a minute, and timing them one after another would put that drift into the ratios.
 
     python benchmarks/bench_decode.py [--contexts 8192 32768] [--batches 1 8] [--queries 1 16]
 """
@@ -25,6 +28,7 @@ D flops at the GFLOP/s of a bf16 ``torch.mm`` measured in the same run).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -83,6 +87,15 @@ def bottom_right(sq, context):
     return torch.arange(context).view(1, context) <= torch.arange(sq).view(sq, 1) + context - sq
 
 
+def interleaved(fns, budget, rounds=3):
+    """Median seconds of each of fns, timed in turn for `rounds` rounds of budget / rounds each."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t in zip(fns, times, strict=True):
+            t.append(time_call(fn, budget_s=budget / rounds))
+    return [statistics.median(t) for t in times]
+
+
 def mm_gflops():
     a = torch.randn(2048, 2048).to(torch.bfloat16)
     b = torch.randn(2048, 2048).to(torch.bfloat16)
@@ -104,8 +117,7 @@ def main():
             for batch in args.batches:
                 _, k, v, table, lengths = paged_inputs(batch, context, nq, nkv, 1, gen)
                 cache_bytes = 2 * k.numel() * k.element_size()
-                stream = time_call(partial(stream_sum, k, v), budget_s=args.budget)
-                stream_gbs = cache_bytes / stream / 1e9
+                stream_fn = partial(stream_sum, k, v)
                 kd, vd = dense_cache(k, v, table)
                 for sq in args.queries:
                     q = torch.randn(batch, sq, nq, D, generator=gen).to(torch.bfloat16)
@@ -114,10 +126,11 @@ def main():
                     got = ours().float()
                     want = sdpa().transpose(1, 2).float()
                     error = float((got - want).abs().max())
-                    t_ours = time_call(ours, budget_s=args.budget)
                     cached = partial(step_opmesh, q, k, v, table % 4, lengths)
-                    t_cached = time_call(cached, budget_s=args.budget)
-                    t_sdpa = time_call(sdpa, budget_s=args.budget)
+                    stream, t_ours, t_cached, t_sdpa = interleaved(
+                        [stream_fn, ours, cached, sdpa], 3 * args.budget
+                    )
+                    stream_gbs = cache_bytes / stream / 1e9
                     flops = 4 * nq * sq * context * D * batch
                     byte_bound = cache_bytes / (stream_gbs * 1e9)
                     flop_bound = flops / (peak * 1e9)
@@ -145,7 +158,8 @@ def main():
     columns = list(rows[0])
     notes = [
         f"bf16, D = {D}, paged cache (PA_BBND, block {BLOCK}, blocks scattered over the pool). "
-        "stream GB/s: k.sum() and v.sum() over the cache's own tensors. % of stream: the "
+        "stream GB/s: k.sum() and v.sum() over the cache's own tensors, timed in turn with the "
+        "calls of its row (three rounds, medians). % of stream: the "
         "decode's cache read rate over the streaming rate. in-cache GB/s: the same call with every "
         "block table pointing at 4 blocks (the bytes read stay in cache): the kernel's own rate. "
         "x of bound: time over the larger of "
