@@ -28,7 +28,6 @@ D flops at the GFLOP/s of a bf16 ``torch.mm`` measured in the same run).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_call, write_results  # noqa: E402
+from common import interleaved, time_call, write_results  # noqa: E402
 
 import opmesh  # noqa: E402
 
@@ -87,15 +86,6 @@ def bottom_right(sq, context):
     return torch.arange(context).view(1, context) <= torch.arange(sq).view(sq, 1) + context - sq
 
 
-def interleaved(fns, budget, rounds=3):
-    """Median seconds of each of fns, timed in turn for `rounds` rounds of budget / rounds each."""
-    times = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, t in zip(fns, times, strict=True):
-            t.append(time_call(fn, budget_s=budget / rounds))
-    return [statistics.median(t) for t in times]
-
-
 def mm_gflops():
     a = torch.randn(2048, 2048).to(torch.bfloat16)
     b = torch.randn(2048, 2048).to(torch.bfloat16)
@@ -128,7 +118,7 @@ def main():
                     error = float((got - want).abs().max())
                     cached = partial(step_opmesh, q, k, v, table % 4, lengths)
                     stream, t_ours, t_cached, t_sdpa = interleaved(
-                        [stream_fn, ours, cached, sdpa], 3 * args.budget
+                        [stream_fn, ours, cached, sdpa], budget_s=3 * args.budget
                     )
                     stream_gbs = cache_bytes / stream / 1e9
                     flops = 4 * nq * sq * context * D * batch

@@ -28,6 +28,16 @@ def time_call(fn, *, min_repeats=3, budget_s=3.0):
     return statistics.median(times)
 
 
+def interleaved(fns, *, budget_s, rounds=3):
+    """Median seconds of each of fns (time_call medians), timed in turn for `rounds` rounds of
+    budget_s / rounds each: calls compared with each other share the machine's drift."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t in zip(fns, times, strict=True):
+            t.append(time_call(fn, budget_s=budget_s / rounds))
+    return [statistics.median(t) for t in times]
+
+
 def _status_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
