@@ -14,9 +14,11 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def time_call(fn, *, min_repeats=3, budget_s=3.0):
-    """Median wall time of fn() in seconds, after one untimed warm-up call."""
-    fn()
+def time_call(fn, *, min_repeats=3, budget_s=3.0, warm_up=True):
+    """Median wall time of fn() in seconds, after one untimed warm-up call (unless warm_up is
+    False)."""
+    if warm_up:
+        fn()
     times = []
     start = time.perf_counter()
     while len(times) < min_repeats or time.perf_counter() - start < budget_s:
@@ -28,13 +30,18 @@ def time_call(fn, *, min_repeats=3, budget_s=3.0):
     return statistics.median(times)
 
 
-def interleaved(fns, *, budget_s, rounds=3):
+def interleaved(fns, *, budget_s, rounds=3, min_repeats=3):
     """Median seconds of each of fns (time_call medians), timed in turn for `rounds` rounds of
-    budget_s / rounds each: calls compared with each other share the machine's drift."""
+    budget_s / rounds each, after one warm-up call of each: calls compared with each other share
+    the machine's drift."""
+    for fn in fns:
+        fn()
     times = [[] for _ in fns]
     for _ in range(rounds):
         for fn, t in zip(fns, times, strict=True):
-            t.append(time_call(fn, budget_s=budget_s / rounds))
+            t.append(
+                time_call(fn, budget_s=budget_s / rounds, min_repeats=min_repeats, warm_up=False)
+            )
     return [statistics.median(t) for t in times]
 
 

@@ -189,6 +189,62 @@ TEST(KernelSets, GemmMatchesDoubleReferenceOnPartialBlocks) {
   }
 }
 
+// Decode's scores from key rows in place (the sets that have them): every row count up to the
+// set's limit, depths with and without a partial vector, keys a row stride apart with NaN in the
+// words between them (which must not be read), and columns past kKeyTile left alone.
+TEST(KernelSets, KeyScoresMatchDoubleReference) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  uint32_t nan_word;
+  std::memcpy(&nan_word, &nan, 4);
+  int tested = 0;
+  for (const KernelSet* set : sets_under_test()) {
+    if (set->key_scores == nullptr) continue;
+    ASSERT_EQ(set->word, Word::kBf16Pair) << set->name;
+    ASSERT_GE(set->key_scores_rows, 1) << set->name;
+    for (int64_t rows = 1; rows <= set->key_scores_rows; ++rows) {
+      for (int64_t depth : {2, 16, 80, 128, 254}) {
+        SCOPED_TRACE(std::string(set->name) + " rows " + std::to_string(rows) + " depth " +
+                     std::to_string(depth));
+        std::mt19937 rng(static_cast<unsigned>(rows * 1000 + depth));
+        const int64_t words = depth / 2;
+        const int64_t ldk = words + 24;  // other heads' words between the keys
+        const int64_t ldq = words + 3;
+        const int64_t lds = kKeyTile + 16;
+        std::vector<float> q(rows * depth), k(kKeyTile * depth);
+        for (auto& v : q) v = bf16_value(rng);
+        for (auto& v : k) v = bf16_value(rng);
+        std::vector<uint32_t> q_words(rows * words), k_words(kKeyTile * words);
+        pack_rows(*set, q, rows, depth, words, q_words.data());
+        pack_rows(*set, k, kKeyTile, depth, words, k_words.data());
+        AlignedBuffer<uint32_t> pq(rows * ldq), pk(kKeyTile * ldk);
+        std::fill(pq.data(), pq.data() + rows * ldq, nan_word);
+        std::fill(pk.data(), pk.data() + kKeyTile * ldk, nan_word);
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(pq.data() + r * ldq, q_words.data() + r * words, 4 * words);
+        for (int64_t n = 0; n < kKeyTile; ++n)
+          std::memcpy(pk.data() + n * ldk, k_words.data() + n * words, 4 * words);
+        std::vector<float> s(rows * lds, -7.0f);
+        {
+          const Scope scope(*set);
+          set->key_scores({pq.data(), ldq, pk.data(), ldk, s.data(), lds, rows, words, 0.625f});
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t n = 0; n < kKeyTile; ++n) {
+            double dot = 0;
+            for (int64_t d = 0; d < depth; ++d) dot += double(q[r * depth + d]) * k[n * depth + d];
+            const double want = 0.625 * dot;
+            ASSERT_NEAR(s[r * lds + n], want, 1e-5 * (1 + std::abs(want)))
+                << "row " << r << " key " << n;
+          }
+          for (int64_t n = kKeyTile; n < lds; ++n) ASSERT_EQ(s[r * lds + n], -7.0f) << "wrote past";
+        }
+        ++tested;
+      }
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "no kernel set here has key_scores";
+}
+
 TEST(KernelSets, WidenIsExactForEveryTypeAndLength) {
   // Every fp16 and bf16 bit pattern once (normals, subnormals, infinities, NaNs), then doubles.
   std::vector<uint16_t> halves(65536);

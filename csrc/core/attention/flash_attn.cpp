@@ -334,7 +334,7 @@ class Runner {
         std::fill(dst + words_, dst + dw_, 0u);
       }
     }
-    if (!decode_rows(b)) return;
+    if (!decode_rows(b) || row_scores(b)) return;  // the transposed rows are the GEMM's
     const int64_t rows = (p1 - p0) * g_.group;
     const char* qrows[kKeyTile];
     for (int64_t r = 0; r < rows; ++r) {
@@ -481,13 +481,19 @@ class Runner {
     }
   }
 
-  // The scores of key tile j of (b, h) from the key rows where they lie: S^T = K Q^T into sc.st
-  // ([64][16]), then transposed into s (rows with stride ld). Rows past the sequence's keys
-  // (inside a paged block) are read and then masked like any key the row does not see.
+  // The scores of key tile j of (b, h) from the key rows where they lie (rows with stride ld in
+  // s): the set's row-by-row dot products for a few rows, else S^T = K Q^T into sc.st ([64][16])
+  // transposed into s. The choice depends on the sequence's rows only, so a unit's bits do not
+  // depend on the plan. Rows past the sequence's keys (inside a paged block) are read and then
+  // masked like any key the row does not see.
   void in_place_scores(Scratch& sc, int64_t b, int64_t h, int64_t j, float* s, int64_t ld,
                        int64_t rows) const {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(
         static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
+    if (row_scores(b)) {
+      k_.key_scores({sc.u->q.data(), dw_, keys, p_.k.ss / 2, s, ld, rows, dw_, score_alpha_});
+      return;
+    }
     float* st = sc.st.data();
     k_.gemm({keys, p_.k.ss / 2, sc.u->qt.data(), kKeyTile, st, 16, kKeyTile, 16, dw_, nullptr,
              score_alpha_});
@@ -628,6 +634,12 @@ class Runner {
 
   // Whether sequence b's query rows (all its positions times the group) fit one 16-row tile.
   bool decode_rows(int64_t b) const { return direct_keys_ && seqs_[b].q_len * g_.group <= 16; }
+
+  // Whether sequence b's in-place scores are the set's row-by-row dot products (key_scores).
+  bool row_scores(int64_t b) const {
+    return decode_rows(b) && k_.key_scores != nullptr &&
+           seqs_[b].q_len * g_.group <= k_.key_scores_rows;
+  }
 
   // Whether key tile j of sequence b is read in place: a decode sequence whose tile has all its
   // 64 rows in memory with one stride (a paged block holds whole tiles; unpaged, the tile lies

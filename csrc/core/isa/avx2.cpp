@@ -175,7 +175,7 @@ const KernelSet& kernel_set() {
   static const KernelSet set{
       "avx2",      Isa::kAvx2,     Word::kFloat32, 1,        1,         6,       1,
       nullptr,     nullptr,        &gemm,          &softmax, &exp_rows, nullptr, &scalar::pack_keys,
-      &score_tile, &scalar::widen, row_ops(),      nullptr};
+      &score_tile, &scalar::widen, row_ops(),      nullptr,  nullptr,   0};
   return set;
 }
 

@@ -125,9 +125,10 @@ void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx512", Isa::kAvx512, Word::kFloat32, 1,      1,         6,
-                             1,        nullptr,      nullptr,        &gemm,  &softmax,  &exp_rows,
-                             nullptr,  &pack_keys,   &score_tile,    &widen, row_ops(), nullptr};
+  static const KernelSet set{
+      "avx512",    Isa::kAvx512, Word::kFloat32, 1,        1,         6,       1,
+      nullptr,     nullptr,      &gemm,          &softmax, &exp_rows, nullptr, &pack_keys,
+      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0};
   return set;
 }
 

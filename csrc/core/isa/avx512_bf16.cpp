@@ -16,6 +16,64 @@ void gemm(const GemmArgs& g) { Avx512Gemm<Bf16PairPolicy>::run(g); }
 
 void score_tile(const ScoreTileArgs& args) { Avx512Tile<Bf16PairPolicy>::run(args); }
 
+// Accumulator i of key_scores holds key kLaneKey[i] of its 16: the tree of sum_lanes leaves the
+// sum of accumulator i in lane kLaneKey[i] (the table is its own inverse).
+constexpr int kLaneKey[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+// The 16 lanes of each of v[0..15] summed, four halving steps: lane kLaneKey[i] of the result is
+// the sum of v[i].
+__m512 sum_lanes(const __m512 (&v)[16]) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  }
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+  }
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i) {
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[i], x[i + 2], 0x44),
+                         _mm512_shuffle_ps(x[i], x[i + 2], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// Each (row, key) dot product along the depth in one accumulator, 16 keys at a time, then the 16
+// accumulators' lanes summed at once. Every lane does useful work, where the GEMM on keys as rows
+// fills 16 query columns of which a decode uses `rows`.
+void key_scores(const KeyScoresArgs& a) {
+  const int64_t full = a.depth / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (a.depth % 16)) - 1);
+  const __m512 alpha = _mm512_set1_ps(a.alpha);
+  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 16) {
+    const uint32_t* key[16];
+    for (int i = 0; i < 16; ++i) key[i] = a.keys + (n0 + kLaneKey[i]) * a.ldk;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const uint32_t* q = a.query + r * a.ldq;
+      __m512 acc[16];
+      for (__m512& x : acc) x = _mm512_setzero_ps();
+      for (int64_t w = 0; w < full; ++w) {
+        const __m512bh qv = Bf16PairPolicy::load(q + 16 * w);
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_dpbf16_ps(acc[i], qv, Bf16PairPolicy::load(key[i] + 16 * w));
+        }
+      }
+      if (tail != 0) {
+        const int64_t w = 16 * full;
+        const __m512bh qv = Bf16PairPolicy::as_bh(_mm512_maskz_loadu_epi32(tail, q + w));
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_dpbf16_ps(
+              acc[i], qv, Bf16PairPolicy::as_bh(_mm512_maskz_loadu_epi32(tail, key[i] + w)));
+        }
+      }
+      _mm512_storeu_ps(a.s + r * a.lds + n0, _mm512_mul_ps(alpha, sum_lanes(acc)));
+    }
+  }
+}
+
 }  // namespace
 
 void to_bf16(const float* src, uint16_t* dst, int64_t n) {
@@ -58,7 +116,9 @@ const KernelSet& kernel_set() {
                              &score_tile,
                              &avx512::widen,
                              row_ops(),
-                             &softmax_bf16};
+                             &softmax_bf16,
+                             &key_scores,
+                             8};
   return set;
 }
 

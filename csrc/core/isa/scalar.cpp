@@ -107,9 +107,10 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
 }
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"scalar", Isa::kScalar, Word::kFloat32, 1,      1,         1,
-                             1,        nullptr,      nullptr,        &gemm,  &softmax,  &exp_rows,
-                             nullptr,  &pack_keys,   &score_tile,    &widen, row_ops(), nullptr};
+  static const KernelSet set{
+      "scalar",    Isa::kScalar, Word::kFloat32, 1,        1,         1,       1,
+      nullptr,     nullptr,      &gemm,          &softmax, &exp_rows, nullptr, &pack_keys,
+      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0};
   return set;
 }
 

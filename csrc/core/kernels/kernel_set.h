@@ -37,6 +37,22 @@ struct GemmArgs {
   float alpha;
 };
 
+// Scores of a few query rows against kKeyTile key rows read where they lie (decode):
+//   s[r][n] = alpha * sum_w query[r][w] . key_n[w]   for r < rows, n < kKeyTile,
+// key n at keys + n * ldk words, `depth` words per row (no padding needed: words past depth are
+// not read).
+struct KeyScoresArgs {
+  const uint32_t* query;  // [rows][ldq] words
+  int64_t ldq;
+  const uint32_t* keys;
+  int64_t ldk;
+  float* s;  // [rows][lds]
+  int64_t lds;
+  int64_t rows;
+  int64_t depth;
+  float alpha;
+};
+
 // The indexer's tile: one packed key tile against the packed query rows of a task.
 //   scores[r][j] += sum_h weights[r][h] * relu(dot(q[h][r], k[:, j]))
 // for rows [row_begin, row_end); other rows of `scores` are left alone.
@@ -152,6 +168,13 @@ struct KernelSet {
   // sets only.
   void (*softmax_bf16)(float* s, int64_t rows, int64_t cols, float scale, float* m, float* l,
                        float* correction, uint16_t* p16);
+
+  // Decode's scores from key rows in place, one dot product per (row, key) along the depth; null
+  // where the set has none (flash attention then runs its GEMM on the keys as rows and
+  // transposes). Set for bf16-pair sets only; `key_scores_rows` is the most rows it beats that
+  // GEMM for (measured).
+  void (*key_scores)(const KeyScoresArgs& args);
+  int64_t key_scores_rows;
 
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
