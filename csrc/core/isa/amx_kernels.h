@@ -188,14 +188,25 @@ struct AmxKernels {
 template <class Tiles>
 KernelSet amx_kernel_set(const char* name) {
   using K = AmxKernels<Tiles>;
-  return {name, Isa::kAmxBf16, Word::kBf16Pair,
+  // Decode's scores from keys in place run on the tiles' GEMM (no key_scores).
+  return {name,
+          Isa::kAmxBf16,
+          Word::kBf16Pair,
           /*depth_align=*/16,
           /*row_align=*/16,
           /*row_block=*/16,
-          /*block_tiles=*/4, &K::begin_worker, &K::end_worker, &K::gemm, &avx512::softmax,
-          &avx512::exp_rows, &avx512_bf16::to_bf16, &avx512::pack_keys, &K::score_tile,
-          &avx512::widen, row_ops(), &avx512_bf16::softmax_bf16,
-          // Decode's scores from keys in place run on the tiles' GEMM.
+          /*block_tiles=*/4,
+          &K::begin_worker,
+          &K::end_worker,
+          &K::gemm,
+          &avx512::softmax,
+          &avx512::exp_rows,
+          &avx512_bf16::to_bf16,
+          &avx512::pack_keys,
+          &K::score_tile,
+          &avx512::widen,
+          row_ops(),
+          &avx512_bf16::softmax_bf16,
           /*key_scores=*/nullptr,
           /*key_scores_rows=*/0};
 }
