@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import transformers  # noqa: E402
-from common import time_call, write_results  # noqa: E402
+from common import interleaved, write_results  # noqa: E402
 
 import opmesh.integrations.transformers as opmesh_hf  # noqa: E402
 
@@ -54,34 +54,48 @@ def tokens(batch, length, seed=0):
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def prefill(model, ids, budget):
+def prefill(model, ids):
     def run():
         with torch.no_grad():
             model(ids, use_cache=False)
 
-    return ids.numel() / time_call(run, min_repeats=1, budget_s=budget)
+    return run
 
 
-def generate(model, ids, new_tokens, budget):
+def generate(model, ids, new_tokens):
     def run():
         with torch.no_grad():
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=0)  # fmt: skip
 
-    # The median of at least three runs: one run's time moves by 10-30 % on a shared machine.
-    return ids.shape[0] * new_tokens / time_call(run, min_repeats=3, budget_s=budget)
+    return run
 
 
-def train_step(model, ids, budget):
-    model.train()
-
+def train_step(model, ids):
     def run():
+        model.train()
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
+        model.eval()
 
-    rate = ids.numel() / time_call(run, min_repeats=1, budget_s=budget)
-    model.eval()
-    return rate
+    return run
+
+
+def rates(model, run, impls, count, budget):
+    """Tokens per second of run() under each attention implementation, the implementations timed
+    in turn (three rounds, medians): one run's time moves by 10-30 % on a shared machine, and
+    timing one implementation after the other would put that drift into the ratios."""
+
+    def under(impl):
+        def call():
+            model.set_attn_implementation(impl)
+            run()
+
+        return call
+
+    times = interleaved([under(impl) for impl in impls], budget_s=budget * len(impls),
+                        min_repeats=1)  # fmt: skip
+    return {impl: count / t for impl, t in zip(impls, times, strict=True)}
 
 
 def main():
@@ -115,21 +129,16 @@ def main():
 
 def llama_rows(args, impls):
     model = llama()
+    prompt = tokens(1, args.seq // 2)
     cases = [
-        ("prefill", lambda: prefill(model, tokens(1, args.seq), args.budget), args.seq),
-        ("generate",
-         lambda: generate(model, tokens(1, args.seq // 2), args.new_tokens, args.budget),
-         args.seq // 2),
-        ("train step", lambda: train_step(model, tokens(1, args.seq // 2), args.budget),
-         args.seq // 2),
-    ]  # fmt: skip
+        ("prefill", prefill(model, tokens(1, args.seq)), args.seq, args.seq),
+        ("generate", generate(model, prompt, args.new_tokens), args.seq // 2, args.new_tokens),
+        ("train step", train_step(model, prompt), args.seq // 2, args.seq // 2),
+    ]
     rows = []
-    for what, fn, length in cases:
-        rates = {}
-        for impl in impls:
-            model.set_attn_implementation(impl)
-            rates[impl] = fn()
-        rows.append(row("Llama 8/2 x128, 4 layers", what, length, rates))
+    for what, run, length, count in cases:
+        rows.append(row("Llama 8/2 x128, 4 layers", what, length,
+                        rates(model, run, impls, count, args.budget)))  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
@@ -139,11 +148,9 @@ def dsa_rows(args, impls):
     # Under "sdpa" and "eager" these modules run the model's own code.
     opmesh_hf.use_lightning_indexer(model)
     opmesh_hf.absorb_mla(model)
-    rates = {}
-    for impl in impls:
-        model.set_attn_implementation(impl)
-        rates[impl] = prefill(model, tokens(1, args.dsa_seq), args.budget)
-    rows = [row("DeepSeek-V3.2 top-2048, 2 layers", "prefill", args.dsa_seq, rates)]
+    run = prefill(model, tokens(1, args.dsa_seq))
+    rows = [row("DeepSeek-V3.2 top-2048, 2 layers", "prefill", args.dsa_seq,
+                rates(model, run, impls, args.dsa_seq, args.budget))]  # fmt: skip
     print(rows[-1], flush=True)
     return rows
 
