@@ -3,7 +3,9 @@
 // without row scaling and the indexer's score tile, on sizes that do not fill whole blocks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -226,7 +228,11 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
         std::vector<float> s(rows * lds, -7.0f);
         {
           const Scope scope(*set);
-          set->key_scores({pq.data(), ldq, pk.data(), ldk, s.data(), lds, rows, words, 0.625f});
+          // Rows asked for ahead (any readable rows) change nothing the kernel computes.
+          const char* ahead[2] = {reinterpret_cast<const char*>(pq.data()),
+                                  reinterpret_cast<const char*>(pk.data())};
+          set->key_scores({pq.data(), ldq, pk.data(), ldk, s.data(), lds, rows, words, 0.625f,
+                           depth % 4 == 0 ? RowsAhead{ahead, 2, 4 * words} : RowsAhead{}});
         }
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t n = 0; n < kKeyTile; ++n) {
@@ -243,6 +249,45 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
     }
   }
   if (tested == 0) GTEST_SKIP() << "no kernel set here has key_scores";
+}
+
+TEST(KernelSets, RowsAheadAsksForEveryLineOnceInEvenShares) {
+  std::vector<char> pool(256 * 1024);
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(pool.data()) + 63) & ~uintptr_t{63};
+  for (int64_t count : {0, 1, 3, 8, 64}) {
+    for (int64_t bytes : {1, 64, 100, 256, 2048}) {
+      for (int64_t misalign : {0, 8, 63}) {
+        for (int64_t steps : {1, 7, 16, 200}) {
+          SCOPED_TRACE("count " + std::to_string(count) + " bytes " + std::to_string(bytes) +
+                       " misalign " + std::to_string(misalign) + " steps " + std::to_string(steps));
+          // Rows in descending address order, with gaps, so order and coverage both show.
+          std::vector<const char*> rows(count);
+          std::vector<uintptr_t> want;
+          for (int64_t r = 0; r < count; ++r) {
+            const uintptr_t first = base + (count - 1 - r) * (bytes / 64 + 3) * 64 + misalign;
+            rows[r] = reinterpret_cast<const char*>(first);
+            for (uintptr_t line = first & ~uintptr_t{63}; line < first + bytes; line += 64) {
+              want.push_back(line);
+            }
+          }
+          ASSERT_LE(want.empty() ? base : want.front(), base + pool.size() - 64);
+          LinesAhead ahead(RowsAhead{rows.data(), count, bytes}, steps);
+          std::vector<uintptr_t> got;
+          size_t most = 0;
+          for (int64_t step = 0; step < steps; ++step) {
+            const size_t before = got.size();
+            ahead.next([&](const char* line) { got.push_back(reinterpret_cast<uintptr_t>(line)); });
+            most = std::max(most, got.size() - before);
+          }
+          EXPECT_EQ(got, want);  // every line, once, row by row, within the steps
+          // An even share per step: at most the share of an upper bound on the lines.
+          const size_t bound = count * ((bytes + 126) / 64);
+          EXPECT_LE(most, (bound + steps - 1) / steps);
+          ahead.next([&](const char*) { ADD_FAILURE() << "asked past the rows"; });
+        }
+      }
+    }
+  }
 }
 
 TEST(KernelSets, WidenIsExactForEveryTypeAndLength) {

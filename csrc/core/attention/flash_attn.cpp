@@ -24,7 +24,9 @@ constexpr int64_t kCacheLimitBytes = int64_t{64} << 20;
 constexpr int64_t kSideBySideBytes = int64_t{2} << 20;
 
 using kernels::KernelSet;
+using kernels::LinesAhead;
 using kernels::round_up;
+using kernels::RowsAhead;
 
 // Running state of a tile of rows: unnormalised output, row max, row sum.
 struct State {
@@ -142,6 +144,14 @@ class Runner {
     AlignedBuffer<uint32_t> kcache;  // packed key tiles, one after another
     AlignedBuffer<uint32_t> vcache;  // packed value tiles: those of a block are contiguous
     std::vector<uint8_t> packed;
+    // Decode: the rows of the next block the running head asks for while it computes this one
+    // (plan_ahead), among the key heads [group_h0, group_h1) that run side by side (one head in
+    // a piece), whose key tiles end at ahead_end.
+    int32_t group_h0 = 0, group_h1 = 1;
+    int64_t ahead_end = 0;
+    const char* ahead_k[kKeyTile];
+    const char* ahead_v[kKeyTile];
+    RowsAhead keys_ahead, values_ahead;
     // Makes unit state i (created on first use) the current one.
     void use(const Runner& r, size_t i) {
       while (units.size() <= i) units.push_back(std::make_unique<UnitState>(r));
@@ -183,6 +193,9 @@ class Runner {
     const bool last = k_to == sp.end;
     const bool det = plan_.chunk_tiles > 0;
     sc.use(*this, 0);
+    sc.group_h0 = h;
+    sc.group_h1 = h + 1;
+    sc.ahead_end = k_to;
     sc.tiles_reused = t + 1 < walker_.num_query_tiles(b) &&
                       walker_.unit_index(walker_.unit_start(b, h, t + 1)) < sc.stretch_end;
     const State cur = sc.cur(*this);
@@ -264,6 +277,9 @@ class Runner {
     const int64_t rows = (p1 - p0) * g_.group;
     const bool det = plan_.chunk_tiles > 0;
     sc.tiles_reused = false;  // one query tile
+    sc.group_h0 = h0;
+    sc.group_h1 = h1;
+    sc.ahead_end = sp.end;
     for (int32_t h = h0; h < h1; ++h) {
       sc.use(*this, h - h0);
       reset(sc.cur(*this), rows);
@@ -390,7 +406,10 @@ class Runner {
     }
     if (fast_v && pairs_) {
       // Rows 2i and 2i + 1 interleaved element by element into bf16 pairs.
+      LinesAhead ahead(sc.values_ahead, (valid + 1) / 2);
+      sc.values_ahead = {};
       for (int64_t i = 0; 2 * i < valid; ++i) {
+        ahead.next();
         const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vrows[2 * i]);
         const uint16_t* r1 =
             2 * i + 1 < valid ? reinterpret_cast<const uint16_t*>(vrows[2 * i + 1]) : nullptr;
@@ -416,6 +435,36 @@ class Runner {
         }
       }
     }
+  }
+
+  // Decode (row_scores): the rows of key tile jn, the next block's first, that head h asks for
+  // from memory while it computes this block, its keys between the score products and its values
+  // between the value packing's rows. Heads whose slices lie side by side in a row (the
+  // interleaved layouts) split the tile's rows between them, each asking for whole rows of all
+  // the group's heads: memory then serves every row once and in order, where the hardware
+  // prefetchers keep up. Otherwise each head asks for its own slice of every row.
+  // Measured on an AMD EPYC (Zen 4), 32/8 heads, one token, 8 x 8192 keys from memory:
+  // 19.5-21.7 -> 11.6-13.3 ms.
+  void plan_ahead(Scratch& sc, int64_t b, int64_t h, int64_t jn) const {
+    const int64_t valid =
+        jn < sc.ahead_end ? std::clamp<int64_t>(seqs_[b].k_len - jn * kKeyTile, 0, kKeyTile) : 0;
+    if (valid == 0) return;
+    sc.keys_ahead = share_ahead(sc, p_.k, d_, b, h, jn, valid, sc.ahead_k);
+    sc.values_ahead = share_ahead(sc, p_.v, dv_, b, h, jn, valid, sc.ahead_v);
+  }
+
+  RowsAhead share_ahead(const Scratch& sc, const View& view, int64_t dim, int64_t b, int64_t h,
+                        int64_t jn, int64_t valid, const char** rows) const {
+    const int64_t heads = sc.group_h1 - sc.group_h0;
+    if (heads == 1 || view.sn != dim) {
+      tile_rows(view, b, h, jn, valid, rows);
+      return {rows, valid, dim * elem_};
+    }
+    const int64_t i = h - sc.group_h0;
+    const int64_t r0 = i * valid / heads;
+    const int64_t r1 = (i + 1) * valid / heads;
+    tile_rows(view, b, sc.group_h0, jn, valid, rows);
+    return {rows + r0, r1 - r0, ((heads - 1) * view.sn + dim) * elem_};
   }
 
   // Packs key and value tiles j of (b, h) unless the worker's cache holds them; returns their
@@ -453,6 +502,8 @@ class Runner {
     const int64_t tiles = j1 - j0;
     const int64_t cols = tiles * kKeyTile;
     float* s = sc.s.data();
+    sc.keys_ahead = sc.values_ahead = {};
+    if (row_scores(b)) plan_ahead(sc, b, h, j1);
     int64_t first_slot = 0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t j = j0 + i;
@@ -491,7 +542,9 @@ class Runner {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(
         static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
     if (row_scores(b)) {
-      k_.key_scores({sc.u->q.data(), dw_, keys, p_.k.ss / 2, s, ld, rows, dw_, score_alpha_});
+      k_.key_scores(
+          {sc.u->q.data(), dw_, keys, p_.k.ss / 2, s, ld, rows, dw_, score_alpha_, sc.keys_ahead});
+      sc.keys_ahead = {};
       return;
     }
     float* st = sc.st.data();

@@ -48,11 +48,13 @@ void key_scores(const KeyScoresArgs& a) {
   const int64_t full = a.depth / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (a.depth % 16)) - 1);
   const __m512 alpha = _mm512_set1_ps(a.alpha);
+  LinesAhead ahead(a.ahead, (kKeyTile / 16) * a.rows);
   for (int64_t n0 = 0; n0 < kKeyTile; n0 += 16) {
     const uint32_t* key[16];
     for (int i = 0; i < 16; ++i) key[i] = a.keys + (n0 + kLaneKey[i]) * a.ldk;
     for (int64_t r = 0; r < a.rows; ++r) {
       const uint32_t* q = a.query + r * a.ldq;
+      ahead.next();
       __m512 acc[16];
       for (__m512& x : acc) x = _mm512_setzero_ps();
       for (int64_t w = 0; w < full; ++w) {

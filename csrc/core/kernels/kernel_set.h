@@ -9,6 +9,7 @@
 
 #include "../cpu_features.h"
 #include "../dtype.h"
+#include "rows_ahead.h"
 
 namespace opmesh::core::kernels {
 
@@ -40,7 +41,8 @@ struct GemmArgs {
 // Scores of a few query rows against kKeyTile key rows read where they lie (decode):
 //   s[r][n] = alpha * sum_w query[r][w] . key_n[w]   for r < rows, n < kKeyTile,
 // key n at keys + n * ldk words, `depth` words per row (no padding needed: words past depth are
-// not read).
+// not read). `ahead`: rows the caller reads next, asked for from memory between the products
+// (rows_ahead.h); empty for none.
 struct KeyScoresArgs {
   const uint32_t* query;  // [rows][ldq] words
   int64_t ldq;
@@ -51,6 +53,7 @@ struct KeyScoresArgs {
   int64_t rows;
   int64_t depth;
   float alpha;
+  RowsAhead ahead = {};
 };
 
 // The indexer's tile: one packed key tile against the packed query rows of a task.
