@@ -444,7 +444,7 @@ class Runner {
   // the group's heads: memory then serves every row once and in order, where the hardware
   // prefetchers keep up. Otherwise each head asks for its own slice of every row.
   // Measured on an AMD EPYC (Zen 4), 32/8 heads, one token, 8 x 8192 keys from memory:
-  // 19.5-21.7 -> 11.6-13.3 ms.
+  // 17.5-20.1 -> 13.2-14.2 ms (docs/ops/flash_attn.md).
   void plan_ahead(Scratch& sc, int64_t b, int64_t h, int64_t jn) const {
     const int64_t valid =
         jn < sc.ahead_end ? std::clamp<int64_t>(seqs_[b].k_len - jn * kKeyTile, 0, kKeyTile) : 0;
