@@ -10,7 +10,7 @@ in one run: tokens per second of a prefill, of greedy generation and of one trai
   model's own indexer, expand the latent into keys and values per head, and attend densely
   under a top-k mask.
 
-    python benchmarks/bench_transformers.py [--seq 4096] [--dsa-seq 8192] [--skip-eager]
+    python benchmarks/bench_transformers.py [--seq 4096 8192] [--dsa-seq 8192] [--skip-eager]
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ def deepseek_v32():
 
 
 def tokens(batch, length, seed=0):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    """Random token ids without id 0: generate() takes pad_token_id=0, and a prompt that held it
+    would be read as a padded batch (an attention mask with holes)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)
 
 
 def prefill(model, ids):
@@ -100,7 +103,8 @@ def rates(model, run, impls, count, budget):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192],
+                        help="Llama prefill lengths (generation and training take half)")
     parser.add_argument("--dsa-seq", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budget", type=float, default=5.0)
@@ -129,12 +133,14 @@ def main():
 
 def llama_rows(args, impls):
     model = llama()
-    prompt = tokens(1, args.seq // 2)
-    cases = [
-        ("prefill", prefill(model, tokens(1, args.seq)), args.seq, args.seq),
-        ("generate", generate(model, prompt, args.new_tokens), args.seq // 2, args.new_tokens),
-        ("train step", train_step(model, prompt), args.seq // 2, args.seq // 2),
-    ]
+    cases = []
+    for seq in args.seq:
+        prompt = tokens(1, seq // 2)
+        cases += [
+            ("prefill", prefill(model, tokens(1, seq)), seq, seq),
+            ("generate", generate(model, prompt, args.new_tokens), seq // 2, args.new_tokens),
+            ("train step", train_step(model, prompt), seq // 2, seq // 2),
+        ]
     rows = []
     for what, run, length, count in cases:
         rows.append(row("Llama 8/2 x128, 4 layers", what, length,

@@ -410,18 +410,23 @@ TEST(KernelSets, RowOpsForBf16PairsAndScoreModifications) {
       const uint32_t want_lo = float_to_bf16_bits(a[c]), want_hi = float_to_bf16_bits(b[c]);
       EXPECT_EQ(pairs[c], want_lo | (want_hi << 16)) << "pair_rows " << c;
     }
-    // interleave_bf16, with and without a second row, at a length that is not a whole vector.
-    std::vector<uint16_t> r0(37), r1(37);
-    for (size_t e = 0; e < r0.size(); ++e) {
-      r0[e] = static_cast<uint16_t>(rng());
-      r1[e] = static_cast<uint16_t>(rng());
+    // interleave_bf16, with and without a second row: lengths of whole vectors and not (a tail
+    // within the first 16 entries of a vector and past them), nothing written past n.
+    for (const int64_t n : {int64_t{1}, int64_t{16}, int64_t{37}, int64_t{53}, int64_t{128}}) {
+      SCOPED_TRACE(n);
+      std::vector<uint16_t> r0(n), r1(n);
+      for (int64_t e = 0; e < n; ++e) {
+        r0[e] = static_cast<uint16_t>(rng());
+        r1[e] = static_cast<uint16_t>(rng());
+      }
+      std::vector<uint32_t> out(n + 40, 0xdeadbeefu);
+      set->rows.interleave_bf16(r0.data(), r1.data(), n, out.data());
+      for (int64_t e = 0; e < n; ++e) EXPECT_EQ(out[e], r0[e] | (uint32_t{r1[e]} << 16)) << e;
+      for (int64_t e = n; e < n + 40; ++e) EXPECT_EQ(out[e], 0xdeadbeefu) << e;
+      set->rows.interleave_bf16(r0.data(), nullptr, n, out.data());
+      for (int64_t e = 0; e < n; ++e) EXPECT_EQ(out[e], uint32_t{r0[e]}) << e;
+      for (int64_t e = n; e < n + 40; ++e) EXPECT_EQ(out[e], 0xdeadbeefu) << e;
     }
-    std::vector<uint32_t> out(40, 0xdeadbeefu);
-    set->rows.interleave_bf16(r0.data(), r1.data(), 37, out.data());
-    for (int64_t e = 0; e < 37; ++e) EXPECT_EQ(out[e], r0[e] | (uint32_t{r1[e]} << 16)) << e;
-    EXPECT_EQ(out[37], 0xdeadbeefu);  // nothing past n
-    set->rows.interleave_bf16(r0.data(), nullptr, 37, out.data());
-    for (int64_t e = 0; e < 37; ++e) EXPECT_EQ(out[e], uint32_t{r0[e]}) << e;
     // store_bf16: the portable conversion's bits after the scale (ties, NaN, infinities, a
     // subnormal), at a length that is not a whole vector, nothing written past it.
     std::vector<float> row(a.begin(), a.begin() + 37);
