@@ -238,57 +238,61 @@ TEST(FlashAttnBackward, GradientOfTheLogSumExpToo) {
 
 TEST(FlashAttnBackward, SameBitsWhateverTheThreadCountAndPlan) {
   // Run through check() for correctness above; here only the determinism of the result, with
-  // the kernel's own plan (workers = 0) and with explicit plans of 1, 3 and 40 workers.
-  const Problem x = make(MaskMode::kCausal, -1, -1, {150, 0, 77}, true, 9);
-  for (const char* mode : {"fused", "two_pass"}) {
-    SCOPED_TRACE(mode);
-    const BackwardMode scope(mode);
-    std::vector<std::vector<float>> seen;
-    for (auto [threads, workers] : {std::pair{1, 0}, {2, 0}, {5, 0}, {2, 1}, {3, 3}, {2, 40}}) {
-      const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
-      PlanConfig c = x.c;
-      const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
-      const int64_t t = x.cu.back();
-      std::vector<float> out(t * kHq * kDv, 0.5f), lse(kHq * t, 3.0f);
-      std::vector<float> grads(t * (kHq * kD + kHkv * kD + kHkv * kDv) + kHq, 0.0f);
-      FlashAttnBackwardParams p;
-      p.config = c;
-      p.q = {x.q.data(), 0, kHq * kD, kD, 1};
-      p.k = {x.k.data(), 0, kHkv * kD, kD, 1};
-      p.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
-      p.out = {out.data(), 0, kHq * kDv, kDv, 1};
-      p.dout = {x.dout.data(), 0, kHq * kDv, kDv, 1};
-      p.lse = lse.data();
-      p.lse_sn = t;
-      p.lse_ss = 1;
-      p.sinks = x.sinks.data();
-      p.softmax_scale = 0.3f;
-      float* g = grads.data();
-      p.dq = {g, 0, kHq * kD, kD, 1};
-      p.dk = {g + t * kHq * kD, 0, kHkv * kD, kD, 1};
-      p.dv = {g + t * (kHq * kD + kHkv * kD), 0, kHkv * kDv, kDv, 1};
-      p.dsinks = g + t * (kHq * kD + kHkv * kD + kHkv * kDv);
-      if (workers == 0) {
-        flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa());
-      } else {
-        c.num_workers = workers;
-        const BackwardPlan plan = plan_backward(c, seqs);
-        // The ranges tile both unit lists in order, one pair per worker.
-        ASSERT_EQ(static_cast<int64_t>(plan.cost.size()), workers);
-        EXPECT_EQ(plan.key_begin.front(), 0);
-        EXPECT_EQ(plan.key_end.back(), plan.num_key_units);
-        EXPECT_EQ(plan.query_end.back(), plan.num_query_units);
-        for (int64_t w = 1; w < workers; ++w) {
-          EXPECT_EQ(plan.key_begin[w], plan.key_end[w - 1]);
-          EXPECT_EQ(plan.query_begin[w], plan.query_end[w - 1]);
+  // the kernel's own plan (workers = 0) and with explicit plans of 1, 3 and 40 workers. The
+  // second problem has too few (sequence, key head) pairs for the fused pass, which cuts their
+  // keys into chunks.
+  for (const Problem& x : {make(MaskMode::kCausal, -1, -1, {150, 0, 77}, true, 9),
+                           make(MaskMode::kCausal, -1, -1, {700}, true, 10)}) {
+    for (const char* mode : {"fused", "two_pass"}) {
+      SCOPED_TRACE(mode);
+      const BackwardMode scope(mode);
+      std::vector<std::vector<float>> seen;
+      for (auto [threads, workers] : {std::pair{1, 0}, {2, 0}, {5, 0}, {2, 1}, {3, 3}, {2, 40}}) {
+        const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
+        PlanConfig c = x.c;
+        const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
+        const int64_t t = x.cu.back();
+        std::vector<float> out(t * kHq * kDv, 0.5f), lse(kHq * t, 3.0f);
+        std::vector<float> grads(t * (kHq * kD + kHkv * kD + kHkv * kDv) + kHq, 0.0f);
+        FlashAttnBackwardParams p;
+        p.config = c;
+        p.q = {x.q.data(), 0, kHq * kD, kD, 1};
+        p.k = {x.k.data(), 0, kHkv * kD, kD, 1};
+        p.v = {x.v.data(), 0, kHkv * kDv, kDv, 1};
+        p.out = {out.data(), 0, kHq * kDv, kDv, 1};
+        p.dout = {x.dout.data(), 0, kHq * kDv, kDv, 1};
+        p.lse = lse.data();
+        p.lse_sn = t;
+        p.lse_ss = 1;
+        p.sinks = x.sinks.data();
+        p.softmax_scale = 0.3f;
+        float* g = grads.data();
+        p.dq = {g, 0, kHq * kD, kD, 1};
+        p.dk = {g + t * kHq * kD, 0, kHkv * kD, kD, 1};
+        p.dv = {g + t * (kHq * kD + kHkv * kD), 0, kHkv * kDv, kDv, 1};
+        p.dsinks = g + t * (kHq * kD + kHkv * kD + kHkv * kDv);
+        if (workers == 0) {
+          flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa());
+        } else {
+          c.num_workers = workers;
+          const BackwardPlan plan = plan_backward(c, seqs);
+          // The ranges tile both unit lists in order, one pair per worker.
+          ASSERT_EQ(static_cast<int64_t>(plan.cost.size()), workers);
+          EXPECT_EQ(plan.key_begin.front(), 0);
+          EXPECT_EQ(plan.key_end.back(), plan.num_key_units);
+          EXPECT_EQ(plan.query_end.back(), plan.num_query_units);
+          for (int64_t w = 1; w < workers; ++w) {
+            EXPECT_EQ(plan.key_begin[w], plan.key_end[w - 1]);
+            EXPECT_EQ(plan.query_begin[w], plan.query_end[w - 1]);
+          }
+          EXPECT_GE(plan.makespan, plan.lower_bound * 0.999);
+          flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa(), &plan);
         }
-        EXPECT_GE(plan.makespan, plan.lower_bound * 0.999);
-        flash_attn_backward(p, seqs, ThreadExecutor(threads), detected_isa(), &plan);
+        seen.push_back(grads);
       }
-      seen.push_back(grads);
-    }
-    for (size_t i = 1; i < seen.size(); ++i) {
-      EXPECT_EQ(std::memcmp(seen[0].data(), seen[i].data(), seen[0].size() * 4), 0) << i;
+      for (size_t i = 1; i < seen.size(); ++i) {
+        EXPECT_EQ(std::memcmp(seen[0].data(), seen[i].data(), seen[0].size() * 4), 0) << i;
+      }
     }
   }
 }
@@ -409,6 +413,39 @@ TEST(FlashAttnBackward, Bf16PairKernelsMatchDoubleGradients) {
     check_bf16(make(MaskMode::kCausal, -1, -1, lengths, true, 4), 3);
     check_bf16(make(MaskMode::kWindow, 20, 3, lengths, false, 3), 2);
     check_bf16(make(MaskMode::kWindow, -1, 0, {300}, true, 5), 2);
+  }
+}
+
+// Fewer (sequence, key head) pairs than the fused pass wants units: it cuts each pair's keys
+// into chunks of whole key blocks, each with its own dQ part over the query tiles that see it,
+// summed in chunk order. Sequences of different block counts (a chunk without blocks is left
+// out), a window that leaves each chunk's keys to a few query tiles, float32 and bf16 pairs.
+TEST(FlashAttnBackward, FusedChunksMatchDoubleGradients) {
+  struct Case {
+    Problem x;
+    int64_t units;  // fused units of the plan: chunks that hold key blocks, per key head
+  };
+  const std::vector<Case> cases = {
+      // 1 sequence x 2 key heads, 3 blocks: 3 chunks of one block.
+      {make(MaskMode::kCausal, -1, -1, {700}, false, 21), 2 * 3},
+      // 4 pairs: 2 chunks each, blocks [0, 1) and [1, 3) of 600 keys, [0, 1) and [1, 2) of 300.
+      {make(MaskMode::kWindow, 90, 0, {600, 0, 300}, true, 22), 2 * 2 + 2 * 2},
+      // 4 pairs: 520 keys in 2 chunks; 1 key in one (its first chunk has no block).
+      {make(MaskMode::kNone, -1, -1, {520, 1}, false, 23), 2 * 2 + 2 * 1},
+  };
+  for (const char* mode : {"auto", "fused"}) {
+    SCOPED_TRACE(mode);
+    const BackwardMode scope(mode);
+    for (const Case& k : cases) {
+      PlanConfig c = k.x.c;
+      c.num_workers = 2;
+      const LengthArrays arrays{k.x.cu.data(), k.x.cu.data(), nullptr, nullptr};
+      const BackwardPlan plan = plan_backward(c, resolve_sequences(c, arrays));
+      EXPECT_TRUE(plan.fused);
+      EXPECT_EQ(plan.num_key_units, k.units);
+      check(k.x, 2);
+      check_bf16(k.x, 3);
+    }
   }
 }
 

@@ -36,6 +36,20 @@ constexpr int64_t kFusedMinUnits = 8;
 // The fused schedule's float32 dQ accumulator (one key head's query heads over the longest
 // sequence) per worker thread is kept within this; longer sequences run the two passes.
 constexpr int64_t kFusedMaxBytes = int64_t{32} << 20;
+// With fewer than kFusedMinUnits units the fused pass cuts each unit's keys into chunks, each with
+// its own dQ accumulator for the call, summed in chunk order at the end; all of them together
+// stay within this.
+constexpr int64_t kFusedChunkMaxBytes = 4 * kFusedMaxBytes;
+
+// A dQ^T accumulator of one key head's query heads over the query tiles [first, first + count):
+// [group][count][d][64] floats.
+struct DqTiles {
+  float* data;
+  int64_t first, count;
+  float* tile(int64_t g, int64_t t, int64_t d) const {
+    return data + (g * count + t - first) * d * kTile;
+  }
+};
 
 // A unit of one pass: (sequence b, head h, tile t). Pass 1: key head, key tile; pass 2: query
 // head, query tile.
@@ -296,7 +310,7 @@ class Backward {
           cap(kBlockKeys * kTile),
           dk(kBlockKeys * r.dp_),
           dv(kBlockKeys * r.dvp_),
-          dq(r.group_ * tiles * r.d_ * kTile),
+          dq(std::max<int64_t>(1, r.group_ * tiles * r.d_ * kTile)),
           row(std::max(r.dp_, r.dvp_)),
           ones(std::max(kBlockKeys, r.d_)),
           zeros(kBlockKeys),
@@ -321,37 +335,86 @@ class Backward {
     int64_t capacity;             // query tiles dq holds
   };
 
-  int64_t fused_accumulator_bytes() const {
-    return group_ * max_query_tiles() * kTile * d_ * static_cast<int64_t>(sizeof(float));
-  }
-
   int64_t max_query_tiles() const {
     int64_t most = 0;
     for (const Sequence& s : seqs_) most = std::max(most, (s.q_len + kTile - 1) / kTile);
     return most;
   }
 
-  std::vector<Unit> fused_units() const {
+  int64_t key_blocks(int64_t b) const { return (seqs_[b].k_len + kBlockKeys - 1) / kBlockKeys; }
+
+  int64_t max_key_blocks() const {
+    int64_t most = 0;
+    for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
+      most = std::max(most, key_blocks(b));
+    }
+    return most;
+  }
+
+  int64_t fused_pairs() const {
+    int64_t pairs = 0;
+    for (const Sequence& s : seqs_) pairs += s.q_len > 0 && s.k_len > 0;
+    return pairs * p_.config.num_heads_kv;
+  }
+
+  // The key blocks [first, last) of chunk u.t of `chunks` of unit u's keys.
+  std::pair<int64_t, int64_t> chunk_blocks(const Unit& u, int64_t chunks) const {
+    const int64_t blocks = key_blocks(u.b);
+    return {u.t * blocks / chunks, (u.t + 1) * blocks / chunks};
+  }
+
+  // The query tiles [first, last) of unit u's sequence that see keys of chunk u.t of `chunks`.
+  std::pair<int64_t, int64_t> chunk_tiles(const Unit& u, int64_t chunks) const {
+    const Sequence& seq = seqs_[u.b];
+    const auto [first_block, last_block] = chunk_blocks(u, chunks);
+    const int64_t k0 = first_block * kBlockKeys;
+    const int64_t nk = std::min(seq.k_len, last_block * kBlockKeys) - k0;
+    int64_t first = 0, last = 0;
+    for (int64_t i0 = 0; i0 < seq.q_len; i0 += kTile) {
+      if (!sees_keys(seq, i0, std::min(kTile, seq.q_len - i0), k0, nk)) continue;
+      if (last == 0) first = i0 / kTile;
+      last = i0 / kTile + 1;
+    }
+    return {first, last};
+  }
+
+  // The fused pass's units: (sequence, key head, chunk) for every chunk that holds key blocks,
+  // the chunks of one (sequence, key head) next to each other in order.
+  std::vector<Unit> fused_units(int64_t chunks) const {
     std::vector<Unit> units;
     for (int64_t b = 0; b < static_cast<int64_t>(seqs_.size()); ++b) {
       if (seqs_[b].q_len == 0 || seqs_[b].k_len == 0) continue;
-      for (int64_t h = 0; h < p_.config.num_heads_kv; ++h) units.push_back(unit(b, h, 0));
+      for (int64_t h = 0; h < p_.config.num_heads_kv; ++h) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Unit u = unit(b, h, c);
+          const auto [first, last] = chunk_blocks(u, chunks);
+          if (first < last) units.push_back(u);
+        }
+      }
     }
     return units;
   }
 
-  double fused_unit_cost(const Unit& u) const {
+  double fused_unit_cost(const Unit& u, int64_t chunks) const {
     double cost = 0.0;
-    const int64_t blocks = (seqs_[u.b].k_len + kBlockKeys - 1) / kBlockKeys;
-    for (int64_t t = 0; t < blocks; ++t) cost += key_unit_cost(unit(u.b, u.h, t));
+    const auto [first, last] = chunk_blocks(u, chunks);
+    for (int64_t t = first; t < last; ++t) cost += key_unit_cost(unit(u.b, u.h, t));
     return cost;
   }
 
-  void fused_unit(FusedScratch& fs, const Unit& u) const {
+  // Floats of one chunk's dQ^T accumulator ([group][tile][d][64] over the longest sequence).
+  int64_t chunk_floats() const { return group_ * max_query_tiles() * d_ * kTile; }
+
+  // Unit u, chunk u.t of `chunks`. A whole unit accumulates dQ^T in the scratch and stores it;
+  // a chunk accumulates into `chunk_dq` (its own, over the tiles chunk_tiles names) for
+  // store_chunks_dq to sum.
+  void fused_unit(FusedScratch& fs, const Unit& u, int64_t chunks, float* chunk_dq) const {
     const Sequence& seq = seqs_[u.b];
     const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
-    std::fill(fs.dq.data(), fs.dq.data() + group_ * tiles * d_ * kTile, 0.0f);
-    for (int64_t k0 = 0; k0 < seq.k_len; k0 += kBlockKeys) {
+    const DqTiles dq_all = own_dq(u, chunks, fs.dq.data(), chunk_dq);
+    const auto [first, last] = chunk_blocks(u, chunks);
+    for (int64_t k0 = first * kBlockKeys; k0 < std::min(seq.k_len, last * kBlockKeys);
+         k0 += kBlockKeys) {
       const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
       if (!sees_keys(seq, 0, seq.q_len, k0, nk)) continue;
       fused_pack_keys(fs, u.b, u.h, k0, nk);
@@ -386,14 +449,26 @@ class Backward {
                    fs.ones.data(), 1.0f});
           k_.gemm({dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, nk, dp_, rows,
                    fs.ones.data(), p_.softmax_scale});
-          float* dq = fs.dq.data() + (g * tiles + t) * d_ * kTile;
+          float* dq = dq_all.tile(g, t, d_);
           k_.gemm({fs.kt.data(), kBlockKeys, dpt, kTile, dq, kTile, d_, kTile, nk, fs.ones.data(),
                    p_.softmax_scale});
         }
       }
       store_key_rows(u, k0, nk, fs.dk.data(), fs.dv.data());
     }
-    store_transposed_dq(u, fs.dq.data(), fs.row.data());
+    if (chunks == 1) store_transposed_dq(u, &dq_all, 1, fs.row.data());
+  }
+
+  // The dQ^T accumulator of unit u (chunk u.t of `chunks`), zeroed: the whole sequence's tiles in
+  // `whole` for one chunk, else the tiles that see the chunk's keys in `chunk`.
+  DqTiles own_dq(const Unit& u, int64_t chunks, float* whole, float* chunk) const {
+    DqTiles dq{whole, 0, (seqs_[u.b].q_len + kTile - 1) / kTile};
+    if (chunks > 1) {
+      const auto [first, last] = chunk_tiles(u, chunks);
+      dq = DqTiles{chunk, first, last - first};
+    }
+    std::fill(dq.data, dq.data + group_ * dq.count * d_ * kTile, 0.0f);
+    return dq;
   }
 
   // ---- bf16 pairs: the same schedules with every product on kb_ ----
@@ -455,23 +530,38 @@ class Backward {
   bool pairs() const { return pairs_; }
   const KernelSet& products() const { return kb_; }
 
-  // The fused unit on pairs.
-  void pair_fused_unit(PairScratch& ps, const Unit& u) const {
+  // The fused unit on pairs, as fused_unit.
+  void pair_fused_unit(PairScratch& ps, const Unit& u, int64_t chunks, float* chunk_dq) const {
     const Sequence& seq = seqs_[u.b];
-    const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
-    std::fill(ps.dq.data(), ps.dq.data() + group_ * tiles * d_ * kTile, 0.0f);
-    for (int64_t k0 = 0; k0 < seq.k_len; k0 += kBlockKeys) {
+    const DqTiles dq = own_dq(u, chunks, ps.dq.data(), chunk_dq);
+    const auto [first, last] = chunk_blocks(u, chunks);
+    for (int64_t k0 = first * kBlockKeys; k0 < std::min(seq.k_len, last * kBlockKeys);
+         k0 += kBlockKeys) {
       const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
       if (!sees_keys(seq, 0, seq.q_len, k0, nk)) continue;
-      pair_key_block(ps, u, k0, nk, ps.dq.data(), tiles);
+      pair_key_block(ps, u, k0, nk, dq);
     }
-    store_transposed_dq(u, ps.dq.data(), ps.row.data());
+    if (chunks == 1) store_transposed_dq(u, &dq, 1, ps.row.data());
+  }
+
+  // The pair of units `first` .. `first + count - 1` (the chunks of one sequence and key head,
+  // in order; their accumulators chunk_dq apart in `chunk_dq`): the chunks' dQ^T summed in chunk
+  // order, to dq.
+  void store_chunks_dq(const std::vector<Unit>& units, int64_t first, int64_t count, int64_t chunks,
+                       float* chunk_dq, int64_t stride) const {
+    std::vector<DqTiles> parts;
+    for (int64_t i = first; i < first + count; ++i) {
+      const auto [t0, t1] = chunk_tiles(units[i], chunks);
+      parts.push_back(DqTiles{chunk_dq + i * stride, t0, t1 - t0});
+    }
+    std::vector<float> row(d_);
+    store_transposed_dq(units[first], parts.data(), count, row.data());
   }
 
   // Pass 1 on pairs: block u.t of key head u.h.
   void pair_key_unit(PairScratch& ps, const Unit& u) const {
     const int64_t k0 = u.t * kBlockKeys;
-    pair_key_block(ps, u, k0, std::min(kBlockKeys, seqs_[u.b].k_len - k0), nullptr, 0);
+    pair_key_block(ps, u, k0, std::min(kBlockKeys, seqs_[u.b].k_len - k0), DqTiles{nullptr, 0, 0});
   }
 
   // Pass 2 on pairs: dQ of query tile u.t of query head u.h, with the queries as rows.
@@ -575,15 +665,26 @@ class Backward {
     }
   }
 
-  // The fused unit's dQ^T ([group][tile][d][64]) to the dq rows of key head u.h's query heads.
-  void store_transposed_dq(const Unit& u, const float* dqt, float* row) const {
+  // The sum, in order, of `count` dQ^T accumulators of unit u's chunks (each over its tiles;
+  // zero elsewhere) to the dq rows of key head u.h's query heads.
+  void store_transposed_dq(const Unit& u, const DqTiles* dqt, int64_t count, float* row) const {
     const Sequence& seq = seqs_[u.b];
-    const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
     for (int64_t g = 0; g < group_; ++g) {
       const int64_t head = u.h * group_ + g;
       for (int64_t i = 0; i < seq.q_len; ++i) {
-        const float* col = dqt + ((g * tiles + i / kTile) * d_) * kTile + i % kTile;
-        for (int64_t e = 0; e < d_; ++e) row[e] = col[e * kTile];
+        const int64_t t = i / kTile;
+        bool first = true;
+        for (int64_t c = 0; c < count; ++c) {
+          if (t < dqt[c].first || t >= dqt[c].first + dqt[c].count) continue;
+          const float* col = dqt[c].tile(g, t, d_) + i % kTile;
+          if (first) {
+            for (int64_t e = 0; e < d_; ++e) row[e] = col[e * kTile];
+          } else {
+            for (int64_t e = 0; e < d_; ++e) row[e] += col[e * kTile];
+          }
+          first = false;
+        }
+        if (first) std::fill(row, row + d_, 0.0f);
         const int64_t pos = seq.q_begin + i;
         const MutableView& gq = p_.dq;
         store_row(k_, gq.data, p_.dtype, u.b * gq.sb + pos * gq.ss + head * gq.sn, gq.sd, d_, row,
@@ -595,10 +696,10 @@ class Backward {
   // Keys [k0, k0 + nk) of key head u.h (nk <= 256) against every query tile of the group that
   // sees them: dK and dV of the block, and with dq ([group][tiles][d][64], dQ^T) its share of
   // dQ. The five products of a tile pair take the keys as rows, as the fused float32 unit.
-  void pair_key_block(PairScratch& ps, const Unit& u, int64_t k0, int64_t nk, float* dq,
-                      int64_t tiles) const {
+  void pair_key_block(PairScratch& ps, const Unit& u, int64_t k0, int64_t nk,
+                      const DqTiles& dq) const {
     const Sequence& seq = seqs_[u.b];
-    pair_pack_keys(ps, u.b, u.h, k0, nk, dq != nullptr);
+    pair_pack_keys(ps, u.b, u.h, k0, nk, dq.data != nullptr);
     std::fill(ps.dk.data(), ps.dk.data() + nk * dp_, 0.0f);
     std::fill(ps.dv.data(), ps.dv.data() + nk * dvp_, 0.0f);
     float* st = ps.st.data();
@@ -636,13 +737,13 @@ class Backward {
                   kTile / 2, ps.ones.data(), 1.0f});
         kb_.gemm({ps.ds16.data(), kTile / 2, ps.qi.data(), dp_, ps.dk.data(), dp_, mm, dp_,
                   kTile / 2, ps.ones.data(), p_.softmax_scale});
-        if (dq != nullptr) {
+        if (dq.data != nullptr) {
           // dQ^T += scale K^T dS^T, over key pairs.
           for (int64_t k = 0; k < m / 2; ++k) {
             k_.rows.pair_rows(dpt + 2 * k * kTile, dpt + (2 * k + 1) * kTile,
                               ps.dsi.data() + k * kTile);
           }
-          float* dqt = dq + (g * tiles + i0 / kTile) * d_ * kTile;
+          float* dqt = dq.tile(g, i0 / kTile, d_);
           kb_.gemm({ps.ktp.data(), kBlockKeys / 2, ps.dsi.data(), kTile, dqt, kTile, d_, kTile,
                     m / 2, ps.ones.data(), p_.softmax_scale});
         }
@@ -959,19 +1060,30 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
 
 namespace {
 
-// Whether a problem with `units` (sequence, key head) units and a fused dQ accumulator of
-// `accumulator_bytes` per worker runs fused: OPMESH_BACKWARD=fused or two_pass decides for the
-// process (tests run both on every case); auto (the default) when there are enough units to keep
-// the threads busy and the accumulator stays within kFusedMaxBytes.
-bool fused_mode(int64_t units, int64_t accumulator_bytes) {
+// How the backward of a problem runs: 0 for the two passes; otherwise the fused pass, with the
+// keys of each (sequence, key head) pair cut into that many chunks. OPMESH_BACKWARD=fused or
+// two_pass decides the schedule for the process (tests run both on every case); auto (the default)
+// runs fused while a dQ accumulator stays within kFusedMaxBytes. Fewer pairs than kFusedMinUnits
+// are cut into chunks to make that many units where the keys have the blocks and the chunks'
+// accumulators fit in kFusedChunkMaxBytes; auto runs the two passes when a pair would stay whole.
+// A function of the problem alone, never of the worker count, so every plan gives the same bits.
+int64_t fused_chunks(const Backward& run) {
   const char* env = std::getenv("OPMESH_BACKWARD");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
-    return units >= kFusedMinUnits && accumulator_bytes <= kFusedMaxBytes;
+  const bool forced = env != nullptr && std::strcmp(env, "fused") == 0;
+  if (!forced && env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
+    if (std::strcmp(env, "two_pass") == 0) return 0;
+    throw ArgumentError("OPMESH_BACKWARD",
+                        std::string("expected auto, fused or two_pass, got '") + env + "'");
   }
-  if (std::strcmp(env, "fused") == 0) return true;
-  if (std::strcmp(env, "two_pass") == 0) return false;
-  throw ArgumentError("OPMESH_BACKWARD",
-                      std::string("expected auto, fused or two_pass, got '") + env + "'");
+  const int64_t pairs = run.fused_pairs();
+  const int64_t bytes = run.chunk_floats() * static_cast<int64_t>(sizeof(float));
+  if (bytes > kFusedMaxBytes) return forced ? 1 : 0;
+  if (pairs == 0 || pairs >= kFusedMinUnits) return 1;
+  const int64_t wanted = (kFusedMinUnits + pairs - 1) / pairs;
+  const int64_t fit = kFusedChunkMaxBytes / (pairs * std::max<int64_t>(bytes, 1));
+  const int64_t chunks = std::min({wanted, run.max_key_blocks(), fit});
+  if (chunks >= 2) return chunks;
+  return forced ? 1 : 0;
 }
 
 // Cuts units (costs in canonical order) into `workers` contiguous ranges: each range ends once
@@ -1004,16 +1116,16 @@ BackwardPlan plan_backward(const PlanConfig& c, const std::vector<Sequence>& seq
   BackwardPlan plan;
   const int64_t workers = std::max<int64_t>(1, c.num_workers);
   plan.cost.assign(workers, 0.0f);
-  const std::vector<Unit> fused = run.fused_units();
   // The mode depends on the problem (and OPMESH_BACKWARD) alone, never on the worker count, so
   // every plan of a call gives the same bits.
-  plan.fused = fused_mode(static_cast<int64_t>(fused.size()), run.fused_accumulator_bytes());
-  const std::vector<Unit> keys = plan.fused ? fused : run.key_units();
+  const int64_t chunks = fused_chunks(run);
+  plan.fused = chunks > 0;
+  const std::vector<Unit> keys = plan.fused ? run.fused_units(chunks) : run.key_units();
   const std::vector<Unit> queries = run.query_units();
   std::vector<double> key_costs, query_costs;
   double largest = 0.0;
   for (const Unit& u : keys) {
-    key_costs.push_back(plan.fused ? run.fused_unit_cost(u) : run.key_unit_cost(u));
+    key_costs.push_back(plan.fused ? run.fused_unit_cost(u, chunks) : run.key_unit_cost(u));
   }
   // In fused mode the query units only compute D_i: a row's worth of work each.
   for (const Unit& u : queries) {
@@ -1044,13 +1156,20 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   const BackwardPlan& plan = given != nullptr ? *given : own;
   const std::vector<Unit> queries = run.query_units();
   const std::vector<Unit> keys = run.key_units();
-  const std::vector<Unit> fused = run.fused_units();
+  const int64_t chunks = fused_chunks(run);
+  const std::vector<Unit> fused = chunks > 0 ? run.fused_units(chunks) : std::vector<Unit>{};
   const int64_t key_count = static_cast<int64_t>(plan.fused ? fused.size() : keys.size());
   if (static_cast<int64_t>(queries.size()) != plan.num_query_units ||
-      key_count != plan.num_key_units ||
-      plan.fused != fused_mode(static_cast<int64_t>(fused.size()), run.fused_accumulator_bytes())) {
+      key_count != plan.num_key_units || plan.fused != (chunks > 0)) {
     throw ArgumentError("metadata", "was planned for other sequences than this call's");
   }
+  // Chunked fused units accumulate dQ^T in accumulators of the call, one per unit, in unit order;
+  // a pair's chunks are consecutive units.
+  AlignedBuffer<float> chunk_dq;
+  if (chunks > 1) chunk_dq.grow_uninitialized(fused.size() * run.chunk_floats());
+  auto chunk_dq_of = [&](int64_t i) {
+    return chunks > 1 ? chunk_dq.data() + i * run.chunk_floats() : nullptr;
+  };
   std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
   auto scratch_of = [&](int thread) -> Backward::Scratch& {
     if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
@@ -1059,7 +1178,8 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   std::vector<std::unique_ptr<Backward::FusedScratch>> fused_scratch(threads);
   auto fused_scratch_of = [&](int thread) -> Backward::FusedScratch& {
     if (!fused_scratch[thread]) {
-      fused_scratch[thread] = std::make_unique<Backward::FusedScratch>(run, run.max_query_tiles());
+      fused_scratch[thread] =
+          std::make_unique<Backward::FusedScratch>(run, chunks == 1 ? run.max_query_tiles() : 0);
     }
     return *fused_scratch[thread];
   };
@@ -1073,7 +1193,7 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   });
   if (run.pairs()) {
     std::vector<std::unique_ptr<Backward::PairScratch>> pair_scratch(threads);
-    const int64_t tiles = plan.fused ? run.max_query_tiles() : 0;
+    const int64_t tiles = chunks == 1 ? run.max_query_tiles() : 0;
     auto pair_scratch_of = [&](int thread) -> Backward::PairScratch& {
       if (!pair_scratch[thread]) {
         pair_scratch[thread] = std::make_unique<Backward::PairScratch>(run, tiles);
@@ -1085,7 +1205,7 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
       Backward::PairScratch& ps = pair_scratch_of(thread);
       for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
         if (plan.fused) {
-          run.pair_fused_unit(ps, fused[i]);
+          run.pair_fused_unit(ps, fused[i], chunks, chunk_dq_of(i));
         } else {
           run.pair_key_unit(ps, keys[i]);
         }
@@ -1098,7 +1218,7 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   } else if (plan.fused) {
     run_dynamic(executor, workers, [&](int64_t w, int thread) {
       for (int32_t i = plan.key_begin[w]; i < plan.key_end[w]; ++i) {
-        run.fused_unit(fused_scratch_of(thread), fused[i]);
+        run.fused_unit(fused_scratch_of(thread), fused[i], chunks, chunk_dq_of(i));
       }
     });
   } else {
@@ -1109,6 +1229,20 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
       for (int32_t i = plan.query_begin[w]; i < plan.query_end[w]; ++i) {
         run.query_tile(scratch_of(thread), queries[i]);
       }
+    });
+  }
+  if (chunks > 1) {
+    // Each pair's dQ: its chunks' accumulators summed in chunk order.
+    std::vector<int64_t> starts;
+    for (size_t i = 0; i < fused.size(); ++i) {
+      if (i == 0 || fused[i].b != fused[i - 1].b || fused[i].h != fused[i - 1].h) {
+        starts.push_back(static_cast<int64_t>(i));
+      }
+    }
+    starts.push_back(static_cast<int64_t>(fused.size()));
+    run_dynamic(executor, static_cast<int64_t>(starts.size()) - 1, [&](int64_t j, int) {
+      run.store_chunks_dq(fused, starts[j], starts[j + 1] - starts[j], chunks, chunk_dq.data(),
+                          run.chunk_floats());
     });
   }
   if (p.sinks != nullptr) {
