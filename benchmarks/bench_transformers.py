@@ -103,8 +103,13 @@ def rates(model, run, impls, count, budget):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192],
-                        help="Llama prefill lengths (generation and training take half)")
+    parser.add_argument(
+        "--seq",
+        type=int,
+        nargs="+",
+        default=[4096, 8192],
+        help="Llama prefill lengths (generation and training take half)",
+    )
     parser.add_argument("--dsa-seq", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budget", type=float, default=5.0)
