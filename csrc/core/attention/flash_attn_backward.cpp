@@ -30,8 +30,8 @@ constexpr double kPackNs = 0.5;
 
 // Keys per block of the key pass and of the fused pass.
 constexpr int64_t kBlockKeys = kKeyBlock * kTile;
-// (sequence, key head) units from which the backward runs as one fused pass (five products per
-// tile pair instead of seven); fewer units would leave threads idle.
+// Units the fused pass (five products per tile pair instead of seven) aims for: fewer
+// (sequence, key head) pairs would leave threads idle, so their keys are cut into chunks.
 constexpr int64_t kFusedMinUnits = 8;
 // The fused schedule's float32 dQ accumulator (one key head's query heads over the longest
 // sequence) per worker thread is kept within this; longer sequences run the two passes.

@@ -67,10 +67,12 @@ struct FlashAttnBackwardParams {
 // work are left out), each cut into num_workers contiguous ranges of about equal predicted cost.
 // Worker w runs key units [key_begin[w], key_end[w]) and query units [query_begin[w],
 // query_end[w]) once the D_i pre-pass has run. Which worker runs a unit never changes a bit of
-// the result: every unit owns the rows it writes.
+// the result: every unit owns the rows it writes (a fused chunk its own dQ part, the parts summed
+// in chunk order after the pass).
 struct BackwardPlan {
-  // Fused: one pass over (sequence, key head) units (the key ranges index those), computing dq,
-  // dk and dv together; chosen from the problem alone when it has enough such units.
+  // Fused: one pass over (sequence, key head) units, or over chunks of their keys when there are
+  // few (the key ranges index those), computing dq, dk and dv together; chosen from the problem
+  // alone.
   bool fused = false;
   std::vector<int32_t> key_begin, key_end, query_begin, query_end;
   std::vector<float> cost;  // predicted ns per worker
