@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import leave_rank, write_results  # noqa: E402
 from common import timed_between_barriers as _timed  # noqa: E402
-from common import write_results  # noqa: E402
 
 import opmesh  # noqa: E402
 
@@ -162,6 +162,7 @@ def _rank(rank, port, args, out_path):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _bytes_per_rank(args, world):
