@@ -405,11 +405,16 @@ class Runner {
       }
     }
     if (fast_v && pairs_) {
-      // Rows 2i and 2i + 1 interleaved element by element into bf16 pairs.
-      LinesAhead ahead(sc.values_ahead, (valid + 1) / 2);
+      // Rows 2i and 2i + 1 interleaved element by element into bf16 pairs. The next tile's value
+      // rows are asked for in between, and its key rows too unless the score kernel asks for them.
+      const int64_t steps = (valid + 1) / 2;
+      LinesAhead ahead(sc.values_ahead, steps);
+      LinesAhead keys_ahead(row_scores(b) ? RowsAhead{} : sc.keys_ahead, steps);
       sc.values_ahead = {};
+      if (!row_scores(b)) sc.keys_ahead = {};
       for (int64_t i = 0; 2 * i < valid; ++i) {
         ahead.next();
+        keys_ahead.next();
         const uint16_t* r0 = reinterpret_cast<const uint16_t*>(vrows[2 * i]);
         const uint16_t* r1 =
             2 * i + 1 < valid ? reinterpret_cast<const uint16_t*>(vrows[2 * i + 1]) : nullptr;
@@ -437,14 +442,17 @@ class Runner {
     }
   }
 
-  // Decode (row_scores): the rows of key tile jn, the next block's first, that head h asks for
-  // from memory while it computes this block, its keys between the score products and its values
-  // between the value packing's rows. Heads whose slices lie side by side in a row (the
+  // The rows of key tile jn, the next block's first, that head h asks for from memory while it
+  // computes this block: in decode (row_scores) its keys between the score products and its
+  // values between the value packing's rows; where the keys are packed, both between the value
+  // packing's rows, for tiles that no later query tile reads again (S_q = 16 and 64/1 heads: the
+  // rows come from memory once). Heads whose slices lie side by side in a row (the
   // interleaved layouts) split the tile's rows between them, each asking for whole rows of all
   // the group's heads: memory then serves every row once and in order, where the hardware
   // prefetchers keep up. Otherwise each head asks for its own slice of every row.
-  // Measured on an AMD EPYC (Zen 4), 32/8 heads, one token, 8 x 8192 keys from memory:
-  // 17.5-20.1 -> 13.2-14.2 ms (docs/ops/flash_attn.md).
+  // Measured on an AMD EPYC (Zen 4), 8 x 8192 keys from memory: 32/8 heads, one token,
+  // 17.5-20.1 -> 13.2-14.2 ms; S_q = 16, 82-84 -> 72 ms; 64/1 heads, one token, 10.6 -> 9.2 ms
+  // (docs/ops/flash_attn.md).
   void plan_ahead(Scratch& sc, int64_t b, int64_t h, int64_t jn) const {
     const int64_t valid =
         jn < sc.ahead_end ? std::clamp<int64_t>(seqs_[b].k_len - jn * kKeyTile, 0, kKeyTile) : 0;
@@ -503,7 +511,7 @@ class Runner {
     const int64_t cols = tiles * kKeyTile;
     float* s = sc.s.data();
     sc.keys_ahead = sc.values_ahead = {};
-    if (row_scores(b)) plan_ahead(sc, b, h, j1);
+    if (row_scores(b) || (pairs_ && !sc.tiles_reused)) plan_ahead(sc, b, h, j1);
     int64_t first_slot = 0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t j = j0 + i;
