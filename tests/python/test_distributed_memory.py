@@ -56,8 +56,11 @@ SCRIPT = textwrap.dedent(
         len(platform._specs),
         len(platform._offsets),
     ]
-    print("GROWTH", growth, "SIZES", *sizes)
+    print("GROWTH", growth, "SIZES", *sizes, flush=True)
     dist.destroy_process_group()
+    # DTensor's caches hold the mesh and its gloo worker threads until the interpreter shuts
+    # down, where one still letting go of a collective's tensors aborts the process.
+    os._exit(0)
     """
 )
 
