@@ -2,6 +2,9 @@
 // pairs along head_dim, P.V on pairs along keys) and for the indexer's scores, each word holding
 // the pair (x[2l], x[2l+1]) multiplied exactly and accumulated in float32; VCVTNEPS2BF16 rounds P
 // to bf16. Softmax and key packing are the avx512 set's.
+#include <algorithm>
+#include <cstring>
+
 #include "avx512_gemm.h"
 #include "avx512_policies.h"
 #include "avx512_softmax.h"
@@ -74,11 +77,198 @@ void two_rows(const KeyScoresArgs& a, const uint32_t* const (&key)[8], int64_t r
   _mm256_storeu_ps(s0 + a.lds, _mm512_extractf32x8_ps(sums, 1));
 }
 
+// Rows 3 to 8 padded to kRows (4 or 8) in lane groups: lane row * kW + j (kW = 16 / kRows) of
+// step s holds word s * kW + j of that row's query, so one broadcast of a key's kW words at step s
+// meets every row at once and each lane accumulates its row's share of the key's dot product.
+// A row's kW partial sums are then added across two accumulators at a time (log2 kW halving
+// steps over 8 keys) instead of a 16-lane tree per 16 products; the 8 keys' scores leave in rows.
+template <int kRows>
+struct LaneGroups {
+  static constexpr int kW = 16 / kRows;
+  static constexpr int64_t kMaxDepth = 256;  // words the packed query holds (D <= 512)
+
+  static __m512i broadcast(const uint32_t* p) {
+    if constexpr (kW == 2) {
+      int64_t w;
+      std::memcpy(&w, p, sizeof(w));
+      return _mm512_set1_epi64(w);
+    } else {
+      return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+  }
+  // The first `count` (< kW) words at p, zero after them.
+  static __m512i broadcast_first(const uint32_t* p, int64_t count) {
+    const __m128i x = _mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << count) - 1), p);
+    if constexpr (kW == 2) {
+      return _mm512_broadcastq_epi64(x);
+    } else {
+      return _mm512_broadcast_i32x4(x);
+    }
+  }
+
+  // qb[s][row * kW + j] = word s * kW + j of query row `row`, zero past the rows and the depth:
+  // 16 words of each row at a time, a transpose of kW-word blocks between the rows.
+  static void pack(const KeyScoresArgs& a, uint32_t* qb) {
+    for (int64_t w0 = 0; w0 < a.depth; w0 += 16) {
+      const __mmask16 mask =
+          static_cast<__mmask16>(a.depth - w0 >= 16 ? 0xFFFF : (1u << (a.depth - w0)) - 1);
+      __m512i x[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        x[r] = r < a.rows ? _mm512_maskz_loadu_epi32(mask, a.query + r * a.ldq + w0)
+                          : _mm512_setzero_si512();
+      }
+      uint32_t* out = qb + w0 / kW * 16;
+      if constexpr (kW == 2) {  // 8 rows x 8 two-word blocks
+        __m512i t[8], u[8];
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]);
+        }
+        // u[4h + c]: rows 4h .. 4h + 3, blocks c and c + 4 (c = 0, 2, 1, 3 by index).
+        for (int h = 0; h < 2; ++h) {
+          for (int odd = 0; odd < 2; ++odd) {
+            const __m512i lo = t[4 * h + odd], hi = t[4 * h + 2 + odd];
+            u[4 * h + 2 * odd] = _mm512_shuffle_i64x2(lo, hi, 0x88);
+            u[4 * h + 2 * odd + 1] = _mm512_shuffle_i64x2(lo, hi, 0xDD);
+          }
+        }
+        // u[i] (i = 2 odd + second) holds blocks odd + 2 second and odd + 2 second + 4.
+        for (int i = 0; i < 4; ++i) {
+          const int block = (i / 2) + 2 * (i % 2);
+          _mm512_storeu_si512(out + 16 * block, _mm512_shuffle_i64x2(u[i], u[4 + i], 0x88));
+          _mm512_storeu_si512(out + 16 * (block + 4), _mm512_shuffle_i64x2(u[i], u[4 + i], 0xDD));
+        }
+      } else {  // 4 rows x 4 four-word blocks
+        const __m512i t0 = _mm512_shuffle_i64x2(x[0], x[1], 0x44);
+        const __m512i t1 = _mm512_shuffle_i64x2(x[0], x[1], 0xEE);
+        const __m512i t2 = _mm512_shuffle_i64x2(x[2], x[3], 0x44);
+        const __m512i t3 = _mm512_shuffle_i64x2(x[2], x[3], 0xEE);
+        _mm512_storeu_si512(out, _mm512_shuffle_i64x2(t0, t2, 0x88));
+        _mm512_storeu_si512(out + 16, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+        _mm512_storeu_si512(out + 32, _mm512_shuffle_i64x2(t1, t3, 0x88));
+        _mm512_storeu_si512(out + 48, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+      }
+    }
+  }
+
+  // Lane kk + 8 t of output o (rows o's two rows, keys 0..7) in the two-source tables.
+  struct Tables {
+    alignas(64) int32_t first[2][16];   // (v[2h], v[2h + 1]) -> rows 4h .. 4h + 3, keys 0..3
+    alignas(64) int32_t second[2][16];  // (X, Z) -> rows 2u, 2u + 1 of X's four, keys 0..7
+    alignas(64) int32_t rows4[16];      // rows 0, 1 (or 2, 3) of the 4-row reduction
+  };
+  static constexpr Tables tables() {
+    Tables tb{};
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < 4; ++r) {
+        for (int k = 0; k < 4; ++k) {
+          const int row = 4 * h + r;
+          tb.first[h][4 * r + k] = 16 * (k / 2) + 4 * (row / 2) + 2 * (k % 2) + row % 2;
+        }
+      }
+    }
+    for (int u = 0; u < 2; ++u) {
+      for (int t = 0; t < 2; ++t) {
+        for (int kk = 0; kk < 8; ++kk) {
+          const int r = 2 * u + t;
+          tb.second[u][8 * t + kk] = kk < 4 ? 4 * r + kk : 16 + 4 * r + kk - 4;
+        }
+      }
+    }
+    for (int t = 0; t < 2; ++t) {
+      for (int kk = 0; kk < 8; ++kk) tb.rows4[8 * t + kk] = (kk / 4) * 8 + 4 * t + kk % 4;
+    }
+    return tb;
+  }
+
+  // The scores of the 8 keys from their accumulators (lane row * kW + j of acc[i]: key i's
+  // partial sum j of that row), scaled, to rows [0, a.rows) of columns n0 .. n0 + 7.
+  static void store(const KeyScoresArgs& a, __m512 (&acc)[8], int64_t n0, __m512 alpha) {
+    static constexpr Tables kTables = tables();
+    __m512 v[4];
+    for (int p = 0; p < 4; ++p) {
+      v[p] = _mm512_add_ps(_mm512_shuffle_ps(acc[2 * p], acc[2 * p + 1], 0x88),
+                           _mm512_shuffle_ps(acc[2 * p], acc[2 * p + 1], 0xDD));
+    }
+    __m512 out[kRows / 2];  // out[u]: rows 2u (low half) and 2u + 1 (high half), keys 0..7
+    if constexpr (kRows == 8) {
+      // v[p] lane 4 (row / 2) + 2 (key % 2) + row % 2 holds (key 2p + key % 2, row).
+      for (int h = 0; h < 2; ++h) {
+        const __m512i first = _mm512_load_si512(kTables.first[h]);
+        const __m512 x = _mm512_permutex2var_ps(v[0], first, v[1]);  // keys 0..3
+        const __m512 z = _mm512_permutex2var_ps(v[2], first, v[3]);  // keys 4..7
+        for (int u = 0; u < 2; ++u) {
+          out[2 * h + u] = _mm512_permutex2var_ps(x, _mm512_load_si512(kTables.second[u]), z);
+        }
+      }
+    } else {
+      // v[p] lane 4 row + c: (key 2p + c / 2, half c % 2 of the row's partial sums).
+      __m512 y[2];  // y[q] lane 4 row + k: key 4q + k
+      for (int q = 0; q < 2; ++q) {
+        y[q] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * q], v[2 * q + 1], 0x88),
+                             _mm512_shuffle_ps(v[2 * q], v[2 * q + 1], 0xDD));
+      }
+      const __m512i rows4 = _mm512_load_si512(kTables.rows4);
+      out[0] = _mm512_permutexvar_ps(rows4, _mm512_shuffle_f32x4(y[0], y[1], 0x44));
+      out[1] = _mm512_permutexvar_ps(rows4, _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
+    }
+    for (int u = 0; u < kRows / 2; ++u) {
+      const __m512 scaled = _mm512_mul_ps(alpha, out[u]);
+      if (2 * u < a.rows) {
+        _mm256_storeu_ps(a.s + 2 * u * a.lds + n0, _mm512_castps512_ps256(scaled));
+      }
+      if (2 * u + 1 < a.rows) {
+        _mm256_storeu_ps(a.s + (2 * u + 1) * a.lds + n0, _mm512_extractf32x8_ps(scaled, 1));
+      }
+    }
+  }
+
+  static void run(const KeyScoresArgs& a) {
+    alignas(64) uint32_t qb[kMaxDepth / kW * 16];
+    pack(a, qb);
+    const int64_t full = a.depth / kW;
+    const int64_t tail = a.depth % kW;
+    const __m512 alpha = _mm512_set1_ps(a.alpha);
+    LinesAhead ahead(a.ahead, (kKeyTile / 8) * ((full + 7) / 8));
+    for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) {
+      const uint32_t* key[8];
+      for (int i = 0; i < 8; ++i) key[i] = a.keys + (n0 + i) * a.ldk;
+      __m512 acc[8];
+      for (__m512& x : acc) x = _mm512_setzero_ps();
+      for (int64_t s0 = 0; s0 < full; s0 += 8) {
+        ahead.next();
+        for (int64_t s = s0; s < std::min(full, s0 + 8); ++s) {
+          const __m512bh q = Bf16PairPolicy::load(qb + 16 * s);
+          for (int i = 0; i < 8; ++i) {
+            acc[i] = _mm512_dpbf16_ps(acc[i], Bf16PairPolicy::as_bh(broadcast(key[i] + kW * s)), q);
+          }
+        }
+      }
+      if (tail != 0) {
+        const __m512bh q = Bf16PairPolicy::load(qb + 16 * full);
+        for (int i = 0; i < 8; ++i) {
+          acc[i] = _mm512_dpbf16_ps(
+              acc[i], Bf16PairPolicy::as_bh(broadcast_first(key[i] + kW * full, tail)), q);
+        }
+      }
+      store(a, acc, n0, alpha);
+    }
+  }
+};
+
 // Each (row, key) dot product along the depth in one accumulator, then 16 accumulators' lanes
 // summed at once. Every lane does useful work, where the GEMM on keys as rows fills 16 query
-// columns of which a decode uses `rows`. Rows go two at a time against 8 keys (two_rows); an odd
-// last row takes 16 keys at a time.
+// columns of which a decode uses `rows`. Rows 3 to 8 go in lane groups (LaneGroups); otherwise
+// rows go two at a time against 8 keys (two_rows), and an odd last row takes 16 keys at a time.
 void key_scores(const KeyScoresArgs& a) {
+  if (a.rows >= 3 && a.rows <= 8 && a.depth <= LaneGroups<8>::kMaxDepth) {
+    if (a.rows <= 4) {
+      LaneGroups<4>::run(a);
+    } else {
+      LaneGroups<8>::run(a);
+    }
+    return;
+  }
   const int64_t full = a.depth / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (a.depth % 16)) - 1);
   const __m512 alpha = _mm512_set1_ps(a.alpha);
