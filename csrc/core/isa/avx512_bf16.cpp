@@ -85,7 +85,8 @@ void two_rows(const KeyScoresArgs& a, const uint32_t* const (&key)[8], int64_t r
 template <int kRows>
 struct LaneGroups {
   static constexpr int kW = 16 / kRows;
-  static constexpr int64_t kMaxDepth = 256;  // words the packed query holds (D <= 512)
+  // Words the packed query holds (head dims up to 512); deeper rows take two_rows.
+  static constexpr int64_t kMaxDepth = 256;
 
   static __m512i broadcast(const uint32_t* p) {
     if constexpr (kW == 2) {
@@ -124,7 +125,8 @@ struct LaneGroups {
           t[2 * i] = _mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]);
           t[2 * i + 1] = _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]);
         }
-        // u[4h + c]: rows 4h .. 4h + 3, blocks c and c + 4 (c = 0, 2, 1, 3 by index).
+        // u[4h + 2 odd + second]: rows 4h .. 4h + 3 of blocks odd + 2 second and
+        // odd + 2 second + 4 (t[2i + odd] holds the blocks of that parity of rows 2i, 2i + 1).
         for (int h = 0; h < 2; ++h) {
           for (int odd = 0; odd < 2; ++odd) {
             const __m512i lo = t[4 * h + odd], hi = t[4 * h + 2 + odd];
@@ -132,7 +134,6 @@ struct LaneGroups {
             u[4 * h + 2 * odd + 1] = _mm512_shuffle_i64x2(lo, hi, 0xDD);
           }
         }
-        // u[i] (i = 2 odd + second) holds blocks odd + 2 second and odd + 2 second + 4.
         for (int i = 0; i < 4; ++i) {
           const int block = (i / 2) + 2 * (i % 2);
           _mm512_storeu_si512(out + 16 * block, _mm512_shuffle_i64x2(u[i], u[4 + i], 0x88));
@@ -151,7 +152,7 @@ struct LaneGroups {
     }
   }
 
-  // Lane kk + 8 t of output o (rows o's two rows, keys 0..7) in the two-source tables.
+  // Index vectors of store()'s permutations (entries of 16 and more pick the second source).
   struct Tables {
     alignas(64) int32_t first[2][16];   // (v[2h], v[2h + 1]) -> rows 4h .. 4h + 3, keys 0..3
     alignas(64) int32_t second[2][16];  // (X, Z) -> rows 2u, 2u + 1 of X's four, keys 0..7
