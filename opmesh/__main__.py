@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import PackageNotFoundError, version
+
+from ._demo import run_demo
+from ._mesh_demo import run_mesh_demo
+from ._mindspore_demo import run_mindspore_demo
+from ._plan_view import run as run_plan
 
 PROG = "python -m opmesh"
 # The operator arguments behind the plan command's options.
@@ -59,8 +65,6 @@ def main(argv=None):
 
 
 def _version():
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("opmesh")
     except PackageNotFoundError:
@@ -69,19 +73,11 @@ def _version():
 
 def _run(args):
     if args.command == "mesh-demo":
-        from ._mesh_demo import run_mesh_demo
-
         run_mesh_demo()
     elif args.command == "plan":
-        from ._plan_view import run
-
-        run(args)
+        run_plan(args)
     elif args.command == "demo":
-        from ._demo import run_demo
-
         if args.framework == "mindspore":
-            from ._mindspore_demo import run_mindspore_demo
-
             run_mindspore_demo()
         else:
             run_demo(seq=args.seq, heads=args.heads, dim=args.dim)

@@ -14,6 +14,7 @@ import torch
 import opmesh
 
 from ._demo import _formula_rows
+from .platform import mindspore_ops as binding
 
 
 def _mindspore():
@@ -30,8 +31,6 @@ def _mindspore():
 def run_mindspore_demo(seq=1024, heads=16, dim=64, steps=30):
     ms = _mindspore()
     start = time.perf_counter()
-    from .platform import mindspore_ops as binding
-
     binding.extension()
     print(
         f"opmesh demo on MindSpore {ms.__version__} (CPU): binding ready in "

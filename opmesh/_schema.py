@@ -22,6 +22,14 @@ _DEFAULTS = {
     name: {a.name: a.default_value for a in arguments if a.has_default_value()}
     for name, arguments in _SCHEMAS.items()
 }
+_INTS = {
+    name: tuple(a.name for a in arguments if str(a.type) in ("int", "Optional[int]"))
+    for name, arguments in _SCHEMAS.items()
+}
+_BOOLS = {
+    name: tuple(a.name for a in arguments if str(a.type) == "bool")
+    for name, arguments in _SCHEMAS.items()
+}
 _TENSORS = {
     name: tuple(a.name for a in arguments if "Tensor" in str(a.type))
     for name, arguments in _SCHEMAS.items()
@@ -36,6 +44,21 @@ def positional(op_name: str) -> tuple[str, ...]:
 def tensor_parameters(op_name: str) -> tuple[str, ...]:
     """The names of ``op_name``'s parameters that take a tensor (or a list of them)."""
     return _TENSORS[op_name]
+
+
+def check_scalar_types(op_name: str, call: dict) -> None:
+    """Refuses, with a ``TypeError`` naming the argument, a bool where ``op_name`` declares an
+    int, and a value other than a bool, 0 or 1 where it declares a bool (the operator itself
+    would take ``True`` as 1 and any nonzero int as true)."""
+    for name in _INTS[op_name]:
+        if type(call.get(name)) is bool:
+            raise TypeError(f"{name}: expected an int, got a bool ({call[name]!r})")
+    for name in _BOOLS[op_name]:
+        value = call.get(name, False)
+        if type(value) is not bool and not (type(value) is int and value in (0, 1)):
+            raise TypeError(
+                f"{name}: expected a bool (or 0 or 1), got {value!r} ({type(value).__name__})"
+            )
 
 
 def defaults(op_name: str) -> dict:

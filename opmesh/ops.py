@@ -9,8 +9,16 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _C
 from . import platform as _platform
-from ._schema import ATTN_LENGTHS, UNBOUNDED, positional, tensor_parameters, without_defaults
+from ._schema import (
+    ATTN_LENGTHS,
+    UNBOUNDED,
+    check_scalar_types,
+    positional,
+    tensor_parameters,
+    without_defaults,
+)
 from .distributed import DFunction
 from .distributed.dispatcher import DISPATCHER
 from .distributed.ops.dsa import TABLES as _DSA_TABLES
@@ -135,6 +143,7 @@ def dense_lightning_indexer_softmax_lse(
     MindSpore tensors in, MindSpore tensors out (docs/mindspore.md).
     """
     call = dict(locals())
+    check_scalar_types("dense_lightning_indexer_softmax_lse", call)
     if _on_mindspore(query_index, key_index, weights):
         return _ms.indexer(query_index, key_index, weights, _mask(call))
     return _run("dense_lightning_indexer_softmax_lse", _torch_lengths(call))
@@ -214,6 +223,7 @@ def dense_lightning_indexer_grad_kl_loss(
         gradient.
     """
     call = dict(locals())
+    check_scalar_types("dense_lightning_indexer_grad_kl_loss", call)
     if _on_mindspore(query, key, query_index, key_index, weights):
         args = _pick(call, positional("dense_lightning_indexer_grad_kl_loss"))
         return _ms.grad_kl_loss(args, query_rope, key_rope, _mask(call))
@@ -248,6 +258,7 @@ def indexer_kl_loss(
     A ``DFunction``: with plain tensors it is ordinary autograd, eagerly and under
     ``torch.compile``, and MindSpore's autograd on MindSpore tensors."""
     call = dict(locals())
+    check_scalar_types("dense_lightning_indexer_grad_kl_loss", call)
     on_mindspore = _on_mindspore(query_index, key_index, weights)
     if not on_mindspore:
         call = _torch_lengths(call)
@@ -365,6 +376,7 @@ def sparse_lightning_indexer_grad_kl_loss(
         for any thread count.
     """
     call = dict(locals())
+    check_scalar_types(_SPARSE_KL_OP, call)
     if _on_mindspore(query, key, query_index, key_index, weights):
         return _ms.sparse_grad_kl_loss(call)
     return _run("sparse_lightning_indexer_grad_kl_loss", _torch_lengths(call))
@@ -404,6 +416,7 @@ def sparse_indexer_kl_loss(
     A ``DFunction``: with plain tensors it is ordinary autograd, eagerly and under
     ``torch.compile``, and MindSpore's autograd on MindSpore tensors."""
     call = dict(locals())
+    check_scalar_types(_SPARSE_KL_OP, call)
     on_mindspore = _on_mindspore(query_index, key_index, weights)
     if not on_mindspore:
         call = _torch_lengths(call)
@@ -499,6 +512,7 @@ def lightning_indexer(
     MindSpore tensors in, MindSpore tensors out (docs/mindspore.md).
     """
     call = dict(locals())
+    check_scalar_types("lightning_indexer", call)
     if _on_mindspore(query, key, weights):
         return _ms.lightning_indexer(call)
     call["actual_seq_lengths_query"] = _as_lengths(
@@ -573,6 +587,7 @@ def sparse_flash_attention(
     statistics are not. Deterministic: the same bits for any thread count, backward included.
     """
     call = dict(locals())
+    check_scalar_types("sparse_flash_attention", call)
     if _on_mindspore(query, key, value):
         return _ms.sparse_flash_attention(call)
     call["actual_seq_lengths_query"] = _as_lengths(
@@ -677,6 +692,7 @@ def flash_attn_metadata(
     layout_kv = layout_q if layout_kv is None else layout_kv
     layout_out = layout_q if layout_out is None else layout_out
     kwargs = dict(locals())
+    check_scalar_types("flash_attn_metadata", kwargs)
     for name in positional("flash_attn_metadata"):
         del kwargs[name]
     if _on_mindspore(*_pick(kwargs, ATTN_LENGTHS)) or _platform.current().name == "mindspore":
@@ -782,6 +798,7 @@ def flash_attn(
             f"('ulysses', 'all_gather'), got {context_parallel!r}"
         )
     call = dict(locals())
+    check_scalar_types("flash_attn", call)
     del call["context_parallel"]
     if softcap is None or softcap == 0.0:
         # The schema's default. The Python default is None, not 0.0: under dynamic=True Dynamo
@@ -835,8 +852,6 @@ def describe_metadata(metadata: torch.Tensor) -> dict:
         raise TypeError("metadata: expected the int32 tensor flash_attn_metadata returns")
     if metadata.dim() != 1:
         raise ValueError(f"metadata: expected a 1-D tensor, got shape {tuple(metadata.shape)}")
-    from . import _C
-
     return _C._describe_metadata(plan_bytes(metadata))
 
 

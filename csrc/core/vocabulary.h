@@ -9,6 +9,17 @@
 
 namespace opmesh::core {
 
+// Sequence lengths, token counts and windows are stored as int32 in plans and tile positions:
+// every such size must stay below this bound (2^31 - 256), checked before anything narrows it.
+inline constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 256;
+inline constexpr int64_t kMaxBatch = (int64_t{1} << 31) - 1;
+inline constexpr int64_t kMaxHeads = int64_t{1} << 16;
+inline constexpr int64_t kMaxHeadDim = 2048;
+
+// A window side of kMaxTokens or more covers every key any sequence can have: it is unbounded
+// (-1). Smaller values, -1 and invalid ones (< -1, refused by validate_config) pass unchanged.
+inline int64_t normalize_window(int64_t w) { return w >= kMaxTokens ? -1 : w; }
+
 // The values are the ones the operators' metadata stores; BSND and TND are the indexer's.
 enum class Layout : int32_t { kBSND = 0, kBNSD = 1, kTND = 2, kPagedBBND = 3 };
 const char* layout_name(Layout layout);

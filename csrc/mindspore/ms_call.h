@@ -71,6 +71,29 @@ void from_py(const py::handle& value, const char* name, T& out) {
 inline void from_py(const py::handle& value, const char* name, HostInts& out) {
   out = host_ints_from(value, name);
 }
+// Integers and bools are taken strictly (pybind11 would take True as 1 and any int as a bool):
+// a bool where an int is declared, or anything but a bool, 0 or 1 where a bool is, is refused.
+inline void from_py(const py::handle& value, const char* name, int64_t& out) {
+  if (py::isinstance<py::bool_>(value)) {
+    throw py::type_error(std::string(name) + ": expected an int, got a bool");
+  }
+  from_py<int64_t>(value, name, out);
+}
+inline void from_py(const py::handle& value, const char* name, bool& out) {
+  if (py::isinstance<py::bool_>(value)) {
+    out = value.cast<bool>();
+    return;
+  }
+  if (py::isinstance<py::int_>(value)) {
+    const auto v = value.cast<int64_t>();
+    if (v == 0 || v == 1) {
+      out = v == 1;
+      return;
+    }
+  }
+  throw py::type_error(std::string(name) + ": expected a bool (or 0 or 1), got " +
+                       std::string(py::str(py::repr(value))));
+}
 template <class T>
 void from_py(const py::handle& value, const char* name, std::optional<T>& out) {
   if (value.is_none()) {

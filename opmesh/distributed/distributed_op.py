@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from .. import platform as _platform
 
 YAML_DIR_ENV = "OPMESH_DISTRIBUTED_OP_YAML_DIR"
@@ -137,8 +139,6 @@ def _declarations() -> dict[str, tuple[str, str, str]]:
     global _declared
     if _declared is not None:
         return _declared
-    import yaml
-
     for directory in filter(None, os.environ.get(MODULE_PATH_ENV, "").split(os.pathsep)):
         if directory not in sys.path:
             sys.path.append(directory)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ops import merge_attn_states
-
 
 class RingGroup:
     """The context-parallel group of a mesh axis: this rank's position, the global ranks of its
@@ -88,7 +86,7 @@ class RingAttention(torch.autograd.Function):
                     return_softmax_lse=True,
                     **options,
                 )
-                out, lse = merge_attn_states(
+                out, lse = torch.ops.opmesh.merge_attn_states(
                     out, lse, part_out.float(), part_lse, layout=options["layout_out"]
                 )
             elif step == 0 and sinks is not None:

@@ -25,7 +25,8 @@ import os
 
 import torch
 
-from .. import _schema
+from .. import _C, _schema
+from ..distributed.dfunction import DFunction
 from . import is_mindspore_tensor as is_tensor
 from . import scaled_gradients
 
@@ -33,8 +34,6 @@ CACHE_ENV = "OPMESH_MINDSPORE_CACHE"
 
 
 def binding_dir() -> str:
-    from .. import _C
-
     return os.path.join(os.path.dirname(os.path.abspath(_C.__file__)), "mindspore_binding")
 
 
@@ -277,8 +276,6 @@ def _int32_indices(indices):
 
 @functools.cache
 def _sparse_function():
-    from ..distributed import DFunction
-
     class SparseFlashAttentionFunction(DFunction):
         """sparse_flash_attention on MindSpore tensors: the binding's forward and backward."""
 
@@ -391,7 +388,6 @@ def _kl_call(call, kernel):
 @functools.cache
 def _kl_function():
     """The fused KL ops' autograd on MindSpore (either kernel), made on first use."""
-    from ..distributed import DFunction
 
     class GradKlLossFunction(DFunction):
         """The loss's backward scales the gradients the op returned; those gradients have none
@@ -527,7 +523,6 @@ def _int32_meta(values):
 @functools.cache
 def _flash_function():
     """The DFunction below, made on first use (opmesh.distributed imports opmesh's ops)."""
-    from ..distributed import DFunction
 
     class FlashAttnFunction(DFunction):
         """flash_attn on MindSpore tensors: the binding's forward and backward, as a DFunction

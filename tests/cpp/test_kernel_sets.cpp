@@ -17,7 +17,7 @@
 #include "cpu_features.h"
 #include "dtype.h"
 #include "kernels/kernel_set.h"
-#include "row_loads.h"
+#include "kernels/row_loads.h"
 
 namespace opmesh::core::kernels {
 namespace {

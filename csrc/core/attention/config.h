@@ -12,10 +12,15 @@
 namespace opmesh::core::attention {
 
 using core::KeyRange;
+using core::kMaxBatch;
+using core::kMaxHeadDim;
+using core::kMaxHeads;
+using core::kMaxTokens;
 using core::Layout;
 using core::layout_name;
 using core::Mask;
 using core::MaskMode;
+using core::normalize_window;
 using core::Sequence;
 using kernels::kKeyTile;
 
@@ -42,17 +47,6 @@ struct PlanConfig {
   // metadata format: a plan decoded from metadata always has 0 here.
   int64_t tile_positions = 0;
 };
-
-// Sequence lengths, token counts and windows are stored as int32 in plans and tile positions:
-// every such size must stay below this bound (2^31 - 256), checked before anything narrows it.
-inline constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 256;
-inline constexpr int64_t kMaxBatch = (int64_t{1} << 31) - 1;
-inline constexpr int64_t kMaxHeads = int64_t{1} << 16;
-inline constexpr int64_t kMaxHeadDim = 2048;
-
-// A window side of kMaxTokens or more covers every key any sequence can have: it is unbounded
-// (-1). Smaller values, -1 and invalid ones (< -1, refused by validate_config) pass unchanged.
-inline int64_t normalize_window(int64_t w) { return w >= kMaxTokens ? -1 : w; }
 
 // Optional int32 arrays (nullptr when absent): cu_seqlens_* hold batch_size + 1 entries,
 // seqused_* hold batch_size.

@@ -13,8 +13,8 @@
 #include "../errors.h"
 #include "../kernel_choice.h"
 #include "../kernels/kernel_set.h"
+#include "../kernels/row_loads.h"
 #include "../online_softmax.h"
-#include "../row_loads.h"
 
 namespace opmesh::core::attention {
 namespace {

@@ -11,7 +11,7 @@
 #include "../aligned_buffer.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
-#include "../row_loads.h"
+#include "../kernels/row_loads.h"
 
 namespace opmesh::core::attention {
 namespace {

@@ -7,9 +7,9 @@
 #include <cstring>
 #include <vector>
 
-#include "../indexer/indexer.h"
 #include "../kernels/kernel_set.h"
-#include "../row_loads.h"
+#include "../kernels/row_loads.h"
+#include "../selection.h"
 #include "sparse_attention.h"
 
 namespace opmesh::core::sparse {

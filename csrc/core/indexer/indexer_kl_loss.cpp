@@ -13,7 +13,7 @@
 #include "../attention/config.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
-#include "../row_loads.h"
+#include "../kernels/row_loads.h"
 #include "indexer.h"
 
 namespace opmesh::core {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "../row_loads.h"
+#include "../kernels/row_loads.h"
 
 namespace opmesh::core::indexer {
 

@@ -12,7 +12,7 @@
 #include "../attention/sparse_attention_detail.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
-#include "../row_loads.h"
+#include "../kernels/row_loads.h"
 #include "indexer.h"
 
 namespace opmesh::core {

@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "../kernels/kernel_set.h"
+#include "../kernels/row_loads.h"
 #include "../online_softmax.h"
-#include "../row_loads.h"
 #include "row_ops.h"
 #include "sets.h"
 

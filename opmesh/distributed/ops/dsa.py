@@ -51,6 +51,7 @@ from .. import gather_cache
 from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
 from ..distributed_op import DistributedOp
 from ..layout import Layout
+from .flash_attn import _whole_sequence_shards
 
 # -- the tables ----------------------------------------------------------------------------------
 
@@ -563,8 +564,6 @@ class DsaDistributedOp(DistributedOp):
 def _whole_sequences(named, t, tensors):
     """TND data parallel: per shard, the run of sequences [lo, hi) whose query and key tokens
     are exactly the shard's; None when a shard cuts a sequence (or the lengths are missing)."""
-    from .flash_attn import _whole_sequence_shards
-
     q_ends, k_ends = _ints(named.get(t.lengths[0])), _ints(named.get(t.lengths[1]))
     if q_ends is None or k_ends is None or len(q_ends) != len(k_ends):
         return None
@@ -720,8 +719,6 @@ class _Local:
 
     def _run(self, q_ends, k_ends):
         """TND data parallel: the rank's whole sequences [lo, hi)."""
-        from .flash_attn import _whole_sequence_shards
-
         key_name = _first_key(self.t, self.c)
         k_layout = Layout(self.c.mesh, self.c.placements(key_name), self.c.shape(key_name))
         cu = {

@@ -35,12 +35,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
+from ..all_to_all import AllToAll
 from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
+from ..dispatcher import DISPATCHER
 from ..distributed_op import DistributedOp
 from ..gather_cache import gathered
 from ..layout import Layout
+from ..ring import RingAttention, RingGroup
 
 NAMES = ("q", "k", "v")
 # flash_attn's layout table, read by these rules and by the raw operators' sharding strategies
@@ -585,8 +590,6 @@ def kv_for_heads(kv, n, heads, nq, nkv):
     h1)`` of ``nq`` use, laid out so that local query head i uses local key head
     ``i // (local query heads / local key heads)``: a slice when the query heads cover whole
     groups or lie in one group, else one key head per query head."""
-    import torch
-
     h0, h1 = heads
     group = nq // nkv
     if h1 <= h0:
@@ -615,9 +618,7 @@ class _UlyssesLocal:
     way (all_to_all.py)."""
 
     def __init__(self, func, c):
-        from ... import platform as _p
-
-        self.p = _p.current()
+        self.p = _platform.current()
         self.func, self.c = func, c
         b, s, n, _ = DIMS[c.layout_q]
         self.b, self.s, self.n = b, s, n
@@ -648,14 +649,10 @@ class _UlyssesLocal:
         return moved, tuple(target)
 
     def _to_heads(self, x, s_dim, n_dim, rows, heads):
-        from ..all_to_all import AllToAll
-
         group = self.p.axis_group(self.c.mesh, self.axis)
         return AllToAll.apply(x, group, self.position, n_dim, s_dim, heads, rows)
 
     def _to_rows(self, x, s_dim, n_dim, rows, heads):
-        from ..all_to_all import AllToAll
-
         group = self.p.axis_group(self.c.mesh, self.axis)
         return AllToAll.apply(x, group, self.position, s_dim, n_dim, rows, heads)
 
@@ -704,12 +701,12 @@ class _UlyssesLocal:
     def _hybrid(self, moved, kwargs):
         """Ulysses over the first axis, then the second strategy over the second on the
         head-sharded DTensors (a nested call of the public function), and back."""
-        from ... import ops
-
         p, c = self.p, self.c
         (qd, _), (kd, _), (vd, _) = moved
-        kwargs = dict(kwargs)
-        out, lse = ops.flash_attn(qd, kd, vd, context_parallel=self.inner, **kwargs)
+        kwargs = {**kwargs, "context_parallel": self.inner}
+        out, lse = DISPATCHER.dispatch(
+            "flash_attn", torch.ops.opmesh.flash_attn.default, (qd, kd, vd), kwargs
+        )
         target_out = list(p.placements_of(out))
         target_out[self.axis] = p.shard(self.out_s)
         out = p.to_local(p.redistribute(out, c.mesh, tuple(target_out)))
@@ -767,8 +764,6 @@ class _Local:
         self.gathered = gathered
 
     def _tnd_slice(self, kwargs):
-        import torch
-
         cu_q = [int(x) for x in kwargs["cu_seqlens_q"].tolist()]
         cu_k = [int(x) for x in kwargs["cu_seqlens_kv"].tolist()]
         if cu_q[-1] != self.s1:
@@ -787,8 +782,6 @@ class _Local:
         that sequence. One call takes every sequence's first chunk, another every second chunk,
         each with the sequence's keys up to the chunk's diagonal; the rows are put back in the
         local order."""
-        import torch
-
         cu_q = [int(x) for x in kwargs["cu_seqlens_q"].tolist()]
         cu_k = [int(x) for x in kwargs["cu_seqlens_kv"].tolist()]
         if cu_q[-1] != self.s1:
@@ -837,8 +830,6 @@ class _Local:
         return out, torch.cat(lses, dim=1).index_select(1, order)
 
     def __call__(self, q, k, v, **kwargs):
-        import torch
-
         b0, b1 = self.batch
         if not self.tnd:
             for name in ("seqused_q", "seqused_kv"):
@@ -921,8 +912,6 @@ def _whole_sequence_shards(kwargs, q_layout, k_layout):
 def _rebased_lengths(kwargs, lo, hi):
     """TND data parallel: the call's lengths for the rank's whole sequences [lo, hi), rebased to
     its shards."""
-    import torch
-
     kwargs = dict(kwargs)
     for name in ("cu_seqlens_q", "cu_seqlens_kv"):
         cu = kwargs[name][lo : hi + 1].to(torch.int32)
@@ -1000,8 +989,6 @@ def _local_band(start, rows, s1, s2, batch, kwargs):
     keeps every key a row can see; the local diagonal then lies ``shift = u - (start + rows +
     S2 - S1)`` keys to the right of the global one, which the window's sides absorb (left side
     wider, right side narrower by ``shift``, never below 0)."""
-    import torch
-
     mode = kwargs.get("mask_mode", 0)
     left, right = kwargs.get("win_left", -1), kwargs.get("win_right", -1)
     if mode == 3:
@@ -1041,8 +1028,6 @@ class _RingLocal:
     """The ring strategy's local call (opmesh/distributed/ring.py)."""
 
     def __init__(self, func, layout, layout_out, q_layout, k_shape, slice_sinks):
-        from ..ring import RingGroup
-
         b, s, n, _ = DIMS[layout]
         p = _platform.current()
         axis = q_layout.tensor_map[s][0]
@@ -1059,10 +1044,6 @@ class _RingLocal:
         self.slice_sinks = slice_sinks
 
     def __call__(self, q, k, v, **kwargs):
-        import torch
-
-        from ..ring import RingAttention
-
         sinks = kwargs.get("sinks")
         if self.slice_sinks:
             sinks = _head_slice(sinks, self.heads)

@@ -1,7 +1,7 @@
 
-#include "../isa/sets.h"
 #include "../kernel_choice.h"
-#include "kernel_set.h"
+#include "../kernels/kernel_set.h"
+#include "sets.h"
 
 namespace opmesh::core::kernels {
 

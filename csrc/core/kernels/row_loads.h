@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "dtype.h"
-#include "kernels/kernel_set.h"
+#include "../dtype.h"
+#include "kernel_set.h"
 
 namespace opmesh::core {
 

@@ -1,4 +1,4 @@
-#include "kernel_choice.h"
+#include "../kernel_choice.h"
 
 #include <algorithm>
 #include <chrono>
@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
-#include "attention/flash_attn.h"
-#include "attention/planner.h"
-#include "cpu_features.h"
-#include "dtype.h"
-#include "errors.h"
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../errors.h"
+#include "flash_attn.h"
+#include "planner.h"
 
 namespace opmesh::core {
 namespace {
