@@ -10,30 +10,45 @@ namespace opmesh {
 
 const char* library_version() { return OPMESH_VERSION; }
 
+namespace {
+
+template <class To, class From>
+void assign(To& to, const From& from) {
+  to = from;
+}
+void assign(std::optional<c10::SymInt>& to, const std::optional<int64_t>& from) {
+  if (from.has_value()) to = c10::SymInt(*from);
+}
+
+// FlashAttnOptions' fields, one per keyword argument of flash_attn's declaration, in its order:
+// a struct of the same fields in that order has its size.
+#define OPMESH_MIRROR_ARG(kind, name)
+#define OPMESH_MIRROR_ARG_D(kind, name, value) decltype(FlashAttnOptions::name) name;
+struct FlashAttnOptionsMirror {
+  OPMESH_OP_FLASH_ATTN(OPMESH_MIRROR_ARG, OPMESH_MIRROR_ARG_D, )
+};
+#undef OPMESH_MIRROR_ARG
+#undef OPMESH_MIRROR_ARG_D
+static_assert(sizeof(FlashAttnOptionsMirror) == sizeof(FlashAttnOptions),
+              "FlashAttnOptions must hold exactly flash_attn's keyword arguments, in order");
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> flash_attn(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, const FlashAttnOptions& o) {
   binding::FlashAttnCall call;
   call.q = q;
   call.k = k;
   call.v = v;
-  call.block_table = o.block_table;
-  call.cu_seqlens_q = o.cu_seqlens_q;
-  call.cu_seqlens_kv = o.cu_seqlens_kv;
-  call.seqused_q = o.seqused_q;
-  call.seqused_kv = o.seqused_kv;
-  call.sinks = o.sinks;
-  call.metadata = o.metadata;
-  call.softmax_scale = o.softmax_scale;
-  call.mask_mode = o.mask_mode;
-  call.win_left = o.win_left;
-  call.win_right = o.win_right;
-  if (o.max_seqlen_q) call.max_seqlen_q = c10::SymInt(*o.max_seqlen_q);
-  if (o.max_seqlen_kv) call.max_seqlen_kv = c10::SymInt(*o.max_seqlen_kv);
-  call.layout_q = o.layout_q;
+#define OPMESH_COPY_ARG(kind, name)
+#define OPMESH_COPY_ARG_D(kind, name, value) assign(call.name, o.name);
+  OPMESH_OP_FLASH_ATTN(OPMESH_COPY_ARG, OPMESH_COPY_ARG_D, )
+#undef OPMESH_COPY_ARG
+#undef OPMESH_COPY_ARG_D
+  // The layouts' derived defaults, as in Python.
   call.layout_kv =
       !o.layout_kv.empty() ? o.layout_kv : (o.block_table.has_value() ? "PA_BBND" : o.layout_q);
   call.layout_out = o.layout_out.empty() ? o.layout_q : o.layout_out;
-  call.return_softmax_lse = o.return_softmax_lse;
   return binding::tensors_of<2>(binding::call_op(call));
 }
 

@@ -133,3 +133,61 @@ def test_calls_leave_out_the_arguments_that_equal_their_default():
     assert kept["sinks"] is t
     # A float default compared with an int of the same value: different types, passed.
     assert _schema.without_defaults("flash_attn", {"softcap": 0}) == {"softcap": 0}
+
+
+# The public functions that are one operator each: their parameters are the schema's, in its
+# order, with its keyword-only marker. flash_attn adds one keyword of its own after them.
+DIRECT = {
+    opmesh.dense_lightning_indexer_softmax_lse: ("dense_lightning_indexer_softmax_lse", ()),
+    opmesh.dense_lightning_indexer_grad_kl_loss: ("dense_lightning_indexer_grad_kl_loss", ()),
+    opmesh.sparse_lightning_indexer_grad_kl_loss: ("sparse_lightning_indexer_grad_kl_loss", ()),
+    opmesh.lightning_indexer: ("lightning_indexer", ()),
+    opmesh.sparse_flash_attention: ("sparse_flash_attention", ()),
+    opmesh.flash_attn: ("flash_attn", ("context_parallel",)),
+    opmesh.flash_attn_metadata: ("flash_attn_metadata", ()),
+    opmesh.merge_attn_states: ("merge_attn_states", ()),
+    opmesh.kv_cache_write_: ("kv_cache_write_", ()),
+}
+
+
+def _parameters(function):
+    return [
+        (name, p.kind is inspect.Parameter.KEYWORD_ONLY)
+        for name, p in inspect.signature(function).parameters.items()
+    ]
+
+
+def _schema_parameters(op):
+    return [(a.name, a.kwarg_only) for a in _schema._SCHEMAS[op]]
+
+
+@pytest.mark.parametrize("function", list(DIRECT), ids=lambda f: f.__name__)
+def test_public_signature_is_the_schemas(function):
+    op, extra = DIRECT[function]
+    assert _parameters(function) == _schema_parameters(op) + [(n, True) for n in extra]
+    for name, param in inspect.signature(function).parameters.items():
+        has_default = param.default is not inspect.Parameter.empty
+        declared = name in _schema.defaults(op)
+        assert has_default == declared or name in extra, name
+
+
+@pytest.mark.parametrize(
+    "front, op, statistics",
+    [
+        (opmesh.indexer_kl_loss, "dense_lightning_indexer_grad_kl_loss", 2),
+        (opmesh.sparse_indexer_kl_loss, "sparse_lightning_indexer_grad_kl_loss", 0),
+    ],
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_loss_front_signature_is_its_operators_with_the_indexer_first(front, op, statistics):
+    """A differentiable front takes its fused operator's parameters, the indexer's inputs
+    first (what it differentiates), less the indexer statistics it computes itself."""
+    from opmesh.distributed.ops.dsa import TABLES
+
+    own = ("softmax_max_index", "softmax_sum_index")
+    schema = [p for p in _schema_parameters(op) if p[0] not in own]
+    assert len(_schema_parameters(op)) - len(schema) == statistics
+    first = [p for p in schema if p[0] in ("query_index", "key_index", "weights")]
+    rest = [p for p in schema if p not in first]
+    assert _parameters(front) == first + rest
+    assert tuple(n for n, _ in _parameters(front)) == TABLES[front.__name__].params

@@ -22,6 +22,9 @@ namespace opmesh {
 // unreferenced libraries (--as-needed) from dropping libopmesh_ops.
 const char* library_version();
 
+// flash_attn's keyword arguments, in the schema's order (csrc/common/op_defs.h): library.cpp
+// copies them into the call field by field from that declaration, so a keyword the operator
+// declares and this struct lacks (or a field the operator does not declare) fails to compile.
 struct FlashAttnOptions {
   std::optional<at::Tensor> block_table;
   std::optional<at::Tensor> cu_seqlens_q;
@@ -29,6 +32,10 @@ struct FlashAttnOptions {
   std::optional<at::Tensor> seqused_q;
   std::optional<at::Tensor> seqused_kv;
   std::optional<at::Tensor> sinks;
+  // Logit soft-capping (softcap * tanh(score / softcap)); 0 leaves the scores as they are.
+  double softcap = 0.0;
+  // ALiBi slopes, [Nq] or [B, Nq] float32.
+  std::optional<at::Tensor> alibi_slopes;
   std::optional<at::Tensor> metadata;
   std::optional<double> softmax_scale;
   int64_t mask_mode = 0;
