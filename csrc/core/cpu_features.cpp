@@ -12,23 +12,13 @@
 #endif
 
 #include "errors.h"
+#include "names.h"
 
 namespace opmesh::core {
 
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar:
-      return "scalar";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx512Bf16:
-      return "avx512_bf16";
-    case Isa::kAmxBf16:
-      return "amx_bf16";
-  }
-  return "unknown";
+  static constexpr const char* kNames[] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"};
+  return enum_name(isa, kNames, "unknown");
 }
 
 Isa parse_isa(const std::string& name, const char* what) {
@@ -40,15 +30,8 @@ Isa parse_isa(const std::string& name, const char* what) {
 }
 
 const char* amx_tiles_name(AmxTiles tiles) {
-  switch (tiles) {
-    case AmxTiles::kHardware:
-      return "hardware";
-    case AmxTiles::kEmulated:
-      return "emulated";
-    case AmxTiles::kNone:
-      break;
-  }
-  return "none";
+  static constexpr const char* kNames[] = {"none", "hardware", "emulated"};
+  return enum_name(tiles, kNames, "none");
 }
 
 namespace {

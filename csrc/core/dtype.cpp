@@ -1,19 +1,12 @@
 #include "dtype.h"
 
+#include "names.h"
+
 namespace opmesh::core {
 
 const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kFloat64:
-      return "float64";
-  }
-  return "unknown";
+  static constexpr const char* kNames[] = {"float32", "bfloat16", "float16", "float64"};
+  return enum_name(dtype, kNames, "unknown");
 }
 
 }  // namespace opmesh::core

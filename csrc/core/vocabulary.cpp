@@ -1,19 +1,12 @@
 #include "vocabulary.h"
 
+#include "names.h"
+
 namespace opmesh::core {
 
 const char* layout_name(Layout layout) {
-  switch (layout) {
-    case Layout::kBSND:
-      return "BSND";
-    case Layout::kBNSD:
-      return "BNSD";
-    case Layout::kTND:
-      return "TND";
-    case Layout::kPagedBBND:
-      return "PA_BBND";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"BSND", "BNSD", "TND", "PA_BBND"};
+  return enum_name(layout, kNames, "?");
 }
 
 }  // namespace opmesh::core

@@ -121,11 +121,10 @@ namespace {
 template <class Call>
 constexpr bool kSparseKl = std::is_same_v<Call, SparseKlLossCall>;
 
-// The dense and the sparse KL loss: the same tensors but the dense loss's index statistics or
-// the sparse loss's selection (int32, converted by the Python layer).
+// Resolves the call's tensors and checks their ranks (the shapes are the torch binding's
+// shape function's, run by the Python layer on meta stand-ins).
 template <class Call>
-py::object kl_loss(const Call& call, const char* kernel) {
-  const bool tnd = is_tnd(call);
+void check_kl_ranks(const Call& call, bool tnd) {
   resolve({&call.query, &call.key, &call.query_index, &call.key_index, &call.weights,
            &call.softmax_max, &call.softmax_sum});
   if constexpr (kSparseKl<Call>) {
@@ -143,11 +142,8 @@ py::object kl_loss(const Call& call, const char* kernel) {
     require_rank(*t, rank, name);
   }
   require_rank(call.weights, rank - 1, "weights");
-  int64_t index_heads = 1, sparse_count = 0;
   if constexpr (kSparseKl<Call>) {
     require_rank(call.sparse_indices, rank, "sparse_indices");
-    index_heads = call.sparse_indices.shape()[rank - 2];
-    sparse_count = call.sparse_indices.shape()[rank - 1];
   }
   if (call.query_rope.has_value() != call.key_rope.has_value()) {
     value_error("query_rope: query_rope and key_rope are given together or not at all");
@@ -155,6 +151,20 @@ py::object kl_loss(const Call& call, const char* kernel) {
   if (call.query_rope.has_value()) {
     require_rank(*call.query_rope, rank, "query_rope");
     require_rank(*call.key_rope, rank, "key_rope");
+  }
+}
+
+// The dense and the sparse KL loss: the same tensors but the dense loss's index statistics or
+// the sparse loss's selection (int32, converted by the Python layer).
+template <class Call>
+py::object kl_loss(const Call& call, const char* kernel) {
+  const bool tnd = is_tnd(call);
+  check_kl_ranks(call, tnd);
+  const size_t rank = tnd ? 3 : 4;
+  int64_t index_heads = 1, sparse_count = 0;
+  if constexpr (kSparseKl<Call>) {
+    index_heads = call.sparse_indices.shape()[rank - 2];
+    sparse_count = call.sparse_indices.shape()[rank - 1];
   }
   auto qlens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_qlen));
   auto klens = std::make_shared<std::vector<int64_t>>(lengths_or_empty(call.actual_seq_klen));

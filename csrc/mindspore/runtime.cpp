@@ -2,27 +2,25 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
+#include "element_types.h"
 #include "ms_binding.h"
 
 namespace opmesh::ms_binding {
 
 core::DType core_dtype(const ms::Tensor& t, const char* argument) {
-  switch (t.data_type()) {
-    case mindspore::kNumberTypeFloat32:
-      return core::DType::kFloat32;
-    case mindspore::kNumberTypeBFloat16:
-      return core::DType::kBFloat16;
-    case mindspore::kNumberTypeFloat16:
-      return core::DType::kFloat16;
-    case mindspore::kNumberTypeFloat64:
-      return core::DType::kFloat64;
-    default:
-      throw pybind11::type_error(std::string(argument) +
-                                 ": expected float32, bfloat16, float16 or float64");
+  static constexpr mindspore::TypeId kTags[] = {
+      mindspore::kNumberTypeFloat32, mindspore::kNumberTypeBFloat16, mindspore::kNumberTypeFloat16,
+      mindspore::kNumberTypeFloat64};
+  const std::optional<core::DType> dtype = common::floating_dtype(t.data_type(), kTags);
+  if (!dtype.has_value()) {
+    throw pybind11::type_error(std::string(argument) +
+                               ": expected float32, bfloat16, float16 or float64");
   }
+  return *dtype;
 }
 
 int64_t element_bytes(const ms::Tensor& t) {
@@ -97,7 +95,35 @@ struct Handoff {
   bool dropped = false;  // the runner went away without launching (an input failed)
   std::thread::id caller = std::this_thread::get_id();
   std::exception_ptr error;
+
+  // Runs the kernel, keeping what it throws for the calling thread.
+  void run(const CoreRunner::Kernel& kernel, const std::vector<ms::Tensor>& in,
+           std::vector<ms::Tensor>& out) {
+    try {
+      kernel(in, out);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
 };
+
+// MindSpore's runner call for `count` outputs: the counts the operators have (N, More...).
+template <size_t N, size_t... More, class Run>
+py::object call_runner(size_t count, const std::string& name, const Run& run) {
+  using Runner = ms::pynative::PyboostRunner;
+  if (count == N) {
+    if constexpr (N == 0) {
+      return Runner::Call<0>(name, [run] { run(); });
+    } else {
+      return Runner::Call<N>(name, run);
+    }
+  }
+  if constexpr (sizeof...(More) > 0) {
+    return call_runner<More...>(count, name, run);
+  } else {
+    value_error("launch: unsupported output count " + std::to_string(count));
+  }
+}
 
 }  // namespace
 
@@ -112,11 +138,7 @@ py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs
                                              std::vector<ms::Tensor>& out) {
     if (std::this_thread::get_id() == h->caller) {
       // MindSpore launched synchronously (pynative_synchronize): run here, nothing to hand over.
-      try {
-        kernel(in, out);
-      } catch (...) {
-        h->error = std::current_exception();
-      }
+      h->run(kernel, in, out);
       std::lock_guard<std::mutex> lock(h->mutex);
       h->ready = h->done = true;
       return;
@@ -139,37 +161,13 @@ py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs
     runner->Run(inputs, made);
     return made;
   };
-  using Runner = ms::pynative::PyboostRunner;
-  py::object result;
-  switch (outputs.size()) {
-    case 0:
-      result = Runner::Call<0>(name, [run] { run(); });
-      break;
-    case 2:
-      result = Runner::Call<2>(name, run);
-      break;
-    case 3:
-      result = Runner::Call<3>(name, run);
-      break;
-    case 4:
-      result = Runner::Call<4>(name, run);
-      break;
-    case 6:
-      result = Runner::Call<6>(name, run);
-      break;
-    default:
-      value_error("launch: unsupported output count " + std::to_string(outputs.size()));
-  }
+  py::object result = call_runner<0, 2, 3, 4, 6>(outputs.size(), name, run);
   {
     py::gil_scoped_release released;
     std::unique_lock<std::mutex> lock(h->mutex);
     h->changed.wait(lock, [&] { return h->ready || h->dropped; });
     if (h->ready && !h->done) {
-      try {
-        kernel(*h->inputs, *h->outputs);
-      } catch (...) {
-        h->error = std::current_exception();
-      }
+      h->run(kernel, *h->inputs, *h->outputs);
       h->done = true;
       h->changed.notify_all();
     }

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -41,20 +42,22 @@ struct KlShapes {
 template <class Call>
 constexpr bool kSparse = std::is_same_v<Call, SparseKlLossCall>;
 
+// The tensors only one of the two losses takes: the dense loss's index statistics, the sparse
+// loss's selection (nullptr where absent).
 template <class Call>
-KlShapes check_kl_args(const Call& a) {
-  check_indexer_args(a);
-  const bool tnd = indexer_layout(a.layout) == core::Layout::kTND;
-  const at::Device device = a.query_index.device();
-  const at::Tensor* index_max = nullptr;
-  const at::Tensor* index_sum = nullptr;
-  const at::Tensor* indices = nullptr;
+std::array<const at::Tensor*, 3> own_tensors(const Call& a) {
   if constexpr (kSparse<Call>) {
-    indices = &a.sparse_indices;
+    return {nullptr, nullptr, &a.sparse_indices};
   } else {
-    index_max = &a.softmax_max_index;
-    index_sum = &a.softmax_sum_index;
+    return {&a.softmax_max_index, &a.softmax_sum_index, nullptr};
   }
+}
+
+// Every tensor of the call on query_index's device.
+template <class Call>
+void check_kl_devices(const Call& a) {
+  const at::Device device = a.query_index.device();
+  const auto [index_max, index_sum, indices] = own_tensors(a);
   const std::pair<const at::Tensor*, const char*> tensors[] = {
       {&a.query, "query"},
       {&a.key, "key"},
@@ -71,6 +74,14 @@ KlShapes check_kl_args(const Call& a) {
     TORCH_CHECK_VALUE(t->device() == device, name, ": expected a tensor on ", device,
                       " like query_index, got ", t->device());
   }
+}
+
+template <class Call>
+KlShapes check_kl_args(const Call& a) {
+  check_indexer_args(a);
+  const bool tnd = indexer_layout(a.layout) == core::Layout::kTND;
+  check_kl_devices(a);
+  const auto [index_max, index_sum, indices] = own_tensors(a);
   to_core_dtype(a.query.scalar_type(), "query");
   TORCH_CHECK_TYPE(a.key.scalar_type() == a.query.scalar_type(), "key: expected dtype ",
                    a.query.scalar_type(), " like query, got ", a.key.scalar_type());

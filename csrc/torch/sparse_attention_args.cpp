@@ -21,10 +21,9 @@ void check_leading(const at::Tensor& t, const at::Tensor& like, const char* name
   }
 }
 
-}  // namespace
-
+// Every tensor on query's device, and the dtypes the operator takes.
 template <class Call>
-SparseAttnArgs check_sparse_attention_args(const Call& c) {
+void check_devices_and_dtypes(const Call& c) {
   const at::Tensor& q = c.query;
   const at::Tensor& k = c.key;
   const at::Tensor& v = c.value;
@@ -66,6 +65,51 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
     TORCH_CHECK_TYPE(at::isFloatingType(c.sinks->scalar_type()),
                      "sinks: expected a floating dtype, got ", c.sinks->scalar_type());
   }
+}
+
+// The rope parts (both or neither, shaped like query and key with their own head dim) and sinks.
+template <class Call>
+void check_ropes_and_sinks(const Call& c, SparseAttnArgs& a, int64_t q_rank, int64_t kv_rank) {
+  const at::Tensor& q = c.query;
+  const at::Tensor& k = c.key;
+  TORCH_CHECK_VALUE(c.query_rope.has_value() == c.key_rope.has_value(),
+                    c.query_rope.has_value() ? "key_rope" : "query_rope",
+                    ": query_rope and key_rope are given together or not at all");
+  if (c.query_rope) {
+    const at::Tensor& qr = *c.query_rope;
+    const at::Tensor& kr = *c.key_rope;
+    TORCH_CHECK_VALUE(qr.dim() == q_rank, "query_rope: expected a ", q_rank,
+                      "-D tensor like query, got shape ", qr.sizes());
+    TORCH_CHECK_VALUE(kr.dim() == kv_rank, "key_rope: expected a ", kv_rank,
+                      "-D tensor like key, got shape ", kr.sizes());
+    check_leading(qr, q, "query_rope", "query");
+    check_leading(kr, k, "key_rope", "key");
+    a.dr = concrete(qr.sym_size(-1));
+    TORCH_CHECK_VALUE(concrete(qr.sym_size(-2)) == a.n1, "query_rope: expected ", a.n1,
+                      " heads like query, got shape ", qr.sym_sizes());
+    TORCH_CHECK_VALUE(concrete(kr.sym_size(-2)) == a.n2, "key_rope: expected ", a.n2,
+                      " heads like key, got shape ", kr.sym_sizes());
+    TORCH_CHECK_VALUE(concrete(kr.sym_size(-1)) == a.dr, "key_rope: head dim ", kr.sym_size(-1),
+                      " differs from query_rope's ", a.dr);
+    TORCH_CHECK_VALUE(a.d + a.dr <= attn::kMaxHeadDim,
+                      "query_rope: D + Dr must be <= ", attn::kMaxHeadDim);
+  }
+  if (c.sinks) {
+    TORCH_CHECK_VALUE(c.sinks->dim() == 1 && concrete(c.sinks->sym_size(0)) == a.n1,
+                      "sinks: expected shape [", a.n1, "] (one per query head), got ",
+                      c.sinks->sym_sizes());
+  }
+}
+
+}  // namespace
+
+template <class Call>
+SparseAttnArgs check_sparse_attention_args(const Call& c) {
+  check_devices_and_dtypes(c);
+  const at::Tensor& q = c.query;
+  const at::Tensor& k = c.key;
+  const at::Tensor& v = c.value;
+  const at::Tensor& idx = c.sparse_indices;
 
   SparseAttnArgs a;
   a.layout_query =
@@ -134,33 +178,7 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
   TORCH_CHECK_VALUE(a.no_heads || a.index_heads == 1 || a.index_heads == a.n2,
                     "sparse_indices: key-head dim must be 1 or N2=", a.n2, ", got shape ",
                     idx.sym_sizes());
-  TORCH_CHECK_VALUE(c.query_rope.has_value() == c.key_rope.has_value(),
-                    c.query_rope.has_value() ? "key_rope" : "query_rope",
-                    ": query_rope and key_rope are given together or not at all");
-  if (c.query_rope) {
-    const at::Tensor& qr = *c.query_rope;
-    const at::Tensor& kr = *c.key_rope;
-    TORCH_CHECK_VALUE(qr.dim() == q_rank, "query_rope: expected a ", q_rank,
-                      "-D tensor like query, got shape ", qr.sizes());
-    TORCH_CHECK_VALUE(kr.dim() == kv_rank, "key_rope: expected a ", kv_rank,
-                      "-D tensor like key, got shape ", kr.sizes());
-    check_leading(qr, q, "query_rope", "query");
-    check_leading(kr, k, "key_rope", "key");
-    a.dr = concrete(qr.sym_size(-1));
-    TORCH_CHECK_VALUE(concrete(qr.sym_size(-2)) == a.n1, "query_rope: expected ", a.n1,
-                      " heads like query, got shape ", qr.sym_sizes());
-    TORCH_CHECK_VALUE(concrete(kr.sym_size(-2)) == a.n2, "key_rope: expected ", a.n2,
-                      " heads like key, got shape ", kr.sym_sizes());
-    TORCH_CHECK_VALUE(concrete(kr.sym_size(-1)) == a.dr, "key_rope: head dim ", kr.sym_size(-1),
-                      " differs from query_rope's ", a.dr);
-    TORCH_CHECK_VALUE(a.d + a.dr <= attn::kMaxHeadDim,
-                      "query_rope: D + Dr must be <= ", attn::kMaxHeadDim);
-  }
-  if (c.sinks) {
-    TORCH_CHECK_VALUE(c.sinks->dim() == 1 && concrete(c.sinks->sym_size(0)) == a.n1,
-                      "sinks: expected shape [", a.n1, "] (one per query head), got ",
-                      c.sinks->sym_sizes());
-  }
+  check_ropes_and_sinks(c, a, q_rank, kv_rank);
   check_query_key_lengths(q, c.actual_seq_lengths_query, c.actual_seq_lengths_kv, c.block_table,
                           a.tnd, a.paged, "layout_kv", "actual_seq_lengths_kv", c.layout_kv);
   return a;

@@ -130,3 +130,20 @@ def test_refusals():
     assert_raises_named(ValueError, "alibi_slopes", lambda: call(q, k, v, alibi_slopes=trainable))
     with torch.no_grad():
         call(q, k, v, alibi_slopes=trainable)  # no gradient asked: nothing dropped
+
+
+@pytest.mark.parametrize("softcap", [20.0, 1e3, 1e6])
+def test_a_large_softcap_is_exact_where_it_barely_caps(simd_level, softcap):
+    """Scores far below the cap: s / softcap is tiny, where tanh's exponential form cancels, and
+    the cap multiplies any error back up. Forward and gradients against float64, every kernel
+    path."""
+    q, k, v, kw = make_inputs(BY_NAME["sinks_window_tnd"], torch.float32)
+    kw["softcap"] = softcap
+    out, lse = opmesh.flash_attn(q, k, v, return_softmax_lse=True, **kw)
+    want_out, want_lse = flash_attn_reference(q, k, v, **kw)
+    torch.testing.assert_close(out.double(), want_out, atol=TOL[torch.float32], rtol=1e-5)
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=1e-5, rtol=1e-5)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = gradients(q, k, v, kw, dout)
+    assert_grads_close(got, reference_gradients(q, k, v, kw, dout), torch.float32)
