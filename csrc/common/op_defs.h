@@ -19,11 +19,31 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 
 namespace opmesh::ops {
 
 // Unbounded window sides of the indexer family (its public default).
 inline constexpr int64_t kUnboundedTokens = std::numeric_limits<int64_t>::max();
+
+// The C++ type of each kind for a binding whose tensors are `TensorT`, whose host-read integer
+// tensors are `IntsT` and whose symbolic sizes are `SymIntT`.
+template <class TensorT, class IntsT, class SymIntT>
+struct BindingTypes {
+  using Tensor = TensorT;
+  using MutTensor = TensorT;
+  using OptTensor = std::optional<TensorT>;
+  using Ints = IntsT;
+  using OptInts = std::optional<IntsT>;
+  using Float = double;
+  using OptFloat = std::optional<double>;
+  using Int = int64_t;
+  using OptInt = std::optional<int64_t>;
+  using SymInt = SymIntT;
+  using OptSymInt = std::optional<SymIntT>;
+  using Str = std::string;
+  using Bool = bool;
+};
 
 // One argument as a binding sees it while visiting a call struct.
 struct Field {
@@ -291,20 +311,22 @@ struct Field {
 
 namespace opmesh::ops {
 
-OPMESH_DEFINE_CALL(FlashAttnCall, "flash_attn", OPMESH_OP_FLASH_ATTN)
-OPMESH_DEFINE_CALL(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH_ATTN_BACKWARD)
-OPMESH_DEFINE_CALL(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)
-OPMESH_DEFINE_CALL(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)
-OPMESH_DEFINE_CALL(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)
-OPMESH_DEFINE_CALL(SparseKlLossCall, "sparse_lightning_indexer_grad_kl_loss",
-                   OPMESH_OP_SPARSE_KL_LOSS)
-OPMESH_DEFINE_CALL(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)
-OPMESH_DEFINE_CALL(SparseFlashAttentionCall, "sparse_flash_attention",
-                   OPMESH_OP_SPARSE_FLASH_ATTENTION)
-OPMESH_DEFINE_CALL(SparseFlashAttentionBackwardCall, "sparse_flash_attention_backward",
-                   OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)
-OPMESH_DEFINE_CALL(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)
-OPMESH_DEFINE_CALL(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
+// Every operator: X(call struct, operator name, argument list).
+#define OPMESH_ALL_OPS(X)                                                                 \
+  X(FlashAttnCall, "flash_attn", OPMESH_OP_FLASH_ATTN)                                    \
+  X(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH_ATTN_BACKWARD)          \
+  X(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)          \
+  X(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)                \
+  X(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)                \
+  X(SparseKlLossCall, "sparse_lightning_indexer_grad_kl_loss", OPMESH_OP_SPARSE_KL_LOSS)  \
+  X(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)               \
+  X(SparseFlashAttentionCall, "sparse_flash_attention", OPMESH_OP_SPARSE_FLASH_ATTENTION) \
+  X(SparseFlashAttentionBackwardCall, "sparse_flash_attention_backward",                  \
+    OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)                                            \
+  X(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)                        \
+  X(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
+
+OPMESH_ALL_OPS(OPMESH_DEFINE_CALL)
 
 // Copies the arguments flash_attn and flash_attn_backward share (lengths and options).
 template <class To, class From>

@@ -21,6 +21,12 @@ const char* isa_name(Isa isa) {
   return enum_name(isa, kNames, "unknown");
 }
 
+void require_supported(Isa isa) {
+  if (!isa_supported(isa)) {
+    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
+  }
+}
+
 Isa parse_isa(const std::string& name, const char* what) {
   for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmxBf16}) {
     if (name == isa_name(isa)) return isa;

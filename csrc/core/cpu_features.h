@@ -11,6 +11,9 @@ namespace opmesh::core {
 // Ordered: a higher level implies the lower ones are usable too.
 enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
+// Throws ArgumentError("isa") when this CPU (or OS) cannot run `isa`.
+void require_supported(Isa isa);
+
 const char* isa_name(Isa isa);
 // Parses "scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"; throws ArgumentError(`what`)
 // otherwise.

@@ -56,14 +56,16 @@ void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bo
   }
 }
 
-void validate(const QueryKeyLayout& l, const char* key_layout, const char* q_lens_name,
-              const char* k_lens_name) {
-  if (l.query != Layout::kBSND && l.query != Layout::kTND) {
+namespace {
+
+void check_lengths(const QueryKeyLayout& l, Layout key, const char* key_layout,
+                   const char* q_lens_name, const char* k_lens_name) {
+  if (l.layout_query != Layout::kBSND && l.layout_query != Layout::kTND) {
     throw ArgumentError("layout_query", "expected BSND or TND");
   }
-  const bool paged = l.key == Layout::kPagedBBND;
-  if (!paged && l.key != l.query) {
-    throw ArgumentError(key_layout, std::string("expected ") + layout_name(l.query) +
+  const bool paged = key == Layout::kPagedBBND;
+  if (!paged && key != l.layout_query) {
+    throw ArgumentError(key_layout, std::string("expected ") + layout_name(l.layout_query) +
                                         " like layout_query, or PA_BSND");
   }
   if (l.batch < 0 || l.batch > kMaxBatch) {
@@ -76,24 +78,24 @@ void validate(const QueryKeyLayout& l, const char* key_layout, const char* q_len
   if (!paged && (l.seq_k < 0 || l.seq_k > kMaxTokens)) {
     throw ArgumentError("key", "at most " + str(kMaxTokens) + " tokens, got " + str(l.seq_k));
   }
-  const bool tnd = l.query == Layout::kTND;
+  const bool tnd = l.layout_query == Layout::kTND;
   if (tnd && l.batch == 0 && l.seq_q != 0) {
     throw ArgumentError(q_lens_name, "is empty but the query holds tokens");
   }
-  check_indexer_lengths(l.q_lens, l.batch, l.seq_q, tnd, q_lens_name);
+  check_indexer_lengths(l.seq_q_lens, l.batch, l.seq_q, tnd, q_lens_name);
   if (!paged) {
     if (tnd && l.batch == 0 && l.seq_k != 0) {
       throw ArgumentError(k_lens_name, "is empty but the key holds tokens");
     }
-    check_indexer_lengths(l.k_lens, l.batch, l.seq_k, tnd, k_lens_name);
+    check_indexer_lengths(l.seq_k_lens, l.batch, l.seq_k, tnd, k_lens_name);
     return;
   }
   if (l.block_count < 0 || l.max_blocks < 0) throw ArgumentError("block_table", "negative size");
-  if (l.batch > 0 && l.k_lens == nullptr) {
+  if (l.batch > 0 && l.seq_k_lens == nullptr) {
     throw ArgumentError(k_lens_name, std::string("is required for ") + key_layout + " PA_BSND");
   }
   for (int64_t b = 0; b < l.batch; ++b) {
-    const int64_t len = l.k_lens[b];
+    const int64_t len = l.seq_k_lens[b];
     if (len < 0 || len > kMaxTokens) {
       throw ArgumentError(k_lens_name,
                           "entry " + str(b) + " is " + str(len) + ", expected a length >= 0");
@@ -118,22 +120,40 @@ void validate(const QueryKeyLayout& l, const char* key_layout, const char* q_len
   }
 }
 
-std::vector<Sequence> query_key_sequences(const QueryKeyLayout& l) {
+}  // namespace
+
+void validate(const QueryKeyLayout& l, Layout key, const char* key_layout, const char* q_lens_name,
+              const char* k_lens_name) {
+  check_lengths(l, key, key_layout, q_lens_name, k_lens_name);
+  indexer_mask(l.sparse_mode, l.pre_tokens, l.next_tokens);
+}
+
+void check_grouped_heads(int64_t heads_q, int64_t heads_k) {
+  if (heads_q < 1 || heads_q > kMaxHeads) {
+    throw ArgumentError("query", "N1 must be in [1, " + str(kMaxHeads) + "], got " + str(heads_q));
+  }
+  if (heads_k < 1 || heads_q % heads_k != 0) {
+    throw ArgumentError(
+        "key", "key heads N2=" + str(heads_k) + " must divide the query heads N1=" + str(heads_q));
+  }
+}
+
+std::vector<Sequence> query_key_sequences(const QueryKeyLayout& l, Layout key) {
   std::vector<Sequence> out(l.batch);
   for (int64_t b = 0; b < l.batch; ++b) {
     Sequence& s = out[b];
     s.batch = b;
-    if (l.query == Layout::kTND) {
-      s.q_begin = b == 0 ? 0 : l.q_lens[b - 1];
-      s.q_len = l.q_lens[b] - s.q_begin;
+    if (l.layout_query == Layout::kTND) {
+      s.q_begin = b == 0 ? 0 : l.seq_q_lens[b - 1];
+      s.q_len = l.seq_q_lens[b] - s.q_begin;
     } else {
-      s.q_len = l.q_lens ? l.q_lens[b] : l.seq_q;
+      s.q_len = l.seq_q_lens ? l.seq_q_lens[b] : l.seq_q;
     }
-    if (l.key == Layout::kTND) {
-      s.k_begin = b == 0 ? 0 : l.k_lens[b - 1];
-      s.k_len = l.k_lens[b] - s.k_begin;
+    if (key == Layout::kTND) {
+      s.k_begin = b == 0 ? 0 : l.seq_k_lens[b - 1];
+      s.k_len = l.seq_k_lens[b] - s.k_begin;
     } else {
-      s.k_len = l.k_lens ? l.k_lens[b] : l.seq_k;
+      s.k_len = l.seq_k_lens ? l.seq_k_lens[b] : l.seq_k;
     }
   }
   return out;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "vocabulary.h"
@@ -20,50 +21,50 @@ Mask indexer_mask(MaskMode sparse_mode, int64_t pre_tokens, int64_t next_tokens)
 void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bool cumulative,
                            const char* name);
 
-// The sparse stage's operators (lightning_indexer, sparse_flash_attention) read queries and keys
-// in layouts of their own: queries BSND (per-sequence lengths, or all seq_q) or TND (cumulative
-// ends); keys the queries' layout, or paged (kPagedBBND, per-sequence lengths and a block table
-// of max_blocks entries per sequence).
+// What the sparse stage's operators (lightning_indexer, sparse_flash_attention) share, the base of
+// their params: queries BSND (per-sequence lengths, or all seq_q) or TND (cumulative ends); keys
+// in the queries' layout, or paged (kPagedBBND: per-sequence lengths and a block table of
+// max_blocks entries per sequence), their layout given apart (the operators name it differently);
+// the indexer family's band mask, bottom-right aligned per sequence; the heads.
 struct QueryKeyLayout {
-  Layout query = Layout::kBSND;
-  Layout key = Layout::kBSND;
-  int64_t batch = 0;
-  int64_t seq_q = 0;  // S1 or T1
-  int64_t seq_k = 0;  // S2 or T2; paged: unused
-  const int64_t* q_lens = nullptr;
-  const int64_t* k_lens = nullptr;
+  Layout layout_query = Layout::kBSND;  // BSND or TND
+  MaskMode sparse_mode = MaskMode::kCausal;
+  int64_t pre_tokens = std::numeric_limits<int64_t>::max();
+  int64_t next_tokens = std::numeric_limits<int64_t>::max();
+
+  int64_t batch = 0;     // B; for TND queries the number of sequences
+  int64_t seq_q = 0;     // BSND: S1; TND: T1
+  int64_t seq_k = 0;     // BSND: S2; TND: T2; paged: unused
+  int64_t heads_q = 0;   // N1, a multiple of N2
+  int64_t heads_k = 0;   // N2
+  int64_t head_dim = 0;  // D of query and key
+
+  // Query lengths: BSND per-sequence lengths [B] in [0, S1] (nullptr: all S1); TND cumulative
+  // ends [B] (no leading 0, non-decreasing, last == T1), required.
+  const int64_t* seq_q_lens = nullptr;
+  // Key lengths: BSND per-sequence [B] in [0, S2] (nullptr: all S2); TND cumulative ends [B]
+  // (last == T2), required; paged per-sequence [B], required, each within the block table.
+  const int64_t* seq_k_lens = nullptr;
+
+  // Paged keys: block_table [B][max_blocks] (row-major), entries in [0, block_count) for every
+  // block a sequence's length reaches.
   const int64_t* block_table = nullptr;
   int64_t max_blocks = 0;
   int64_t block_size = 0;
   int64_t block_count = 0;
 };
 
-// Checks the layouts, sizes, lengths and block table; messages name the arguments
-// (`key_layout`, `q_lens_name`, `k_lens_name`, "block_table").
-void validate(const QueryKeyLayout& layout, const char* key_layout, const char* q_lens_name,
-              const char* k_lens_name);
+// Checks the layouts, sizes, lengths, block table and band with keys in layout `key`; messages
+// name the arguments (`key_layout`, `q_lens_name`, `k_lens_name`, "block_table", the band's).
+void validate(const QueryKeyLayout& layout, Layout key, const char* key_layout,
+              const char* q_lens_name, const char* k_lens_name);
 
-// The layout of an operator's params (their query/key fields share these names; the key layout
-// is given apart since the operators name it differently).
-template <class Params>
-QueryKeyLayout query_key_layout_of(const Params& p, Layout key) {
-  QueryKeyLayout l;
-  l.query = p.layout_query;
-  l.key = key;
-  l.batch = p.batch;
-  l.seq_q = p.seq_q;
-  l.seq_k = p.seq_k;
-  l.q_lens = p.seq_q_lens;
-  l.k_lens = p.seq_k_lens;
-  l.block_table = p.block_table;
-  l.max_blocks = p.max_blocks;
-  l.block_size = p.block_size;
-  l.block_count = p.block_count;
-  return l;
-}
+// The N1 query heads over N2 key heads of a grouped call: N1 in [1, kMaxHeads], N2 dividing it;
+// ArgumentError naming "query" or "key".
+void check_grouped_heads(int64_t heads_q, int64_t heads_k);
 
 // The sequences of a validated layout (paged keys start at 0).
-std::vector<Sequence> query_key_sequences(const QueryKeyLayout& layout);
+std::vector<Sequence> query_key_sequences(const QueryKeyLayout& layout, Layout key);
 
 // A sparse_indices tensor: [B, S1, heads, count] (strides {b, s, n, k}) or, for TND queries,
 // [T1, heads, count] (strides {unused, t, n, k}); each entry -1 or a block of `block_size` keys.

@@ -22,32 +22,12 @@ struct HostInts {
 };
 
 // The C++ type of each kind in the MindSpore binding.
-struct MsTypes {
-  using Tensor = ms::Tensor;
-  using MutTensor = ms::Tensor;
-  using OptTensor = std::optional<ms::Tensor>;
-  using Ints = HostInts;
-  using OptInts = std::optional<HostInts>;
-  using Float = double;
-  using OptFloat = std::optional<double>;
-  using Int = int64_t;
-  using OptInt = std::optional<int64_t>;
-  using SymInt = int64_t;
-  using OptSymInt = std::optional<int64_t>;
-  using Str = std::string;
-  using Bool = bool;
-};
+using MsTypes = ops::BindingTypes<ms::Tensor, HostInts, int64_t>;
 
-using FlashAttnCall = ops::FlashAttnCall<MsTypes>;
-using FlashAttnBackwardCall = ops::FlashAttnBackwardCall<MsTypes>;
-using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<MsTypes>;
-using IndexerCall = ops::IndexerCall<MsTypes>;
-using KlLossCall = ops::KlLossCall<MsTypes>;
-using SparseKlLossCall = ops::SparseKlLossCall<MsTypes>;
-using KvCacheWriteCall = ops::KvCacheWriteCall<MsTypes>;
-using LightningIndexerCall = ops::LightningIndexerCall<MsTypes>;
-using SparseFlashAttentionCall = ops::SparseFlashAttentionCall<MsTypes>;
-using SparseFlashAttentionBackwardCall = ops::SparseFlashAttentionBackwardCall<MsTypes>;
+// The call struct of every operator with this binding's types (FlashAttnCall, ...).
+#define OPMESH_ALIAS(Struct, op_name, LIST) using Struct = ops::Struct<MsTypes>;
+OPMESH_ALL_OPS(OPMESH_ALIAS)
+#undef OPMESH_ALIAS
 
 // Host values of an optional integer argument (int64), as the binding's helpers take them.
 inline IntList values_of(const std::optional<HostInts>& h) {

@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "attention/config.h"
+#include "checks.h"
 #include "conventions.h"
 #include "errors.h"
 #include "op_call.h"
@@ -21,16 +22,6 @@ namespace opmesh::binding {
 
 namespace attn = core::attention;
 
-// Runs f, turning the core's ArgumentError (message starting with the argument) into ValueError.
-template <class F>
-auto rethrow(F&& f) {
-  try {
-    return f();
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-}
-
 // Positions of the batch, sequence, head and dim axes of a q/k/v tensor in `layout`
 // (-1: absent). Paged caches read as [block][slot][head][dim].
 struct Axes {
@@ -38,16 +29,6 @@ struct Axes {
   int rank;
 };
 Axes axes_of(attn::Layout layout);
-
-// A size relation: decided now for concrete sizes; for symbolic ones (torch.compile, export)
-// recorded as a runtime assertion when it cannot be decided, so no size is specialised.
-inline bool holds(const c10::SymBool& condition) {
-  return condition.is_heap_allocated() ? condition.expect_true(__FILE__, __LINE__)
-                                       : condition.guard_bool(__FILE__, __LINE__);
-}
-
-// Head counts and head dims decide the kernel: they are specialised (guarded) when symbolic.
-inline int64_t concrete(const c10::SymInt& size) { return size.guard_int(__FILE__, __LINE__); }
 
 struct FlashAttnArgs {
   attn::PlanConfig config;  // heads, dims, layouts, mask, windows; batch_size when concrete

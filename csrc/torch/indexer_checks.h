@@ -9,17 +9,14 @@
 #include <string_view>
 #include <vector>
 
+#include "checks.h"
 #include "core_calls.h"
 #include "dtypes.h"
-#include "flash_attn_args.h"
 #include "indexer/indexer.h"
 #include "op_call.h"
+#include "sequence_args.h"
 
 namespace opmesh::binding {
-
-// A length tensor's values on the host (its dtype, rank and entries were checked before); empty
-// when absent.
-std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens);
 
 // The indexer family's convention (conventions.h), failures as ValueError.
 inline core::Layout indexer_layout(std::string_view layout) {
@@ -82,13 +79,13 @@ void check_indexer_args(const Call& a) {
   const int64_t d = concrete(q.sym_size(3 + off));
   // No heads at all (N1 = N2 = 0) is a call with no rows: valid, its outputs empty.
   const bool no_heads = n1 == 0 && n2 == 0;
-  TORCH_CHECK_VALUE(no_heads || (n1 >= 1 && n1 <= attn::kMaxHeads),
-                    "query_index: N1 must be in [1, ", attn::kMaxHeads, "], got shape ",
+  TORCH_CHECK_VALUE(no_heads || (n1 >= 1 && n1 <= core::kMaxHeads),
+                    "query_index: N1 must be in [1, ", core::kMaxHeads, "], got shape ",
                     q.sym_sizes());
-  TORCH_CHECK_VALUE(no_heads || (n2 >= 1 && n2 <= attn::kMaxHeads), "key_index: N2 must be in [1, ",
-                    attn::kMaxHeads, "], got shape ", k.sym_sizes());
-  TORCH_CHECK_VALUE(d >= 1 && d <= attn::kMaxHeadDim, "query_index: head dim D must be in [1, ",
-                    attn::kMaxHeadDim, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(no_heads || (n2 >= 1 && n2 <= core::kMaxHeads), "key_index: N2 must be in [1, ",
+                    core::kMaxHeads, "], got shape ", k.sym_sizes());
+  TORCH_CHECK_VALUE(d >= 1 && d <= core::kMaxHeadDim, "query_index: head dim D must be in [1, ",
+                    core::kMaxHeadDim, "], got shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(concrete(k.sym_size(3 + off)) == d, "key_index: head dim ", k.sym_size(3 + off),
                     " differs from query_index's ", d);
   TORCH_CHECK_VALUE(no_heads || n1 % n2 == 0, "key_index: query heads N1=", n1,

@@ -12,12 +12,6 @@
 
 namespace opmesh::binding {
 
-std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens) {
-  if (!lens.has_value()) return {};
-  const at::Tensor host = lens->to(at::kCPU, at::kLong).contiguous();
-  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
-}
-
 namespace {
 
 Outputs2 indexer_cpu(const IndexerCall& a) {
@@ -65,20 +59,20 @@ Outputs2 indexer_cpu(const IndexerCall& a) {
   at::Tensor softmax_sum = at::empty(shape, q.options().dtype(at::kFloat));
   p.softmax_max = softmax_max.data_ptr<float>();
   p.softmax_sum = softmax_sum.data_ptr<float>();
-  try {
-    if (n2 == 0) {
-      // No heads: nothing to compute; the lengths and band are still checked as with heads.
-      p.heads_q = p.heads_k = 1;
-      core::validate(p);
-      return {softmax_max, softmax_sum};
-    }
-    core::dense_lightning_indexer_softmax_lse(p, AtenExecutor(), core::active_isa());
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const std::bad_alloc&) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "query_index: the scratch memory for N1=", n1,
-                     ", D=", d, " could not be allocated");
-  }
+  rethrow(
+      [&] {
+        if (n2 == 0) {
+          // No heads: nothing to compute; the lengths and band are still checked as with heads.
+          p.heads_q = p.heads_k = 1;
+          core::validate(p);
+          return;
+        }
+        core::dense_lightning_indexer_softmax_lse(p, AtenExecutor(), core::active_isa());
+      },
+      [&] {
+        return c10::str("query_index: the scratch memory for N1=", n1, ", D=", d,
+                        " could not be allocated");
+      });
   return {softmax_max, softmax_sum};
 }
 

@@ -101,15 +101,15 @@ KlShapes check_kl_args(const Call& a) {
   // No heads on either side (N1 = N2 = 0) leaves nothing to compare: the loss is 0.
   s.no_heads = (s.n1 == 0 && s.n2 == 0) || (s.n1i == 0 && s.n2i == 0);
   const bool main_none = s.n1 == 0 && s.n2 == 0;
-  TORCH_CHECK_VALUE(main_none || (s.n1 >= 1 && s.n1 <= attn::kMaxHeads),
-                    "query: N1 must be in [1, ", attn::kMaxHeads, "], got shape ",
+  TORCH_CHECK_VALUE(main_none || (s.n1 >= 1 && s.n1 <= core::kMaxHeads),
+                    "query: N1 must be in [1, ", core::kMaxHeads, "], got shape ",
                     a.query.sym_sizes());
-  TORCH_CHECK_VALUE(main_none || (s.n2 >= 1 && s.n2 <= attn::kMaxHeads), "key: N2 must be in [1, ",
-                    attn::kMaxHeads, "], got shape ", a.key.sym_sizes());
+  TORCH_CHECK_VALUE(main_none || (s.n2 >= 1 && s.n2 <= core::kMaxHeads), "key: N2 must be in [1, ",
+                    core::kMaxHeads, "], got shape ", a.key.sym_sizes());
   TORCH_CHECK_VALUE(main_none || s.n1 % s.n2 == 0, "key: query heads N1=", s.n1,
                     " must be a multiple of key heads N2=", s.n2);
-  TORCH_CHECK_VALUE(s.d >= 1 && s.d <= attn::kMaxHeadDim, "query: head dim D must be in [1, ",
-                    attn::kMaxHeadDim, "], got shape ", a.query.sym_sizes());
+  TORCH_CHECK_VALUE(s.d >= 1 && s.d <= core::kMaxHeadDim, "query: head dim D must be in [1, ",
+                    core::kMaxHeadDim, "], got shape ", a.query.sym_sizes());
   SymSizes qlead(a.query_index.sym_sizes().begin(), a.query_index.sym_sizes().end() - 2);
   SymSizes klead(a.key_index.sym_sizes().begin(), a.key_index.sym_sizes().end() - 2);
   auto with = [](SymSizes lead, std::initializer_list<c10::SymInt> tail) {
@@ -133,8 +133,8 @@ KlShapes check_kl_args(const Call& a) {
     TORCH_CHECK_VALUE(a.query_rope->dim() == rank, "query_rope: expected a ", rank,
                       "-D tensor, got shape ", a.query_rope->sizes());
     s.dr = concrete(a.query_rope->sym_size(3 + off));
-    TORCH_CHECK_VALUE(s.dr >= 1 && s.d + s.dr <= attn::kMaxHeadDim,
-                      "query_rope: rope dim Dr must be >= 1 with D + Dr <= ", attn::kMaxHeadDim,
+    TORCH_CHECK_VALUE(s.dr >= 1 && s.d + s.dr <= core::kMaxHeadDim,
+                      "query_rope: rope dim Dr must be >= 1 with D + Dr <= ", core::kMaxHeadDim,
                       ", got shape ", a.query_rope->sym_sizes());
     expect_shape(*a.query_rope, "query_rope", with(qlead, {c10::SymInt(s.n1), c10::SymInt(s.dr)}),
                  "query's tokens and heads");
@@ -280,25 +280,25 @@ Outputs4 kl_loss_cpu(const Call& a) {
     p.softmax_max_index = max_ic.data_ptr<float>();
     p.softmax_sum_index = sum_ic.data_ptr<float>();
   }
-  try {
-    if (s.no_heads) {
-      // Nothing to compare: loss 0, zero gradients; the rest is checked as with heads.
-      p.index_heads_q = p.index_heads_k = 1;
-      core::validate(core::index_params(p));
-      return {d_query_index, d_key_index, d_weights, loss};
-    }
-    if constexpr (kSparse<Call>) {
-      sp.dense = p;
-      core::sparse_lightning_indexer_grad_kl_loss(sp, AtenExecutor(), core::active_isa());
-    } else {
-      core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
-    }
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const std::bad_alloc&) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "query: the scratch memory for N1=", s.n1,
-                     ", D + Dr=", s.d + s.dr, ", N1index=", s.n1i, " could not be allocated");
-  }
+  rethrow(
+      [&] {
+        if (s.no_heads) {
+          // Nothing to compare: loss 0, zero gradients; the rest is checked as with heads.
+          p.index_heads_q = p.index_heads_k = 1;
+          core::validate(core::index_params(p));
+          return;
+        }
+        if constexpr (kSparse<Call>) {
+          sp.dense = p;
+          core::sparse_lightning_indexer_grad_kl_loss(sp, AtenExecutor(), core::active_isa());
+        } else {
+          core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
+        }
+      },
+      [&] {
+        return c10::str("query: the scratch memory for N1=", s.n1, ", D + Dr=", s.d + s.dr,
+                        ", N1index=", s.n1i, " could not be allocated");
+      });
   return {d_query_index, d_key_index, d_weights, loss};
 }
 

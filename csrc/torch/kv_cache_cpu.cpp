@@ -8,7 +8,7 @@
 #include <torch/library.h>
 
 #include "aten_executor.h"
-#include "errors.h"
+#include "checks.h"
 #include "kv_cache.h"
 #include "op_call.h"
 
@@ -116,11 +116,7 @@ void kv_cache_write_cpu(const KvCacheWriteCall& a) {
   p.num_blocks = a.key_cache.size(0);
   p.block_size = a.key_cache.size(1);
   p.slots = slots.data_ptr<int64_t>();
-  try {
-    core::kv_cache_write(p, AtenExecutor());
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
+  rethrow([&] { core::kv_cache_write(p, AtenExecutor()); });
 }
 
 void kv_cache_write_meta(const KvCacheWriteCall& a) { check_kv_cache_args(a); }

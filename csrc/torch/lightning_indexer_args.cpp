@@ -7,49 +7,6 @@
 #include "indexer/lightning_indexer.h"
 
 namespace opmesh::binding {
-namespace {
-
-void check_int_tensor(const at::Tensor& t, const char* name, int64_t rank) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
-                   ": expected int32 or int64, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == rank, name, ": expected a ", rank, "-D tensor, got shape ",
-                    t.sizes());
-}
-
-}  // namespace
-
-c10::SymInt check_query_key_lengths(const at::Tensor& q, const std::optional<at::Tensor>& ql,
-                                    const std::optional<at::Tensor>& kl,
-                                    const std::optional<at::Tensor>& table, bool tnd, bool paged,
-                                    const char* key_layout, const char* k_lens_name,
-                                    std::string_view key_layout_value) {
-  TORCH_CHECK_VALUE(!tnd || ql.has_value(),
-                    "actual_seq_lengths_query: required for layout_query TND (cumulative lengths)");
-  if (ql) check_int_tensor(*ql, "actual_seq_lengths_query", 1);
-  const c10::SymInt batch = tnd ? ql->sym_size(0) : q.sym_size(0);
-  if (!tnd && ql) {
-    TORCH_CHECK_VALUE(holds(ql->sym_size(0) == batch), "actual_seq_lengths_query: expected ", batch,
-                      " entries (one per batch), got ", ql->sym_size(0));
-  }
-  TORCH_CHECK_VALUE(!(tnd || paged) || kl.has_value(), k_lens_name, ": required for ", key_layout,
-                    paged ? " PA_BSND (per-sequence lengths)" : " TND (cumulative lengths)");
-  if (kl) {
-    check_int_tensor(*kl, k_lens_name, 1);
-    TORCH_CHECK_VALUE(holds(kl->sym_size(0) == batch), k_lens_name, ": expected ", batch,
-                      " entries (one per sequence), got ", kl->sym_size(0));
-  }
-  if (paged) {
-    TORCH_CHECK_VALUE(table.has_value(), "block_table: required for ", key_layout, " PA_BSND");
-    check_int_tensor(*table, "block_table", 2);
-    TORCH_CHECK_VALUE(holds(table->sym_size(0) == batch), "block_table: expected ", batch,
-                      " rows (one per sequence), got shape ", table->sym_sizes());
-  } else {
-    TORCH_CHECK_VALUE(!table.has_value(), "block_table: only read with ", key_layout,
-                      " PA_BSND, got ", key_layout, " '", key_layout_value, "'");
-  }
-  return batch;
-}
-
 LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a) {
   const at::Tensor& q = a.query;
   const at::Tensor& k = a.key;
@@ -103,12 +60,12 @@ LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a)
   r.n2 = concrete(k.sym_size(2 + koff));
   r.d = concrete(q.sym_size(3 + qoff));
   r.no_heads = r.n1 == 0 && r.n2 == 0;
-  TORCH_CHECK_VALUE(r.no_heads || (r.n1 >= 1 && r.n1 <= attn::kMaxHeads),
-                    "query: N1 must be in [1, ", attn::kMaxHeads, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(r.no_heads || (r.n1 >= 1 && r.n1 <= core::kMaxHeads),
+                    "query: N1 must be in [1, ", core::kMaxHeads, "], got shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(r.no_heads || (r.n2 >= 1 && r.n1 % r.n2 == 0), "key: key heads N2=", r.n2,
                     " must divide the query heads N1=", r.n1);
-  TORCH_CHECK_VALUE(r.d >= 1 && r.d <= attn::kMaxHeadDim, "query: head dim D must be in [1, ",
-                    attn::kMaxHeadDim, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(r.d >= 1 && r.d <= core::kMaxHeadDim, "query: head dim D must be in [1, ",
+                    core::kMaxHeadDim, "], got shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(concrete(k.sym_size(3 + koff)) == r.d, "key: head dim ", k.sym_size(3 + koff),
                     " differs from query's ", r.d);
   for (int64_t dim = 0; dim < w.dim(); ++dim) {

@@ -9,8 +9,10 @@
 #include <string_view>
 #include <tuple>
 
-#include "flash_attn_args.h"
+#include "checks.h"
+#include "conventions.h"
 #include "op_call.h"
+#include "sequence_args.h"
 #include "vocabulary.h"
 
 namespace opmesh::binding {
@@ -26,17 +28,6 @@ struct LightningIndexerArgs {
 };
 
 LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& call);
-
-// The sparse stage's length arrays and block table (lightning_indexer, sparse_flash_attention):
-// dtype, rank and entry counts; `key_layout` and `k_lens_name` are the op's names for the key
-// layout argument and the key lengths. Returns the number of sequences (B, or the query lengths'
-// entries for TND).
-c10::SymInt check_query_key_lengths(const at::Tensor& query,
-                                    const std::optional<at::Tensor>& q_lens,
-                                    const std::optional<at::Tensor>& k_lens,
-                                    const std::optional<at::Tensor>& block_table, bool tnd,
-                                    bool paged, const char* key_layout, const char* k_lens_name,
-                                    std::string_view key_layout_value);
 
 // Uninitialised outputs: sparse_indices int32 [B, S1, N2, K] / [T1, N2, K], and sparse_values
 // float32 of the same shape when return_value, else an empty tensor.

@@ -64,21 +64,20 @@ Outputs2 lightning_indexer_cpu(const LightningIndexerCall& a) {
   }
   p.indices = indices.data_ptr<int32_t>();
   p.values = a.return_value ? values.data_ptr<float>() : nullptr;
-  try {
-    if (r.no_heads) {
-      // No rows: nothing to compute; lengths, block table and band are still checked.
-      p.heads_q = p.heads_k = 1;
-      core::validate(p);
-      return {indices, values};
-    }
-    core::lightning_indexer(p, AtenExecutor(), core::active_isa());
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const std::bad_alloc&) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false,
-                     "sparse_count: the candidate buffers for K=", a.sparse_count,
-                     " could not be allocated");
-  }
+  rethrow(
+      [&] {
+        if (r.no_heads) {
+          // No rows: nothing to compute; lengths, block table and band are still checked.
+          p.heads_q = p.heads_k = 1;
+          core::validate(p);
+          return;
+        }
+        core::lightning_indexer(p, AtenExecutor(), core::active_isa());
+      },
+      [&] {
+        return c10::str("sparse_count: the candidate buffers for K=", a.sparse_count,
+                        " could not be allocated");
+      });
   return {indices, values};
 }
 

@@ -23,33 +23,12 @@
 namespace opmesh::binding {
 
 // The C++ type of each kind in the torch binding.
-struct TorchTypes {
-  using Tensor = at::Tensor;
-  using MutTensor = at::Tensor;
-  using OptTensor = std::optional<at::Tensor>;
-  using Ints = at::Tensor;
-  using OptInts = std::optional<at::Tensor>;
-  using Float = double;
-  using OptFloat = std::optional<double>;
-  using Int = int64_t;
-  using OptInt = std::optional<int64_t>;
-  using SymInt = c10::SymInt;
-  using OptSymInt = std::optional<c10::SymInt>;
-  using Str = std::string;
-  using Bool = bool;
-};
+using TorchTypes = ops::BindingTypes<at::Tensor, at::Tensor, c10::SymInt>;
 
-using FlashAttnCall = ops::FlashAttnCall<TorchTypes>;
-using FlashAttnBackwardCall = ops::FlashAttnBackwardCall<TorchTypes>;
-using FlashAttnMetadataCall = ops::FlashAttnMetadataCall<TorchTypes>;
-using IndexerCall = ops::IndexerCall<TorchTypes>;
-using KlLossCall = ops::KlLossCall<TorchTypes>;
-using SparseKlLossCall = ops::SparseKlLossCall<TorchTypes>;
-using LightningIndexerCall = ops::LightningIndexerCall<TorchTypes>;
-using SparseFlashAttentionCall = ops::SparseFlashAttentionCall<TorchTypes>;
-using SparseFlashAttentionBackwardCall = ops::SparseFlashAttentionBackwardCall<TorchTypes>;
-using KvCacheWriteCall = ops::KvCacheWriteCall<TorchTypes>;
-using MergeAttnStatesCall = ops::MergeAttnStatesCall<TorchTypes>;
+// The call struct of every operator with this binding's types (FlashAttnCall, ...).
+#define OPMESH_ALIAS(Struct, op_name, LIST) using Struct = ops::Struct<TorchTypes>;
+OPMESH_ALL_OPS(OPMESH_ALIAS)
+#undef OPMESH_ALIAS
 
 using Outputs2 = std::tuple<at::Tensor, at::Tensor>;
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -11,18 +11,8 @@ namespace b = opmesh::binding;
 }  // namespace
 
 TORCH_LIBRARY(opmesh, m) {
-  const std::string schemas[] = {
-      b::schema_of<b::IndexerCall>(),
-      b::schema_of<b::KlLossCall>(),
-      b::schema_of<b::FlashAttnMetadataCall>(),
-      b::schema_of<b::FlashAttnCall>(),
-      b::schema_of<b::FlashAttnBackwardCall>(),
-      b::schema_of<b::KvCacheWriteCall>(),
-      b::schema_of<b::MergeAttnStatesCall>(),
-      b::schema_of<b::LightningIndexerCall>(),
-      b::schema_of<b::SparseFlashAttentionCall>(),
-      b::schema_of<b::SparseFlashAttentionBackwardCall>(),
-      b::schema_of<b::SparseKlLossCall>(),
-  };
+#define OPMESH_SCHEMA(Struct, op_name, LIST) b::schema_of<b::Struct>(),
+  const std::string schemas[] = {OPMESH_ALL_OPS(OPMESH_SCHEMA)};
+#undef OPMESH_SCHEMA
   for (const std::string& s : schemas) m.def(s.c_str());
 }

@@ -91,8 +91,8 @@ void check_ropes_and_sinks(const Call& c, SparseAttnArgs& a, int64_t q_rank, int
                       " heads like key, got shape ", kr.sym_sizes());
     TORCH_CHECK_VALUE(concrete(kr.sym_size(-1)) == a.dr, "key_rope: head dim ", kr.sym_size(-1),
                       " differs from query_rope's ", a.dr);
-    TORCH_CHECK_VALUE(a.d + a.dr <= attn::kMaxHeadDim,
-                      "query_rope: D + Dr must be <= ", attn::kMaxHeadDim);
+    TORCH_CHECK_VALUE(a.d + a.dr <= core::kMaxHeadDim,
+                      "query_rope: D + Dr must be <= ", core::kMaxHeadDim);
   }
   if (c.sinks) {
     TORCH_CHECK_VALUE(c.sinks->dim() == 1 && concrete(c.sinks->sym_size(0)) == a.n1,
@@ -145,18 +145,18 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
   a.n2 = concrete(k.sym_size(-2));
   a.dv = concrete(v.sym_size(-1));
   a.no_heads = a.n1 == 0 && a.n2 == 0;
-  TORCH_CHECK_VALUE(a.no_heads || (a.n1 >= 1 && a.n1 <= attn::kMaxHeads),
-                    "query: N1 must be in [1, ", attn::kMaxHeads, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(a.no_heads || (a.n1 >= 1 && a.n1 <= core::kMaxHeads),
+                    "query: N1 must be in [1, ", core::kMaxHeads, "], got shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(a.no_heads || (a.n2 >= 1 && a.n1 % a.n2 == 0), "key: key heads N2=", a.n2,
                     " must divide the query heads N1=", a.n1);
-  TORCH_CHECK_VALUE(a.d >= 1 && a.d <= attn::kMaxHeadDim, "query: head dim D must be in [1, ",
-                    attn::kMaxHeadDim, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(a.d >= 1 && a.d <= core::kMaxHeadDim, "query: head dim D must be in [1, ",
+                    core::kMaxHeadDim, "], got shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(concrete(k.sym_size(-1)) == a.d, "key: head dim ", k.sym_size(-1),
                     " differs from query's ", a.d);
   TORCH_CHECK_VALUE(concrete(v.sym_size(-2)) == a.n2, "value: expected ", a.n2,
                     " heads like key, got shape ", v.sym_sizes());
-  TORCH_CHECK_VALUE(a.dv >= 1 && a.dv <= attn::kMaxHeadDim, "value: head dim must be in [1, ",
-                    attn::kMaxHeadDim, "], got shape ", v.sym_sizes());
+  TORCH_CHECK_VALUE(a.dv >= 1 && a.dv <= core::kMaxHeadDim, "value: head dim must be in [1, ",
+                    core::kMaxHeadDim, "], got shape ", v.sym_sizes());
   for (int64_t i = 0; i + 2 < k.dim(); ++i) {
     TORCH_CHECK_VALUE(holds(v.sym_size(i) == k.sym_size(i)), "value: expected leading dims ",
                       k.sym_sizes().slice(0, k.dim() - 2), " like key, got ", v.sym_sizes());

@@ -8,8 +8,11 @@
 #include <vector>
 
 #include "attention/sparse_attention.h"
-#include "flash_attn_args.h"
+#include "checks.h"
+#include "conventions.h"
 #include "op_call.h"
+#include "sequence_args.h"
+#include "vocabulary.h"
 
 namespace opmesh::binding {
 

@@ -9,15 +9,6 @@
 namespace opmesh::binding {
 namespace {
 
-template <class F>
-void run_core(F&& f) {
-  try {
-    f();
-  } catch (const core::ArgumentError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-}
-
 void out_strides(const at::Tensor& t, bool tnd, int64_t* dst) {
   const int64_t off = tnd ? -1 : 0;
   for (int64_t i = 0; i < 4; ++i) dst[i] = i + off >= 0 ? t.stride(i + off) : 0;
@@ -37,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_cpu(
     p.softmax_max = smax.data_ptr<float>();
     p.softmax_sum = ssum.data_ptr<float>();
   }
-  run_core([&] {
+  rethrow([&] {
     if (a.no_heads) {
       // No rows to read: the lengths, table and band are still checked as with heads.
       p.heads_q = p.heads_k = p.index_heads = 1;
@@ -98,7 +89,7 @@ sparse_attention_backward_cpu(const SparseFlashAttentionBackwardCall& c) {
     g.dk_rope = dkr.data_ptr();
   }
   g.dsinks = c.sinks ? dsinks.data_ptr<float>() : nullptr;
-  run_core([&] {
+  rethrow([&] {
     if (a.no_heads) return;
     core::sparse_flash_attention_backward(p, g, AtenExecutor(), core::active_isa());
   });

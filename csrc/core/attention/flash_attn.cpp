@@ -785,9 +785,7 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
   if (plan.num_slots > 0 && workspace == nullptr) {
     throw ArgumentError("workspace", "is null but the plan has split units");
   }
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
 }
 
 void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,

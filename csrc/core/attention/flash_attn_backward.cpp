@@ -1053,9 +1053,7 @@ void validate_backward(const FlashAttnBackwardParams& p, const std::vector<Seque
   }
   if (!std::isfinite(p.softmax_scale)) throw ArgumentError("softmax_scale", "must be finite");
   validate_score_mods(c, p.softcap, p.alibi_slopes, p.alibi_sb);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
 }
 
 namespace {

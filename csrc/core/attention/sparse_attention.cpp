@@ -11,6 +11,7 @@
 #include "../aligned_buffer.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
+#include "../work_split.h"
 #include "config.h"
 #include "sparse_attention_detail.h"
 
@@ -29,33 +30,17 @@ constexpr int64_t kTokensPerTask = 8;
 
 }  // namespace
 
-namespace {
-
-QueryKeyLayout query_key_layout(const SparseAttentionParams& p) {
-  return query_key_layout_of(p, p.layout_kv);
-}
-
-}  // namespace
-
 std::vector<Sequence> sparse_attention_sequences(const SparseAttentionParams& p) {
-  return query_key_sequences(query_key_layout(p));
+  return query_key_sequences(p, p.layout_kv);
 }
 
 void validate(const SparseAttentionParams& p) {
-  validate(query_key_layout(p), "layout_kv", "actual_seq_lengths_query", "actual_seq_lengths_kv");
-  indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
+  validate(p, p.layout_kv, "layout_kv", "actual_seq_lengths_query", "actual_seq_lengths_kv");
   if (p.sparse_block_size < 1 || p.sparse_block_size > attention::kMaxTokens) {
     throw ArgumentError("sparse_block_size", "must be >= 1, got " + str(p.sparse_block_size));
   }
   if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
-  if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
-    throw ArgumentError(
-        "query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_q));
-  }
-  if (p.heads_k < 1 || p.heads_q % p.heads_k != 0) {
-    throw ArgumentError("key", "key heads N2=" + str(p.heads_k) +
-                                   " must divide the query heads N1=" + str(p.heads_q));
-  }
+  check_grouped_heads(p.heads_q, p.heads_k);
   if (p.index_heads != 1 && p.index_heads != p.heads_k) {
     throw ArgumentError("sparse_indices", "key-head dim must be 1 or N2=" + str(p.heads_k) +
                                               ", got " + str(p.index_heads));
@@ -67,14 +52,9 @@ void validate(const SparseAttentionParams& p) {
   if (p.value_dim < 1 || p.value_dim > attention::kMaxHeadDim) {
     throw ArgumentError("value", "head dim must be in [1, " + str(attention::kMaxHeadDim) + "]");
   }
-  Selection sel;
-  sel.indices = p.indices;
-  sel.stride = p.indices_stride;
-  sel.heads = p.index_heads;
-  sel.count = p.sparse_count;
-  sel.block_size = p.sparse_block_size;
-  sel.tnd = p.layout_query == Layout::kTND;
-  validate(sel, sparse_attention_sequences(p));
+  const Selection selection{p.indices,      p.indices_stride,    p.index_heads,
+                            p.sparse_count, p.sparse_block_size, p.layout_query == Layout::kTND};
+  validate(selection, sparse_attention_sequences(p));
 }
 
 namespace {
@@ -280,9 +260,7 @@ class Forward {
 
 void sparse_flash_attention(const SparseAttentionParams& p, const Executor& executor, Isa isa) {
   validate(p);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
   const Forward run(p, isa);
   const std::vector<Sequence>& seqs = run.geometry().sequences();
   // Rows no task reaches (BSND rows past a length): zero output, statistics (-inf, 0).
@@ -303,24 +281,14 @@ void sparse_flash_attention(const SparseAttentionParams& p, const Executor& exec
     std::fill(p.softmax_max, p.softmax_max + rows * p.heads_q, -kInf);
     std::fill(p.softmax_sum, p.softmax_sum + rows * p.heads_q, 0.0f);
   }
-  struct Task {
-    int32_t b;
-    int64_t i0, i1;
-  };
-  std::vector<Task> tasks;
-  for (const Sequence& s : seqs) {
-    for (int64_t i = 0; i < s.q_len; i += kTokensPerTask) {
-      tasks.push_back({static_cast<int32_t>(s.batch), i, std::min(s.q_len, i + kTokensPerTask)});
-    }
-  }
-  const int threads = std::max(1, executor.num_workers());
-  std::vector<std::unique_ptr<Forward::Scratch>> scratch(threads);
+  const std::vector<TokenTask> tasks = token_tasks(seqs, kTokensPerTask);
+  ScratchPool<Forward::Scratch, const Forward> scratch(run, std::max(1, executor.num_workers()));
   run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int thread) {
-    if (!scratch[thread]) scratch[thread] = std::make_unique<Forward::Scratch>(run);
+    Forward::Scratch& sc = scratch[thread];
     const kernels::WorkerScope scope(run.kernel_set());
-    const Task& task = tasks[t];
+    const TokenTask& task = tasks[t];
     for (int64_t i = task.i0; i < task.i1; ++i) {
-      for (int64_t g = 0; g < p.heads_k; ++g) run.row(*scratch[thread], seqs[task.b], i, g);
+      for (int64_t g = 0; g < p.heads_k; ++g) run.row(sc, seqs[task.b], i, g);
     }
   });
 }

@@ -13,24 +13,16 @@
 #include "../cpu_features.h"
 #include "../dtype.h"
 #include "../executor.h"
+#include "../selection.h"
 #include "../vocabulary.h"
 
 namespace opmesh::core {
 
-struct SparseAttentionParams {
-  Layout layout_query = Layout::kBSND;  // BSND or TND
-  Layout layout_kv = Layout::kBSND;     // layout_query's, or kPagedBBND (the public PA_BSND)
-  // The indexer family's mask, bottom-right aligned per sequence (see IndexerParams).
-  MaskMode sparse_mode = MaskMode::kCausal;
-  int64_t pre_tokens = std::numeric_limits<int64_t>::max();
-  int64_t next_tokens = std::numeric_limits<int64_t>::max();
+// The queries' layout, band, sizes, heads, lengths and block table are QueryKeyLayout's
+// (selection.h); the keys' layout is layout_kv.
+struct SparseAttentionParams : QueryKeyLayout {
+  Layout layout_kv = Layout::kBSND;  // layout_query's, or kPagedBBND (the public PA_BSND)
 
-  int64_t batch = 0;         // B; for TND queries the number of sequences
-  int64_t seq_q = 0;         // BSND: S1; TND: T1
-  int64_t seq_k = 0;         // BSND: S2; TND: T2; paged: unused
-  int64_t heads_q = 0;       // N1, a multiple of N2
-  int64_t heads_k = 0;       // N2
-  int64_t head_dim = 0;      // D of query and key
   int64_t rope_dim = 0;      // Dr of query_rope and key_rope (0: none)
   int64_t value_dim = 0;     // Dv of value and the output
   int64_t index_heads = 1;   // the key-head dim of sparse_indices: N2, or 1 (one selection for all)
@@ -54,13 +46,6 @@ struct SparseAttentionParams {
   const int32_t* indices = nullptr;
   int64_t indices_stride[4] = {0, 0, 0, 0};
   const float* sinks = nullptr;  // [N1] or nullptr
-
-  const int64_t* seq_q_lens = nullptr;  // as LightningIndexerParams
-  const int64_t* seq_k_lens = nullptr;
-  const int64_t* block_table = nullptr;  // paged: [B][max_blocks]
-  int64_t max_blocks = 0;
-  int64_t block_size = 0;
-  int64_t block_count = 0;
 
   // Forward outputs: out in query's layout with Dv (dtype), strides out_stride; the statistics
   // float32 contiguous [B, N2, S1, G] / [N2, T1, G] (G = N1 / N2), or nullptr.

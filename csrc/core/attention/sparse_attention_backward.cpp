@@ -16,6 +16,7 @@
 #include "../aligned_buffer.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
+#include "../work_split.h"
 #include "sparse_attention.h"
 #include "sparse_attention_detail.h"
 
@@ -401,9 +402,7 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
     throw ArgumentError("layout_kv", "PA_BSND (paged keys and values) has no backward");
   }
   validate(p);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
   const int64_t q_rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
   const int64_t k_rows = p.layout_kv == Layout::kTND ? p.seq_k : p.batch * p.seq_k;
   // Rows no pass reaches (past a length) are zero.
@@ -417,51 +416,22 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
   Backward run(p, gr, isa);
   const std::vector<Sequence>& seqs = run.geometry().sequences();
   const int threads = std::max(1, executor.num_workers());
-
-  struct Tokens {
-    int32_t b;
-    int64_t i0, i1;
-  };
-  std::vector<Tokens> token_tasks;
-  for (const Sequence& s : seqs) {
-    for (int64_t i = 0; i < s.q_len; i += kTokensPerTask) {
-      token_tasks.push_back(
-          {static_cast<int32_t>(s.batch), i, std::min(s.q_len, i + kTokensPerTask)});
-    }
-  }
-  std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
-  auto scratch_of = [&](int thread) -> Backward::Scratch& {
-    if (!scratch[thread]) scratch[thread] = std::make_unique<Backward::Scratch>(run);
-    return *scratch[thread];
-  };
+  ScratchPool<Backward::Scratch, Backward> scratch(run, threads);
+  const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);
   run_dynamic(executor, static_cast<int64_t>(token_tasks.size()), [&](int64_t t, int thread) {
-    Backward::Scratch& sc = scratch_of(thread);
+    Backward::Scratch& sc = scratch[thread];
     const kernels::WorkerScope scope(run.kernel_set());
-    const Tokens& task = token_tasks[t];
+    const TokenTask& task = token_tasks[t];
     for (int64_t i = task.i0; i < task.i1; ++i) {
       for (int64_t g = 0; g < p.heads_k; ++g) run.query_pass(sc, seqs[task.b], i, g);
     }
   });
-
   // Key blocks: about four per thread per (sequence, key head), at least 64 keys each.
-  struct Keys {
-    int32_t b;
-    int64_t g, j0, j1;
-  };
-  std::vector<Keys> key_tasks;
-  for (const Sequence& s : seqs) {
-    const int64_t block = std::max<int64_t>(64, (s.k_len + 4 * threads - 1) / (4 * threads));
-    for (int64_t g = 0; g < p.heads_k; ++g) {
-      for (int64_t j = 0; j < s.k_len; j += block) {
-        key_tasks.push_back({static_cast<int32_t>(s.batch), g, j, std::min(s.k_len, j + block)});
-      }
-    }
-  }
+  const std::vector<KeyTask> key_tasks = core::key_tasks(seqs, p.heads_k, 4 * threads, 64);
   run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int thread) {
-    Backward::Scratch& sc = scratch_of(thread);
     const kernels::WorkerScope scope(run.kernel_set());
-    const Keys& task = key_tasks[t];
-    run.key_pass(sc, seqs[task.b], task.g, task.j0, task.j1);
+    const KeyTask& task = key_tasks[t];
+    run.key_pass(scratch[thread], seqs[task.b], task.g, task.j0, task.j1);
   });
   run.finish_sinks();
 }

@@ -25,21 +25,14 @@ std::string str(int64_t v) { return std::to_string(v); }
 }  // namespace
 
 std::vector<Sequence> indexer_sequences(const IndexerParams& p) {
-  std::vector<Sequence> out(p.batch);
-  for (int64_t b = 0; b < p.batch; ++b) {
-    Sequence& s = out[b];
-    s.batch = b;
-    if (p.layout == Layout::kTND) {
-      s.q_begin = b == 0 ? 0 : p.seq_q_lens[b - 1];
-      s.k_begin = b == 0 ? 0 : p.seq_k_lens[b - 1];
-      s.q_len = p.seq_q_lens[b] - s.q_begin;
-      s.k_len = p.seq_k_lens[b] - s.k_begin;
-    } else {
-      s.q_len = p.seq_q_lens ? p.seq_q_lens[b] : p.seq_q;
-      s.k_len = p.seq_k_lens ? p.seq_k_lens[b] : p.seq_k;
-    }
-  }
-  return out;
+  QueryKeyLayout l;  // the sparse stage's sequences, with keys in the queries' layout
+  l.layout_query = p.layout;
+  l.batch = p.batch;
+  l.seq_q = p.seq_q;
+  l.seq_k = p.seq_k;
+  l.seq_q_lens = p.seq_q_lens;
+  l.seq_k_lens = p.seq_k_lens;
+  return query_key_sequences(l, p.layout);
 }
 
 namespace {
@@ -112,20 +105,8 @@ attention::CostModel cost_model(const IndexerParams& p, const kernels::KernelSet
 }
 
 indexer::Operands operands(const IndexerParams& p) {
-  indexer::Operands o;
-  o.qk_dtype = p.qk_dtype;
-  o.weights_dtype = p.weights_dtype;
-  o.query = p.query;
-  o.key = p.key;
-  o.weights = p.weights;
-  std::copy(p.query_stride, p.query_stride + 4, o.query_stride);
-  std::copy(p.key_stride, p.key_stride + 4, o.key_stride);
-  std::copy(p.weights_stride, p.weights_stride + 3, o.weights_stride);
-  o.batched_query = o.batched_key = p.layout == Layout::kBSND;
-  o.heads_q = p.heads_q;
-  o.heads_k = p.heads_k;
-  o.head_dim = p.head_dim;
-  return o;
+  const bool batched = p.layout == Layout::kBSND;
+  return indexer::operands_of(p, batched, batched);
 }
 
 class IndexerRun {
@@ -185,18 +166,9 @@ class IndexerRun {
         if (pending && j % plan_.chunk_tiles == 0) flush();
         pending = true;
         const int64_t j0 = j * kKeyTile;
-        // Rows are ordered by visible range (both ends non-decreasing, empty rows first): skip
-        // the prefix that sees none of this tile, and the suffix whose range starts after it.
-        while (row_begin < rows && row_keys[row_begin].end <= j0) ++row_begin;
-        int row_end = rows;
-        while (row_end > row_begin && row_keys[row_end - 1].begin >= j0 + kKeyTile) --row_end;
+        const int row_end = indexer::rows_seeing_tile(row_keys, rows, j0, row_begin);
         if (row_begin == row_end) continue;
-        packer_.pack_keys(seq, g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), sc.key.data(),
-                          sc.stage.data(), reinterpret_cast<uint32_t*>(sc.row.data()));
-        std::fill(sc.scores.data() + row_begin * kKeyTile, sc.scores.data() + row_end * kKeyTile,
-                  0.0f);
-        set_.score_tile({sc.query.data(), rows_, sc.key.data(), sc.weights.data(), sc.scores.data(),
-                         row_begin, row_end, static_cast<int>(groups_), packer_.depth()});
+        packer_.score_rows(sc, seq, g, j0, rows_, row_begin, row_end);
         for (int r = row_begin; r < row_end; ++r) {
           const int64_t lo = std::max<int64_t>(row_keys[r].begin - j0, 0);
           const int64_t hi = std::min<int64_t>(kKeyTile, row_keys[r].end - j0);
@@ -306,9 +278,7 @@ void validate(const IndexerParams& p) {
 void dense_lightning_indexer_softmax_lse(const IndexerParams& p, const Executor& executor,
                                          Isa isa) {
   validate(p);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
   const int64_t out_rows = p.layout == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
   // Rows no task visits (BSND padding past a sequence's length) keep the empty-row value.
   std::fill(p.softmax_max, p.softmax_max + out_rows * p.heads_k,

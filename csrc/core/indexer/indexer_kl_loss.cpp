@@ -736,9 +736,7 @@ void validate(const IndexerKlLossParams& p, bool index_statistics) {
 void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& p, const Executor& executor,
                                           Isa isa) {
   validate(p);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
   KlLoss run(p, isa);
   std::vector<std::unique_ptr<KlLoss::Scratch>> scratch(std::max(1, executor.num_workers()));
   auto scratch_of = [&](int thread) -> KlLoss::Scratch& {

@@ -140,16 +140,9 @@ class TopKRun {
     int row_begin = 0;
     for (int64_t j = tile_lo; j < tile_hi; ++j) {
       const int64_t j0 = j * kKeyTile;
-      while (row_begin < u.rows && keys[row_begin].end <= j0) ++row_begin;
-      int row_end = u.rows;
-      while (row_end > row_begin && keys[row_end - 1].begin >= j0 + kKeyTile) --row_end;
+      const int row_end = indexer::rows_seeing_tile(keys, u.rows, j0, row_begin);
       if (row_begin == row_end) continue;
-      packer_.pack_keys(seq, u.g, j0, std::min<int64_t>(kKeyTile, seq.k_len - j0), sc.key.data(),
-                        sc.stage.data(), reinterpret_cast<uint32_t*>(sc.row.data()));
-      std::fill(sc.scores.data() + row_begin * kKeyTile, sc.scores.data() + row_end * kKeyTile,
-                0.0f);
-      set_.score_tile({sc.query.data(), rows_, sc.key.data(), sc.weights.data(), sc.scores.data(),
-                       row_begin, row_end, static_cast<int>(groups_), packer_.depth()});
+      packer_.score_rows(sc, seq, u.g, j0, rows_, row_begin, row_end);
       for (int r = row_begin; r < row_end; ++r) {
         const int64_t lo = std::max<int64_t>(keys[r].begin - j0, 0);
         const int64_t hi = std::min<int64_t>(kKeyTile, keys[r].end - j0);
@@ -188,20 +181,8 @@ class TopKRun {
 
  private:
   static indexer::Operands operands(const LightningIndexerParams& p) {
-    indexer::Operands o;
-    o.qk_dtype = p.qk_dtype;
-    o.weights_dtype = p.weights_dtype;
-    o.query = p.query;
-    o.key = p.key;
-    o.weights = p.weights;
-    std::copy(p.query_stride, p.query_stride + 4, o.query_stride);
-    std::copy(p.key_stride, p.key_stride + 4, o.key_stride);
-    std::copy(p.weights_stride, p.weights_stride + 3, o.weights_stride);
-    o.batched_query = p.layout_query == Layout::kBSND;
-    o.batched_key = p.layout_key == Layout::kBSND;
-    o.heads_q = p.heads_q;
-    o.heads_k = p.heads_k;
-    o.head_dim = p.head_dim;
+    indexer::Operands o =
+        indexer::operands_of(p, p.layout_query == Layout::kBSND, p.layout_key == Layout::kBSND);
     if (p.layout_key == Layout::kPagedBBND) {
       o.block_table = p.block_table;
       o.block_table_stride = p.max_blocks;
@@ -326,29 +307,17 @@ class TopKRun {
 
 }  // namespace
 
-QueryKeyLayout query_key_layout(const LightningIndexerParams& p) {
-  return query_key_layout_of(p, p.layout_key);
-}
-
 std::vector<Sequence> lightning_indexer_sequences(const LightningIndexerParams& p) {
-  return query_key_sequences(query_key_layout(p));
+  return query_key_sequences(p, p.layout_key);
 }
 
 void validate(const LightningIndexerParams& p) {
-  validate(query_key_layout(p), "layout_key", "actual_seq_lengths_query", "actual_seq_lengths_key");
-  indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
+  validate(p, p.layout_key, "layout_key", "actual_seq_lengths_query", "actual_seq_lengths_key");
   if (p.sparse_count < 1 || p.sparse_count > kMaxSparseCount) {
     throw ArgumentError("sparse_count",
                         "must be in [1, " + str(kMaxSparseCount) + "], got " + str(p.sparse_count));
   }
-  if (p.heads_q < 1 || p.heads_q > attention::kMaxHeads) {
-    throw ArgumentError(
-        "query", "N1 must be in [1, " + str(attention::kMaxHeads) + "], got " + str(p.heads_q));
-  }
-  if (p.heads_k < 1 || p.heads_q % p.heads_k != 0) {
-    throw ArgumentError("key", "key heads N2=" + str(p.heads_k) +
-                                   " must divide the query heads N1=" + str(p.heads_q));
-  }
+  check_grouped_heads(p.heads_q, p.heads_k);
   if (p.head_dim < 1 || p.head_dim > attention::kMaxHeadDim) {
     throw ArgumentError("query", "head dim D must be in [1, " + str(attention::kMaxHeadDim) +
                                      "], got " + str(p.head_dim));
@@ -361,9 +330,7 @@ void validate(const LightningIndexerParams& p) {
 
 void lightning_indexer(const LightningIndexerParams& p, const Executor& executor, Isa isa) {
   validate(p);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
   const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
   const int64_t entries = rows * p.heads_k * p.sparse_count;
   // Entries no selection reaches (fewer visible keys than K, BSND rows past a length).

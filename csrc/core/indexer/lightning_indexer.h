@@ -21,23 +21,11 @@ namespace opmesh::core {
 // sparse_count's range.
 inline constexpr int64_t kMaxSparseCount = int64_t{1} << 16;
 
-struct LightningIndexerParams {
-  Layout layout_query = Layout::kBSND;  // BSND or TND
-  // BSND or TND (as layout_query), or kPagedBBND (the public PA_BSND): key
-  // [block_count, block_size, N2, D] read through block_table.
+// The queries' layout, band, sizes, heads, lengths and block table are QueryKeyLayout's
+// (selection.h); the keys' layout is layout_key: BSND or TND (as layout_query), or kPagedBBND
+// (the public PA_BSND): key [block_count, block_size, N2, D] read through block_table.
+struct LightningIndexerParams : QueryKeyLayout {
   Layout layout_key = Layout::kBSND;
-  // The indexer family's mask (sparse_mode 0 or 3, pre_tokens / next_tokens band; see
-  // IndexerParams), bottom-right aligned per sequence.
-  MaskMode sparse_mode = MaskMode::kCausal;
-  int64_t pre_tokens = std::numeric_limits<int64_t>::max();
-  int64_t next_tokens = std::numeric_limits<int64_t>::max();
-
-  int64_t batch = 0;         // B; for TND queries the number of sequences
-  int64_t seq_q = 0;         // BSND: S1; TND: T1
-  int64_t seq_k = 0;         // BSND: S2; TND: T2; paged: unused
-  int64_t heads_q = 0;       // N1, a multiple of N2
-  int64_t heads_k = 0;       // N2
-  int64_t head_dim = 0;      // D
   int64_t sparse_count = 0;  // K, in [1, kMaxSparseCount]
 
   DType qk_dtype = DType::kFloat32;
@@ -49,20 +37,6 @@ struct LightningIndexerParams {
   int64_t query_stride[4] = {0, 0, 0, 0};
   int64_t key_stride[4] = {0, 0, 0, 0};
   int64_t weights_stride[3] = {0, 0, 0};
-
-  // Query lengths: BSND per-sequence lengths [B] in [0, S1] (nullptr: all S1); TND cumulative
-  // ends [B] (no leading 0, non-decreasing, last == T1), required.
-  const int64_t* seq_q_lens = nullptr;
-  // Key lengths: BSND per-sequence [B] in [0, S2] (nullptr: all S2); TND cumulative ends [B]
-  // (last == T2), required; paged per-sequence [B], required, each within the block table.
-  const int64_t* seq_k_lens = nullptr;
-
-  // Paged keys: block_table [B][max_blocks] (row-major), entries in [0, block_count) for every
-  // block a sequence's length reaches.
-  const int64_t* block_table = nullptr;
-  int64_t max_blocks = 0;
-  int64_t block_size = 0;
-  int64_t block_count = 0;
 
   // Outputs, contiguous: indices int32 [rows][N2][K] (rows = B*S1 or T1), positions within the
   // row's sequence in descending score, ties to the lower position, -1 past the visible keys;
@@ -76,9 +50,6 @@ struct LightningIndexerParams {
 // Throws ArgumentError naming the first argument that is wrong (values of the length arrays and
 // the block table included).
 void validate(const LightningIndexerParams& params);
-
-// The call's query and key layout (shared with sparse_flash_attention's checks).
-QueryKeyLayout query_key_layout(const LightningIndexerParams& params);
 
 // The sequences of a validated call (key positions within each sequence; paged keys have
 // k_begin 0).

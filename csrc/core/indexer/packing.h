@@ -4,6 +4,7 @@
 // (BSND, TND) or through a block table (paged).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../dtype.h"
@@ -34,6 +35,42 @@ struct Operands {
   int64_t block_size = 0;
 };
 
+// The operands of an indexer call's params (IndexerParams, LightningIndexerParams: the same
+// input fields), with each side's batching given by its layout.
+template <class Params>
+Operands operands_of(const Params& p, bool batched_query, bool batched_key) {
+  const int64_t* qs = p.query_stride;
+  const int64_t* ks = p.key_stride;
+  const int64_t* ws = p.weights_stride;
+  return Operands{p.qk_dtype,
+                  p.weights_dtype,
+                  p.query,
+                  p.key,
+                  p.weights,
+                  {qs[0], qs[1], qs[2], qs[3]},
+                  {ks[0], ks[1], ks[2], ks[3]},
+                  {ws[0], ws[1], ws[2]},
+                  batched_query,
+                  batched_key,
+                  p.heads_q,
+                  p.heads_k,
+                  p.head_dim,
+                  nullptr,
+                  0,
+                  0};
+}
+
+// The rows [begin, end) of a unit that see key tile [j0, j0 + kKeyTile): its rows are ordered
+// by visible range (both ends non-decreasing, empty rows first), so the prefix that sees none of
+// the tile and the suffix whose range starts after it are left out. `begin` only grows from one
+// tile to the next; returns `end`.
+inline int rows_seeing_tile(const KeyRange* keys, int rows, int64_t j0, int& begin) {
+  while (begin < rows && keys[begin].end <= j0) ++begin;
+  int end = rows;
+  while (end > begin && keys[end - 1].begin >= j0 + kernels::kKeyTile) --end;
+  return end;
+}
+
 class Packer {
  public:
   Packer(const Operands& ops, const kernels::KernelSet& set);
@@ -53,6 +90,20 @@ class Packer {
   // Keys [j0, j0 + count) of key head g transposed into dst[depth][kKeyTile], the rest zero.
   void pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, uint32_t* dst,
                  float* stage, uint32_t* row) const;
+
+  // The scores of key tile [j0, j0 + kKeyTile) of key head g for rows [begin, end) of a unit
+  // whose queries sc.query holds (row_capacity rows per head): the tile's keys packed into
+  // sc.key, then the set's score tile into sc.scores ([rows][kKeyTile], those rows zeroed first).
+  template <class Scratch>
+  void score_rows(Scratch& sc, const Sequence& seq, int64_t g, int64_t j0, int64_t row_capacity,
+                  int begin, int end) const {
+    pack_keys(seq, g, j0, std::min<int64_t>(kernels::kKeyTile, seq.k_len - j0), sc.key.data(),
+              sc.stage.data(), reinterpret_cast<uint32_t*>(sc.row.data()));
+    std::fill(sc.scores.data() + begin * kernels::kKeyTile,
+              sc.scores.data() + end * kernels::kKeyTile, 0.0f);
+    set_.score_tile({sc.query.data(), row_capacity, sc.key.data(), sc.weights.data(),
+                     sc.scores.data(), begin, end, static_cast<int>(groups_), depth_});
+  }
 
  private:
   int64_t key_offset(const Sequence& seq, int64_t g, int64_t j) const;

@@ -13,6 +13,7 @@
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_loads.h"
+#include "../work_split.h"
 #include "indexer.h"
 
 namespace opmesh::core {
@@ -634,73 +635,38 @@ void validate(const SparseKlLossParams& p) {
   if (sequence_work(seqs).queries && p.sparse_count > 0 && p.indices == nullptr) {
     throw ArgumentError("sparse_indices", "is null");
   }
-  Selection sel;
-  sel.indices = p.indices;
-  sel.stride = p.indices_stride;
-  sel.heads = p.index_heads;
-  sel.count = p.sparse_count;
-  sel.block_size = 1;
-  sel.tnd = d.layout == Layout::kTND;
-  validate(sel, seqs);
+  const Selection selection{p.indices, p.indices_stride,        p.index_heads, p.sparse_count,
+                            1,         d.layout == Layout::kTND};
+  validate(selection, seqs);
 }
 
 void sparse_lightning_indexer_grad_kl_loss(const SparseKlLossParams& p, const Executor& executor,
                                            Isa isa) {
   validate(p);
-  if (!isa_supported(isa)) {
-    throw ArgumentError("isa", std::string(isa_name(isa)) + " is not supported by this CPU");
-  }
+  require_supported(isa);
   SparseKl run(p, isa);
   const std::vector<Sequence>& seqs = run.sequences();
   const int threads = std::max(1, executor.num_workers());
-  std::vector<std::unique_ptr<SparseKl::Scratch>> scratch(threads);
-  auto scratch_of = [&](int thread) -> SparseKl::Scratch& {
-    if (!scratch[thread]) scratch[thread] = std::make_unique<SparseKl::Scratch>(run);
-    return *scratch[thread];
-  };
-
-  struct Tokens {
-    int32_t b;
-    int64_t i0, i1;
-  };
-  std::vector<Tokens> token_tasks;
-  for (const Sequence& s : seqs) {
-    for (int64_t i = 0; i < s.q_len; i += kTokensPerTask) {
-      token_tasks.push_back(
-          {static_cast<int32_t>(s.batch), i, std::min(s.q_len, i + kTokensPerTask)});
-    }
-  }
+  ScratchPool<SparseKl::Scratch, SparseKl> scratch(run, threads);
+  const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);
   std::vector<double> loss(token_tasks.size(), 0.0);
   run_dynamic(executor, static_cast<int64_t>(token_tasks.size()), [&](int64_t t, int thread) {
-    SparseKl::Scratch& sc = scratch_of(thread);
+    SparseKl::Scratch& sc = scratch[thread];
     const kernels::WorkerScope scope(run.kernel_set());
-    const Tokens& task = token_tasks[t];
+    const TokenTask& task = token_tasks[t];
     double share = 0.0;
     for (int64_t i = task.i0; i < task.i1; ++i) share += run.token_pass(sc, seqs[task.b], i);
     loss[t] = share;
   });
-
-  // Key blocks per (sequence, index key head), at least 128 keys each.
-  struct Keys {
-    int32_t b;
-    int64_t g, j0, j1;
-  };
-  std::vector<Keys> key_tasks;
-  for (const Sequence& s : seqs) {
-    // Blocks of about two per thread: a token's query rows are loaded once per block it
-    // selects keys in, so fewer, longer blocks load less.
-    const int64_t block = std::max<int64_t>(128, (s.k_len + 2 * threads - 1) / (2 * threads));
-    for (int64_t g = 0; g < p.dense.index_heads_k; ++g) {
-      for (int64_t j = 0; j < s.k_len; j += block) {
-        key_tasks.push_back({static_cast<int32_t>(s.batch), g, j, std::min(s.k_len, j + block)});
-      }
-    }
-  }
+  // Key blocks per (sequence, index key head) of about two per thread, at least 128 keys each:
+  // a token's query rows are loaded once per block it selects keys in, so fewer, longer blocks
+  // load less.
+  const std::vector<KeyTask> key_tasks =
+      core::key_tasks(seqs, p.dense.index_heads_k, 2 * threads, 128);
   run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int thread) {
-    SparseKl::Scratch& sc = scratch_of(thread);
     const kernels::WorkerScope scope(run.kernel_set());
-    const Keys& task = key_tasks[t];
-    run.key_pass(sc, seqs[task.b], task.g, task.j0, task.j1);
+    const KeyTask& task = key_tasks[t];
+    run.key_pass(scratch[thread], seqs[task.b], task.g, task.j0, task.j1);
   });
   double total = 0.0;
   for (double l : loss) total += l;

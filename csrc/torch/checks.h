@@ -1,0 +1,46 @@
+// What every operator's checks and kernels in the torch binding use: the one translation of the
+// core's errors into Python exceptions, and size relations that hold for symbolic sizes too.
+#pragma once
+
+#include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
+#include <c10/util/Exception.h>
+
+#include <new>
+
+#include "errors.h"
+
+namespace opmesh::binding {
+
+// Runs f, turning the core's ArgumentError (message starting with the argument) into ValueError.
+template <class F>
+auto rethrow(F&& f) {
+  try {
+    return f();
+  } catch (const core::ArgumentError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// rethrow, and a failed allocation into OutOfMemoryError with the message oom_message() gives
+// (starting with the argument whose size asked for the memory).
+template <class F, class M>
+auto rethrow(F&& f, M&& oom_message) {
+  try {
+    return rethrow(f);
+  } catch (const std::bad_alloc&) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, oom_message());
+  }
+}
+
+// A size relation: decided now for concrete sizes; for symbolic ones (torch.compile, export)
+// recorded as a runtime assertion when it cannot be decided, so no size is specialised.
+inline bool holds(const c10::SymBool& condition) {
+  return condition.is_heap_allocated() ? condition.expect_true(__FILE__, __LINE__)
+                                       : condition.guard_bool(__FILE__, __LINE__);
+}
+
+// Head counts and head dims decide the kernel: they are specialised (guarded) when symbolic.
+inline int64_t concrete(const c10::SymInt& size) { return size.guard_int(__FILE__, __LINE__); }
+
+}  // namespace opmesh::binding
