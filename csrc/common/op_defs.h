@@ -20,6 +20,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 namespace opmesh::ops {
 
@@ -44,6 +45,16 @@ struct BindingTypes {
   using Str = std::string;
   using Bool = bool;
 };
+
+// Sets the field `field` picks of p to `value` when p has that field and the value is a number
+// or a bool (an option the core takes as it is): see copy_scalars_to below.
+template <class Params, class FieldOf, class Value>
+void copy_if_field(Params& p, FieldOf field, const Value& value) {
+  if constexpr (std::is_arithmetic_v<Value> && std::is_invocable_v<FieldOf, Params&>) {
+    auto& dst = field(p);
+    dst = static_cast<std::decay_t<decltype(dst)>>(value);
+  }
+}
 
 // One argument as a binding sees it while visiting a call struct.
 struct Field {
@@ -279,8 +290,11 @@ struct Field {
 #define OPMESH_OP_MERGE_ATTN_STATES_RETURNS "(Tensor out, Tensor lse)"
 
 // The call struct of one operator for a binding's `Types`: its fields in schema order with their
-// defaults, the operator's name and returns, and visit(f), which calls f(Field, value&) for each
-// field in order.
+// defaults, the operator's name and returns, visit(f), which calls f(Field, value&) for each
+// field in order, and copy_scalars_to(params), which copies each numeric or bool argument into
+// the core params' field of the same name where the params have one (an option declared here
+// and in the core's params under one name reaches the kernel with no binding code; arguments
+// the params name differently, or that need parsing, are set apart).
 #define OPMESH_DETAIL_FIELD(kind, name) typename Types::kind name{};
 #define OPMESH_DETAIL_FIELD_D(kind, name, value) typename Types::kind name = value;
 #define OPMESH_DETAIL_VISIT(kind, name) f(::opmesh::ops::Field{#name, #kind, false, kw}, name);
@@ -289,24 +303,31 @@ struct Field {
 #define OPMESH_DETAIL_NOTHING
 #define OPMESH_DETAIL_KWONLY kw = true;
 #define OPMESH_DETAIL_COUNT(...) +1
-#define OPMESH_DEFINE_CALL(Struct, op_name, LIST)                                \
-  template <class Types>                                                         \
-  struct Struct {                                                                \
-    static constexpr const char* kName = op_name;                                \
-    static constexpr const char* kReturns = LIST##_RETURNS;                      \
-    static constexpr int kNumFields =                                            \
-        0 LIST(OPMESH_DETAIL_COUNT, OPMESH_DETAIL_COUNT, OPMESH_DETAIL_NOTHING); \
-    LIST(OPMESH_DETAIL_FIELD, OPMESH_DETAIL_FIELD_D, OPMESH_DETAIL_NOTHING)      \
-    template <class F>                                                           \
-    void visit(F&& f) {                                                          \
-      [[maybe_unused]] bool kw = false;                                          \
-      LIST(OPMESH_DETAIL_VISIT, OPMESH_DETAIL_VISIT_D, OPMESH_DETAIL_KWONLY)     \
-    }                                                                            \
-    template <class F>                                                           \
-    void visit(F&& f) const {                                                    \
-      [[maybe_unused]] bool kw = false;                                          \
-      LIST(OPMESH_DETAIL_VISIT, OPMESH_DETAIL_VISIT_D, OPMESH_DETAIL_KWONLY)     \
-    }                                                                            \
+#define OPMESH_DETAIL_COPY_SCALAR(kind, name) \
+  ::opmesh::ops::copy_if_field(p, [](auto& q) -> decltype((q.name)) { return q.name; }, name);
+#define OPMESH_DETAIL_COPY_SCALAR_D(kind, name, value) OPMESH_DETAIL_COPY_SCALAR(kind, name)
+#define OPMESH_DEFINE_CALL(Struct, op_name, LIST)                                         \
+  template <class Types>                                                                  \
+  struct Struct {                                                                         \
+    static constexpr const char* kName = op_name;                                         \
+    static constexpr const char* kReturns = LIST##_RETURNS;                               \
+    static constexpr int kNumFields =                                                     \
+        0 LIST(OPMESH_DETAIL_COUNT, OPMESH_DETAIL_COUNT, OPMESH_DETAIL_NOTHING);          \
+    LIST(OPMESH_DETAIL_FIELD, OPMESH_DETAIL_FIELD_D, OPMESH_DETAIL_NOTHING)               \
+    template <class F>                                                                    \
+    void visit(F&& f) {                                                                   \
+      [[maybe_unused]] bool kw = false;                                                   \
+      LIST(OPMESH_DETAIL_VISIT, OPMESH_DETAIL_VISIT_D, OPMESH_DETAIL_KWONLY)              \
+    }                                                                                     \
+    template <class F>                                                                    \
+    void visit(F&& f) const {                                                             \
+      [[maybe_unused]] bool kw = false;                                                   \
+      LIST(OPMESH_DETAIL_VISIT, OPMESH_DETAIL_VISIT_D, OPMESH_DETAIL_KWONLY)              \
+    }                                                                                     \
+    template <class Params>                                                               \
+    void copy_scalars_to(Params& p) const {                                               \
+      LIST(OPMESH_DETAIL_COPY_SCALAR, OPMESH_DETAIL_COPY_SCALAR_D, OPMESH_DETAIL_NOTHING) \
+    }                                                                                     \
   };
 
 namespace opmesh::ops {

@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ms_binding.h"
 #include "op_defs.h"
+#include "tensor_access.h"
 
 namespace opmesh::ms_binding {
 
@@ -87,6 +89,37 @@ void from_py(const py::handle& value, const char* name, std::optional<T>& out) {
 
 }  // namespace detail
 
+// The call's tensors in field order, an absent optional one left out: the runner's inputs.
+template <class Call>
+std::vector<ms::Tensor> inputs_of(const Call& call) {
+  std::vector<ms::Tensor> in;
+  call.visit([&](const ops::Field&, const auto& value) {
+    using V = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<V, ms::Tensor>) {
+      in.push_back(value);
+    } else if constexpr (std::is_same_v<V, std::optional<ms::Tensor>>) {
+      if (value.has_value()) in.push_back(*value);
+    }
+  });
+  return in;
+}
+
+// The call with its tensors replaced by the runner's `in` (ordered as inputs_of gave them), whose
+// memory the kernel may read.
+template <class Call>
+Call with_inputs(Call call, const std::vector<ms::Tensor>& in) {
+  size_t next = 0;
+  call.visit([&](const ops::Field&, auto& value) {
+    using V = std::decay_t<decltype(value)>;
+    if constexpr (std::is_same_v<V, ms::Tensor>) {
+      value = in[next++];
+    } else if constexpr (std::is_same_v<V, std::optional<ms::Tensor>>) {
+      if (value.has_value()) value = in[next++];
+    }
+  });
+  return call;
+}
+
 // The binding's operators (module.cpp binds them), each a function of its call struct.
 py::object indexer(const IndexerCall& call);
 py::object indexer_grad_kl_loss(const KlLossCall& call);
@@ -126,3 +159,24 @@ void def_op(py::module_& m, const char* name, Fn fn) {
 }
 
 }  // namespace opmesh::ms_binding
+
+namespace opmesh::common {
+
+// MindSpore tensors and host arrays as the code shared by the bindings reads them.
+template <>
+struct TensorAccess<ms::Tensor> {
+  static const void* data(const ms::Tensor& t) { return t.GetDataPtr(); }
+  static std::vector<int64_t> sizes(const ms::Tensor& t) { return t.shape(); }
+  static std::vector<int64_t> strides(const ms::Tensor& t) { return ms_binding::strides_of(t); }
+  static core::DType dtype(const ms::Tensor& t, const char* argument) {
+    return ms_binding::core_dtype(t, argument);
+  }
+};
+
+template <>
+struct HostIntsAccess<ms_binding::HostInts> {
+  static std::vector<int64_t> values(const ms_binding::HostInts& h) { return h.values; }
+  static int64_t columns(const ms_binding::HostInts& h) { return h.cols; }
+};
+
+}  // namespace opmesh::common

@@ -18,6 +18,8 @@
 #include "errors.h"
 #include "indexer/sparse_kl_loss.h"
 #include "indexer_checks.h"
+#include "sequence_params.h"
+#include "torch_access.h"
 
 namespace opmesh::binding {
 namespace {
@@ -184,26 +186,6 @@ KlShapes check_kl_args(const Call& a) {
   return s;
 }
 
-core::KlOperand operand(const at::Tensor& t, bool tnd, const char* name) {
-  core::KlOperand o;
-  o.data = t.data_ptr();
-  o.dtype = to_core_dtype(t.scalar_type(), name);
-  const int64_t off = tnd ? -1 : 0;
-  for (int64_t i = 0; i < 4; ++i) {
-    o.stride[i] = (i + off) >= 0 && (i + off) < t.dim() ? t.stride(i + off) : 0;
-  }
-  return o;
-}
-
-core::KlGradient gradient(at::Tensor& t, bool tnd) {
-  const core::KlOperand o = operand(t, tnd, "gradient");
-  core::KlGradient g;
-  g.data = t.data_ptr();
-  g.dtype = o.dtype;
-  std::copy(o.stride, o.stride + 4, g.stride);
-  return g;
-}
-
 // sparse_indices as int32 for the core; int64 entries outside int32's range are refused here
 // (narrowing them could turn a bad entry into a valid one).
 at::Tensor int32_indices(const at::Tensor& idx) {
@@ -218,68 +200,28 @@ at::Tensor int32_indices(const at::Tensor& idx) {
 }
 
 template <class Call>
-Outputs4 kl_loss_cpu(const Call& a) {
-  TORCH_CHECK_VALUE(a.query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
-                    a.query_index.device());
-  const KlShapes s = check_kl_args(a);
-  const std::vector<int64_t> qlens = read_lengths(a.actual_seq_qlen);
-  const std::vector<int64_t> klens = read_lengths(a.actual_seq_klen);
-  const at::Tensor max_c = a.softmax_max.contiguous(), sum_c = a.softmax_sum.contiguous();
-  // Rows no sequence covers keep a zero gradient.
-  at::Tensor d_query_index = at::zeros_like(a.query_index, at::MemoryFormat::Contiguous);
-  at::Tensor d_key_index = at::zeros_like(a.key_index, at::MemoryFormat::Contiguous);
-  at::Tensor d_weights = at::zeros_like(a.weights, at::MemoryFormat::Contiguous);
-  at::Tensor loss = at::zeros({1}, a.query_index.options().dtype(at::kFloat));
-
-  core::IndexerKlLossParams p;
-  p.layout = indexer_layout(a.layout);
-  p.sparse_mode = static_cast<core::MaskMode>(a.sparse_mode);
-  p.pre_tokens = a.pre_tokens;
-  p.next_tokens = a.next_tokens;
-  p.batch = s.tnd ? static_cast<int64_t>(qlens.size()) : a.query_index.size(0);
-  p.seq_q = a.query_index.size(s.tnd ? 0 : 1);
-  p.seq_k = a.key_index.size(s.tnd ? 0 : 1);
-  p.heads_q = s.n1;
-  p.heads_k = s.n2;
-  p.head_dim = s.d;
-  p.rope_dim = s.dr;
-  p.index_heads_q = s.n1i;
-  p.index_heads_k = s.n2i;
-  p.index_dim = s.di;
-  p.scale = static_cast<float>(a.scale_value);
-  p.query = operand(a.query, s.tnd, "query");
-  p.key = operand(a.key, s.tnd, "key");
-  if (a.query_rope.has_value()) {
-    p.query_rope = operand(*a.query_rope, s.tnd, "query_rope");
-    p.key_rope = operand(*a.key_rope, s.tnd, "key_rope");
-  }
-  p.query_index = operand(a.query_index, s.tnd, "query_index");
-  p.key_index = operand(a.key_index, s.tnd, "key_index");
-  p.weights = operand(a.weights, s.tnd, "weights");
-  p.softmax_max = max_c.data_ptr<float>();
-  p.softmax_sum = sum_c.data_ptr<float>();
-  p.seq_q_lens = qlens.empty() ? nullptr : qlens.data();
-  p.seq_k_lens = klens.empty() ? nullptr : klens.data();
-  p.d_query_index = gradient(d_query_index, s.tnd);
-  p.d_key_index = gradient(d_key_index, s.tnd);
-  p.d_weights = gradient(d_weights, s.tnd);
-  p.loss = loss.data_ptr<float>();
-  at::Tensor max_ic, sum_ic, indices;
-  core::SparseKlLossParams sp;
+Outputs4 kl_loss_cpu(const Call& call) {
+  TORCH_CHECK_VALUE(call.query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
+                    call.query_index.device());
+  const KlShapes s = check_kl_args(call);
+  const common::HostArrays host = common::host_arrays(call.actual_seq_qlen, call.actual_seq_klen);
+  // The statistics float32 contiguous and the selection int32, as the core reads them.
+  Call a = call;
+  a.softmax_max = a.softmax_max.contiguous();
+  a.softmax_sum = a.softmax_sum.contiguous();
   if constexpr (kSparse<Call>) {
-    indices = int32_indices(a.sparse_indices);
-    sp.indices = indices.data_ptr<int32_t>();
-    const int64_t off = s.tnd ? -1 : 0;
-    for (int64_t i = 0; i < 4; ++i)
-      sp.indices_stride[i] = i + off >= 0 ? indices.stride(i + off) : 0;
-    sp.index_heads = s.index_heads;
-    sp.sparse_count = s.sparse_count;
+    a.sparse_indices = int32_indices(a.sparse_indices);
   } else {
-    max_ic = a.softmax_max_index.contiguous();
-    sum_ic = a.softmax_sum_index.contiguous();
-    p.softmax_max_index = max_ic.data_ptr<float>();
-    p.softmax_sum_index = sum_ic.data_ptr<float>();
+    a.softmax_max_index = a.softmax_max_index.contiguous();
+    a.softmax_sum_index = a.softmax_sum_index.contiguous();
   }
+  // Rows no sequence covers keep a zero gradient.
+  const at::Tensor out[4] = {at::zeros_like(a.query_index, at::MemoryFormat::Contiguous),
+                             at::zeros_like(a.key_index, at::MemoryFormat::Contiguous),
+                             at::zeros_like(a.weights, at::MemoryFormat::Contiguous),
+                             at::zeros({1}, a.query_index.options().dtype(at::kFloat))};
+  core::IndexerKlLossParams p = rethrow([&] { return common::kl_loss_params(a, host); });
+  common::point_kl_loss(p, a, out);
   rethrow(
       [&] {
         if (s.no_heads) {
@@ -289,7 +231,7 @@ Outputs4 kl_loss_cpu(const Call& a) {
           return;
         }
         if constexpr (kSparse<Call>) {
-          sp.dense = p;
+          const core::SparseKlLossParams sp = common::sparse_kl_loss_params(p, a);
           core::sparse_lightning_indexer_grad_kl_loss(sp, AtenExecutor(), core::active_isa());
         } else {
           core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
@@ -299,7 +241,7 @@ Outputs4 kl_loss_cpu(const Call& a) {
         return c10::str("query: the scratch memory for N1=", s.n1, ", D + Dr=", s.d + s.dr,
                         ", N1index=", s.n1i, " could not be allocated");
       });
-  return {d_query_index, d_key_index, d_weights, loss};
+  return {out[0], out[1], out[2], out[3]};
 }
 
 template <class Call>

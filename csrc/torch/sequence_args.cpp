@@ -50,10 +50,4 @@ c10::SymInt check_query_key_lengths(const at::Tensor& q, const std::optional<at:
   return batch;
 }
 
-std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens) {
-  if (!lens.has_value()) return {};
-  const at::Tensor host = lens->to(at::kCPU, at::kLong).contiguous();
-  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
-}
-
 }  // namespace opmesh::binding

@@ -22,8 +22,4 @@ c10::SymInt check_query_key_lengths(const at::Tensor& query,
                                     bool paged, const char* key_layout, const char* k_lens_name,
                                     std::string_view key_layout_value);
 
-// A length tensor's values on the host (its dtype, rank and entries were checked before); empty
-// when absent.
-std::vector<int64_t> read_lengths(const std::optional<at::Tensor>& lens);
-
 }  // namespace opmesh::binding

@@ -36,16 +36,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_outputs(const at
                                                                         const SparseAttnArgs& a,
                                                                         bool return_lse);
 
-// Host copies the core reads, kept alive with the params.
-struct SparseAttnHost {
-  std::vector<int64_t> qlens, klens, table;
-  at::Tensor indices;  // int32, any strides
-  at::Tensor sinks;    // float32 contiguous, or undefined
-};
-
-// The core's params for a checked call (pointers into the call's tensors and `host`).
-template <class Call>
-core::SparseAttentionParams sparse_attention_params(const Call& call, const SparseAttnArgs& a,
-                                                    SparseAttnHost& host);
-
 }  // namespace opmesh::binding

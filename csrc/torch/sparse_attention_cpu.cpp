@@ -4,26 +4,42 @@
 #include <torch/library.h>
 
 #include "aten_executor.h"
+#include "sequence_params.h"
 #include "sparse_attention_args.h"
+#include "torch_access.h"
 
 namespace opmesh::binding {
 namespace {
 
-void out_strides(const at::Tensor& t, bool tnd, int64_t* dst) {
-  const int64_t off = tnd ? -1 : 0;
-  for (int64_t i = 0; i < 4; ++i) dst[i] = i + off >= 0 ? t.stride(i + off) : 0;
+// The call with sparse_indices as int32 and sinks as float32 contiguous, as the core reads them,
+// and its host arrays.
+template <class Call>
+Call prepared(const Call& c, common::HostArrays& host) {
+  host = common::host_arrays(c.actual_seq_lengths_query, c.actual_seq_lengths_kv, c.block_table);
+  Call p = c;
+  if (p.sparse_indices.scalar_type() != at::kInt) p.sparse_indices = p.sparse_indices.to(at::kInt);
+  if (p.sinks) p.sinks = p.sinks->to(at::kFloat).contiguous();
+  return p;
+}
+
+template <class Call>
+core::SparseAttentionParams params_of(const Call& c, const common::HostArrays& host) {
+  core::SparseAttentionParams p = rethrow([&] { return common::sparse_attention_params(c, host); });
+  common::point_sparse_attention(p, c);
+  return p;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_cpu(
-    const SparseFlashAttentionCall& c) {
-  TORCH_CHECK_VALUE(c.query.device().is_cpu(), "query: expected a CPU tensor, got ",
-                    c.query.device());
-  const SparseAttnArgs a = check_sparse_attention_args(c);
-  auto [out, smax, ssum] = sparse_attention_outputs(c.query, a, c.return_softmax_lse);
-  SparseAttnHost host;
-  core::SparseAttentionParams p = sparse_attention_params(c, a, host);
+    const SparseFlashAttentionCall& call) {
+  TORCH_CHECK_VALUE(call.query.device().is_cpu(), "query: expected a CPU tensor, got ",
+                    call.query.device());
+  const SparseAttnArgs a = check_sparse_attention_args(call);
+  auto [out, smax, ssum] = sparse_attention_outputs(call.query, a, call.return_softmax_lse);
+  common::HostArrays host;
+  const SparseFlashAttentionCall c = prepared(call, host);
+  core::SparseAttentionParams p = params_of(c, host);
   p.out = out.data_ptr();
-  out_strides(out, a.tnd, p.out_stride);
+  common::layout_strides(out, a.tnd ? -1 : 0, p.out_stride);
   if (c.return_softmax_lse) {
     p.softmax_max = smax.data_ptr<float>();
     p.softmax_sum = ssum.data_ptr<float>();
@@ -42,59 +58,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-sparse_attention_backward_cpu(const SparseFlashAttentionBackwardCall& c) {
-  TORCH_CHECK_VALUE(c.query.device().is_cpu(), "query: expected a CPU tensor, got ",
-                    c.query.device());
-  const SparseAttnArgs a = check_sparse_attention_args(c);
+sparse_attention_backward_cpu(const SparseFlashAttentionBackwardCall& call) {
+  TORCH_CHECK_VALUE(call.query.device().is_cpu(), "query: expected a CPU tensor, got ",
+                    call.query.device());
+  const SparseAttnArgs a = check_sparse_attention_args(call);
   TORCH_CHECK_VALUE(!a.paged, "layout_kv: PA_BSND (paged keys and values) has no backward");
-  const at::Tensor out_like = std::get<0>(sparse_attention_outputs(c.query, a, false));
-  TORCH_CHECK_VALUE(c.dout.sizes() == out_like.sizes(), "dout: expected shape ", out_like.sizes(),
-                    ", got ", c.dout.sizes());
-  TORCH_CHECK_VALUE(c.attention_out.sizes() == out_like.sizes(), "attention_out: expected shape ",
-                    out_like.sizes(), ", got ", c.attention_out.sizes());
-  const auto stats = sparse_attention_outputs(c.query, a, true);
-  TORCH_CHECK_VALUE(c.softmax_max.sizes() == std::get<1>(stats).sizes(),
+  const at::Tensor out_like = std::get<0>(sparse_attention_outputs(call.query, a, false));
+  TORCH_CHECK_VALUE(call.dout.sizes() == out_like.sizes(), "dout: expected shape ",
+                    out_like.sizes(), ", got ", call.dout.sizes());
+  TORCH_CHECK_VALUE(call.attention_out.sizes() == out_like.sizes(),
+                    "attention_out: expected shape ", out_like.sizes(), ", got ",
+                    call.attention_out.sizes());
+  const auto stats = sparse_attention_outputs(call.query, a, true);
+  TORCH_CHECK_VALUE(call.softmax_max.sizes() == std::get<1>(stats).sizes(),
                     "softmax_max: expected shape ", std::get<1>(stats).sizes(), ", got ",
-                    c.softmax_max.sizes());
-  TORCH_CHECK_VALUE(c.softmax_sum.sizes() == std::get<1>(stats).sizes(),
+                    call.softmax_max.sizes());
+  TORCH_CHECK_VALUE(call.softmax_sum.sizes() == std::get<1>(stats).sizes(),
                     "softmax_sum: expected shape ", std::get<1>(stats).sizes(), ", got ",
-                    c.softmax_sum.sizes());
-  const at::Tensor dout = c.dout.to(c.query.scalar_type());
-  const at::Tensor smax = c.softmax_max.to(at::kFloat).contiguous();
-  const at::Tensor ssum = c.softmax_sum.to(at::kFloat).contiguous();
-  at::Tensor dq = at::empty(c.query.sizes(), c.query.options());
-  at::Tensor dk = at::empty(c.key.sizes(), c.key.options());
-  at::Tensor dv = at::empty(c.value.sizes(), c.value.options());
-  at::Tensor dqr = c.query_rope ? at::empty(c.query_rope->sizes(), c.query.options())
-                                : at::empty({0}, c.query.options());
-  at::Tensor dkr = c.key_rope ? at::empty(c.key_rope->sizes(), c.query.options())
-                              : at::empty({0}, c.query.options());
-  at::Tensor dsinks = c.sinks ? at::empty({a.n1}, c.query.options().dtype(at::kFloat))
-                              : at::empty({0}, c.query.options().dtype(at::kFloat));
-  SparseAttnHost host;
-  core::SparseAttentionParams p = sparse_attention_params(c, a, host);
-  core::SparseAttentionGrads g;
-  g.dout = dout.data_ptr();
-  out_strides(dout, a.tnd, g.dout_stride);
-  const at::Tensor out = c.attention_out.to(c.query.scalar_type());
-  g.out = out.data_ptr();
-  out_strides(out, a.tnd, g.out_stride);
-  g.softmax_max = smax.data_ptr<float>();
-  g.softmax_sum = ssum.data_ptr<float>();
-  g.dq = dq.data_ptr();
-  g.dk = dk.data_ptr();
-  g.dv = dv.data_ptr();
-  if (c.query_rope) {
-    g.dq_rope = dqr.data_ptr();
-    g.dk_rope = dkr.data_ptr();
-  }
-  g.dsinks = c.sinks ? dsinks.data_ptr<float>() : nullptr;
+                    call.softmax_sum.sizes());
+  common::HostArrays host;
+  SparseFlashAttentionBackwardCall c = prepared(call, host);
+  c.dout = c.dout.to(c.query.scalar_type());
+  c.attention_out = c.attention_out.to(c.query.scalar_type());
+  c.softmax_max = c.softmax_max.to(at::kFloat).contiguous();
+  c.softmax_sum = c.softmax_sum.to(at::kFloat).contiguous();
+  const auto options = c.query.options();
+  const auto f32 = options.dtype(at::kFloat);
+  const at::Tensor grads[6] = {
+      at::empty(c.query.sizes(), options),
+      at::empty(c.key.sizes(), options),
+      at::empty(c.value.sizes(), options),
+      c.query_rope ? at::empty(c.query_rope->sizes(), options) : at::empty({0}, options),
+      c.key_rope ? at::empty(c.key_rope->sizes(), options) : at::empty({0}, options),
+      c.sinks ? at::empty({a.n1}, f32) : at::empty({0}, f32)};
+  const core::SparseAttentionParams p = params_of(c, host);
+  const core::SparseAttentionGrads g = common::sparse_attention_grads(c, a.tnd, grads);
   rethrow([&] {
     if (a.no_heads) return;
     core::sparse_flash_attention_backward(p, g, AtenExecutor(), core::active_isa());
   });
-  if (c.sinks) dsinks = dsinks.to(c.sinks->scalar_type());
-  return {dq, dk, dv, dqr, dkr, dsinks};
+  const at::Tensor dsinks = call.sinks ? grads[5].to(call.sinks->scalar_type()) : grads[5];
+  return {grads[0], grads[1], grads[2], grads[3], grads[4], dsinks};
 }
 
 }  // namespace

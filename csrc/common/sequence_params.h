@@ -1,0 +1,283 @@
+// The core's params of the sequence operators (the lightning indexer and its KL losses, the
+// sparse stage), from a checked call struct of any binding (its tensors read through
+// tensor_access.h). Each comes in two steps, since a binding may know its tensors' memory only
+// when the kernel runs (MindSpore's runner): `*_params(call, host)` fills the layouts, mask,
+// sizes, options and host arrays; `point_*(params, call)` adds the tensors' pointers and strides.
+// Layout and mask arguments are parsed again (the bindings checked them: nothing throws here
+// that the checks would not have thrown first).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "attention/sparse_attention.h"
+#include "conventions.h"
+#include "indexer/indexer.h"
+#include "indexer/indexer_kl_loss.h"
+#include "indexer/lightning_indexer.h"
+#include "indexer/sparse_kl_loss.h"
+#include "tensor_access.h"
+
+namespace opmesh::common {
+
+// ------------------------------------------------------------ dense_lightning_indexer_softmax_lse
+
+template <class Call>
+core::IndexerParams indexer_params(const Call& c, const HostArrays& h) {
+  core::IndexerParams p;
+  c.copy_scalars_to(p);  // pre_tokens, next_tokens, ...
+  p.layout = conventions::indexer_layout(c.layout);
+  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
+  p.pre_tokens = c.pre_tokens;
+  p.next_tokens = c.next_tokens;
+  const bool tnd = p.layout == core::Layout::kTND;
+  const int off = tnd ? -1 : 0;
+  const std::vector<int64_t> qs = sizes_of(c.query_index), ks = sizes_of(c.key_index);
+  p.batch = tnd ? static_cast<int64_t>(h.q_lens.size()) : qs[0];
+  p.seq_q = qs[1 + off];
+  p.seq_k = ks[1 + off];
+  p.heads_q = qs[2 + off];
+  p.heads_k = ks[2 + off];
+  p.head_dim = qs[3 + off];
+  p.qk_dtype = dtype_of(c.query_index, "query_index");
+  p.weights_dtype = dtype_of(c.weights, "weights");
+  p.seq_q_lens = h.q();
+  p.seq_k_lens = h.k();
+  return p;
+}
+
+// The indexer's inputs: query_index, key_index and weights.
+template <class Call>
+void point_indexer(core::IndexerParams& p, const Call& c) {
+  const int off = p.layout == core::Layout::kTND ? -1 : 0;
+  p.query = data_of(c.query_index);
+  layout_strides(c.query_index, off, p.query_stride);
+  p.key = data_of(c.key_index);
+  layout_strides(c.key_index, off, p.key_stride);
+  p.weights = data_of(c.weights);
+  layout_strides(c.weights, off, p.weights_stride, 3);
+}
+
+// ------------------------------------------------------------------ the sparse stage's base
+
+// The QueryKeyLayout base of a sparse-stage call (lightning_indexer, sparse_flash_attention)
+// whose keys are in layout `key`.
+template <class Call>
+void fill_query_key_layout(core::QueryKeyLayout& p, const Call& c, core::Layout key,
+                           const HostArrays& h) {
+  p.layout_query = conventions::indexer_layout(c.layout_query, "layout_query");
+  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
+  p.pre_tokens = c.pre_tokens;
+  p.next_tokens = c.next_tokens;
+  const bool tnd = p.layout_query == core::Layout::kTND;
+  const bool paged = key == core::Layout::kPagedBBND;
+  const std::vector<int64_t> qs = sizes_of(c.query), ks = sizes_of(c.key);
+  p.batch = tnd ? static_cast<int64_t>(h.q_lens.size()) : qs[0];
+  p.seq_q = qs[tnd ? 0 : 1];
+  p.seq_k = paged ? 0 : ks[tnd ? 0 : 1];
+  p.heads_q = qs[qs.size() - 2];
+  p.heads_k = ks[ks.size() - 2];
+  p.head_dim = qs.back();
+  p.seq_q_lens = h.q();
+  p.seq_k_lens = h.k();
+  if (paged) {
+    p.block_table = h.blocks();
+    p.max_blocks = h.table_columns;
+    p.block_size = ks[1];
+    p.block_count = ks[0];
+  }
+}
+
+// The query's and key's pointers and strides of a sparse-stage call, keys in layout `key`.
+template <class Params, class Call>
+void point_query_key(Params& p, const Call& c, core::Layout key) {
+  const int qoff = p.layout_query == core::Layout::kTND ? -1 : 0;
+  const int koff = key == core::Layout::kPagedBBND ? 0 : qoff;
+  p.query = data_of(c.query);
+  layout_strides(c.query, qoff, p.query_stride);
+  p.key = data_of(c.key);
+  layout_strides(c.key, koff, p.key_stride);
+}
+
+// --------------------------------------------------------------------------- lightning_indexer
+
+template <class Call>
+core::LightningIndexerParams lightning_indexer_params(const Call& c, const HostArrays& h) {
+  core::LightningIndexerParams p;
+  c.copy_scalars_to(p);  // sparse_count, ...
+  p.layout_key = conventions::indexer_key_layout(c.layout_key);
+  fill_query_key_layout(p, c, p.layout_key, h);
+  p.qk_dtype = dtype_of(c.query, "query");
+  p.weights_dtype = dtype_of(c.weights, "weights");
+  return p;
+}
+
+// lightning_indexer's inputs: query, key and weights.
+template <class Call>
+void point_lightning_indexer(core::LightningIndexerParams& p, const Call& c) {
+  point_query_key(p, c, p.layout_key);
+  p.weights = data_of(c.weights);
+  layout_strides(c.weights, p.layout_query == core::Layout::kTND ? -1 : 0, p.weights_stride, 3);
+}
+
+// ---------------------------------------------------- sparse_flash_attention and its backward
+
+template <class Call>
+core::SparseAttentionParams sparse_attention_params(const Call& c, const HostArrays& h) {
+  core::SparseAttentionParams p;
+  c.copy_scalars_to(p);  // sparse_block_size, ...
+  p.layout_kv = conventions::indexer_key_layout(c.layout_kv, "layout_kv");
+  fill_query_key_layout(p, c, p.layout_kv, h);
+  const std::vector<int64_t> is = sizes_of(c.sparse_indices);
+  p.value_dim = sizes_of(c.value).back();
+  p.index_heads = is[is.size() - 2];
+  p.sparse_count = is.back();
+  p.rope_dim = c.query_rope.has_value() ? sizes_of(*c.query_rope).back() : 0;
+  p.scale = static_cast<float>(c.scale_value);
+  p.dtype = dtype_of(c.query, "query");
+  return p;
+}
+
+// The call's query, key, value, sparse_indices (int32), ropes and sinks (float32, contiguous).
+template <class Call>
+void point_sparse_attention(core::SparseAttentionParams& p, const Call& c) {
+  point_query_key(p, c, p.layout_kv);
+  const int qoff = p.layout_query == core::Layout::kTND ? -1 : 0;
+  const int koff = p.layout_kv == core::Layout::kPagedBBND ? 0 : qoff;
+  p.value = data_of(c.value);
+  layout_strides(c.value, koff, p.value_stride);
+  if (c.query_rope.has_value()) {
+    p.query_rope = data_of(*c.query_rope);
+    layout_strides(*c.query_rope, qoff, p.query_rope_stride);
+    p.key_rope = data_of(*c.key_rope);
+    layout_strides(*c.key_rope, koff, p.key_rope_stride);
+  }
+  p.indices = static_cast<const int32_t*>(data_of(c.sparse_indices));
+  layout_strides(c.sparse_indices, qoff, p.indices_stride);
+  p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
+}
+
+// The backward's inputs (dout and attention_out in query's dtype, the statistics float32
+// contiguous) and its outputs: dq, dk, dv, dq_rope, dk_rope, dsinks (the ropes' and the sinks'
+// only when the call has them).
+template <class Call, class Tensor>
+core::SparseAttentionGrads sparse_attention_grads(const Call& c, bool tnd, const Tensor (&out)[6]) {
+  auto mutable_data = [](const Tensor& t) { return const_cast<void*>(data_of(t)); };
+  core::SparseAttentionGrads g;
+  g.dout = data_of(c.dout);
+  layout_strides(c.dout, tnd ? -1 : 0, g.dout_stride);
+  g.out = data_of(c.attention_out);
+  layout_strides(c.attention_out, tnd ? -1 : 0, g.out_stride);
+  g.softmax_max = static_cast<const float*>(data_of(c.softmax_max));
+  g.softmax_sum = static_cast<const float*>(data_of(c.softmax_sum));
+  g.dq = mutable_data(out[0]);
+  g.dk = mutable_data(out[1]);
+  g.dv = mutable_data(out[2]);
+  if (c.query_rope.has_value()) {
+    g.dq_rope = mutable_data(out[3]);
+    g.dk_rope = mutable_data(out[4]);
+  }
+  g.dsinks = c.sinks.has_value() ? static_cast<float*>(mutable_data(out[5])) : nullptr;
+  return g;
+}
+
+// ------------------------------------------------ the dense and the sparse indexer KL losses
+
+// Whether Call is the dense loss's (which takes the indexer's statistics) rather than the sparse
+// loss's (which takes a selection).
+template <class Call, class = void>
+inline constexpr bool kHasIndexStatistics = false;
+template <class Call>
+inline constexpr bool kHasIndexStatistics<
+    Call, std::void_t<decltype(std::declval<const Call&>().softmax_max_index)>> = true;
+
+template <class Call>
+core::IndexerKlLossParams kl_loss_params(const Call& c, const HostArrays& h) {
+  core::IndexerKlLossParams p;
+  c.copy_scalars_to(p);  // pre_tokens, next_tokens, ...
+  p.layout = conventions::indexer_layout(c.layout);
+  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
+  p.pre_tokens = c.pre_tokens;
+  p.next_tokens = c.next_tokens;
+  const bool tnd = p.layout == core::Layout::kTND;
+  const int off = tnd ? -1 : 0;
+  const std::vector<int64_t> qs = sizes_of(c.query), ks = sizes_of(c.key);
+  const std::vector<int64_t> qi = sizes_of(c.query_index), ki = sizes_of(c.key_index);
+  p.batch = tnd ? static_cast<int64_t>(h.q_lens.size()) : qi[0];
+  p.seq_q = qi[1 + off];
+  p.seq_k = ki[1 + off];
+  p.heads_q = qs[2 + off];
+  p.heads_k = ks[2 + off];
+  p.head_dim = qs[3 + off];
+  p.rope_dim = c.query_rope.has_value() ? sizes_of(*c.query_rope)[3 + off] : 0;
+  p.index_heads_q = qi[2 + off];
+  p.index_heads_k = ki[2 + off];
+  p.index_dim = qi[3 + off];
+  p.scale = static_cast<float>(c.scale_value);
+  p.seq_q_lens = h.q();
+  p.seq_k_lens = h.k();
+  return p;
+}
+
+template <class Tensor>
+core::KlOperand kl_operand(const Tensor& t, bool tnd, const char* argument) {
+  core::KlOperand o;
+  o.data = data_of(t);
+  o.dtype = dtype_of(t, argument);
+  layout_strides(t, tnd ? -1 : 0, o.stride);
+  return o;
+}
+
+template <class Tensor>
+core::KlGradient kl_gradient(const Tensor& t, bool tnd, const char* argument) {
+  const core::KlOperand o = kl_operand(t, tnd, argument);
+  core::KlGradient g;
+  g.data = const_cast<void*>(o.data);
+  g.dtype = o.dtype;
+  for (int i = 0; i < 4; ++i) g.stride[i] = o.stride[i];
+  return g;
+}
+
+// The losses' inputs (the statistics float32 contiguous; the dense loss's index statistics too)
+// and outputs: gradients shaped like query_index, key_index and weights, and the loss (float32).
+template <class Call, class Tensor>
+void point_kl_loss(core::IndexerKlLossParams& p, const Call& c, const Tensor (&out)[4]) {
+  const bool tnd = p.layout == core::Layout::kTND;
+  p.query = kl_operand(c.query, tnd, "query");
+  p.key = kl_operand(c.key, tnd, "key");
+  if (c.query_rope.has_value()) {
+    p.query_rope = kl_operand(*c.query_rope, tnd, "query_rope");
+    p.key_rope = kl_operand(*c.key_rope, tnd, "key_rope");
+  }
+  p.query_index = kl_operand(c.query_index, tnd, "query_index");
+  p.key_index = kl_operand(c.key_index, tnd, "key_index");
+  p.weights = kl_operand(c.weights, tnd, "weights");
+  p.softmax_max = static_cast<const float*>(data_of(c.softmax_max));
+  p.softmax_sum = static_cast<const float*>(data_of(c.softmax_sum));
+  if constexpr (kHasIndexStatistics<Call>) {
+    p.softmax_max_index = static_cast<const float*>(data_of(c.softmax_max_index));
+    p.softmax_sum_index = static_cast<const float*>(data_of(c.softmax_sum_index));
+  }
+  p.d_query_index = kl_gradient(out[0], tnd, "query_index");
+  p.d_key_index = kl_gradient(out[1], tnd, "key_index");
+  p.d_weights = kl_gradient(out[2], tnd, "weights");
+  p.loss = static_cast<float*>(const_cast<void*>(data_of(out[3])));
+}
+
+// The sparse loss: the dense loss's params and the call's selection (sparse_indices, int32).
+template <class Call>
+core::SparseKlLossParams sparse_kl_loss_params(const core::IndexerKlLossParams& dense,
+                                               const Call& c) {
+  core::SparseKlLossParams p;
+  p.dense = dense;
+  p.indices = static_cast<const int32_t*>(data_of(c.sparse_indices));
+  layout_strides(c.sparse_indices, dense.layout == core::Layout::kTND ? -1 : 0, p.indices_stride);
+  const std::vector<int64_t> is = sizes_of(c.sparse_indices);
+  p.index_heads = is[is.size() - 2];
+  p.sparse_count = is.back();
+  return p;
+}
+
+}  // namespace opmesh::common

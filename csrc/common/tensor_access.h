@@ -1,0 +1,84 @@
+// How the code shared by the bindings reads a binding's tensors and host arrays. Each binding
+// specialises the two traits for its types (csrc/torch/torch_access.h, csrc/mindspore/ms_call.h):
+//
+//   template <> struct TensorAccess<Tensor> {
+//     static const void* data(const Tensor&);               // the first element
+//     static std::vector<int64_t> sizes(const Tensor&);
+//     static std::vector<int64_t> strides(const Tensor&);   // in elements
+//     static core::DType dtype(const Tensor&, const char* argument);  // floating types only
+//   };
+//   template <> struct HostIntsAccess<Ints> {                // the Ints kind of op_defs.h
+//     static std::vector<int64_t> values(const Ints&);       // row by row
+//     static int64_t columns(const Ints&);                   // 2-D: entries per row
+//   };
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dtype.h"
+
+namespace opmesh::common {
+
+template <class Tensor>
+struct TensorAccess;
+
+template <class Ints>
+struct HostIntsAccess;
+
+template <class Tensor>
+const void* data_of(const Tensor& t) {
+  return TensorAccess<Tensor>::data(t);
+}
+
+template <class Tensor>
+std::vector<int64_t> sizes_of(const Tensor& t) {
+  return TensorAccess<Tensor>::sizes(t);
+}
+
+template <class Tensor>
+core::DType dtype_of(const Tensor& t, const char* argument) {
+  return TensorAccess<Tensor>::dtype(t, argument);
+}
+
+// t's strides as the core's `count` layout-ordered entries: entry i is dim i + offset, where a
+// TND tensor's offset is -1 (it has no batch dim: its entry 0 is unused, 0).
+template <class Tensor>
+void layout_strides(const Tensor& t, int offset, int64_t* dst, int count = 4) {
+  const std::vector<int64_t> s = TensorAccess<Tensor>::strides(t);
+  for (int i = 0; i < count; ++i) {
+    const int dim = i + offset;
+    dst[i] = dim >= 0 && dim < static_cast<int>(s.size()) ? s[dim] : 0;
+  }
+}
+
+// The host arrays a sequence operator's params point into (lengths, block table), kept alive
+// with them; empty where the call has none.
+struct HostArrays {
+  std::vector<int64_t> q_lens, k_lens, table;
+  int64_t table_columns = 0;
+
+  const int64_t* q() const { return q_lens.empty() ? nullptr : q_lens.data(); }
+  const int64_t* k() const { return k_lens.empty() ? nullptr : k_lens.data(); }
+  const int64_t* blocks() const { return table.empty() ? nullptr : table.data(); }
+};
+
+template <class Ints>
+std::vector<int64_t> host_values(const std::optional<Ints>& ints) {
+  return ints.has_value() ? HostIntsAccess<Ints>::values(*ints) : std::vector<int64_t>{};
+}
+
+// A call's query lengths, key lengths and (optional) block table on the host.
+template <class Ints>
+HostArrays host_arrays(const std::optional<Ints>& q_lens, const std::optional<Ints>& k_lens,
+                       const std::optional<Ints>& table = std::nullopt) {
+  HostArrays h;
+  h.q_lens = host_values(q_lens);
+  h.k_lens = host_values(k_lens);
+  h.table = host_values(table);
+  h.table_columns = table.has_value() ? HostIntsAccess<Ints>::columns(*table) : 0;
+  return h;
+}
+
+}  // namespace opmesh::common
