@@ -464,6 +464,7 @@ def lightning_indexer(
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
     return_value: bool = False,
+    scale_value: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The ``sparse_count`` keys with the highest lightning-indexer score, per token and key head.
 
@@ -475,7 +476,7 @@ def lightning_indexer(
     ``sparse_count`` highest ``I[t, g, s]`` among the keys ``t`` sees, in descending score, ties
     to the lower position, padded with ``-1`` when fewer are visible. (A NaN score ranks above
     every number; ``-0.0`` equals ``0.0``.) Query head ``h`` belongs to key head
-    ``h // (N1 // N2)``. No scale is applied.
+    ``h // (N1 // N2)``. No scale enters the selection (``scale_value`` scales the returned scores).
 
     Args:
         query: ``[B, S1, N1, D]`` (``layout_query="BSND"``) or ``[T1, N1, D]`` (``"TND"``);
@@ -498,6 +499,9 @@ def lightning_indexer(
         pre_tokens, next_tokens: a band around that diagonal ``d``: key ``s`` is visible only if
             ``d - pre_tokens <= s <= d + next_tokens`` (unbounded by default).
         return_value: also return the selected scores.
+        scale_value: the factor of the returned scores (``sparse_values = scale_value * I``;
+            finite and ``> 0``), such as the model's ``softmax_scale``: the selection ranks ``I``
+            itself, so it is the same for any scale.
 
     Returns:
         ``(sparse_indices, sparse_values)``: int32 ``[B, S1, N2, K]`` (BSND) or ``[T1, N2, K]``

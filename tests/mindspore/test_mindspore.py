@@ -131,6 +131,11 @@ def test_lightning_indexer_matches_torch(case, dtype):
     assert_same(m_idx, t_idx)
     assert_same(m_val, t_val)
     assert (as_numpy(t_idx) >= 0).any()
+    # An option reaches the binding's kernel by its declared name alone.
+    m_scaled = opmesh.lightning_indexer(mq, mk, mw, **kw, scale_value=0.25)[1]
+    t_scaled = opmesh.lightning_indexer(tq, tk, tw, **kw, scale_value=0.25)[1]
+    assert_same(m_scaled, t_scaled)
+    assert not np.array_equal(as_numpy(m_scaled), as_numpy(m_val))
 
 
 def test_lightning_indexer_block_table_as_a_mindspore_tensor_and_no_values():

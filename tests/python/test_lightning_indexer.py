@@ -218,6 +218,25 @@ def test_rows_past_a_length_and_rows_that_see_nothing_are_minus_one():
     assert indices.shape == (3, 40, 2, 9) and values.shape == (3, 40, 2, 9)
 
 
+@pytest.mark.parametrize("scale", [0.125, 0.3, 7.0])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[6]], ids=lambda c: c.name)
+def test_scale_value_scales_the_values_and_keeps_the_selection(case, scale):
+    """The selection ranks the unscaled scores; the values are scale_value times them (in
+    float32: exactly for a power of two, to one rounding otherwise)."""
+    q, k, w, kwargs = make_inputs(case, torch.float32, integer=True)
+    indices, values = opmesh.lightning_indexer(q, k, w, return_value=True, **kwargs)
+    got_i, got_v = opmesh.lightning_indexer(q, k, w, return_value=True, scale_value=scale, **kwargs)
+    assert torch.equal(got_i, indices)
+    want_i, want_v = reference(q, k, w, **kwargs)
+    assert torch.equal(rows_view(got_i, case.layout_query).long(), want_i)
+    taken = want_i >= 0
+    got_v = rows_view(got_v, case.layout_query).double()
+    assert torch.isneginf(got_v[~taken]).all()
+    torch.testing.assert_close(got_v[taken], scale * want_v[taken], rtol=1e-7, atol=0)
+    if scale == 0.125:
+        assert torch.equal(got_v, rows_view(values, case.layout_query).double() * scale)
+
+
 def test_without_return_value_the_values_are_empty():
     q, k, w, kwargs = make_inputs(CASES[0], torch.float32)
     indices, values = opmesh.lightning_indexer(q, k, w, **kwargs)
@@ -343,6 +362,10 @@ ERRORS = [
     ("actual_seq_lengths_key", ValueError, lambda kw: {**kw, "actual_seq_lengths_key": [5, -1, 3]}),
     ("actual_seq_lengths_query", ValueError, lambda kw: dict(kw, actual_seq_lengths_query=[5, 1])),
     ("actual_seq_lengths_query", TypeError, lambda kw: dict(kw, actual_seq_lengths_query=[1.5, 1])),
+    ("scale_value", ValueError, lambda kw: dict(kw, scale_value=0.0)),
+    ("scale_value", ValueError, lambda kw: dict(kw, scale_value=-0.5)),
+    ("scale_value", ValueError, lambda kw: dict(kw, scale_value=float("inf"))),
+    ("scale_value", ValueError, lambda kw: dict(kw, scale_value=float("nan"))),
 ]  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 #include "lightning_indexer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -283,7 +284,7 @@ class TopKRun {
     const int64_t out = (token * p_.heads_k + u.g) * k_;
     for (int64_t i = 0; i < n; ++i) p_.indices[out + i] = position_of(best[i]);
     if (p_.values != nullptr) {
-      for (int64_t i = 0; i < n; ++i) p_.values[out + i] = score_of(best[i]);
+      for (int64_t i = 0; i < n; ++i) p_.values[out + i] = p_.scale_value * score_of(best[i]);
     }
   }
 
@@ -318,6 +319,10 @@ void validate(const LightningIndexerParams& p) {
                         "must be in [1, " + str(kMaxSparseCount) + "], got " + str(p.sparse_count));
   }
   check_grouped_heads(p.heads_q, p.heads_k);
+  if (!(p.scale_value > 0.0f) || std::isinf(p.scale_value)) {
+    throw ArgumentError("scale_value",
+                        "must be finite and > 0, got " + std::to_string(p.scale_value));
+  }
   if (p.head_dim < 1 || p.head_dim > attention::kMaxHeadDim) {
     throw ArgumentError("query", "head dim D must be in [1, " + str(attention::kMaxHeadDim) +
                                      "], got " + str(p.head_dim));

@@ -27,6 +27,8 @@ inline constexpr int64_t kMaxSparseCount = int64_t{1} << 16;
 struct LightningIndexerParams : QueryKeyLayout {
   Layout layout_key = Layout::kBSND;
   int64_t sparse_count = 0;  // K, in [1, kMaxSparseCount]
+  // The selection ranks the scores I; `values` holds scale_value * I (finite, > 0).
+  float scale_value = 1.0f;
 
   DType qk_dtype = DType::kFloat32;
   DType weights_dtype = DType::kFloat32;  // qk_dtype or float32
