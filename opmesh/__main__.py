@@ -7,7 +7,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._demo import run_demo
 from ._mesh_demo import run_mesh_demo
-from ._mindspore_demo import run_mindspore_demo
 from ._plan_view import run as run_plan
 
 PROG = "python -m opmesh"
@@ -78,6 +77,8 @@ def _run(args):
         run_plan(args)
     elif args.command == "demo":
         if args.framework == "mindspore":
+            from ._mindspore_demo import run_mindspore_demo  # (needs MindSpore and numpy)
+
             run_mindspore_demo()
         else:
             run_demo(seq=args.seq, heads=args.heads, dim=args.dim)

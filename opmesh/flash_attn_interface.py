@@ -44,6 +44,15 @@ def _unsupported(**features):
             )
 
 
+def _options(causal, window_size, softmax_scale, sinks, softcap, alibi_slopes) -> dict:
+    """flash_attn's keyword arguments for flash-attn's score and mask options."""
+    mode, left, right = _mask(causal, window_size)
+    return dict(
+        softmax_scale=softmax_scale, mask_mode=mode, win_left=left, win_right=right, sinks=sinks,
+        softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+
+
 def _mask(causal, window_size):
     """(mask_mode, win_left, win_right) for flash-attn's causal and window_size."""
     try:
@@ -106,20 +115,9 @@ def flash_attn_func(
     them. ``sinks`` (float32 ``[H]``) adds one logit per head to the softmax denominator.
     """
     _unsupported(dropout_p=(dropout_p, 0.0))
-    mode, left, right = _mask(causal, window_size)
-    out, lse = ops.flash_attn(
-        q,
-        k,
-        v,
-        softmax_scale=softmax_scale,
-        mask_mode=mode,
-        win_left=left,
-        win_right=right,
-        sinks=sinks,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        return_softmax_lse=return_softmax_lse or return_attn_probs,
-    )
+    options = _options(causal, window_size, softmax_scale, sinks, softcap, alibi_slopes)
+    lse_wanted = return_softmax_lse or return_attn_probs
+    out, lse = ops.flash_attn(q, k, v, return_softmax_lse=lse_wanted, **options)
     return _returns(out, lse, return_softmax_lse, return_attn_probs)
 
 
@@ -154,15 +152,8 @@ def flash_attn_varlen_func(
     ``return_attn_probs=True`` ``(out, lse, None)``.
     """
     _unsupported(dropout_p=(dropout_p, 0.0))
-    mode, left, right = _mask(causal, window_size)
-    options = dict(
-        softmax_scale=softmax_scale,
-        mask_mode=mode,
-        win_left=left,
-        win_right=right,
-        sinks=sinks,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
+    options = _options(causal, window_size, softmax_scale, sinks, softcap, alibi_slopes)
+    options.update(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_k,
         layout_q="TND",
@@ -284,20 +275,13 @@ def flash_attn_with_kvcache(
         slots = (blocks * block_size + positions % block_size).flatten()
         ops.kv_cache_write_(k.flatten(0, 1), v.flatten(0, 1), k_cache, v_cache, slots)
         lengths = lengths + new
-    mode, left, right = _mask(causal, window_size)
     out, lse = ops.flash_attn(
         q,
         k_cache,
         v_cache,
         block_table=table.to(torch.int32),
         seqused_kv=lengths.to(torch.int32),
-        softmax_scale=softmax_scale,
-        mask_mode=mode,
-        win_left=left,
-        win_right=right,
-        sinks=sinks,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
+        **_options(causal, window_size, softmax_scale, sinks, softcap, alibi_slopes),
         layout_kv="PA_BBND",
         return_softmax_lse=return_softmax_lse,
     )

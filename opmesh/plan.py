@@ -112,21 +112,22 @@ class FlashAttnPlan:
             self.num_heads_kv,
             self.head_dim,
             head_dim_v=self.head_dim_v,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_kv=self.cu_seqlens_kv,
-            seqused_kv=self.seqused_kv,
             batch_size=batch_size,
             max_seqlen_q=seqlen_q,
             max_seqlen_kv=seqlen_kv,
-            mask_mode=self.mask_mode,
-            win_left=self.win_left,
-            win_right=self.win_right,
-            layout_q=self.layout,
-            layout_kv=self.layout_kv,
-            layout_out=self.layout,
             num_workers=self.num_workers,
+            **self._shared_arguments(),
         )
         return self
+
+    def _shared_arguments(self) -> dict:
+        """What flash_attn_metadata and flash_attn take alike: the lengths, mask and layouts."""
+        return dict(
+            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
+            seqused_kv=self.seqused_kv, mask_mode=self.mask_mode, win_left=self.win_left,
+            win_right=self.win_right, layout_q=self.layout, layout_kv=self.layout_kv,
+            layout_out=self.layout,
+        )  # fmt: skip
 
     def run(
         self,
@@ -141,30 +142,19 @@ class FlashAttnPlan:
         output, or ``(out, lse)`` with ``return_softmax_lse=True``."""
         if self.metadata is None:
             raise ValueError("plan: call plan(...) with this step's lengths before run()")
+        planned_maxima = self.layout == "TND" or self.block_table is not None
         out, lse = ops.flash_attn(
             q,
             k,
             v,
             block_table=self.block_table,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_kv=self.cu_seqlens_kv,
-            seqused_kv=self.seqused_kv,
             sinks=sinks,
             metadata=self.metadata,
             softmax_scale=self.softmax_scale,
-            mask_mode=self.mask_mode,
-            win_left=self.win_left,
-            win_right=self.win_right,
-            max_seqlen_q=self.seqlen_q
-            if self.layout == "TND" or self.block_table is not None
-            else None,
-            max_seqlen_kv=self.seqlen_kv
-            if self.layout == "TND" or self.block_table is not None
-            else None,
-            layout_q=self.layout,
-            layout_kv=self.layout_kv,
-            layout_out=self.layout,
+            max_seqlen_q=self.seqlen_q if planned_maxima else None,
+            max_seqlen_kv=self.seqlen_kv if planned_maxima else None,
             return_softmax_lse=return_softmax_lse,
+            **self._shared_arguments(),
         )
         return (out, lse) if return_softmax_lse else out
 

@@ -24,27 +24,32 @@ namespace opmesh::common {
 
 // ------------------------------------------------------------ dense_lightning_indexer_softmax_lse
 
+// The indexer family's layout, mask (pre_tokens and next_tokens come by name), sequence sizes
+// and lengths, read off the index tensors: what the indexer and its KL losses share.
+template <class Params, class Call>
+void indexer_sequences_of(Params& p, const Call& c, const HostArrays& h) {
+  c.copy_scalars_to(p);
+  p.layout = conventions::indexer_layout(c.layout);
+  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
+  const bool tnd = p.layout == core::Layout::kTND;
+  const std::vector<int64_t> qi = sizes_of(c.query_index), ki = sizes_of(c.key_index);
+  p.batch = tnd ? static_cast<int64_t>(h.q_lens.size()) : qi[0];
+  p.seq_q = qi[tnd ? 0 : 1];
+  p.seq_k = ki[tnd ? 0 : 1];
+  p.seq_q_lens = h.q();
+  p.seq_k_lens = h.k();
+}
+
 template <class Call>
 core::IndexerParams indexer_params(const Call& c, const HostArrays& h) {
   core::IndexerParams p;
-  c.copy_scalars_to(p);  // pre_tokens, next_tokens, ...
-  p.layout = conventions::indexer_layout(c.layout);
-  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
-  p.pre_tokens = c.pre_tokens;
-  p.next_tokens = c.next_tokens;
-  const bool tnd = p.layout == core::Layout::kTND;
-  const int off = tnd ? -1 : 0;
+  indexer_sequences_of(p, c, h);
   const std::vector<int64_t> qs = sizes_of(c.query_index), ks = sizes_of(c.key_index);
-  p.batch = tnd ? static_cast<int64_t>(h.q_lens.size()) : qs[0];
-  p.seq_q = qs[1 + off];
-  p.seq_k = ks[1 + off];
-  p.heads_q = qs[2 + off];
-  p.heads_k = ks[2 + off];
-  p.head_dim = qs[3 + off];
+  p.heads_q = qs[qs.size() - 2];
+  p.heads_k = ks[ks.size() - 2];
+  p.head_dim = qs.back();
   p.qk_dtype = dtype_of(c.query_index, "query_index");
   p.weights_dtype = dtype_of(c.weights, "weights");
-  p.seq_q_lens = h.q();
-  p.seq_k_lens = h.k();
   return p;
 }
 
@@ -68,9 +73,7 @@ template <class Call>
 void fill_query_key_layout(core::QueryKeyLayout& p, const Call& c, core::Layout key,
                            const HostArrays& h) {
   p.layout_query = conventions::indexer_layout(c.layout_query, "layout_query");
-  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
-  p.pre_tokens = c.pre_tokens;
-  p.next_tokens = c.next_tokens;
+  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);  // pre_tokens, next_tokens: by name
   const bool tnd = p.layout_query == core::Layout::kTND;
   const bool paged = key == core::Layout::kPagedBBND;
   const std::vector<int64_t> qs = sizes_of(c.query), ks = sizes_of(c.key);
@@ -196,28 +199,17 @@ inline constexpr bool kHasIndexStatistics<
 template <class Call>
 core::IndexerKlLossParams kl_loss_params(const Call& c, const HostArrays& h) {
   core::IndexerKlLossParams p;
-  c.copy_scalars_to(p);  // pre_tokens, next_tokens, ...
-  p.layout = conventions::indexer_layout(c.layout);
-  p.sparse_mode = conventions::sparse_mode(c.sparse_mode);
-  p.pre_tokens = c.pre_tokens;
-  p.next_tokens = c.next_tokens;
-  const bool tnd = p.layout == core::Layout::kTND;
-  const int off = tnd ? -1 : 0;
+  indexer_sequences_of(p, c, h);
   const std::vector<int64_t> qs = sizes_of(c.query), ks = sizes_of(c.key);
   const std::vector<int64_t> qi = sizes_of(c.query_index), ki = sizes_of(c.key_index);
-  p.batch = tnd ? static_cast<int64_t>(h.q_lens.size()) : qi[0];
-  p.seq_q = qi[1 + off];
-  p.seq_k = ki[1 + off];
-  p.heads_q = qs[2 + off];
-  p.heads_k = ks[2 + off];
-  p.head_dim = qs[3 + off];
-  p.rope_dim = c.query_rope.has_value() ? sizes_of(*c.query_rope)[3 + off] : 0;
-  p.index_heads_q = qi[2 + off];
-  p.index_heads_k = ki[2 + off];
-  p.index_dim = qi[3 + off];
+  p.heads_q = qs[qs.size() - 2];
+  p.heads_k = ks[ks.size() - 2];
+  p.head_dim = qs.back();
+  p.rope_dim = c.query_rope.has_value() ? sizes_of(*c.query_rope).back() : 0;
+  p.index_heads_q = qi[qi.size() - 2];
+  p.index_heads_k = ki[ki.size() - 2];
+  p.index_dim = qi.back();
   p.scale = static_cast<float>(c.scale_value);
-  p.seq_q_lens = h.q();
-  p.seq_k_lens = h.k();
   return p;
 }
 

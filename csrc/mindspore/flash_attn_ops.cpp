@@ -315,8 +315,8 @@ py::object flash_attn(const FlashAttnCall& call) {
                   std::vector<float> workspace(
                       static_cast<size_t>(std::max<int64_t>(1, attn::workspace_floats(c, plan))));
                   checked([&] {
-                    attn::flash_attn(p, prepared->sequences, plan, ThreadExecutor(),
-                                     core::active_isa(), workspace.data(), nullptr);
+                    cpu_kernels().flash_attn(p, prepared->sequences, plan, ThreadExecutor(),
+                                             workspace.data(), nullptr);
                     return 0;
                   });
                 });
@@ -394,8 +394,9 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
         p.dk = mutable_view_of(grads[1], c.layout_kv);
         p.dv = mutable_view_of(grads[2], c.layout_kv);
         checked([&] {
-          attn::flash_attn_backward(p, prepared->sequences, ThreadExecutor(), core::active_isa(),
-                                    prepared->decoded ? &prepared->decoded->backward : nullptr);
+          cpu_kernels().flash_attn_backward(
+              p, prepared->sequences, ThreadExecutor(),
+              prepared->decoded ? &prepared->decoded->backward : nullptr);
           return 0;
         });
       });

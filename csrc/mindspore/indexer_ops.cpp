@@ -60,8 +60,7 @@ py::object indexer(const IndexerCall& call) {
                   p.softmax_max = out[0].data_ptr<float>();
                   p.softmax_sum = out[1].data_ptr<float>();
                   checked([&] {
-                    core::dense_lightning_indexer_softmax_lse(p, ThreadExecutor(),
-                                                              core::active_isa());
+                    cpu_kernels().dense_lightning_indexer_softmax_lse(p, ThreadExecutor());
                     return 0;
                   });
                 });
@@ -127,29 +126,28 @@ py::object kl_loss(const Call& call, const char* kernel) {
                                      spec(call.key_index),
                                      spec(call.weights),
                                      {mindspore::kNumberTypeFloat32, {1}}};
-  return launch(
-      kernel, inputs_of(call), outs,
-      [call, base, host, no_heads](const std::vector<ms::Tensor>& in,
-                                   std::vector<ms::Tensor>& out) {
-        // Rows no sequence covers keep a zero gradient.
-        for (ms::Tensor& t : out) {
-          std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
-        }
-        if (no_heads) return;
-        const Call c = with_inputs(call, in);
-        core::IndexerKlLossParams p = base;
-        const ms::Tensor outputs[4] = {out[0], out[1], out[2], out[3]};
-        common::point_kl_loss(p, c, outputs);
-        checked([&] {
-          if constexpr (kSparseKl<Call>) {
-            core::sparse_lightning_indexer_grad_kl_loss(common::sparse_kl_loss_params(p, c),
-                                                        ThreadExecutor(), core::active_isa());
-          } else {
-            core::dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor(), core::active_isa());
-          }
-          return 0;
-        });
-      });
+  return launch(kernel, inputs_of(call), outs,
+                [call, base, host, no_heads](const std::vector<ms::Tensor>& in,
+                                             std::vector<ms::Tensor>& out) {
+                  // Rows no sequence covers keep a zero gradient.
+                  for (ms::Tensor& t : out) {
+                    std::memset(t.GetDataPtr(), 0, t.numel() * element_bytes(t));
+                  }
+                  if (no_heads) return;
+                  const Call c = with_inputs(call, in);
+                  core::IndexerKlLossParams p = base;
+                  const ms::Tensor outputs[4] = {out[0], out[1], out[2], out[3]};
+                  common::point_kl_loss(p, c, outputs);
+                  checked([&] {
+                    if constexpr (kSparseKl<Call>) {
+                      cpu_kernels().sparse_lightning_indexer_grad_kl_loss(
+                          common::sparse_kl_loss_params(p, c), ThreadExecutor());
+                    } else {
+                      cpu_kernels().dense_lightning_indexer_grad_kl_loss(p, ThreadExecutor());
+                    }
+                    return 0;
+                  });
+                });
 }
 
 }  // namespace
@@ -221,7 +219,7 @@ py::object kv_cache_write(const KvCacheWriteCall& call) {
                     p.value_cache_stride[i] = vcs[i];
                   }
                   checked([&] {
-                    core::kv_cache_write(p, ThreadExecutor());
+                    cpu_kernels().kv_cache_write(p, ThreadExecutor());
                     return 0;
                   });
                 });

@@ -50,7 +50,7 @@ py::object lightning_indexer(const LightningIndexerCall& call) {
                   if (no_heads) return;
                   common::point_lightning_indexer(p, with_inputs(call, in));
                   checked([&] {
-                    core::lightning_indexer(p, ThreadExecutor(), core::active_isa());
+                    cpu_kernels().lightning_indexer(p, ThreadExecutor());
                     return 0;
                   });
                 });

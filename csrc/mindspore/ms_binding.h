@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/backend.h"
 #include "dtype.h"
 #include "errors.h"
 #include "executor.h"
@@ -76,6 +77,9 @@ std::vector<int64_t> strides_of(const ms::Tensor& t);
 std::vector<int32_t> as_int32(const IntList& values);
 
 // The CPU's worker threads: OPMESH_NUM_THREADS, else the hardware's thread count.
+// The kernels this binding runs (MindSpore's CPU tensors): the CPU backend's.
+inline const core::Backend& cpu_kernels() { return core::backend_for(core::Device::kCpu); }
+
 class ThreadExecutor final : public core::Executor {
  public:
   ThreadExecutor();

@@ -81,7 +81,7 @@ py::object sparse_flash_attention(const SparseFlashAttentionCall& call) {
                     p.softmax_sum = out[2].data_ptr<float>();
                   }
                   checked([&] {
-                    core::sparse_flash_attention(p, ThreadExecutor(), core::active_isa());
+                    cpu_kernels().sparse_flash_attention(p, ThreadExecutor());
                     return 0;
                   });
                 });
@@ -104,21 +104,21 @@ py::object sparse_flash_attention_backward(const SparseFlashAttentionBackwardCal
       {mindspore::kNumberTypeFloat32,
        sinks ? std::vector<int64_t>{base.heads_q} : std::vector<int64_t>{0}}};
   const bool tnd = base.layout_query == core::Layout::kTND;
-  return launch(
-      "OpmeshSparseFlashAttentionGrad", inputs_of(call), outs,
-      [call, base, host, no_heads, tnd](const std::vector<ms::Tensor>& in,
-                                        std::vector<ms::Tensor>& out) {
-        if (no_heads) return;
-        const SparseFlashAttentionBackwardCall c = with_inputs(call, in);
-        core::SparseAttentionParams p = base;
-        common::point_sparse_attention(p, c);
-        const ms::Tensor grads[6] = {out[0], out[1], out[2], out[3], out[4], out[5]};
-        const core::SparseAttentionGrads g = common::sparse_attention_grads(c, tnd, grads);
-        checked([&] {
-          core::sparse_flash_attention_backward(p, g, ThreadExecutor(), core::active_isa());
-          return 0;
-        });
-      });
+  return launch("OpmeshSparseFlashAttentionGrad", inputs_of(call), outs,
+                [call, base, host, no_heads, tnd](const std::vector<ms::Tensor>& in,
+                                                  std::vector<ms::Tensor>& out) {
+                  if (no_heads) return;
+                  const SparseFlashAttentionBackwardCall c = with_inputs(call, in);
+                  core::SparseAttentionParams p = base;
+                  common::point_sparse_attention(p, c);
+                  const ms::Tensor grads[6] = {out[0], out[1], out[2], out[3], out[4], out[5]};
+                  const core::SparseAttentionGrads g =
+                      common::sparse_attention_grads(c, tnd, grads);
+                  checked([&] {
+                    cpu_kernels().sparse_flash_attention_backward(p, g, ThreadExecutor());
+                    return 0;
+                  });
+                });
 }
 
 }  // namespace opmesh::ms_binding

@@ -151,8 +151,8 @@ Grads flash_attn_backward_cpu(const FlashAttnBackwardCall& g) {
   p.dk = mutable_view(dk, c.layout_kv);
   p.dv = mutable_view(dv, c.layout_kv);
   rethrow([&] {
-    attn::flash_attn_backward(p, seqs, AtenExecutor(), core::active_isa(),
-                              decoded ? &decoded->backward : nullptr);
+    cpu_kernels().flash_attn_backward(p, seqs, AtenExecutor(),
+                                      decoded ? &decoded->backward : nullptr);
     return 0;
   });
   return grads;

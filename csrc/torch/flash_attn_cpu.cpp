@@ -171,8 +171,8 @@ Outputs2 flash_attn_cpu(const FlashAttnCall& call) {
   at::Tensor workspace = at::empty({std::max<int64_t>(1, attn::workspace_floats(c, *plan))},
                                    q.options().dtype(at::kFloat));
   WorkerTimes::Recording recording(static_cast<int64_t>(plan->workers.size()));
-  attn::flash_attn(p, seqs, *plan, AtenExecutor(), core::active_isa(), workspace.data_ptr<float>(),
-                   recording.data());
+  cpu_kernels().flash_attn(p, seqs, *plan, AtenExecutor(), workspace.data_ptr<float>(),
+                           recording.data());
   return {out, lse};
 }
 

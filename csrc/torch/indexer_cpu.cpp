@@ -39,7 +39,7 @@ Outputs2 indexer_cpu(const IndexerCall& a) {
           core::validate(p);
           return;
         }
-        core::dense_lightning_indexer_softmax_lse(p, AtenExecutor(), core::active_isa());
+        cpu_kernels().dense_lightning_indexer_softmax_lse(p, AtenExecutor());
       },
       [&] {
         return c10::str("query_index: the scratch memory for N1=", n1, ", D=", d,

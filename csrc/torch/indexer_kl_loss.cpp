@@ -232,9 +232,9 @@ Outputs4 kl_loss_cpu(const Call& call) {
         }
         if constexpr (kSparse<Call>) {
           const core::SparseKlLossParams sp = common::sparse_kl_loss_params(p, a);
-          core::sparse_lightning_indexer_grad_kl_loss(sp, AtenExecutor(), core::active_isa());
+          cpu_kernels().sparse_lightning_indexer_grad_kl_loss(sp, AtenExecutor());
         } else {
-          core::dense_lightning_indexer_grad_kl_loss(p, AtenExecutor(), core::active_isa());
+          cpu_kernels().dense_lightning_indexer_grad_kl_loss(p, AtenExecutor());
         }
       },
       [&] {

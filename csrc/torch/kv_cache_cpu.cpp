@@ -116,7 +116,7 @@ void kv_cache_write_cpu(const KvCacheWriteCall& a) {
   p.num_blocks = a.key_cache.size(0);
   p.block_size = a.key_cache.size(1);
   p.slots = slots.data_ptr<int64_t>();
-  rethrow([&] { core::kv_cache_write(p, AtenExecutor()); });
+  rethrow([&] { cpu_kernels().kv_cache_write(p, AtenExecutor()); });
 }
 
 void kv_cache_write_meta(const KvCacheWriteCall& a) { check_kv_cache_args(a); }

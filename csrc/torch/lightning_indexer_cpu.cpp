@@ -36,7 +36,7 @@ Outputs2 lightning_indexer_cpu(const LightningIndexerCall& a) {
           core::validate(p);
           return;
         }
-        core::lightning_indexer(p, AtenExecutor(), core::active_isa());
+        cpu_kernels().lightning_indexer(p, AtenExecutor());
       },
       [&] {
         return c10::str("sparse_count: the candidate buffers for K=", a.sparse_count,

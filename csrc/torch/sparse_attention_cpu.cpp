@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_cpu(
       core::validate(p);
       return;
     }
-    core::sparse_flash_attention(p, AtenExecutor(), core::active_isa());
+    cpu_kernels().sparse_flash_attention(p, AtenExecutor());
   });
   return {out, smax, ssum};
 }
@@ -95,7 +95,7 @@ sparse_attention_backward_cpu(const SparseFlashAttentionBackwardCall& call) {
   const core::SparseAttentionGrads g = common::sparse_attention_grads(c, a.tnd, grads);
   rethrow([&] {
     if (a.no_heads) return;
-    core::sparse_flash_attention_backward(p, g, AtenExecutor(), core::active_isa());
+    cpu_kernels().sparse_flash_attention_backward(p, g, AtenExecutor());
   });
   const at::Tensor dsinks = call.sinks ? grads[5].to(call.sinks->scalar_type()) : grads[5];
   return {grads[0], grads[1], grads[2], grads[3], grads[4], dsinks};

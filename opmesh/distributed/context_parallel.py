@@ -172,6 +172,17 @@ def head_tail_enabled() -> bool:
     return head_tail_order() is not None
 
 
+def keys_seen(row_end: int, q_len: int, k_len: int, right: int = -1) -> int:
+    """How many leading keys of a sequence (``q_len`` queries, ``k_len`` keys, the mask's
+    diagonal aligned bottom-right) its query rows before ``row_end`` can see: all of them when
+    the mask has no right bound (``right = -1``), else those up to the last row's diagonal plus
+    ``right`` keys (``0``: causal). Every context-parallel strategy cuts a rank's keys with it,
+    so that each of its rows keeps exactly the keys it sees in the global call."""
+    if right < 0:
+        return k_len
+    return max(0, min(k_len, row_end + k_len - q_len + right))
+
+
 def causal_work_per_rank(s1: int, s2: int, cp_size: int, head_tail: bool) -> list[int]:
     """Visible (query, key) pairs each rank computes for one causal sequence (bottom-right
     aligned) whose s1 queries are sharded over cp_size ranks."""

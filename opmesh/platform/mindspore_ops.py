@@ -23,7 +23,6 @@ import hashlib
 import operator
 import os
 
-import numpy as np
 import torch
 
 from .. import _C, _schema
@@ -440,6 +439,7 @@ _LENGTHS = _schema.ATTN_LENGTHS
 def flash_attn_metadata(num_heads_q, num_heads_kv, head_dim, kwargs):
     """``kwargs``: flash_attn_metadata's keyword arguments with the layouts resolved."""
     import mindspore
+    import numpy as np  # (MindSpore's path only: the operators on torch tensors need no numpy)
 
     batch_size = kwargs["batch_size"]
     counts = dict(cu_seqlens_q=batch_size + 1, cu_seqlens_kv=batch_size + 1)

@@ -944,3 +944,22 @@ def test_fused_kl_loss_is_differentiable_as_on_torch():
     for g, leaf in zip(grads, leaves, strict=True):
         assert_same(g, leaf.grad)
         assert np.abs(as_numpy(g)).sum() > 0
+
+
+def test_int_and_bool_arguments_are_taken_strictly():
+    """As on PyTorch: a bool where an int is declared, or an int other than 0/1 where a bool
+    is, is a TypeError naming the argument, at the public function and at the binding."""
+    from opmesh.platform import mindspore_ops
+
+    q, k, w = (ms.Tensor(a) for a in (randn(1, 6, 4, 16), randn(1, 6, 1, 16), randn(1, 6, 4)))
+    with pytest.raises(TypeError, match="^sparse_count: expected an int"):
+        opmesh.lightning_indexer(q, k, w, sparse_count=True)
+    with pytest.raises(TypeError, match="^return_value: expected a bool"):
+        opmesh.lightning_indexer(q, k, w, sparse_count=3, return_value=2)
+    call = dict(query=q, key=k, weights=w, sparse_count=True)
+    with pytest.raises(TypeError, match="^sparse_count: expected an int, got a bool"):
+        mindspore_ops._call("lightning_indexer", **call)
+    with pytest.raises(TypeError, match="^return_value: expected a bool"):
+        mindspore_ops._call("lightning_indexer", **dict(call, sparse_count=3, return_value=2))
+    indices = mindspore_ops._call("lightning_indexer", **dict(call, sparse_count=3, return_value=1))
+    assert tuple(indices[1].shape) == (1, 6, 1, 3)

@@ -283,14 +283,10 @@ void sparse_flash_attention(const SparseAttentionParams& p, const Executor& exec
   }
   const std::vector<TokenTask> tasks = token_tasks(seqs, kTokensPerTask);
   ScratchPool<Forward::Scratch, const Forward> scratch(run, std::max(1, executor.num_workers()));
-  run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int thread) {
-    Forward::Scratch& sc = scratch[thread];
-    const kernels::WorkerScope scope(run.kernel_set());
-    const TokenTask& task = tasks[t];
-    for (int64_t i = task.i0; i < task.i1; ++i) {
-      for (int64_t g = 0; g < p.heads_k; ++g) run.row(sc, seqs[task.b], i, g);
-    }
-  });
+  sparse::each_token_and_head(executor, tasks, seqs, scratch, run.kernel_set(), p.heads_k,
+                              [&](Forward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
+                                run.row(sc, seq, i, g);
+                              });
 }
 
 }  // namespace opmesh::core

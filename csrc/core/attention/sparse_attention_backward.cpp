@@ -418,14 +418,9 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
   const int threads = std::max(1, executor.num_workers());
   ScratchPool<Backward::Scratch, Backward> scratch(run, threads);
   const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);
-  run_dynamic(executor, static_cast<int64_t>(token_tasks.size()), [&](int64_t t, int thread) {
-    Backward::Scratch& sc = scratch[thread];
-    const kernels::WorkerScope scope(run.kernel_set());
-    const TokenTask& task = token_tasks[t];
-    for (int64_t i = task.i0; i < task.i1; ++i) {
-      for (int64_t g = 0; g < p.heads_k; ++g) run.query_pass(sc, seqs[task.b], i, g);
-    }
-  });
+  sparse::each_token_and_head(executor, token_tasks, seqs, scratch, run.kernel_set(), p.heads_k,
+                              [&](Backward::Scratch& sc, const Sequence& seq, int64_t i,
+                                  int64_t g) { run.query_pass(sc, seq, i, g); });
   // Key blocks: about four per thread per (sequence, key head), at least 64 keys each.
   const std::vector<KeyTask> key_tasks = core::key_tasks(seqs, p.heads_k, 4 * threads, 64);
   run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int thread) {

@@ -10,9 +10,26 @@
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_loads.h"
 #include "../selection.h"
+#include "../work_split.h"
 #include "sparse_attention.h"
 
 namespace opmesh::core::sparse {
+
+// Runs fn(scratch, sequence, token, key head) for every token of every task and every key head,
+// a task at a time per worker with that worker's scratch and the kernel set's worker scope.
+template <class Pool, class Fn>
+void each_token_and_head(const Executor& executor, const std::vector<TokenTask>& tasks,
+                         const std::vector<Sequence>& seqs, Pool& scratch,
+                         const kernels::KernelSet& set, int64_t heads, Fn fn) {
+  run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int worker) {
+    auto& sc = scratch[worker];
+    const kernels::WorkerScope scope(set);
+    const TokenTask& task = tasks[t];
+    for (int64_t i = task.i0; i < task.i1; ++i) {
+      for (int64_t g = 0; g < heads; ++g) fn(sc, seqs[task.b], i, g);
+    }
+  });
+}
 
 class Geometry {
  public:

@@ -48,7 +48,13 @@ from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
 from ..._schema import MAX_TOKENS, defaults, positional
 from .. import gather_cache
-from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
+from ..context_parallel import (
+    chunk_pair,
+    from_head_tail,
+    head_tail_order,
+    keys_seen,
+    to_head_tail,
+)
 from ..distributed_op import DistributedOp
 from ..layout import Layout
 from .flash_attn import _whole_sequence_shards
@@ -637,14 +643,12 @@ class _Local:
     def _bsnd_piece(self, rows, count, qlen, klen, start):
         """Local rows are global rows [start, start + count) of each sequence."""
         q_used = [max(0, min(count, n - start)) for n in qlen]
-        if self.c.mode == 3:
-            # Local row i is global row start + i: it keeps its keys j <= i + start + kl - ql.
-            k_used = [
-                max(0, min(kl, kl - ql + start + qu))
-                for ql, kl, qu in zip(qlen, klen, q_used, strict=True)
-            ]
-        else:
-            k_used = list(klen)
+        # Local row i is global row start + i: it keeps its keys j <= i + start + kl - ql.
+        right = 0 if self.c.mode == 3 else -1
+        k_used = [
+            keys_seen(start + qu, ql, kl, right)
+            for ql, kl, qu in zip(qlen, klen, q_used, strict=True)
+        ]
         piece = _Piece(
             rows, torch.tensor(q_used, dtype=torch.int64), torch.tensor(k_used, dtype=torch.int64)
         )
@@ -739,12 +743,7 @@ class _Local:
         for (lo, hi), (q_len, k_len) in zip(spans, lengths, strict=True):
             used = hi - lo
             q_used.append(used)
-            if not used:
-                k_used.append(0)
-            elif self.c.mode == 3:
-                k_used.append(max(0, min(k_len, k_len - q_len + hi)))
-            else:
-                k_used.append(k_len)
+            k_used.append(keys_seen(hi, q_len, k_len, 0 if self.c.mode == 3 else -1) if used else 0)
         piece = _Piece(
             rows,
             torch.tensor(q_used, dtype=torch.int64).cumsum(0),

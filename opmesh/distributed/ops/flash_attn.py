@@ -40,7 +40,13 @@ import torch
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
 from ..all_to_all import AllToAll
-from ..context_parallel import chunk_pair, from_head_tail, head_tail_order, to_head_tail
+from ..context_parallel import (
+    chunk_pair,
+    from_head_tail,
+    head_tail_order,
+    keys_seen,
+    to_head_tail,
+)
 from ..dispatcher import DISPATCHER
 from ..distributed_op import DistributedOp
 from ..gather_cache import gathered
@@ -994,7 +1000,7 @@ def _local_band(start, rows, s1, s2, batch, kwargs):
     if mode == 3:
         left, right = -1, 0
     diagonal_end = start + rows + s2 - s1
-    used = s2 if right < 0 else max(0, min(s2, diagonal_end + right))
+    used = keys_seen(start + rows, s1, s2, right)
     out = {"seqused_kv": torch.full((batch,), used, dtype=torch.int32)}
     shift = used - diagonal_end
     if mode == 4 and used > 0 and shift:
@@ -1015,12 +1021,10 @@ def _tnd_slice_lengths(cu_q, cu_k, t0, t1, mode):
         rows = max(0, hi - lo)
         local.append(local[-1] + rows)
         k_len = cu_k[b + 1] - cu_k[b]
-        if mode == 0:
-            used.append(k_len)
-        else:
-            # The last local row is row hi - qs - 1 of the sequence; with `rows` rows in use
-            # the diagonal sits where the global call has it.
-            used.append(max(0, min(k_len, (hi - qs) + k_len - (qe - qs))) if rows else 0)
+        # The last local row is row hi - qs - 1 of the sequence: the diagonal stays where the
+        # global call has it.
+        seen = keys_seen(hi - qs, qe - qs, k_len, -1 if mode == 0 else 0)
+        used.append(seen if rows or mode == 0 else 0)
     return local, used
 
 
