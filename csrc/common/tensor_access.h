@@ -6,6 +6,7 @@
 //     static std::vector<int64_t> sizes(const Tensor&);
 //     static std::vector<int64_t> strides(const Tensor&);   // in elements
 //     static core::DType dtype(const Tensor&, const char* argument);  // floating types only
+//     static int64_t element_size(const Tensor&);            // bytes per element
 //   };
 //   template <> struct HostIntsAccess<Ints> {                // the Ints kind of op_defs.h
 //     static std::vector<int64_t> values(const Ints&);       // row by row
@@ -35,6 +36,11 @@ const void* data_of(const Tensor& t) {
 template <class Tensor>
 std::vector<int64_t> sizes_of(const Tensor& t) {
   return TensorAccess<Tensor>::sizes(t);
+}
+
+template <class Tensor>
+int64_t element_size_of(const Tensor& t) {
+  return TensorAccess<Tensor>::element_size(t);
 }
 
 template <class Tensor>

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cache_params.h"
 #include "conventions.h"
 #include "cpu_features.h"
 #include "indexer/indexer.h"
@@ -184,40 +185,18 @@ py::object kv_cache_write(const KvCacheWriteCall& call) {
       call.value_cache.shape()[1] != call.key_cache.shape()[1]) {
     value_error("value_cache: shapes of key, value and the caches do not agree");
   }
-  core::KvCacheWriteParams base;
-  base.tokens = call.key.shape()[0];
-  base.heads = call.key.shape()[1];
-  base.dim_k = call.key.shape()[2];
-  base.dim_v = call.value.shape()[2];
-  base.elem_bytes = element_bytes(call.key);
-  base.num_blocks = call.key_cache.shape()[0];
-  base.block_size = call.key_cache.shape()[1];
   auto slots = std::make_shared<std::vector<int64_t>>(slot_mapping);
-  base.slots = slots->data();
+  const core::KvCacheWriteParams base = common::kv_cache_params(call, *slots);
   checked([&] {
     core::check_slots(base);
     return 0;
   });
   // The caches are written in place: they are the runner's inputs (contiguous, so MindSpore hands
   // over their own memory), and the runner has no output.
-  return launch("OpmeshKvCacheWrite", {call.key, call.value, call.key_cache, call.value_cache}, {},
-                [base, slots](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>&) {
+  return launch("OpmeshKvCacheWrite", inputs_of(call), {},
+                [call, base, slots](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>&) {
                   core::KvCacheWriteParams p = base;
-                  p.slots = slots->data();
-                  p.key = in[0].GetDataPtr();
-                  p.value = in[1].GetDataPtr();
-                  p.key_cache = in[2].GetDataPtr();
-                  p.value_cache = in[3].GetDataPtr();
-                  const auto ks = strides_of(in[0]), vs = strides_of(in[1]);
-                  const auto kcs = strides_of(in[2]), vcs = strides_of(in[3]);
-                  for (int i = 0; i < 3; ++i) {
-                    p.key_stride[i] = ks[i];
-                    p.value_stride[i] = vs[i];
-                  }
-                  for (int i = 0; i < 4; ++i) {
-                    p.key_cache_stride[i] = kcs[i];
-                    p.value_cache_stride[i] = vcs[i];
-                  }
+                  common::point_kv_cache(p, with_inputs(call, in));
                   checked([&] {
                     cpu_kernels().kv_cache_write(p, ThreadExecutor());
                     return 0;

@@ -171,6 +171,7 @@ struct TensorAccess<ms::Tensor> {
   static core::DType dtype(const ms::Tensor& t, const char* argument) {
     return ms_binding::core_dtype(t, argument);
   }
+  static int64_t element_size(const ms::Tensor& t) { return ms_binding::element_bytes(t); }
 };
 
 template <>

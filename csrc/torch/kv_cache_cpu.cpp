@@ -8,9 +8,11 @@
 #include <torch/library.h>
 
 #include "aten_executor.h"
+#include "cache_params.h"
 #include "checks.h"
 #include "kv_cache.h"
 #include "op_call.h"
+#include "torch_access.h"
 
 namespace opmesh::binding {
 namespace {
@@ -94,28 +96,9 @@ void kv_cache_write_cpu(const KvCacheWriteCall& a) {
   TORCH_CHECK_VALUE(a.key.device().is_cpu(), "key: expected a CPU tensor, got ", a.key.device());
   check_kv_cache_args(a);
   check_no_overlap(a);
-  const at::Tensor slots = a.slot_mapping.to(at::kLong).contiguous();
-  core::KvCacheWriteParams p;
-  p.tokens = a.key.size(0);
-  p.heads = a.key.size(1);
-  p.dim_k = a.key.size(2);
-  p.dim_v = a.value.size(2);
-  p.elem_bytes = static_cast<int64_t>(a.key.element_size());
-  p.key = a.key.data_ptr();
-  p.value = a.value.data_ptr();
-  p.key_cache = a.key_cache.data_ptr();
-  p.value_cache = a.value_cache.data_ptr();
-  for (int i = 0; i < 3; ++i) {
-    p.key_stride[i] = a.key.stride(i);
-    p.value_stride[i] = a.value.stride(i);
-  }
-  for (int i = 0; i < 4; ++i) {
-    p.key_cache_stride[i] = a.key_cache.stride(i);
-    p.value_cache_stride[i] = a.value_cache.stride(i);
-  }
-  p.num_blocks = a.key_cache.size(0);
-  p.block_size = a.key_cache.size(1);
-  p.slots = slots.data_ptr<int64_t>();
+  const std::vector<int64_t> slots = common::HostIntsAccess<at::Tensor>::values(a.slot_mapping);
+  core::KvCacheWriteParams p = common::kv_cache_params(a, slots);
+  common::point_kv_cache(p, a);
   rethrow([&] { cpu_kernels().kv_cache_write(p, AtenExecutor()); });
 }
 

@@ -20,6 +20,9 @@ struct TensorAccess<at::Tensor> {
   static core::DType dtype(const at::Tensor& t, const char* argument) {
     return binding::to_core_dtype(t.scalar_type(), argument);
   }
+  static int64_t element_size(const at::Tensor& t) {
+    return static_cast<int64_t>(t.element_size());
+  }
 };
 
 // Integer tensors the kernels read on the host (lengths, block tables): int32 or int64, on any

@@ -1,0 +1,43 @@
+// The core's params of kv_cache_write_ from a checked call struct of any binding (tensors read
+// through tensor_access.h), in the two steps of sequence_params.h: sizes and slots, then the
+// tensors' pointers and strides.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kv_cache.h"
+#include "tensor_access.h"
+
+namespace opmesh::common {
+
+// `slots`: the call's slot mapping on the host, kept alive with the params.
+template <class Call>
+core::KvCacheWriteParams kv_cache_params(const Call& c, const std::vector<int64_t>& slots) {
+  core::KvCacheWriteParams p;
+  const std::vector<int64_t> ks = sizes_of(c.key), cs = sizes_of(c.key_cache);
+  p.tokens = ks[0];
+  p.heads = ks[1];
+  p.dim_k = ks[2];
+  p.dim_v = sizes_of(c.value)[2];
+  p.elem_bytes = element_size_of(c.key);
+  p.num_blocks = cs[0];
+  p.block_size = cs[1];
+  p.slots = slots.data();
+  return p;
+}
+
+// key and value [token][head][dim], the caches [block][offset][head][dim] (written in place).
+template <class Call>
+void point_kv_cache(core::KvCacheWriteParams& p, const Call& c) {
+  p.key = data_of(c.key);
+  p.value = data_of(c.value);
+  p.key_cache = const_cast<void*>(data_of(c.key_cache));
+  p.value_cache = const_cast<void*>(data_of(c.value_cache));
+  layout_strides(c.key, 0, p.key_stride, 3);
+  layout_strides(c.value, 0, p.value_stride, 3);
+  layout_strides(c.key_cache, 0, p.key_cache_stride, 4);
+  layout_strides(c.value_cache, 0, p.value_cache_stride, 4);
+}
+
+}  // namespace opmesh::common
