@@ -36,6 +36,11 @@ _TENSORS = {
 }
 
 
+def schema_names() -> tuple[str, ...]:
+    """Every operator's name (``torch.ops.opmesh.<name>``)."""
+    return tuple(_SCHEMAS)
+
+
 def positional(op_name: str) -> tuple[str, ...]:
     """The names of ``op_name``'s positional parameters, in order."""
     return _POSITIONAL[op_name]
@@ -46,19 +51,23 @@ def tensor_parameters(op_name: str) -> tuple[str, ...]:
     return _TENSORS[op_name]
 
 
-def check_scalar_types(op_name: str, call: dict) -> None:
+def check_scalar_types(op_name: str, call: dict, _bool=bool, _type=type) -> None:
     """Refuses, with a ``TypeError`` naming the argument, a bool where ``op_name`` declares an
     int, and a value other than a bool, 0 or 1 where it declares a bool (the operator itself
-    would take ``True`` as 1 and any nonzero int as true)."""
-    for name in _INTS[op_name]:
-        if type(call.get(name)) is bool:
+    would take ``True`` as 1 and any nonzero int as true). About 0.2 us a call."""
+    ints, bools = _SCALARS[op_name]
+    for name in ints:
+        if _type(call.get(name)) is _bool:
             raise TypeError(f"{name}: expected an int, got a bool ({call[name]!r})")
-    for name in _BOOLS[op_name]:
+    for name in bools:
         value = call.get(name, False)
-        if type(value) is not bool and not (type(value) is int and value in (0, 1)):
+        if _type(value) is not _bool and not (_type(value) is int and value in (0, 1)):
             raise TypeError(
-                f"{name}: expected a bool (or 0 or 1), got {value!r} ({type(value).__name__})"
+                f"{name}: expected a bool (or 0 or 1), got {value!r} ({_type(value).__name__})"
             )
+
+
+_SCALARS = {name: (_INTS[name], _BOOLS[name]) for name in _SCHEMAS}
 
 
 def defaults(op_name: str) -> dict:

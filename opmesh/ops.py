@@ -16,6 +16,7 @@ from ._schema import (
     UNBOUNDED,
     check_scalar_types,
     positional,
+    schema_names,
     tensor_parameters,
     without_defaults,
 )
@@ -56,12 +57,16 @@ def _pick(call: dict, names) -> tuple:
     return tuple(call[n] for n in names)
 
 
+# Every operator's overload, looked up once.
+_OVERLOADS = {name: getattr(torch.ops.opmesh, name).default for name in schema_names()}
+
+
 def _run(name: str, call: dict, **dispatch_only):
     """The one route of a call on PyTorch tensors: ``call`` holds the operator's arguments by
     schema name. With a DTensor among them, the dispatcher runs the operator's DistributedOp
     (docs/distributed.md), which also gets ``dispatch_only``; otherwise the operator runs
     directly. (MindSpore tensors take platform/mindspore_ops.py before this.)"""
-    op = getattr(torch.ops.opmesh, name).default  # the overload: no overload resolution per call
+    op = _OVERLOADS[name]  # the overload: no overload resolution or attribute lookup per call
     dtensor = _platform.current().DTensor
     kwargs = dict(call)
     args = [kwargs.pop(n) for n in positional(name)]
