@@ -108,9 +108,11 @@ def _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, head_tail=None):
     _backward(loss)
     out["dense_loss"] = loss
     out.update({f"dense_grad_{n}": v.grad for n, v in leaves.items()})
+    # scale_value reaches the ranks' calls by its declared name alone (the values would differ
+    # by its factor otherwise).
     indices, values = opmesh.lightning_indexer(
         x["query_index"], x["key_index"], x["weights"], sparse_count=TOP_K, return_value=True,
-        **indexer_kw, **mask,
+        scale_value=0.5, **indexer_kw, **mask,
     )  # fmt: skip
     out["indices"], out["index_values"] = indices, values
     attn = {n: x[n].detach().clone().requires_grad_() for n in ("query", "key", "value")}
