@@ -21,7 +21,8 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 from .._schema import MAX_TOKENS, UNBOUNDED, positional
 from .ops.dsa import TABLES as _DSA
-from .ops.flash_attn import DIMS, LSE_DIMS, keeps_gqa_groups
+from .ops.flash_attn import DIMS, LSE_DIMS
+from .strategies.heads import keeps_gqa_groups
 
 R = Replicate()
 

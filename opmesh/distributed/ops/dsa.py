@@ -47,17 +47,27 @@ import torch
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
 from ..._schema import MAX_TOKENS, defaults, positional
-from .. import gather_cache
-from ..context_parallel import (
-    chunk_pair,
-    from_head_tail,
-    head_tail_order,
-    keys_seen,
-    to_head_tail,
-)
+from ..context_parallel import head_tail_order, to_head_tail
 from ..distributed_op import DistributedOp
 from ..layout import Layout
-from .flash_attn import _whole_sequence_shards
+from ..strategies.all_gather import (
+    bsnd_pieces,
+    gather,
+    join_rows,
+    kept_keys,
+    natural_order,
+    tnd_pieces,
+)
+from ..strategies.data_parallel import whole_sequence_shards
+from ..strategies.description import (
+    KEY_SEQ,
+    QUERY_SEQ,
+    OpTable,
+    local_lengths,
+    partial_where_replicated,
+    seq_dim,
+    side_of,
+)
 
 # -- the tables ----------------------------------------------------------------------------------
 
@@ -105,23 +115,6 @@ _KL_FRONT = (
 # The sparse front takes the selection after the main key.
 _SPARSE_KL_FRONT = (*_KL_FRONT[:5], "sparse_indices", *_KL_FRONT[5:])
 _KL_GRADS = (("grad", "query_index"), ("grad", "key_index"), ("grad", "weights"), ("loss",))
-
-
-@dataclass(frozen=True)
-class OpTable:
-    """One op's description: the parameters its callable takes by position, its defaults, the
-    arguments naming the layouts and lengths, its tensors' named dims per layout, and its
-    outputs (``("query", dims)``, ``("grad", input)``, or ``("loss",)``)."""
-
-    params: tuple
-    defaults: dict
-    layout: str
-    key_layout: str | None
-    lengths: tuple  # (query lengths, key lengths) argument names
-    tensors: dict  # name -> {layout: dims}
-    outputs: tuple
-    indices: str | None = None  # the selection argument (remapped per piece)
-    block_size: str | None = None  # the argument giving the selection's block size
 
 
 TABLES = {
@@ -201,45 +194,6 @@ TABLES = {
         block_size="sparse_block_size",
     ),
 }
-
-QUERY_SEQ = ("S1", "T1")
-KEY_SEQ = ("S2", "T2")
-
-
-def side_of(dims) -> str:
-    """``"query"``, ``"key"`` or ``"shared"`` (neither sequence: replicated everywhere)."""
-    if any(d in QUERY_SEQ for d in dims):
-        return "query"
-    if any(d in KEY_SEQ for d in dims):
-        return "key"
-    return "shared"
-
-
-def seq_dim(dims) -> int | None:
-    for i, d in enumerate(dims):
-        if d in QUERY_SEQ or d in KEY_SEQ:
-            return i
-    return None
-
-
-def local_lengths(kwargs, names):
-    """Length arguments given as DTensors must be replicated on every mesh axis: every rank
-    reads the whole array. Returns kwargs with their local (full) tensors."""
-    p = _platform.current()
-    if not any(p.is_dtensor(kwargs.get(n)) for n in names):
-        return kwargs
-    kwargs = dict(kwargs)
-    for name in names:
-        value = kwargs.get(name)
-        if not p.is_dtensor(value):
-            continue
-        if any(p.shard_dim(pl) is not None or p.is_partial(pl) for pl in p.placements_of(value)):
-            raise ValueError(
-                f"{name}: a DTensor of lengths must be replicated on every mesh axis, got "
-                f"placements {tuple(p.placements_of(value))}"
-            )
-        kwargs[name] = p.to_local(value).detach()
-    return kwargs
 
 
 def _ints(value):
@@ -376,10 +330,7 @@ class DsaDistributedOp(DistributedOp):
                 continue
             side = dims[name][0]
             if name in gathered:
-                placements = list(p.placements_of(x))
-                for axis in seq_axes:
-                    placements[axis] = p.replicate()
-                x = gather_cache.gathered(x, mesh, tuple(placements))
+                x = gather(p, x, mesh, seq_axes)
             local[name] = p.to_local(x, self._grad_placements(p, x, side, call))
         if same_value:
             local["value"] = local["key"]
@@ -393,10 +344,7 @@ class DsaDistributedOp(DistributedOp):
         if side == "query" or not (call.seq_axes or (side == "shared" and call.batch_axes)):
             return None
         axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
-        return tuple(
-            p.partial() if axis in axes and p.shard_dim(pl) is None else pl
-            for axis, pl in enumerate(p.placements_of(x))
-        )
+        return partial_where_replicated(p, x, axes)
 
     def _check(self, layout, layouts, named, order):
         """The layout rules; returns (strategy, query-sequence axes, batch axes)."""
@@ -576,11 +524,9 @@ def _whole_sequences(named, t, tensors):
     layout = named[t.layout]
     q_name = next(n for n in tensors if side_of(t.tensors[n][layout]) == "query")
     k_name = next(n for n in tensors if side_of(t.tensors[n][layout]) == "key")
-    cu = {
-        "cu_seqlens_q": torch.tensor([0, *q_ends]),
-        "cu_seqlens_kv": torch.tensor([0, *k_ends]),
-    }
-    return _whole_sequence_shards(cu, Layout.of(tensors[q_name]), Layout.of(tensors[k_name]))
+    return whole_sequence_shards(
+        [0, *q_ends], [0, *k_ends], Layout.of(tensors[q_name]), Layout.of(tensors[k_name])
+    )
 
 
 @dataclass
@@ -617,6 +563,8 @@ class _Local:
         self.rows = self.q_layout.shard_range(self.q_seq)
         self.batch = self.q_layout.shard_range(0) if layout == "BSND" else (0, 0)
         self.dims = {n: (side_of(d[layout]), seq_dim(d[layout])) for n, d in table.tensors.items()}
+        # The mask's right bound: causal (sparse_mode 3), or none (a band is refused under CP).
+        self.right = 0 if call.mode == 3 else -1
 
     # the pieces ------------------------------------------------------------------------------
 
@@ -630,34 +578,17 @@ class _Local:
             return [_Piece(slice(None), local(qlen), local(klen))]
         qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
         klen = [self.s2] * (b1 - b0) if klen is None else klen[b0:b1]
-        if self.c.order is None:
-            r0, r1 = self.rows
-            return [self._bsnd_piece(slice(None), r1 - r0, qlen, klen, r0)]
-        chunk = self.s1 // (2 * self.cp)
-        pair = chunk_pair(self.rank, self.cp, self.c.order)
-        return [
-            self._bsnd_piece(slice(half * chunk, (half + 1) * chunk), chunk, qlen, klen, c * chunk)
-            for half, c in enumerate(pair)
-        ]
-
-    def _bsnd_piece(self, rows, count, qlen, klen, start):
-        """Local rows are global rows [start, start + count) of each sequence."""
-        q_used = [max(0, min(count, n - start)) for n in qlen]
-        # Local row i is global row start + i: it keeps its keys j <= i + start + kl - ql.
-        right = 0 if self.c.mode == 3 else -1
-        k_used = [
-            keys_seen(start + qu, ql, kl, right)
-            for ql, kl, qu in zip(qlen, klen, q_used, strict=True)
-        ]
-        piece = _Piece(
-            rows, torch.tensor(q_used, dtype=torch.int64), torch.tensor(k_used, dtype=torch.int64)
+        pieces = bsnd_pieces(
+            qlen, klen, self.rows, self.right, self.cp, self.rank, self.c.order, self.s1
         )
-        if k_used != klen:
-            piece.kept, piece.total = (
-                torch.tensor(k_used, dtype=torch.int64),
-                torch.tensor(klen, dtype=torch.int64),
-            )
-        return piece
+        return [self._bsnd_call(piece) for piece in pieces]
+
+    @staticmethod
+    def _bsnd_call(piece):
+        call = _Piece(piece.rows, _int64(piece.q_used), _int64(piece.k_used))
+        if piece.cuts_keys:
+            call.kept, call.total = _int64(piece.k_used), _int64(piece.k_len)
+        return call
 
     def _tnd_pieces(self, q_ends, k_ends):
         strategy = self.c.strategy
@@ -670,95 +601,48 @@ class _Local:
                 f"{self.t.lengths[1]}: expected {len(q_ends)} entries like {self.t.lengths[0]}, "
                 f"got {len(k_ends)}"
             )
-        q_starts = [0, *q_ends[:-1]]
-        k_starts = [0, *k_ends[:-1]]
         if strategy == "tnd_data_parallel":
             lo, hi = self._run(q_ends, k_ends)
             if hi <= lo:  # a shard without sequences runs one empty sequence
-                return [
-                    _Piece(
-                        slice(None),
-                        torch.tensor([0], dtype=torch.int64),
-                        torch.tensor([0], dtype=torch.int64),
-                    )
-                ]
-            q_base, k_base = q_starts[lo], k_starts[lo]
+                return [_Piece(slice(None), _int64([0]), _int64([0]))]
+            q_base = q_ends[lo - 1] if lo else 0
+            k_base = k_ends[lo - 1] if lo else 0
             return [
                 _Piece(
                     slice(None),
-                    torch.tensor([q_ends[b] - q_base for b in range(lo, hi)], dtype=torch.int64),
-                    torch.tensor([k_ends[b] - k_base for b in range(lo, hi)], dtype=torch.int64),
+                    _int64([q_ends[b] - q_base for b in range(lo, hi)]),
+                    _int64([k_ends[b] - k_base for b in range(lo, hi)]),
                 )
             ]
-        lengths = [
-            (qe - qs, ke - ks)
-            for qs, qe, ks, ke in zip(q_starts, q_ends, k_starts, k_ends, strict=True)
-        ]
-        if self.c.order is None:
-            t0, t1 = self.rows
-            # Per sequence: its local rows, as rows [lo, hi) of the sequence.
-            spans = []
-            for qs, qe in zip(q_starts, q_ends, strict=True):
-                lo, hi = max(qs, t0), min(qe, t1)
-                spans.append((lo - qs, hi - qs) if hi > lo else (0, 0))
-            return [self._tnd_piece(slice(None), spans, lengths, k_starts)]
-        parts = 2 * self.cp
-        for b, (q_len, _) in enumerate(lengths):
-            if q_len % parts:
-                raise ValueError(
-                    f"{self.t.lengths[0]}: sequence {b} has {q_len} query tokens, not a multiple "
-                    f"of 2 * cp = {parts}, as head-tail order needs"
-                )
-        pieces = []
-        for half, c in enumerate(chunk_pair(self.rank, self.cp, self.c.order)):
-            rows, offset, spans = [], 0, []
-            for q_len, _ in lengths:
-                chunk = q_len // parts
-                rows.append(torch.arange(offset + half * chunk, offset + (half + 1) * chunk))
-                offset += 2 * chunk
-                spans.append((c * chunk, (c + 1) * chunk))
-            index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-            pieces.append(self._tnd_piece(index, spans, lengths, k_starts))
-        return pieces
+        q_len = [e - s for s, e in zip([0, *q_ends[:-1]], q_ends, strict=True)]
+        k_len = [e - s for s, e in zip([0, *k_ends[:-1]], k_ends, strict=True)]
+        pieces = tnd_pieces(
+            q_len, k_len, self.rows, self.right, self.cp, self.rank, self.c.order, self.t.lengths[0]
+        )
+        return [self._tnd_call(piece) for piece in pieces]
+
+    @staticmethod
+    def _tnd_call(piece):
+        """The op's lengths are cumulative; keys it does not keep are cut (it has no per-sequence
+        key count to stop at), and its selection is remapped to the kept keys."""
+        call = _Piece(piece.rows, _int64(piece.q_used).cumsum(0), _int64(piece.k_used).cumsum(0))
+        if piece.cuts_keys:
+            counts = _int64(piece.q_used)
+            call.keys = kept_keys(piece, piece.k_len)
+            call.kept = torch.repeat_interleave(_int64(piece.k_used), counts)
+            call.total = torch.repeat_interleave(_int64(piece.k_len), counts)
+        return call
 
     def _run(self, q_ends, k_ends):
         """TND data parallel: the rank's whole sequences [lo, hi)."""
         key_name = _first_key(self.t, self.c)
         k_layout = Layout(self.c.mesh, self.c.placements(key_name), self.c.shape(key_name))
-        cu = {
-            "cu_seqlens_q": torch.tensor([0, *q_ends]),
-            "cu_seqlens_kv": torch.tensor([0, *k_ends]),
-        }
-        runs = _whole_sequence_shards(cu, self.q_layout, k_layout)
+        runs = whole_sequence_shards([0, *q_ends], [0, *k_ends], self.q_layout, k_layout)
         if runs is None:
             raise ValueError(
                 f"{self.t.lengths[0]}: the sequences changed between the layout check and the call"
             )
         return runs[self.rank]
-
-    def _tnd_piece(self, rows, spans, lengths, k_starts):
-        """A TND piece whose rows are, per sequence, its global rows [lo, hi): each sequence
-        keeps the keys those rows can see (none when it has no rows)."""
-        q_used, k_used = [], []
-        for (lo, hi), (q_len, k_len) in zip(spans, lengths, strict=True):
-            used = hi - lo
-            q_used.append(used)
-            k_used.append(keys_seen(hi, q_len, k_len, 0 if self.c.mode == 3 else -1) if used else 0)
-        piece = _Piece(
-            rows,
-            torch.tensor(q_used, dtype=torch.int64).cumsum(0),
-            torch.tensor(k_used, dtype=torch.int64).cumsum(0),
-        )
-        totals = [k for _, k in lengths]
-        if k_used != totals:
-            piece.keys = torch.cat(
-                [torch.arange(ks, ks + used) for ks, used in zip(k_starts, k_used, strict=True)]
-                or [torch.zeros(0, dtype=torch.long)]
-            )
-            counts = torch.tensor(q_used, dtype=torch.int64)
-            piece.kept = torch.repeat_interleave(torch.tensor(k_used, dtype=torch.int64), counts)
-            piece.total = torch.repeat_interleave(torch.tensor(totals, dtype=torch.int64), counts)
-        return piece
 
     # the call --------------------------------------------------------------------------------
 
@@ -779,7 +663,7 @@ class _Local:
                 named[name] = done[id(value)]
                 continue
             d = seq_dim(self.t.tensors[name][layout])
-            named[name] = from_head_tail(value, d, self.cp, self.c.order, cu_seqlens=cu)
+            named[name] = natural_order(value, d, self.cp, self.c.order, cu_seqlens=cu)
             done[id(value)] = named[name]
         return named
 
@@ -834,7 +718,6 @@ class _Local:
         layout = c.layout
         single = not isinstance(outs[0], (tuple, list))
         per_piece = [(o,) if single else tuple(o) for o in outs]
-        index_rows = not isinstance(pieces[0].rows, slice) or len(pieces) > 1
         joined = []
         for i, kind in enumerate(t.outputs):
             parts = [o[i] for o in per_piece]
@@ -848,24 +731,14 @@ class _Local:
                 if side_of(dims) == "key":
                     joined.append(self._key_grad(parts, pieces, name, original[name], d, original))
                     continue
-                joined.append(self._query_join(parts, pieces, d, index_rows))
+                joined.append(join_rows(parts, pieces, d))
                 continue
             dims = kind[1][layout]
             if parts[0].dim() != len(dims):
                 joined.append(parts[0])
                 continue
-            joined.append(self._query_join(parts, pieces, seq_dim(dims), index_rows))
+            joined.append(join_rows(parts, pieces, seq_dim(dims)))
         return joined[0] if single else tuple(joined)
-
-    @staticmethod
-    def _query_join(parts, pieces, d, index_rows):
-        if len(parts) == 1 and isinstance(pieces[0].rows, slice):
-            return parts[0]
-        out = torch.cat(parts, dim=d)
-        if isinstance(pieces[0].rows, slice):
-            return out
-        order = torch.argsort(torch.cat([p.rows for p in pieces]))
-        return out.index_select(d, order)
 
     def _key_grad(self, parts, pieces, name, key, d, named):
         """The fused losses' key gradient: each piece's rows scattered into the whole (natural
@@ -897,5 +770,9 @@ def _take(value, d, rows):
     return value.index_select(d, rows)
 
 
+def _int64(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def _opt_tensor(values):
-    return None if values is None else torch.tensor(values, dtype=torch.int64)
+    return None if values is None else _int64(values)

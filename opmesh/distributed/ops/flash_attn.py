@@ -39,19 +39,17 @@ import torch
 
 from ... import platform as _platform
 from ..._bounded_cache import BoundedCache
-from ..all_to_all import AllToAll
-from ..context_parallel import (
-    chunk_pair,
-    from_head_tail,
-    head_tail_order,
-    keys_seen,
-    to_head_tail,
-)
+from ..context_parallel import head_tail_order, keys_seen
 from ..dispatcher import DISPATCHER
 from ..distributed_op import DistributedOp
-from ..gather_cache import gathered
 from ..layout import Layout
-from ..ring import RingAttention, RingGroup
+from ..strategies import ring
+from ..strategies.all_gather import bsnd_pieces, gather, join_rows, natural_order, tnd_pieces
+from ..strategies.data_parallel import whole_sequence_shards
+from ..strategies.description import fail_sharded as _fail
+from ..strategies.description import partial_where_replicated
+from ..strategies.heads import head_slice, keeps_gqa_groups, kv_for_heads
+from ..strategies.ulysses import Ulysses, UlyssesLocal
 
 NAMES = ("q", "k", "v")
 # flash_attn's layout table, read by these rules and by the raw operators' sharding strategies
@@ -59,18 +57,6 @@ NAMES = ("q", "k", "v")
 # output (TND has no batch dim), and the (batch, heads, sequence) positions of the lse.
 DIMS = {"BSND": (0, 1, 2, 3), "BNSD": (0, 2, 1, 3), "TND": (None, 0, 1, 2)}
 LSE_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 1, 2), "TND": (None, 0, 1)}
-
-
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
-def keeps_gqa_groups(nq: int, nkv: int, shards: int) -> bool:
-    """Whether splitting ``nq`` query heads and ``nkv`` key heads ``shards`` ways (DTensor's
-    split: chunks of the ceiling) leaves every query head on its key head's rank."""
-    if nkv == 0 or nq % nkv:
-        return False
-    return _ceil_div(nq, shards) == (nq // nkv) * _ceil_div(nkv, shards)
 
 
 class FlashAttnDistributedOp(DistributedOp):
@@ -185,16 +171,22 @@ class FlashAttnDistributedOp(DistributedOp):
         c = cache_values
         q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
         if c.strategy == "ulysses":
-            return _UlyssesLocal(func, c)
+            return UlyssesLocal(
+                func, c, DIMS[c.layout_q], DIMS[c.layout_out], LSE_DIMS[c.layout_q],
+                _ulysses_args, _nested,
+            )  # fmt: skip
         if c.strategy == "ring":
-            return _RingLocal(func, c.layout_q, c.layout_out, q_layout, c.shapes[1], c.slice_sinks)
+            return ring.RingLocal(
+                func, c.layout_q, c.layout_out, DIMS[c.layout_q], q_layout, c.shapes[1],
+                c.slice_sinks,
+            )  # fmt: skip
         if c.strategy == "tnd_data_parallel":
             # The lengths were rebased to this rank's sequences in preprocess.
             heads = q_layout.shard_range(DIMS[c.layout_q][2])
 
             def tnd_local(q, k, v, **kw):
                 if c.slice_sinks:
-                    kw = dict(kw, sinks=_head_slice(kw.get("sinks"), heads))
+                    kw = dict(kw, sinks=head_slice(kw.get("sinks"), heads))
                 return func(q, k, v, **_slopes_slice(kw, heads))
 
             return tnd_local
@@ -239,10 +231,6 @@ def _check_dtensors(args):
             )
 
 
-def _fail(name, lay, dim, why):
-    raise ValueError(f"{name}: dim {dim} is sharded over mesh axes {lay.axes_text(dim)}; {why}")
-
-
 @dataclass(frozen=True)
 class _MeshInputs:
     """q, k and v's layouts, checked against the rules every strategy shares: one mesh and
@@ -274,6 +262,8 @@ class _MeshInputs:
     def n(self):
         return self.dims[2]
 
+    names = NAMES
+
     def maps(self):
         return tuple(lay.tensor_map for lay in self.layouts)
 
@@ -289,12 +279,7 @@ class _MeshInputs:
         sums it (and reduce-scatters it back for gathered keys and values)."""
         qm = self.layouts[0].tensor_map
         axes = (set(qm[self.b]) if self.b is not None else set()) | set(qm[self.s])
-        axes |= set(extra_axes)
-        p = self.p
-        return tuple(
-            p.partial() if axis in axes and p.shard_dim(pl) is None else pl
-            for axis, pl in enumerate(p.placements_of(x))
-        )
+        return partial_where_replicated(self.p, x, axes | set(extra_axes))
 
     @classmethod
     def of(cls, args, kwargs) -> _MeshInputs:
@@ -393,14 +378,17 @@ def _strategy(call: _MeshInputs, kwargs):
     if not qm[s]:
         return _NoContextParallel
     if requested == "ulysses" or isinstance(requested, tuple):
-        return _Ulysses(requested)
+        return Ulysses(requested)
     if (
         call.layout_q == "TND"
         and km[s] == qm[s] == vm[s]
         and requested == "all_gather"
         and call.order is None
     ):
-        runs = _whole_sequence_shards(kwargs, call.layouts[0], call.layouts[1])
+        runs = whole_sequence_shards(
+            _cumulative(kwargs.get("cu_seqlens_q")), _cumulative(kwargs.get("cu_seqlens_kv")),
+            call.layouts[0], call.layouts[1],
+        )  # fmt: skip
         if runs is not None:
             return _TndWholeSequences(runs)
     if kwargs.get("metadata") is not None:
@@ -475,254 +463,23 @@ class _ContextParallel:
     @staticmethod
     def move_keys(call, args):
         """All-gather keys and values over the context-parallel axis (differentiable)."""
-        p, s = call.p, call.s
-        axis = call.layouts[0].tensor_map[s][0]
+        s = call.s
+        axes = call.layouts[0].tensor_map[s]
         for i, lay in enumerate(call.layouts[1:]):
             if lay.tensor_map[s]:
-                placements = list(p.placements_of(args[i + 1]))
-                placements[axis] = p.replicate()
-                args[i + 1] = gathered(args[i + 1], call.mesh, tuple(placements))
+                args[i + 1] = gather(call.p, args[i + 1], call.mesh, axes)
         return args
 
 
 class _Ring(_ContextParallel):
-    """Context parallel with keys and values passed around the group (ring.py)."""
+    """Context parallel with keys and values passed around the group (strategies/ring.py)."""
 
     name = "ring"
-
-    @staticmethod
-    def check(call):
-        if call.layout_q == "TND":
-            raise ValueError(
-                "layout_q: TND context parallel uses the all-gather strategy (in sequence or "
-                "head-tail order), not the ring"
-            )
-        if call.mode not in (0, 3):
-            raise ValueError(
-                f"mask_mode: the ring strategy supports masks 0 and 3, got {call.mode}; use "
-                "context_parallel='all_gather' for windows"
-            )
-        q_layout, s = call.layouts[0], call.s
-        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
-            if lay.tensor_map[s] != q_layout.tensor_map[s]:
-                raise ValueError(
-                    f"{name}: dim {s} is sharded over mesh axes {lay.axes_text(s)}; the ring "
-                    f"strategy needs it sharded as q's ({q_layout.axes_text(s)})"
-                )
-        if call.mode == 3 and q_layout.shape[s] != call.layouts[1].shape[s]:
-            raise ValueError(
-                f"k: the ring strategy with a causal mask needs as many keys as queries, got "
-                f"{call.layouts[1].shape[s]} and {q_layout.shape[s]}"
-            )
-        if call.order is not None:
-            raise ValueError(
-                "head_tail_cp: the ring strategy takes contiguous shards; use "
-                "context_parallel='all_gather' with head-tail order"
-            )
+    check = staticmethod(ring.check)
 
     @staticmethod
     def move_keys(call, args):
         return args  # they travel during the call
-
-
-class _Ulysses:
-    """Ulysses (all-to-all) context parallel: q, k and v sharded along their sequence over the
-    context-parallel axis are exchanged all-to-all into full sequences sharded by heads, each
-    rank attends its heads locally, and the output (and lse) is exchanged back. Key and value
-    heads fewer than the ranks are repeated just enough for every rank's query heads to find
-    theirs. With a second strategy (``("ulysses", "ring")`` or ``("ulysses", "all_gather")``)
-    the sequence is sharded over two mesh axes: the first is exchanged all-to-all, the second
-    runs that strategy on the head-sharded tensors."""
-
-    name = "ulysses"
-
-    def __init__(self, requested):
-        self.inner = None
-        if isinstance(requested, tuple):
-            if (
-                len(requested) != 2
-                or requested[0] != "ulysses"
-                or requested[1]
-                not in (
-                    "ring",
-                    "all_gather",
-                )
-            ):
-                raise ValueError(
-                    "context_parallel: a two-axis strategy is ('ulysses', 'ring') or "
-                    f"('ulysses', 'all_gather'), got {requested!r}"
-                )
-            self.inner = requested[1]
-
-    def prepare(self, call, args, kwargs):
-        q_layout, s, n = call.layouts[0], call.s, call.n
-        axes = q_layout.tensor_map[s]
-        want = 1 if self.inner is None else 2
-        if len(axes) != want:
-            what = "one mesh axis" if want == 1 else "two mesh axes (Ulysses over the first)"
-            strategy = "'ulysses'" if self.inner is None else f"('ulysses', {self.inner!r})"
-            _fail(
-                "q", q_layout, s, f"context_parallel={strategy} needs the query sequence sharded "
-                f"over {what}",
-            )  # fmt: skip
-        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
-            if lay.tensor_map[s] != axes:
-                _fail(
-                    name,
-                    lay,
-                    s,
-                    f"Ulysses needs the key sequence sharded as q's ({q_layout.axes_text(s)})",
-                )
-        if q_layout.tensor_map[n]:
-            _fail("q", q_layout, n, "Ulysses shards the heads itself; pass them replicated")
-        if self.inner is not None:
-            if call.order is not None:
-                raise ValueError(
-                    "head_tail_cp: the two-axis Ulysses hybrid takes contiguous shards"
-                )
-            if kwargs.get("sinks") is not None:
-                raise ValueError("sinks: not supported by the two-axis Ulysses hybrid")
-        for name in ("seqused_q", "seqused_kv", "metadata"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{name}: not supported with Ulysses context parallel")
-        if kwargs.get("sinks") is not None and call.p.is_dtensor(kwargs["sinks"]):
-            if Layout.of(kwargs["sinks"]).tensor_map[0]:
-                raise ValueError("sinks: pass them replicated with Ulysses context parallel")
-        return args, kwargs
-
-
-def kv_for_heads(kv, n, heads, nq, nkv):
-    """From whole key and value tensors (every head), the heads query heads ``heads = [h0,
-    h1)`` of ``nq`` use, laid out so that local query head i uses local key head
-    ``i // (local query heads / local key heads)``: a slice when the query heads cover whole
-    groups or lie in one group, else one key head per query head."""
-    h0, h1 = heads
-    group = nq // nkv
-    if h1 <= h0:
-        return tuple(x.narrow(n, 0, 0) for x in kv)
-    if h0 % group == 0 and h1 % group == 0:
-        return tuple(x.narrow(n, h0 // group, (h1 - h0) // group) for x in kv)
-    if h0 // group == (h1 - 1) // group:
-        return tuple(x.narrow(n, h0 // group, 1) for x in kv)
-    index = torch.tensor([h // group for h in range(h0, h1)], device=kv[0].device)
-    return tuple(x.index_select(n, index) for x in kv)
-
-
-def kv_repeat(nq: int, nkv: int, shards: int) -> int:
-    """How many times each key/value head is repeated so that ``nq`` query heads split
-    ``shards`` ways keep their key heads: the smallest divisor of the group size that does
-    (at most the group size, where every query head has its own copy)."""
-    group = nq // nkv if nkv and nq % nkv == 0 else 1
-    for repeat in range(1, group + 1):
-        if group % repeat == 0 and keeps_gqa_groups(nq, nkv * repeat, shards):
-            return repeat
-    return group
-
-
-class _UlyssesLocal:
-    """The Ulysses strategy's local call (see ``_Ulysses``): one all-to-all per tensor each
-    way (all_to_all.py)."""
-
-    def __init__(self, func, c):
-        self.p = _platform.current()
-        self.func, self.c = func, c
-        b, s, n, _ = DIMS[c.layout_q]
-        self.b, self.s, self.n = b, s, n
-        self.out_s, self.out_n = DIMS[c.layout_out][1], DIMS[c.layout_out][2]
-        self.lse_s, self.lse_n = LSE_DIMS[c.layout_q][2], LSE_DIMS[c.layout_q][1]
-        q_layout = Layout(c.mesh, c.placements[0], c.shapes[0])
-        self.axis = q_layout.tensor_map[s][0]
-        self.cp = self.p.mesh_shape(c.mesh)[self.axis]
-        self.position = self.p.mesh_coordinate(c.mesh)[self.axis]
-        self.inner = c.inner
-        self.repeat = kv_repeat(c.shapes[0][n], c.shapes[1][n], self.cp)
-        # Every rank's rows of q's and of k's sequence, and its query and key heads after the
-        # exchange (DTensor's split: chunks of the ceiling).
-        self.q_rows = _sizes(c.shapes[0][s], self.cp)
-        self.k_rows = _sizes(c.shapes[1][s], self.cp)
-        self.q_heads = _sizes(c.shapes[0][n], self.cp)
-        self.batch = q_layout.shard_range(b) if b is not None else None
-        self.k_heads = _sizes(c.shapes[1][n] * self.repeat, self.cp)
-
-    def _exchange(self, x, placements, shape, from_dim, to_dim):
-        """The hybrid's exchange through DTensor: x's shard with ``from_dim`` sharded over the
-        Ulysses axis, as the DTensor with ``to_dim`` sharded there instead."""
-        p = self.p
-        d = p.from_local(x, self.c.mesh, tuple(placements), tuple(shape))
-        target = list(placements)
-        target[self.axis] = p.shard(to_dim)
-        moved = p.redistribute(d, self.c.mesh, tuple(target))
-        return moved, tuple(target)
-
-    def _to_heads(self, x, s_dim, n_dim, rows, heads):
-        group = self.p.axis_group(self.c.mesh, self.axis)
-        return AllToAll.apply(x, group, self.position, n_dim, s_dim, heads, rows)
-
-    def _to_rows(self, x, s_dim, n_dim, rows, heads):
-        group = self.p.axis_group(self.c.mesh, self.axis)
-        return AllToAll.apply(x, group, self.position, s_dim, n_dim, rows, heads)
-
-    def __call__(self, q, k, v, **kwargs):
-        c, n, s = self.c, self.n, self.s
-        if self.repeat > 1:
-            k = k.repeat_interleave(self.repeat, dim=n)
-            v = v.repeat_interleave(self.repeat, dim=n)
-        if self.inner is not None:
-            shapes = [list(sh) for sh in c.shapes]
-            for sh in shapes[1:]:
-                sh[n] *= self.repeat
-            moved = [
-                self._exchange(x, pl, sh, s, n)
-                for x, pl, sh in zip((q, k, v), c.placements, shapes, strict=True)
-            ]
-            return self._hybrid(moved, kwargs)
-        qh = self._to_heads(q, s, n, self.q_rows, self.q_heads)
-        kh = self._to_heads(k, s, n, self.k_rows, self.k_heads)
-        vh = self._to_heads(v, s, n, self.k_rows, self.k_heads)
-        h0 = sum(self.q_heads[: self.position])
-        heads = (h0, h0 + self.q_heads[self.position])
-        kwargs = dict(kwargs)
-        kwargs["sinks"] = _head_slice(kwargs.get("sinks"), heads)
-        kwargs = _slopes_slice(kwargs, heads, self.batch)
-        cu = {}
-        if c.order is not None:
-            tnd = c.layout_q == "TND"
-            cu_q = kwargs["cu_seqlens_q"] if tnd else None
-            cu_k = kwargs["cu_seqlens_kv"] if tnd else None
-            qh = from_head_tail(qh, s, self.cp, c.order, cu_seqlens=cu_q)
-            kh = from_head_tail(kh, s, self.cp, c.order, cu_seqlens=cu_k)
-            vh = from_head_tail(vh, s, self.cp, c.order, cu_seqlens=cu_k)
-            cu = {"cu_seqlens": cu_q}
-        out, lse = self.func(qh, kh, vh, **kwargs)
-        if c.order is not None:
-            out = to_head_tail(out, self.out_s, self.cp, c.order, **cu)
-            if c.return_lse:
-                lse = to_head_tail(lse, self.lse_s, self.cp, c.order, **cu)
-        out = self._to_rows(out, self.out_s, self.out_n, self.q_rows, self.q_heads)
-        # Every rank exchanges the lse when it is asked for (a rank with no heads too).
-        if c.return_lse:
-            lse = self._to_rows(lse, self.lse_s, self.lse_n, self.q_rows, self.q_heads)
-        return out, lse
-
-    def _hybrid(self, moved, kwargs):
-        """Ulysses over the first axis, then the second strategy over the second on the
-        head-sharded DTensors (a nested call of the public function), and back."""
-        p, c = self.p, self.c
-        (qd, _), (kd, _), (vd, _) = moved
-        kwargs = {**kwargs, "context_parallel": self.inner}
-        out, lse = DISPATCHER.dispatch(
-            "flash_attn", torch.ops.opmesh.flash_attn.default, (qd, kd, vd), kwargs
-        )
-        target_out = list(p.placements_of(out))
-        target_out[self.axis] = p.shard(self.out_s)
-        out = p.to_local(p.redistribute(out, c.mesh, tuple(target_out)))
-        if c.return_lse:
-            target = list(p.placements_of(lse))
-            target[self.axis] = p.shard(self.lse_s)
-            lse = p.to_local(p.redistribute(lse, c.mesh, tuple(target)))
-        else:
-            lse = p.to_local(lse)
-        return out, lse
 
 
 _STRATEGIES = {
@@ -750,14 +507,15 @@ def _local_sinks(call: _MeshInputs, kwargs):
 
 class _Local:
     """The local call: the batch slice of the lengths, the head slice of replicated sinks, and
-    for context parallel the key range each rank's query rows keep (per chunk in head-tail
-    order, whose two chunks are computed apart and joined)."""
+    for context parallel the rank's pieces (strategies/all_gather.py): its rows, or in
+    head-tail order its two chunks apart, each with the keys its rows keep, then joined."""
 
     def __init__(self, func, layout, layout_out, q_layout, k_shape, slice_sinks, order, gathered):
         b, s, n, _ = DIMS[layout]
         self.func = func
         self.tnd = layout == "TND"
         self.s_dim, self.out_s_dim = s, DIMS[layout_out][1]
+        self.lse_s_dim = LSE_DIMS[layout][2]
         self.batch = q_layout.shard_range(b) if b is not None else (0, 0)
         self.heads = q_layout.shard_range(n)
         self.rows = q_layout.shard_range(s)
@@ -769,71 +527,45 @@ class _Local:
         self.order = order
         self.gathered = gathered
 
-    def _tnd_slice(self, kwargs):
-        cu_q = [int(x) for x in kwargs["cu_seqlens_q"].tolist()]
-        cu_k = [int(x) for x in kwargs["cu_seqlens_kv"].tolist()]
+    def _tnd_calls(self, kwargs):
+        """TND: per piece, its local cu_seqlens_q and per sequence the keys its rows see
+        (seqused_kv against the whole key tensor, whose cu_seqlens_kv stay)."""
+        cu_q = _cumulative(kwargs["cu_seqlens_q"])
+        cu_k = _cumulative(kwargs["cu_seqlens_kv"])
         if cu_q[-1] != self.s1:
             raise ValueError(
                 f"cu_seqlens_q: last entry {cu_q[-1]} must equal the query token count {self.s1}"
             )
-        local, used = _tnd_slice_lengths(cu_q, cu_k, *self.rows, kwargs.get("mask_mode", 0))
-        kwargs = dict(kwargs)
-        kwargs["cu_seqlens_q"] = torch.tensor(local, dtype=torch.int32)
-        kwargs["seqused_kv"] = torch.tensor(used, dtype=torch.int32)
-        kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
-        return kwargs
-
-    def _tnd_head_tail(self, q, k, v, kwargs):
-        """TND in head-tail order: the rank's rows are, sequence by sequence, its two chunks of
-        that sequence. One call takes every sequence's first chunk, another every second chunk,
-        each with the sequence's keys up to the chunk's diagonal; the rows are put back in the
-        local order."""
-        cu_q = [int(x) for x in kwargs["cu_seqlens_q"].tolist()]
-        cu_k = [int(x) for x in kwargs["cu_seqlens_kv"].tolist()]
-        if cu_q[-1] != self.s1:
-            raise ValueError(
-                f"cu_seqlens_q: last entry {cu_q[-1]} must equal the query token count {self.s1}"
-            )
-        parts = 2 * self.cp_size
-        for b in range(len(cu_q) - 1):
-            if (cu_q[b + 1] - cu_q[b]) % parts:
-                raise ValueError(
-                    f"cu_seqlens_q: sequence {b} has {cu_q[b + 1] - cu_q[b]} query tokens, not a "
-                    f"multiple of 2 * cp = {parts}, as head-tail order needs"
-                )
-        if self.gathered:
-            k = from_head_tail(k, 0, self.cp_size, self.order, cu_seqlens=cu_k)
-            v = from_head_tail(v, 0, self.cp_size, self.order, cu_seqlens=cu_k)
-        mode = kwargs.get("mask_mode", 0)
-        pair = chunk_pair(self.rank, self.cp_size, self.order)
-        lengths = [(cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]) for b in range(len(cu_q) - 1)]
-        rows, local, halves = [], 0, [[], []]
-        for q_len, _ in lengths:
-            chunk = q_len // parts
-            for half in range(2):
-                halves[half].append(torch.arange(local, local + chunk))
-                local += chunk
-        outs, lses = [], []
-        for half, chunk_index in enumerate(pair):
-            index = torch.cat(halves[half]) if halves[half] else torch.zeros(0, dtype=torch.long)
-            rows.append(index)
-            chunks = [q_len // parts for q_len, _ in lengths]
-            used = [
-                k_len if mode == 0 else max(0, min(k_len, (chunk_index + 1) * c + k_len - q_len))
-                for (q_len, k_len), c in zip(lengths, chunks, strict=True)
-            ]
+        q_len = [e - s for s, e in zip(cu_q, cu_q[1:], strict=False)]
+        k_len = [e - s for s, e in zip(cu_k, cu_k[1:], strict=False)]
+        right = -1 if kwargs.get("mask_mode", 0) == 0 else 0  # TND windows are causal
+        pieces = tnd_pieces(
+            q_len, k_len, self.rows, right, self.cp_size, self.rank, self.order, "cu_seqlens_q"
+        )
+        calls = []
+        for piece in pieces:
             call = dict(kwargs)
-            call["cu_seqlens_q"] = torch.tensor([0, *_cumsum(chunks)], dtype=torch.int32)
-            call["seqused_kv"] = torch.tensor(used, dtype=torch.int32)
+            call["cu_seqlens_q"] = torch.tensor([0, *_running(piece.q_used)], dtype=torch.int32)
+            call["seqused_kv"] = torch.tensor(piece.k_used, dtype=torch.int32)
             call["max_seqlen_q"] = call["max_seqlen_kv"] = None
-            out, lse = self.func(q.index_select(0, index), k, v, **call)
-            outs.append(out)
-            lses.append(lse)
-        order = torch.argsort(torch.cat(rows))
-        out = torch.cat(outs).index_select(0, order)
-        if lses[0].numel() == 0 and lses[1].numel() == 0:
-            return out, lses[0]
-        return out, torch.cat(lses, dim=1).index_select(1, order)
+            calls.append(call)
+        return pieces, calls, cu_k
+
+    def _bsnd_calls(self, kwargs):
+        """BSND and BNSD: every sequence has the same rows, so one key count and window per
+        piece (``_local_band``)."""
+        mode = kwargs.get("mask_mode", 0)
+        right = 0 if mode == 3 else kwargs.get("win_right", -1)
+        batch = self.batch[1] - self.batch[0]
+        pieces = bsnd_pieces(
+            [self.s1] * batch, [self.s2] * batch, self.rows, right, self.cp_size, self.rank,
+            self.order, self.s1,
+        )  # fmt: skip
+        calls = []
+        for piece in pieces:
+            band = _local_band(piece.start, piece.count, self.s1, self.s2, batch, kwargs)
+            calls.append(dict(kwargs, **band))
+        return pieces, calls
 
     def __call__(self, q, k, v, **kwargs):
         b0, b1 = self.batch
@@ -842,39 +574,45 @@ class _Local:
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][b0:b1]
         if self.slice_sinks:
-            kwargs["sinks"] = _head_slice(kwargs.get("sinks"), self.heads)
+            kwargs["sinks"] = head_slice(kwargs.get("sinks"), self.heads)
         kwargs = _slopes_slice(kwargs, self.heads, None if self.tnd else self.batch)
-        if self.tnd and self.cp and self.order is not None:
-            return self._tnd_head_tail(q, k, v, kwargs)
-        if self.tnd and self.cp:
-            return self.func(q, k, v, **self._tnd_slice(kwargs))
-        if not self.cp or kwargs.get("mask_mode", 0) == 0:
-            if self.order is not None and self.gathered:
-                k = from_head_tail(k, self.s_dim, self.cp_size, self.order)
-                v = from_head_tail(v, self.s_dim, self.cp_size, self.order)
+        if not self.cp:
             return self.func(q, k, v, **kwargs)
-
-        def band(start, rows):
-            return dict(kwargs, **_local_band(start, rows, self.s1, self.s2, b1 - b0, kwargs))
-
-        if self.order is None:
-            return self.func(q, k, v, **band(self.rows[0], self.rows[1] - self.rows[0]))
+        cu_k = None
+        if self.tnd:
+            pieces, calls, cu_k = self._tnd_calls(kwargs)
+        elif kwargs.get("mask_mode", 0) != 0:
+            pieces, calls = self._bsnd_calls(kwargs)
+        else:  # every row sees every key: one call on the rank's rows as they are
+            pieces, calls = None, [kwargs]
         if self.gathered:
-            k = from_head_tail(k, self.s_dim, self.cp_size, self.order)
-            v = from_head_tail(v, self.s_dim, self.cp_size, self.order)
-        chunk = self.s1 // (2 * self.cp_size)
-        halves = []
-        for half, c in enumerate(chunk_pair(self.rank, self.cp_size, self.order)):
-            rows = q.narrow(self.s_dim, half * chunk, chunk)
-            halves.append(self.func(rows, k, v, **band(c * chunk, chunk)))
-        out = torch.cat([h[0] for h in halves], dim=self.out_s_dim)
-        lse = (
-            halves[0][1] if halves[0][1].numel() == 0 else torch.cat([h[1] for h in halves], dim=2)
-        )
-        return out, lse
+            k = natural_order(k, self.s_dim, self.cp_size, self.order, cu_seqlens=cu_k)
+            v = natural_order(v, self.s_dim, self.cp_size, self.order, cu_seqlens=cu_k)
+        if pieces is None or len(pieces) == 1 and pieces[0].whole:
+            return self.func(q, k, v, **calls[0])
+        outs, lses = [], []
+        for piece, call in zip(pieces, calls, strict=True):
+            rows = piece.rows
+            part = (
+                q[(slice(None),) * self.s_dim + (rows,)]
+                if isinstance(rows, slice)
+                else (q.index_select(self.s_dim, rows))
+            )
+            out, lse = self.func(part, k, v, **call)
+            outs.append(out)
+            lses.append(lse)
+        out = join_rows(outs, pieces, self.out_s_dim)
+        if all(lse.numel() == 0 for lse in lses):
+            return out, lses[0]
+        return out, join_rows(lses, pieces, self.lse_s_dim)
 
 
-def _cumsum(values):
+def _cumulative(cu):
+    """Cumulative lengths (a tensor or None) as a list of ints."""
+    return None if cu is None else [int(x) for x in cu.tolist()]
+
+
+def _running(values):
     total, out = 0, []
     for v in values:
         total += v
@@ -882,37 +620,15 @@ def _cumsum(values):
     return out
 
 
-def _shard_ranges(total, shards):
-    """[start, end) of each shard of a dim of ``total`` split ``shards`` ways over one mesh axis
-    (DTensor's split: chunks of ceil(total / shards), the last ones short or empty)."""
-    chunk = _ceil_div(total, shards) if shards else 0
-    return [(min(total, i * chunk), min(total, (i + 1) * chunk)) for i in range(shards)]
+def _ulysses_args(kwargs, heads, batch):
+    """Ulysses' local call: the sinks and ALiBi slopes of the rank's query heads."""
+    kwargs = dict(kwargs, sinks=head_slice(kwargs.get("sinks"), heads))
+    return _slopes_slice(kwargs, heads, batch)
 
 
-def _whole_sequence_shards(kwargs, q_layout, k_layout):
-    """For TND with q's and k's tokens sharded alike over one mesh axis: per shard, the run of
-    sequences [lo, hi) whose query tokens are exactly the shard's and whose key tokens are
-    exactly the k shard's; None if some shard cuts a sequence (or the lengths are missing)."""
-    cu_q, cu_k = kwargs.get("cu_seqlens_q"), kwargs.get("cu_seqlens_kv")
-    if cu_q is None or cu_k is None or len(q_layout.tensor_map[0]) != 1:
-        return None
-    cu_q = [int(x) for x in cu_q.tolist()]
-    cu_k = [int(x) for x in cu_k.tolist()]
-    if len(cu_q) != len(cu_k) or cu_q[-1] != q_layout.shape[0] or cu_k[-1] != k_layout.shape[0]:
-        return None  # the operator's own checks report it
-    shards = q_layout.num_shards(0)
-    q_ranges = _shard_ranges(q_layout.shape[0], shards)
-    k_ranges = _shard_ranges(k_layout.shape[0], shards)
-    if q_ranges[q_layout.shard_index(0)] != q_layout.shard_range(0):
-        return None  # a split this rule does not know: take the general path
-    runs = []
-    for (q0, q1), (k0, k1) in zip(q_ranges, k_ranges, strict=True):
-        starts = [b for b, (a, c) in enumerate(zip(cu_q, cu_k, strict=True)) if (a, c) == (q0, k0)]
-        ends = [b for b, (a, c) in enumerate(zip(cu_q, cu_k, strict=True)) if (a, c) == (q1, k1)]
-        if not starts or not ends or ends[-1] < starts[0]:
-            return None
-        runs.append((starts[0], ends[-1]))
-    return runs
+def _nested(q, k, v, kwargs):
+    """The Ulysses hybrids' second strategy: flash_attn on the head-sharded DTensors."""
+    return DISPATCHER.dispatch("flash_attn", torch.ops.opmesh.flash_attn.default, (q, k, v), kwargs)
 
 
 def _rebased_lengths(kwargs, lo, hi):
@@ -932,15 +648,6 @@ def _rebased_lengths(kwargs, lo, hi):
     if kwargs.get("metadata") is None:
         kwargs["max_seqlen_q"] = kwargs["max_seqlen_kv"] = None
     return kwargs
-
-
-def _sizes(total, shards):
-    """Each shard's size of a dim of ``total`` split ``shards`` ways (DTensor's split)."""
-    return [hi - lo for lo, hi in _shard_ranges(total, shards)]
-
-
-def _head_slice(sinks, heads):
-    return sinks if sinks is None else sinks[heads[0] : heads[1]]
 
 
 def _plain_slopes(call: _MeshInputs, strategy, kwargs):
@@ -1007,60 +714,3 @@ def _local_band(start, rows, s1, s2, batch, kwargs):
         out["win_left"] = -1 if left < 0 else left + shift
         out["win_right"] = -1 if right < 0 else right - shift
     return out
-
-
-def _tnd_slice_lengths(cu_q, cu_k, t0, t1, mode):
-    """For the rank's query tokens [t0, t1) of a TND batch: the local cu_seqlens_q, and per
-    sequence the keys its local rows see (seqused_kv against the whole key tensor), so every
-    row keeps its global key range and bottom-right diagonal."""
-    local = [0]
-    used = []
-    for b in range(len(cu_q) - 1):
-        qs, qe = cu_q[b], cu_q[b + 1]
-        lo, hi = max(qs, t0), min(qe, t1)
-        rows = max(0, hi - lo)
-        local.append(local[-1] + rows)
-        k_len = cu_k[b + 1] - cu_k[b]
-        # The last local row is row hi - qs - 1 of the sequence: the diagonal stays where the
-        # global call has it.
-        seen = keys_seen(hi - qs, qe - qs, k_len, -1 if mode == 0 else 0)
-        used.append(seen if rows or mode == 0 else 0)
-    return local, used
-
-
-class _RingLocal:
-    """The ring strategy's local call (opmesh/distributed/ring.py)."""
-
-    def __init__(self, func, layout, layout_out, q_layout, k_shape, slice_sinks):
-        b, s, n, _ = DIMS[layout]
-        p = _platform.current()
-        axis = q_layout.tensor_map[s][0]
-        size = p.mesh_shape(q_layout.mesh)[axis]
-        total = k_shape[s]  # the chunks that travel are the keys'
-        chunk = _ceil_div(total, size)
-        lengths = [max(0, min(total, (i + 1) * chunk) - i * chunk) for i in range(size)]
-        self.ring = RingGroup(
-            p.axis_group(q_layout.mesh, axis), p.mesh_coordinate(q_layout.mesh)[axis], size, lengths
-        )
-        self.layout, self.layout_out = layout, layout_out
-        self.batch = q_layout.shard_range(b)
-        self.heads = q_layout.shard_range(n)
-        self.slice_sinks = slice_sinks
-
-    def __call__(self, q, k, v, **kwargs):
-        sinks = kwargs.get("sinks")
-        if self.slice_sinks:
-            sinks = _head_slice(sinks, self.heads)
-        options = dict(
-            layout_q=self.layout,
-            layout_kv=self.layout,
-            layout_out=self.layout_out,
-            softmax_scale=kwargs.get("softmax_scale"),
-            softcap=kwargs.get("softcap", 0.0),
-        )
-        out, lse = RingAttention.apply(
-            q, k, v, sinks, self.ring, kwargs.get("mask_mode", 0) == 3, options
-        )
-        if not kwargs.get("return_softmax_lse", False):
-            lse = torch.empty(0, device=q.device)
-        return out, lse

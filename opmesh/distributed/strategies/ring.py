@@ -1,5 +1,5 @@
-"""Ring context parallel for flash_attn: keys and values travel around the context-parallel group
-while each rank keeps its query rows.
+"""Ring context parallel: keys and values travel around the context-parallel group while each
+rank keeps its query rows.
 
 Rank r of a group of n holds query rows, keys and values of chunk r of the sequence. In step s it
 holds the keys and values of chunk (r - s) mod n, attends its queries to them (every key when the
@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from ... import platform as _platform
+from .data_parallel import shard_sizes
+from .heads import head_slice
 
 
 class RingGroup:
@@ -152,3 +156,73 @@ class RingAttention(torch.autograd.Function):
             None,
             None,
         )
+
+
+def check(call):
+    """The ring's conditions on a call whose query sequence is sharded (``call``: the layouts
+    of an attention call, q first): BSND or BNSD, no mask but the causal one, keys sharded as
+    the queries (the chunks that travel), contiguous shards."""
+    if call.layout_q == "TND":
+        raise ValueError(
+            "layout_q: TND context parallel uses the all-gather strategy (in sequence or "
+            "head-tail order), not the ring"
+        )
+    if call.mode not in (0, 3):
+        raise ValueError(
+            f"mask_mode: the ring strategy supports masks 0 and 3, got {call.mode}; use "
+            "context_parallel='all_gather' for windows"
+        )
+    q_layout, s = call.layouts[0], call.s
+    for name, lay in zip(call.names[1:], call.layouts[1:], strict=True):
+        if lay.tensor_map[s] != q_layout.tensor_map[s]:
+            raise ValueError(
+                f"{name}: dim {s} is sharded over mesh axes {lay.axes_text(s)}; the ring "
+                f"strategy needs it sharded as q's ({q_layout.axes_text(s)})"
+            )
+    if call.mode == 3 and q_layout.shape[s] != call.layouts[1].shape[s]:
+        raise ValueError(
+            f"k: the ring strategy with a causal mask needs as many keys as queries, got "
+            f"{call.layouts[1].shape[s]} and {q_layout.shape[s]}"
+        )
+    if call.order is not None:
+        raise ValueError(
+            "head_tail_cp: the ring strategy takes contiguous shards; use "
+            "context_parallel='all_gather' with head-tail order"
+        )
+
+
+class RingLocal:
+    """The ring strategy's local call: the rank's query heads' sinks, and ``RingAttention``
+    over the group of the query sequence's mesh axis. ``dims``: the (batch, sequence, heads,
+    head dim) positions of the layout."""
+
+    def __init__(self, func, layout, layout_out, dims, q_layout, k_shape, slice_sinks):
+        b, s, n, _ = dims
+        p = _platform.current()
+        axis = q_layout.tensor_map[s][0]
+        size = p.mesh_shape(q_layout.mesh)[axis]
+        lengths = shard_sizes(k_shape[s], size)  # the chunks that travel are the keys'
+        self.ring = RingGroup(
+            p.axis_group(q_layout.mesh, axis), p.mesh_coordinate(q_layout.mesh)[axis], size, lengths
+        )
+        self.layout, self.layout_out = layout, layout_out
+        self.heads = q_layout.shard_range(n)
+        self.slice_sinks = slice_sinks
+
+    def __call__(self, q, k, v, **kwargs):
+        sinks = kwargs.get("sinks")
+        if self.slice_sinks:
+            sinks = head_slice(sinks, self.heads)
+        options = dict(
+            layout_q=self.layout,
+            layout_kv=self.layout,
+            layout_out=self.layout_out,
+            softmax_scale=kwargs.get("softmax_scale"),
+            softcap=kwargs.get("softcap", 0.0),
+        )
+        out, lse = RingAttention.apply(
+            q, k, v, sinks, self.ring, kwargs.get("mask_mode", 0) == 3, options
+        )
+        if not kwargs.get("return_softmax_lse", False):
+            lse = torch.empty(0, device=q.device)
+        return out, lse
