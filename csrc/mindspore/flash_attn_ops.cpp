@@ -12,6 +12,7 @@
 #include "conventions.h"
 #include "cpu_features.h"
 #include "flash_attn_calls.h"
+#include "flash_attn_params.h"
 #include "ms_call.h"
 
 namespace opmesh::ms_binding {
@@ -19,20 +20,8 @@ namespace {
 
 namespace attn = core::attention;
 
-// Positions of the batch, sequence, head and dim axes in `layout` (-1: absent).
-struct Axes {
-  int b, s, n, d;
-};
-Axes axes_of(attn::Layout layout) {
-  switch (layout) {
-    case attn::Layout::kBNSD:
-      return {0, 2, 1, 3};
-    case attn::Layout::kTND:
-      return {-1, 0, 1, 2};
-    default:
-      return {0, 1, 2, 3};
-  }
-}
+using Axes = common::AttentionAxes;
+Axes axes_of(attn::Layout layout) { return common::attention_axes(layout); }
 
 // Host int32 copies of the length arrays, owned together so a kernel closure can keep them.
 struct HostLengths {
@@ -126,51 +115,10 @@ attn::PlanConfig base_config(const Call& call) {
   return c;
 }
 
-calls::FlashAttnShapes shapes_of(const ms::Tensor& q, const ms::Tensor& k,
-                                 const attn::PlanConfig& c) {
-  calls::FlashAttnShapes s;
-  s.q_tnd = c.layout_q == attn::Layout::kTND;
-  s.kv_tnd = c.layout_kv == attn::Layout::kTND;
-  s.paged = c.layout_kv == attn::Layout::kPagedBBND;
-  s.q_tokens = s.q_tnd ? q.shape()[0] : 0;
-  s.kv_tokens = s.kv_tnd ? k.shape()[0] : 0;
-  s.q_seq = s.q_tnd ? 0 : q.shape()[axes_of(c.layout_q).s];
-  s.kv_seq = (!s.kv_tnd && !s.paged) ? k.shape()[axes_of(c.layout_kv).s] : 0;
-  if (s.paged) {
-    s.num_blocks = k.shape()[0];
-    s.block_size = k.shape()[1];
-  }
-  return s;
-}
-
 // A configuration with no heads checked as one with heads (lengths, masks, sizes).
 attn::PlanConfig with_heads(attn::PlanConfig c) {
   if (c.num_heads_q == 0 && c.num_heads_kv == 0) c.num_heads_q = c.num_heads_kv = 1;
   return c;
-}
-
-template <class Call>
-float scale_of(const Call& o, int64_t head_dim) {
-  return static_cast<float>(
-      o.softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim))));
-}
-
-// The core's [batch][sequence][head][dim] view of a runner tensor in `layout`.
-attn::View view_of(const ms::Tensor& t, attn::Layout layout) {
-  const Axes a = axes_of(layout);
-  const std::vector<int64_t> st = strides_of(t);
-  attn::View v;
-  v.data = t.GetDataPtr();
-  v.sb = a.b >= 0 ? st[a.b] : 0;
-  v.ss = st[a.s];
-  v.sn = st[a.n];
-  v.sd = st[a.d];
-  return v;
-}
-
-attn::MutableView mutable_view_of(ms::Tensor& t, attn::Layout layout) {
-  const attn::View v = view_of(t, layout);
-  return attn::MutableView{t.GetDataPtr(), v.sb, v.ss, v.sn, v.sd};
 }
 
 calls::PlanWords plan_words_of(const std::vector<int32_t>& words, const IntList& given) {
@@ -207,22 +155,13 @@ std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call) {
   return std::vector<int64_t>(words.begin(), words.end());
 }
 
-// softcap and the ALiBi slopes (checked by the shared shape function before the call): the
-// slopes' row stride, 0 for one slope per query head.
-template <class Call>
-int64_t alibi_row_stride(const Call& call) {
-  if (!call.alibi_slopes.has_value()) return 0;
-  const auto& shape = call.alibi_slopes->shape();
-  return shape.size() == 2 ? shape[1] : 0;
-}
-
 py::object flash_attn(const FlashAttnCall& call) {
   const bool return_softmax_lse = call.return_softmax_lse;
   resolve({&call.q, &call.k, &call.v});
   resolve(call.sinks);
   resolve(call.alibi_slopes);
   attn::PlanConfig c = base_config(call);
-  calls::FlashAttnShapes shapes = shapes_of(call.q, call.k, c);
+  calls::FlashAttnShapes shapes = common::flash_attn_shapes(call.q, call.k, c);
   const auto lengths = host_lengths(call);
   auto table = std::make_shared<std::vector<int32_t>>(as_int32(block_table_of(call)));
   if (shapes.paged) {
@@ -243,77 +182,24 @@ py::object flash_attn(const FlashAttnCall& call) {
   }));
   if (no_heads) prepared->config.num_heads_q = prepared->config.num_heads_kv = 0;
   c = prepared->config;
-  const bool q_tnd = shapes.q_tnd;
-  const Axes qa = axes_of(c.layout_q);
-  const int64_t nq = c.num_heads_q;
-  std::vector<int64_t> out_shape, lse_shape;
-  if (q_tnd) {
-    out_shape = {call.q.shape()[0], nq, c.head_dim_v};
-    lse_shape = {nq, call.q.shape()[0]};
-  } else {
-    const int64_t s1 = call.q.shape()[qa.s];
-    out_shape = c.layout_out == attn::Layout::kBNSD
-                    ? std::vector<int64_t>{c.batch_size, nq, s1, c.head_dim_v}
-                    : std::vector<int64_t>{c.batch_size, s1, nq, c.head_dim_v};
-    lse_shape = {c.batch_size, nq, s1};
-  }
-  if (!return_softmax_lse) lse_shape = {0};
-  const std::vector<OutputSpec> outs{{call.q.data_type(), out_shape},
-                                     {mindspore::kNumberTypeFloat32, lse_shape}};
-  std::vector<ms::Tensor> inputs{call.q, call.k, call.v};
-  const bool has_sinks = call.sinks.has_value();
-  if (has_sinks) inputs.push_back(*call.sinks);
-  const bool has_alibi = call.alibi_slopes.has_value();
-  if (has_alibi) inputs.push_back(*call.alibi_slopes);
-  const int64_t alibi_sb = alibi_row_stride(call);
-  const float softcap = static_cast<float>(call.softcap);
-  const float scale = scale_of(call, c.head_dim);
-  return launch("OpmeshFlashAttn", inputs, outs,
-                [prepared, lengths, table, shapes, has_sinks, has_alibi, alibi_sb, softcap,
-                 return_softmax_lse, scale,
-                 no_heads](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+  const common::FlashAttnOutputShapes out_shapes =
+      common::flash_attn_output_shapes(call.q, c, return_softmax_lse);
+  const std::vector<OutputSpec> outs{{call.q.data_type(), out_shapes.out},
+                                     {mindspore::kNumberTypeFloat32, out_shapes.lse}};
+  return launch("OpmeshFlashAttn", inputs_of(call), outs,
+                [call, prepared, lengths, table, shapes, return_softmax_lse, no_heads](
+                    const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
                   if (no_heads) return;  // empty outputs
-                  const attn::PlanConfig& c = prepared->config;
-                  const bool tnd = shapes.q_tnd;
                   if (prepared->padding) {
                     fill(out[0], 0.0f);
                     if (return_softmax_lse) fill(out[1], std::numeric_limits<float>::infinity());
                   }
-                  attn::FlashAttnParams p;
-                  p.config = c;
-                  p.lengths = lengths->arrays();
-                  p.dtype = core_dtype(in[0], "q");
-                  p.q = view_of(in[0], c.layout_q);
-                  p.k = view_of(in[1], c.layout_kv);
-                  p.v = view_of(in[2], c.layout_kv);
-                  if (shapes.paged) {
-                    p.block_table = table->data();
-                    p.bt_sb = shapes.table_stride_b;
-                    p.bt_sj = shapes.table_stride_j;
-                    p.block_size = shapes.block_size;
-                  }
-                  if (has_sinks) p.sinks = in[3].data_ptr<float>();
-                  if (has_alibi) p.alibi_slopes = in[has_sinks ? 4 : 3].data_ptr<float>();
-                  p.alibi_sb = alibi_sb;
-                  p.softcap = softcap;
-                  p.softmax_scale = scale;
-                  const std::vector<int64_t> os = strides_of(out[0]);
-                  const bool bnsd = c.layout_out == attn::Layout::kBNSD;
-                  p.out = out[0].GetDataPtr();
-                  p.out_sb = tnd ? 0 : os[0];
-                  p.out_ss = tnd ? os[0] : os[bnsd ? 2 : 1];
-                  p.out_sn = tnd ? os[1] : os[bnsd ? 1 : 2];
-                  p.out_sd = os.back();
-                  if (return_softmax_lse) {
-                    const std::vector<int64_t> ls = strides_of(out[1]);
-                    p.lse = out[1].data_ptr<float>();
-                    p.lse_sb = tnd ? 0 : ls[0];
-                    p.lse_sn = ls[tnd ? 0 : 1];
-                    p.lse_ss = ls[tnd ? 1 : 2];
-                  }
+                  const attn::FlashAttnParams p = common::flash_attn_params(
+                      with_inputs(call, in), prepared->config, lengths->arrays(), shapes, out[0],
+                      return_softmax_lse ? &out[1] : nullptr);
                   const attn::Plan& plan = prepared->plan();
-                  std::vector<float> workspace(
-                      static_cast<size_t>(std::max<int64_t>(1, attn::workspace_floats(c, plan))));
+                  std::vector<float> workspace(static_cast<size_t>(
+                      std::max<int64_t>(1, attn::workspace_floats(p.config, plan))));
                   checked([&] {
                     cpu_kernels().flash_attn(p, prepared->sequences, plan, ThreadExecutor(),
                                              workspace.data(), nullptr);
@@ -329,7 +215,7 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
   require_rank(call.dout, lo == attn::Layout::kTND ? 3 : 4, "dout");
   require_rank(call.out, lo == attn::Layout::kTND ? 3 : 4, "out");
   require_rank(call.lse, lo == attn::Layout::kTND ? 2 : 3, "lse");
-  const calls::FlashAttnShapes shapes = shapes_of(call.q, call.k, c);
+  const calls::FlashAttnShapes shapes = common::flash_attn_shapes(call.q, call.k, c);
   const auto lengths = host_lengths(call);
   const IntList metadata = values_of(call.metadata);
   const std::vector<int32_t> words = as_int32(metadata);
@@ -339,67 +225,28 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
                                    call.max_seqlen_kv, plan_words_of(words, metadata));
   }));
   const bool has_sinks = call.sinks.has_value();
-  const bool has_dlse = call.dlse.has_value();
-  std::vector<ms::Tensor> inputs{call.dout, call.q, call.k, call.v, call.out, call.lse};
-  if (has_sinks) inputs.push_back(*call.sinks);
-  if (has_dlse) inputs.push_back(*call.dlse);
-  const bool has_alibi = call.alibi_slopes.has_value();
-  if (has_alibi) inputs.push_back(*call.alibi_slopes);
-  const int64_t alibi_sb = alibi_row_stride(call);
-  const float softcap = static_cast<float>(call.softcap);
   auto spec = [](const ms::Tensor& t) {
     return OutputSpec{t.data_type(), std::vector<int64_t>(t.shape().begin(), t.shape().end())};
   };
   const std::vector<OutputSpec> outs{
       spec(call.q), spec(call.k), spec(call.v),
       has_sinks ? spec(*call.sinks) : OutputSpec{mindspore::kNumberTypeFloat32, {0}}};
-  const float scale = scale_of(call, c.head_dim);
-  return launch(
-      "OpmeshFlashAttnBackward", inputs, outs,
-      [prepared, lengths, shapes, has_sinks, has_dlse, has_alibi, alibi_sb, softcap, scale,
-       no_heads](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& grads) {
-        const attn::PlanConfig& c = prepared->config;
-        const bool tnd = shapes.q_tnd;
-        for (auto& g : grads) fill(g, 0.0f);
-        if (no_heads) return;  // zero gradients (of no elements but the sinks')
-        attn::FlashAttnBackwardParams p;
-        p.config = c;
-        p.dtype = core_dtype(in[1], "q");
-        p.dout = view_of(in[0], c.layout_out);
-        p.q = view_of(in[1], c.layout_q);
-        p.k = view_of(in[2], c.layout_kv);
-        p.v = view_of(in[3], c.layout_kv);
-        p.out = view_of(in[4], c.layout_out);
-        const std::vector<int64_t> ls = strides_of(in[5]);
-        p.lse = in[5].data_ptr<float>();
-        p.lse_sb = tnd ? 0 : ls[0];
-        p.lse_sn = ls[tnd ? 0 : 1];
-        p.lse_ss = ls[tnd ? 1 : 2];
-        size_t next = 6;
-        if (has_sinks) {
-          p.sinks = in[next++].data_ptr<float>();
-          p.dsinks = grads[3].data_ptr<float>();
-        }
-        if (has_dlse) {
-          p.dlse = in[next++].data_ptr<float>();
-          p.dlse_sb = p.lse_sb;
-          p.dlse_sn = p.lse_sn;
-          p.dlse_ss = p.lse_ss;
-        }
-        if (has_alibi) p.alibi_slopes = in[next].data_ptr<float>();
-        p.alibi_sb = alibi_sb;
-        p.softcap = softcap;
-        p.softmax_scale = scale;
-        p.dq = mutable_view_of(grads[0], c.layout_q);
-        p.dk = mutable_view_of(grads[1], c.layout_kv);
-        p.dv = mutable_view_of(grads[2], c.layout_kv);
-        checked([&] {
-          cpu_kernels().flash_attn_backward(
-              p, prepared->sequences, ThreadExecutor(),
-              prepared->decoded ? &prepared->decoded->backward : nullptr);
-          return 0;
-        });
-      });
+  const bool q_tnd = shapes.q_tnd;
+  return launch("OpmeshFlashAttnBackward", inputs_of(call), outs,
+                [call, prepared, q_tnd, no_heads](const std::vector<ms::Tensor>& in,
+                                                  std::vector<ms::Tensor>& grads) {
+                  for (auto& g : grads) fill(g, 0.0f);
+                  if (no_heads) return;  // zero gradients (of no elements but the sinks')
+                  const ms::Tensor outputs[4] = {grads[0], grads[1], grads[2], grads[3]};
+                  const attn::FlashAttnBackwardParams p = common::flash_attn_backward_params(
+                      with_inputs(call, in), prepared->config, q_tnd, outputs);
+                  checked([&] {
+                    cpu_kernels().flash_attn_backward(
+                        p, prepared->sequences, ThreadExecutor(),
+                        prepared->decoded ? &prepared->decoded->backward : nullptr);
+                    return 0;
+                  });
+                });
 }
 
 }  // namespace opmesh::ms_binding

@@ -1,5 +1,5 @@
-// Helpers of the CPU kernels that hand tensors to the core: host copies of length arrays, the
-// core's views of q/k/v-like tensors, and the core's ArgumentError as a Python ValueError.
+// Helpers of the CPU kernels that hand tensors to the core: host copies of length arrays and the
+// concrete sizes of a CPU call.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -42,18 +42,6 @@ struct HostLengths {
 inline std::optional<int64_t> concrete_or_none(const std::optional<c10::SymInt>& v) {
   if (!v.has_value()) return std::nullopt;
   return v->expect_int();
-}
-
-// The core's [batch][sequence][head][dim] view of a tensor in `layout`.
-inline attn::View view_of(const at::Tensor& t, attn::Layout layout) {
-  const Axes a = axes_of(layout);
-  attn::View v;
-  v.data = t.data_ptr();
-  v.sb = a.b >= 0 ? t.stride(a.b) : 0;
-  v.ss = t.stride(a.s);
-  v.sn = t.stride(a.n);
-  v.sd = t.stride(a.d);
-  return v;
 }
 
 }  // namespace opmesh::binding

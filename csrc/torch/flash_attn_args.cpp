@@ -7,6 +7,7 @@
 
 #include "dtypes.h"
 #include "errors.h"
+#include "flash_attn_params.h"
 
 namespace opmesh::binding {
 namespace {
@@ -51,16 +52,8 @@ void check_tokens(const c10::SymInt& size, const char* name, const char* what) {
 }  // namespace
 
 Axes axes_of(attn::Layout layout) {
-  switch (layout) {
-    case attn::Layout::kBSND:
-    case attn::Layout::kPagedBBND:
-      return {0, 1, 2, 3, 4};
-    case attn::Layout::kBNSD:
-      return {0, 2, 1, 3, 4};
-    case attn::Layout::kTND:
-      return {-1, 0, 1, 2, 3};
-  }
-  return {0, 1, 2, 3, 4};
+  const common::AttentionAxes a = common::attention_axes(layout);
+  return {a.b, a.s, a.n, a.d, layout == attn::Layout::kTND ? 3 : 4};
 }
 
 void check_plan_lengths(const OptTensor& t, const char* name, const c10::SymInt& count) {

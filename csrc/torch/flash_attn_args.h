@@ -47,18 +47,6 @@ struct FlashAttnArgs {
 // (return_softmax_lse is not read.)
 FlashAttnArgs check_flash_attn_args(const FlashAttnCall& call);
 
-// Fills the core parameters' softcap and ALiBi slopes from a flash_attn or flash_attn_backward
-// call (checked), returning the contiguous slopes the parameters point into (undefined without).
-template <class Call, class Params>
-at::Tensor set_score_mods(const Call& call, Params& p) {
-  p.softcap = static_cast<float>(call.softcap);
-  if (!call.alibi_slopes.has_value()) return at::Tensor();
-  at::Tensor slopes = call.alibi_slopes->contiguous();
-  p.alibi_slopes = slopes.template data_ptr<float>();
-  p.alibi_sb = slopes.dim() == 2 ? slopes.size(1) : 0;
-  return slopes;
-}
-
 // flash_attn's outputs for checked arguments, uninitialised: attn_out in layout_out with v's
 // head dim, and the lse ([B, Nq, S1] / [Nq, T1]) or an empty tensor.
 std::tuple<at::Tensor, at::Tensor> flash_attn_outputs(const at::Tensor& q, const at::Tensor& v,

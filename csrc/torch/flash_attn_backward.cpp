@@ -14,6 +14,8 @@
 #include "dtypes.h"
 #include "flash_attn_args.h"
 #include "flash_attn_calls.h"
+#include "flash_attn_params.h"
+#include "torch_access.h"
 
 namespace opmesh::binding {
 namespace {
@@ -96,11 +98,7 @@ Grads flash_attn_backward_cpu(const FlashAttnBackwardCall& g) {
   c.batch_size = args.batch.expect_int();
   const HostLengths host(g);
   const attn::LengthArrays& lengths = host.arrays;
-  calls::FlashAttnShapes shapes;
-  shapes.q_tnd = args.q_tnd;
-  shapes.kv_tnd = args.kv_tnd;
-  shapes.q_seq = args.q_tnd ? 0 : q.size(args.qa.s);
-  shapes.kv_seq = args.kv_tnd ? 0 : k.size(args.ka.s);
+  const calls::FlashAttnShapes shapes = common::flash_attn_shapes(q, k, c);
   const HostInts words = host_ints(g.metadata);
   const calls::PlanWords given{words.data(), words.tensor.defined() ? words.tensor.numel() : 0};
   const calls::PreparedBackward prepared = rethrow([&] {
@@ -112,44 +110,16 @@ Grads flash_attn_backward_cpu(const FlashAttnBackwardCall& g) {
   const std::optional<attn::metadata::Decoded>& decoded = prepared.decoded;
 
   Grads grads = empty_grads(q, k, v, sinks, /*zero=*/true);
-  auto& [dq, dk, dv, dsinks] = grads;
-  attn::FlashAttnBackwardParams p;
-  p.config = c;
-  p.dtype = to_core_dtype(q.scalar_type(), "q");
-  p.q = view_of(q, c.layout_q);
-  p.k = view_of(k, c.layout_kv);
-  p.v = view_of(v, c.layout_kv);
-  p.out = view_of(g.out, c.layout_out);
-  p.dout = view_of(g.dout, c.layout_out);
-  const bool tnd = args.q_tnd;
-  const at::Tensor lse_c = g.lse.contiguous();
-  p.lse = lse_c.data_ptr<float>();
-  p.lse_sb = tnd ? 0 : lse_c.stride(0);
-  p.lse_sn = lse_c.stride(tnd ? 0 : 1);
-  p.lse_ss = lse_c.stride(tnd ? 1 : 2);
-  at::Tensor dlse_c;
-  if (g.dlse.has_value()) {
-    dlse_c = g.dlse->contiguous();
-    p.dlse = dlse_c.data_ptr<float>();
-    p.dlse_sb = p.lse_sb;
-    p.dlse_sn = p.lse_sn;
-    p.dlse_ss = p.lse_ss;
-  }
-  at::Tensor sink_values;
-  if (sinks.has_value()) {
-    sink_values = sinks->contiguous();
-    p.sinks = sink_values.data_ptr<float>();
-    p.dsinks = dsinks.data_ptr<float>();
-  }
-  p.softmax_scale = args.softmax_scale;
-  const at::Tensor slopes = set_score_mods(g, p);
-  auto mutable_view = [](at::Tensor& t, attn::Layout layout) {
-    const attn::View view = view_of(t, layout);
-    return attn::MutableView{t.data_ptr(), view.sb, view.ss, view.sn, view.sd};
-  };
-  p.dq = mutable_view(dq, c.layout_q);
-  p.dk = mutable_view(dk, c.layout_kv);
-  p.dv = mutable_view(dv, c.layout_kv);
+  const auto& [dq, dk, dv, dsinks] = grads;
+  // The statistics, sinks and slopes contiguous (float32 by the checks), as the core reads them.
+  FlashAttnBackwardCall readable = g;
+  readable.lse = g.lse.contiguous();
+  if (g.dlse.has_value()) readable.dlse = g.dlse->contiguous();
+  if (sinks.has_value()) readable.sinks = sinks->contiguous();
+  if (g.alibi_slopes.has_value()) readable.alibi_slopes = g.alibi_slopes->contiguous();
+  const at::Tensor outputs[4] = {dq, dk, dv, dsinks};
+  const attn::FlashAttnBackwardParams p =
+      common::flash_attn_backward_params(readable, c, args.q_tnd, outputs);
   rethrow([&] {
     cpu_kernels().flash_attn_backward(p, seqs, AtenExecutor(),
                                       decoded ? &decoded->backward : nullptr);
