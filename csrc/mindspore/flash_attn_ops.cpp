@@ -194,9 +194,10 @@ py::object flash_attn(const FlashAttnCall& call) {
                     fill(out[0], 0.0f);
                     if (return_softmax_lse) fill(out[1], std::numeric_limits<float>::infinity());
                   }
-                  const attn::FlashAttnParams p = common::flash_attn_params(
-                      with_inputs(call, in), prepared->config, lengths->arrays(), shapes, out[0],
-                      return_softmax_lse ? &out[1] : nullptr);
+                  const FlashAttnCall c = with_inputs(call, in);
+                  const attn::FlashAttnParams p =
+                      common::flash_attn_params(c, prepared->config, lengths->arrays(), shapes,
+                                                out[0], return_softmax_lse ? &out[1] : nullptr);
                   const attn::Plan& plan = prepared->plan();
                   std::vector<float> workspace(static_cast<size_t>(
                       std::max<int64_t>(1, attn::workspace_floats(p.config, plan))));
@@ -238,8 +239,9 @@ py::object flash_attn_backward(const FlashAttnBackwardCall& call) {
                   for (auto& g : grads) fill(g, 0.0f);
                   if (no_heads) return;  // zero gradients (of no elements but the sinks')
                   const ms::Tensor outputs[4] = {grads[0], grads[1], grads[2], grads[3]};
-                  const attn::FlashAttnBackwardParams p = common::flash_attn_backward_params(
-                      with_inputs(call, in), prepared->config, q_tnd, outputs);
+                  const FlashAttnBackwardCall c = with_inputs(call, in);
+                  const attn::FlashAttnBackwardParams p =
+                      common::flash_attn_backward_params(c, prepared->config, q_tnd, outputs);
                   checked([&] {
                     cpu_kernels().flash_attn_backward(
                         p, prepared->sequences, ThreadExecutor(),

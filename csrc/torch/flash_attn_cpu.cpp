@@ -118,8 +118,9 @@ Outputs2 flash_attn_cpu(const FlashAttnCall& call) {
   at::Tensor lse = padding && call.return_softmax_lse
                        ? at::full(out_shapes.lse, INFINITY, lse_options)
                        : at::empty(out_shapes.lse, lse_options);
+  const FlashAttnCall core_call = readable(call);  // owns what the params point into
   const attn::FlashAttnParams p = common::flash_attn_params(
-      readable(call), c, lengths, shapes, out, call.return_softmax_lse ? &lse : nullptr);
+      core_call, c, lengths, shapes, out, call.return_softmax_lse ? &lse : nullptr);
   at::Tensor workspace = at::empty({std::max<int64_t>(1, attn::workspace_floats(c, *plan))},
                                    q.options().dtype(at::kFloat));
   WorkerTimes::Recording recording(static_cast<int64_t>(plan->workers.size()));

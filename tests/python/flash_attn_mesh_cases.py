@@ -265,12 +265,12 @@ def case_errors(mesh):
 
     _expect(
         ValueError,
-        "q: dim 3 is sharded",
+        "q: dim 3 (D) is sharded",
         lambda: opmesh.flash_attn(dt(q, Shard(3)), dt(k, R), dt(v, R)),
     )
     _expect(
         ValueError,
-        "k: dim 0 is sharded",
+        "k: dim 0 (B) is sharded",
         lambda: opmesh.flash_attn(dt(q, R), dt(k, Shard(0)), dt(v, R)),
     )
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -301,7 +301,7 @@ def case_errors(mesh):
     q2, k2, v2 = _inputs(1, 4, 4, 2 * (m + 1), m + 1)
     _expect(
         ValueError,
-        "q: dim 2 is sharded",
+        "q: dim 2 (N1) is sharded",
         lambda: opmesh.flash_attn(dt(q2, Shard(2)), dt(k2, Shard(2)), dt(v2, Shard(2))),
     )
 

@@ -38,10 +38,18 @@ def with_mods(case, dtype, variant):
         kw["softcap"] = 1.5
     if variant in ("alibi", "both", "alibi_batch"):
         kw["alibi_slopes"] = slopes_for(case, variant == "alibi_batch", nq)
+    if variant == "strided":
+        # Slopes and sinks as strided views (every other column): the kernel reads copies it
+        # keeps alive for the whole call.
+        wide = slopes_for(case, True, 2 * nq)
+        kw["alibi_slopes"] = wide[:, ::2]
+        if kw.get("sinks") is not None:
+            kw["sinks"] = torch.stack([kw["sinks"], kw["sinks"] + 1], dim=1)[:, 0]
+        assert not kw["alibi_slopes"].is_contiguous()
     return q, k, v, kw
 
 
-VARIANTS = ["softcap", "alibi", "alibi_batch", "both"]
+VARIANTS = ["softcap", "alibi", "alibi_batch", "both", "strided"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

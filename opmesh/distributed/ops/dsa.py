@@ -50,6 +50,7 @@ from ..._schema import MAX_TOKENS, defaults, positional
 from ..context_parallel import head_tail_order, to_head_tail
 from ..distributed_op import DistributedOp
 from ..layout import Layout
+from ..strategies import rules
 from ..strategies.all_gather import (
     bsnd_pieces,
     gather,
@@ -60,8 +61,6 @@ from ..strategies.all_gather import (
 )
 from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import (
-    KEY_SEQ,
-    QUERY_SEQ,
     OpTable,
     local_lengths,
     partial_where_replicated,
@@ -347,79 +346,14 @@ class DsaDistributedOp(DistributedOp):
         return partial_where_replicated(p, x, axes)
 
     def _check(self, layout, layouts, named, order):
-        """The layout rules; returns (strategy, query-sequence axes, batch axes)."""
-        t = self.table
-        names = list(layouts)
-        first_name = names[0]
-        first = layouts[first_name]
-        mesh = first.mesh
-        for name, lay in layouts.items():
-            dims = t.tensors[name][layout]
-            if lay.mesh != mesh:
-                raise ValueError(f"{name}: must be on the same device mesh as {first_name}")
-            if lay.ndim != len(dims):
-                raise ValueError(
-                    f"{name}: expected a {len(dims)}-D DTensor [{', '.join(dims)}] for layout "
-                    f"{layout}, got {lay.ndim}-D with global shape {tuple(lay.shape)}"
-                )
-            partial = lay.partial_axes()
-            if partial:
-                raise ValueError(
-                    f"{name}: Partial placement on mesh axis {lay.axis_names[partial[0]]!r} is "
-                    "not supported; reduce it (redistribute to Replicate or Shard) first"
-                )
-        q_dims = t.tensors[first_name][layout]
-        seq_axes = first.tensor_map[seq_dim(q_dims)]
-        batch_axes = first.tensor_map[0] if layout == "BSND" else ()
-
-        def fail(name, d, why):
-            lay = layouts[name]
-            dims = t.tensors[name][layout]
-            where = (
-                f"is sharded over mesh axis {lay.axes_text(d)}"
-                if lay.tensor_map[d]
-                else "is not sharded"
-            )
-            raise ValueError(f"{name}: dim {d} ({dims[d]}) {where}; {why}")
-
-        keys_sharded = False
-        # Dims sharded where they may not be are reported first, then missing shardings.
-        for missing in (False, True):
-            for name, lay in layouts.items():
-                dims = t.tensors[name][layout]
-                for d, axes in enumerate(lay.tensor_map):
-                    if bool(axes) == missing:
-                        continue
-                    if dims[d] == "B" and axes != batch_axes:
-                        fail(
-                            name,
-                            d,
-                            f"the batch must be sharded like {first_name}'s (mesh axis "
-                            f"{first.axes_text(0)})",
-                        )
-                    elif dims[d] in QUERY_SEQ and axes != seq_axes:
-                        fail(
-                            name,
-                            d,
-                            f"the query sequence must be sharded like {first_name}'s (mesh axis "
-                            f"{first.axes_text(seq_dim(q_dims))})",
-                        )
-                    elif dims[d] in KEY_SEQ and axes:
-                        if axes != seq_axes:
-                            fail(
-                                name,
-                                d,
-                                "the key sequence must be replicated or sharded like the query "
-                                f"sequence of {first_name} (mesh axis "
-                                f"{first.axes_text(seq_dim(q_dims))})",
-                            )
-                        keys_sharded = True
-                    elif axes and dims[d] not in ("B", *QUERY_SEQ, *KEY_SEQ):
-                        fail(name, d, "it must be replicated")
-        if order is not None and not seq_axes:
-            raise ValueError(
-                f"head_tail_cp: needs {first_name}'s query sequence sharded for context parallelism"
-            )
+        """The layout rules (strategies/rules.py) and the family's own: a band with
+        sparse_mode=0 cannot be split over the query sequence. Returns (strategy, query-sequence
+        axes, batch axes)."""
+        dims = {name: self.table.tensors[name][layout] for name in layouts}
+        sharding = rules.check(layouts, dims, layout)
+        seq_axes = sharding.seq_axes
+        if order is not None:
+            rules.check_head_tail(layouts, dims, sharding)
         if seq_axes and named["sparse_mode"] == 0:
             for name in ("pre_tokens", "next_tokens"):
                 if named[name] < MAX_TOKENS:
@@ -428,22 +362,11 @@ class DsaDistributedOp(DistributedOp):
                         "sequence (context parallel); use sparse_mode=3 or replicate the query "
                         "sequence"
                     )
-        if order is not None:
-            cp = first.num_shards(seq_dim(q_dims))
-            for name, lay in layouts.items():
-                dims = t.tensors[name][layout]
-                d = seq_dim(dims)
-                if layout == "BSND" and d is not None and lay.tensor_map[d]:
-                    if lay.shape[d] % (2 * cp):
-                        raise ValueError(
-                            f"{name}: dim {d} ({dims[d]}) has size {lay.shape[d]}, not a "
-                            f"multiple of 2 * cp = {2 * cp}, as head_tail_cp needs"
-                        )
         if not seq_axes:
-            return "local", (), tuple(batch_axes)
-        if layout == "TND" and keys_sharded and order is None and len(seq_axes) == 1:
-            return "tnd_data_parallel", tuple(seq_axes), ()
-        return "context_parallel", tuple(seq_axes), tuple(batch_axes)
+            return "local", (), sharding.batch_axes
+        if layout == "TND" and sharding.keys_sharded and order is None and len(seq_axes) == 1:
+            return "tnd_data_parallel", seq_axes, ()
+        return "context_parallel", seq_axes, sharding.batch_axes
 
     # -- output layouts -----------------------------------------------------------------------
 

@@ -43,19 +43,43 @@ from ..context_parallel import head_tail_order, keys_seen
 from ..dispatcher import DISPATCHER
 from ..distributed_op import DistributedOp
 from ..layout import Layout
-from ..strategies import ring
+from ..strategies import ring, rules
 from ..strategies.all_gather import bsnd_pieces, gather, join_rows, natural_order, tnd_pieces
 from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import fail_sharded as _fail
 from ..strategies.description import partial_where_replicated
-from ..strategies.heads import head_slice, keeps_gqa_groups, kv_for_heads
+from ..strategies.heads import head_slice, kv_for_heads
 from ..strategies.ulysses import Ulysses, UlyssesLocal
 
 NAMES = ("q", "k", "v")
-# flash_attn's layout table, read by these rules and by the raw operators' sharding strategies
-# (sharding.py): per layout, the (batch, sequence, heads, head dim) positions of q, k, v and the
-# output (TND has no batch dim), and the (batch, heads, sequence) positions of the lse.
-DIMS = {"BSND": (0, 1, 2, 3), "BNSD": (0, 2, 1, 3), "TND": (None, 0, 1, 2)}
+# flash_attn's description: per layout, the named dims of q, k and v (strategies/rules.py).
+TENSORS = {
+    "BSND": {
+        "q": ("B", "S1", "N1", "D"),
+        "k": ("B", "S2", "N2", "D"),
+        "v": ("B", "S2", "N2", "Dv"),
+    },
+    "BNSD": {
+        "q": ("B", "N1", "S1", "D"),
+        "k": ("B", "N2", "S2", "D"),
+        "v": ("B", "N2", "S2", "Dv"),
+    },
+    "TND": {"q": ("T1", "N1", "D"), "k": ("T2", "N2", "D"), "v": ("T2", "N2", "Dv")},
+}
+
+
+def _positions(dims):
+    """The (batch, sequence, heads, head dim) positions of a tensor's named dims (None: none)."""
+    return tuple(
+        next((i for i, d in enumerate(dims) if d in names), None)
+        for names in (("B",), ("S1", "T1"), ("N1",), ("D",))
+    )
+
+
+# Read by these rules and by the raw operators' sharding strategies (sharding.py): per layout,
+# the (batch, sequence, heads, head dim) positions of q, k, v and the output (TND has no batch
+# dim), and the (batch, heads, sequence) positions of the lse.
+DIMS = {layout: _positions(dims["q"]) for layout, dims in TENSORS.items()}
 LSE_DIMS = {"BSND": (0, 1, 2), "BNSD": (0, 1, 2), "TND": (None, 0, 1)}
 
 
@@ -233,14 +257,15 @@ def _check_dtensors(args):
 
 @dataclass(frozen=True)
 class _MeshInputs:
-    """q, k and v's layouts, checked against the rules every strategy shares: one mesh and
-    layout, no Partial, D replicated, batch and heads sharded alike, no GQA group cut."""
+    """q, k and v's layouts, checked against the rules every strategy shares
+    (strategies/rules.py, with head parallel)."""
 
     p: object
     layout_q: str
     layouts: tuple
     mode: int
     order: str | None
+    sharding: rules.Sharding
 
     @property
     def mesh(self):
@@ -270,8 +295,7 @@ class _MeshInputs:
     @property
     def kv_heads_replicated(self) -> bool:
         """q's heads sharded while k's and v's are replicated on every mesh axis."""
-        qm, km, _vm = self.maps()
-        return bool(qm[self.n]) and not km[self.n]
+        return self.sharding.kv_heads_replicated
 
     def grad_placements(self, x, extra_axes=()):
         """Where q's rows (batch or sequence) are split over a mesh axis on which an input is
@@ -303,71 +327,13 @@ class _MeshInputs:
             if p.is_dtensor(kwargs.get(name)):
                 raise ValueError(f"{name}: pass the global lengths as a plain tensor")
         layouts = tuple(Layout.of(x) for x in args)
-        call = cls(p, layout_q, layouts, kwargs.get("mask_mode", 0), head_tail_order())
-        call._check_layouts()
-        return call
-
-    def _check_layouts(self):
-        rank = 3 if self.layout_q == "TND" else 4
-        for name, lay in zip(NAMES, self.layouts, strict=True):
-            if lay.mesh != self.mesh:
-                raise ValueError(f"{name}: must be on the same device mesh as q")
-            if lay.ndim != rank:
-                raise ValueError(
-                    f"{name}: expected a {rank}-D DTensor ({self.layout_q}), got {lay.ndim}-D"
-                )
-            partial = lay.partial_axes()
-            if partial:
-                raise ValueError(
-                    f"{name}: Partial placement on mesh axis {lay.axis_names[partial[0]]!r} is "
-                    "not supported; reduce it (redistribute to Replicate or Shard) first"
-                )
-        b, _s, n, d = self.dims
-        qm, km, vm = self.maps()
-        q_layout = self.layouts[0]
-        for name, lay, tm in zip(NAMES, self.layouts, (qm, km, vm), strict=True):
-            if tm[d]:
-                _fail(name, lay, d, "the head dim D must be replicated")
-        for name, lay, tm in zip(NAMES[1:], self.layouts[1:], (km, vm), strict=True):
-            if b is not None and tm[b] != qm[b]:
-                why = f"the batch dim must be sharded as q's ({q_layout.axes_text(b)})"
-                _fail(name, lay, b, why)
-            if tm[n] != qm[n] and not (qm[n] and not km[n] and not vm[n]):
-                _fail(
-                    name,
-                    lay,
-                    n,
-                    f"the head dim must be sharded as q's ({q_layout.axes_text(n)}), or k's and "
-                    "v's replicated while q's is sharded",
-                )
-        if qm[n]:
-            if len(qm[n]) > 1:
-                _fail("q", q_layout, n, "heads may be sharded over one mesh axis only")
-            shards = q_layout.num_shards(n)
-            nq, nkv = q_layout.shape[n], self.layouts[1].shape[n]
-            if km[n] and not keeps_gqa_groups(nq, nkv, shards):
-                why = (
-                    f"splitting {nq} query heads and {nkv} key heads {shards} ways would cut a "
-                    "group of query heads from its key head"
-                )
-                _fail("q", q_layout, n, why)
-        if self.order is not None:
-            self._check_head_tail()
-
-    def _check_head_tail(self):
-        qm = self.layouts[0].tensor_map
-        if not qm[self.s]:
-            raise ValueError(
-                "head_tail_cp: needs q's sequence sharded for context parallelism (over one "
-                "mesh axis)"
-            )
-        cp = self.layouts[0].num_shards(self.s)
-        for name, lay in zip(NAMES, self.layouts, strict=True):
-            if (name == "q" or lay.tensor_map[self.s]) and lay.shape[self.s] % (2 * cp) != 0:
-                raise ValueError(
-                    f"{name}: dim {self.s} has size {lay.shape[self.s]}, not a multiple of 2 * cp "
-                    f"= {2 * cp}, as head_tail_cp needs"
-                )
+        named = dict(zip(NAMES, layouts, strict=True))
+        dims = TENSORS[layout_q]
+        sharding = rules.check(named, dims, layout_q, head_parallel=True)
+        order = head_tail_order()
+        if order is not None:
+            rules.check_head_tail(named, dims, sharding)
+        return cls(p, layout_q, layouts, kwargs.get("mask_mode", 0), order, sharding)
 
 
 def _strategy(call: _MeshInputs, kwargs):
@@ -407,10 +373,7 @@ class _NoContextParallel:
 
     @staticmethod
     def prepare(call, args, kwargs):
-        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
-            if lay.tensor_map[call.s]:
-                _fail(name, lay, call.s, "the key sequence may be sharded only when q's is")
-        return args, kwargs
+        return args, kwargs  # the rules left keys sharded only where q's sequence is
 
 
 class _TndWholeSequences:
@@ -446,14 +409,6 @@ class _ContextParallel:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name}: not supported with the query sequence sharded")
         cls.check(call)
-        for name, lay in zip(NAMES[1:], call.layouts[1:], strict=True):
-            tm = lay.tensor_map
-            if tm[s] and tm[s] != qm[s]:
-                why = (
-                    "the key sequence must be replicated or sharded as q's "
-                    f"({q_layout.axes_text(s)})"
-                )
-                _fail(name, lay, s, why)
         return cls.move_keys(call, args), kwargs
 
     @staticmethod
