@@ -30,14 +30,10 @@ core::KvCacheWriteParams kv_cache_params(const Call& c, const std::vector<int64_
 // key and value [token][head][dim], the caches [block][offset][head][dim] (written in place).
 template <class Call>
 void point_kv_cache(core::KvCacheWriteParams& p, const Call& c) {
-  p.key = data_of(c.key);
-  p.value = data_of(c.value);
-  p.key_cache = const_cast<void*>(data_of(c.key_cache));
-  p.value_cache = const_cast<void*>(data_of(c.value_cache));
-  layout_strides(c.key, 0, p.key_stride, 3);
-  layout_strides(c.value, 0, p.value_stride, 3);
-  layout_strides(c.key_cache, 0, p.key_cache_stride, 4);
-  layout_strides(c.value_cache, 0, p.value_cache_stride, 4);
+  p.key = layout_view(c.key, -1);
+  p.value = layout_view(c.value, -1);
+  p.key_cache = mutable_layout_view(c.key_cache, 0);
+  p.value_cache = mutable_layout_view(c.value_cache, 0);
 }
 
 }  // namespace opmesh::common

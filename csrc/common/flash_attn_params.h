@@ -38,10 +38,10 @@ inline AttentionAxes attention_axes(attn::Layout layout) {
 
 // The core's [batch][sequence][head][dim] view of a tensor in `layout`.
 template <class Tensor>
-attn::View attention_view(const Tensor& t, attn::Layout layout) {
+core::View attention_view(const Tensor& t, attn::Layout layout) {
   const AttentionAxes a = attention_axes(layout);
   const std::vector<int64_t> st = TensorAccess<Tensor>::strides(t);
-  attn::View v;
+  core::View v;
   v.data = data_of(t);
   v.sb = a.b >= 0 ? st[a.b] : 0;
   v.ss = st[a.s];
@@ -52,9 +52,8 @@ attn::View attention_view(const Tensor& t, attn::Layout layout) {
 
 // The same view of an output the kernel writes.
 template <class Tensor>
-attn::MutableView mutable_attention_view(const Tensor& t, attn::Layout layout) {
-  const attn::View v = attention_view(t, layout);
-  return attn::MutableView{const_cast<void*>(v.data), v.sb, v.ss, v.sn, v.sd};
+core::MutableView mutable_attention_view(const Tensor& t, attn::Layout layout) {
+  return core::writable(attention_view(t, layout));
 }
 
 // An lse's strides for (batch, head, position): [B, N, S], or [N, T] for TND (no batch).
@@ -152,13 +151,7 @@ attn::FlashAttnParams flash_attn_params(const Call& c, const attn::PlanConfig& c
     p.block_size = shapes.block_size;
   }
   point_score_mods(p, c);
-  const attn::MutableView o =
-      mutable_attention_view(out, shapes.q_tnd ? attn::Layout::kTND : config.layout_out);
-  p.out = o.data;
-  p.out_sb = o.sb;
-  p.out_ss = o.ss;
-  p.out_sn = o.sn;
-  p.out_sd = o.sd;
+  p.out = mutable_attention_view(out, shapes.q_tnd ? attn::Layout::kTND : config.layout_out);
   if (lse != nullptr) {
     const LseStrides ls = lse_strides(*lse, shapes.q_tnd);
     p.lse = static_cast<float*>(const_cast<void*>(data_of(*lse)));

@@ -57,12 +57,9 @@ core::IndexerParams indexer_params(const Call& c, const HostArrays& h) {
 template <class Call>
 void point_indexer(core::IndexerParams& p, const Call& c) {
   const int off = p.layout == core::Layout::kTND ? -1 : 0;
-  p.query = data_of(c.query_index);
-  layout_strides(c.query_index, off, p.query_stride);
-  p.key = data_of(c.key_index);
-  layout_strides(c.key_index, off, p.key_stride);
-  p.weights = data_of(c.weights);
-  layout_strides(c.weights, off, p.weights_stride, 3);
+  p.query = layout_view(c.query_index, off);
+  p.key = layout_view(c.key_index, off);
+  p.weights = layout_view(c.weights, off);
 }
 
 // ------------------------------------------------------------------ the sparse stage's base
@@ -98,10 +95,8 @@ template <class Params, class Call>
 void point_query_key(Params& p, const Call& c, core::Layout key) {
   const int qoff = p.layout_query == core::Layout::kTND ? -1 : 0;
   const int koff = key == core::Layout::kPagedBBND ? 0 : qoff;
-  p.query = data_of(c.query);
-  layout_strides(c.query, qoff, p.query_stride);
-  p.key = data_of(c.key);
-  layout_strides(c.key, koff, p.key_stride);
+  p.query = layout_view(c.query, qoff);
+  p.key = layout_view(c.key, koff);
 }
 
 // --------------------------------------------------------------------------- lightning_indexer
@@ -121,8 +116,7 @@ core::LightningIndexerParams lightning_indexer_params(const Call& c, const HostA
 template <class Call>
 void point_lightning_indexer(core::LightningIndexerParams& p, const Call& c) {
   point_query_key(p, c, p.layout_key);
-  p.weights = data_of(c.weights);
-  layout_strides(c.weights, p.layout_query == core::Layout::kTND ? -1 : 0, p.weights_stride, 3);
+  p.weights = layout_view(c.weights, p.layout_query == core::Layout::kTND ? -1 : 0);
 }
 
 // ---------------------------------------------------- sparse_flash_attention and its backward
@@ -149,16 +143,12 @@ void point_sparse_attention(core::SparseAttentionParams& p, const Call& c) {
   point_query_key(p, c, p.layout_kv);
   const int qoff = p.layout_query == core::Layout::kTND ? -1 : 0;
   const int koff = p.layout_kv == core::Layout::kPagedBBND ? 0 : qoff;
-  p.value = data_of(c.value);
-  layout_strides(c.value, koff, p.value_stride);
+  p.value = layout_view(c.value, koff);
   if (c.query_rope.has_value()) {
-    p.query_rope = data_of(*c.query_rope);
-    layout_strides(*c.query_rope, qoff, p.query_rope_stride);
-    p.key_rope = data_of(*c.key_rope);
-    layout_strides(*c.key_rope, koff, p.key_rope_stride);
+    p.query_rope = layout_view(*c.query_rope, qoff);
+    p.key_rope = layout_view(*c.key_rope, koff);
   }
-  p.indices = static_cast<const int32_t*>(data_of(c.sparse_indices));
-  layout_strides(c.sparse_indices, qoff, p.indices_stride);
+  p.indices = layout_view(c.sparse_indices, qoff);
   p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
 }
 
@@ -169,10 +159,8 @@ template <class Call, class Tensor>
 core::SparseAttentionGrads sparse_attention_grads(const Call& c, bool tnd, const Tensor (&out)[6]) {
   auto mutable_data = [](const Tensor& t) { return const_cast<void*>(data_of(t)); };
   core::SparseAttentionGrads g;
-  g.dout = data_of(c.dout);
-  layout_strides(c.dout, tnd ? -1 : 0, g.dout_stride);
-  g.out = data_of(c.attention_out);
-  layout_strides(c.attention_out, tnd ? -1 : 0, g.out_stride);
+  g.dout = layout_view(c.dout, tnd ? -1 : 0);
+  g.out = layout_view(c.attention_out, tnd ? -1 : 0);
   g.softmax_max = static_cast<const float*>(data_of(c.softmax_max));
   g.softmax_sum = static_cast<const float*>(data_of(c.softmax_sum));
   g.dq = mutable_data(out[0]);
@@ -215,21 +203,12 @@ core::IndexerKlLossParams kl_loss_params(const Call& c, const HostArrays& h) {
 
 template <class Tensor>
 core::KlOperand kl_operand(const Tensor& t, bool tnd, const char* argument) {
-  core::KlOperand o;
-  o.data = data_of(t);
-  o.dtype = dtype_of(t, argument);
-  layout_strides(t, tnd ? -1 : 0, o.stride);
-  return o;
+  return core::KlOperand{layout_view(t, tnd ? -1 : 0), dtype_of(t, argument)};
 }
 
 template <class Tensor>
 core::KlGradient kl_gradient(const Tensor& t, bool tnd, const char* argument) {
-  const core::KlOperand o = kl_operand(t, tnd, argument);
-  core::KlGradient g;
-  g.data = const_cast<void*>(o.data);
-  g.dtype = o.dtype;
-  for (int i = 0; i < 4; ++i) g.stride[i] = o.stride[i];
-  return g;
+  return core::KlGradient{mutable_layout_view(t, tnd ? -1 : 0), dtype_of(t, argument)};
 }
 
 // The losses' inputs (the statistics float32 contiguous; the dense loss's index statistics too)
@@ -264,8 +243,7 @@ core::SparseKlLossParams sparse_kl_loss_params(const core::IndexerKlLossParams& 
                                                const Call& c) {
   core::SparseKlLossParams p;
   p.dense = dense;
-  p.indices = static_cast<const int32_t*>(data_of(c.sparse_indices));
-  layout_strides(c.sparse_indices, dense.layout == core::Layout::kTND ? -1 : 0, p.indices_stride);
+  p.indices = layout_view(c.sparse_indices, dense.layout == core::Layout::kTND ? -1 : 0);
   const std::vector<int64_t> is = sizes_of(c.sparse_indices);
   p.index_heads = is[is.size() - 2];
   p.sparse_count = is.back();

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "vocabulary.h"
 
 namespace opmesh::common {
 
@@ -48,15 +49,22 @@ core::DType dtype_of(const Tensor& t, const char* argument) {
   return TensorAccess<Tensor>::dtype(t, argument);
 }
 
-// t's strides as the core's `count` layout-ordered entries: entry i is dim i + offset, where a
-// TND tensor's offset is -1 (it has no batch dim: its entry 0 is unused, 0).
+// t as the kernels' View: its data and its strides along [batch][sequence][head][dim], where
+// axis i is t's dim i + offset (a TND tensor's offset is -1: it has no batch dim; axes past t's
+// dims get stride 0).
 template <class Tensor>
-void layout_strides(const Tensor& t, int offset, int64_t* dst, int count = 4) {
-  const std::vector<int64_t> s = TensorAccess<Tensor>::strides(t);
-  for (int i = 0; i < count; ++i) {
-    const int dim = i + offset;
-    dst[i] = dim >= 0 && dim < static_cast<int>(s.size()) ? s[dim] : 0;
-  }
+core::View layout_view(const Tensor& t, int offset) {
+  const std::vector<int64_t> st = TensorAccess<Tensor>::strides(t);
+  auto stride = [&](int axis) {
+    const int dim = axis + offset;
+    return dim >= 0 && dim < static_cast<int>(st.size()) ? st[dim] : int64_t{0};
+  };
+  return core::View{data_of(t), stride(0), stride(1), stride(2), stride(3)};
+}
+
+template <class Tensor>
+core::MutableView mutable_layout_view(const Tensor& t, int offset) {
+  return core::writable(layout_view(t, offset));
 }
 
 // The host arrays a sequence operator's params point into (lengths, block table), kept alive

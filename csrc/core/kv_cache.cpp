@@ -56,26 +56,23 @@ void check_slots(const KvCacheWriteParams& p) {
 
 void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
   check_slots(p);
-  const char* key = static_cast<const char*>(p.key);
-  const char* value = static_cast<const char*>(p.value);
-  char* key_cache = static_cast<char*>(p.key_cache);
-  char* value_cache = static_cast<char*>(p.value_cache);
+  const char* key = static_cast<const char*>(p.key.data);
+  const char* value = static_cast<const char*>(p.value.data);
+  char* key_cache = static_cast<char*>(p.key_cache.data);
+  char* value_cache = static_cast<char*>(p.value_cache.data);
   const int64_t b = p.elem_bytes;
   run_dynamic(executor, p.tokens, [&](int64_t t, int) {
     const int64_t slot = p.slots[t];
     if (slot < 0) return;
     const int64_t block = slot / p.block_size, offset = slot % p.block_size;
     for (int64_t h = 0; h < p.heads; ++h) {
-      const int64_t ks = t * p.key_stride[0] + h * p.key_stride[1];
-      const int64_t kd = block * p.key_cache_stride[0] + offset * p.key_cache_stride[1] +
-                         h * p.key_cache_stride[2];
-      copy_row(key + ks * b, p.key_stride[2], key_cache + kd * b, p.key_cache_stride[3], p.dim_k,
-               b);
-      const int64_t vs = t * p.value_stride[0] + h * p.value_stride[1];
-      const int64_t vd = block * p.value_cache_stride[0] + offset * p.value_cache_stride[1] +
-                         h * p.value_cache_stride[2];
-      copy_row(value + vs * b, p.value_stride[2], value_cache + vd * b, p.value_cache_stride[3],
-               p.dim_v, b);
+      const int64_t ks = t * p.key.ss + h * p.key.sn;
+      const int64_t kd = block * p.key_cache.sb + offset * p.key_cache.ss + h * p.key_cache.sn;
+      copy_row(key + ks * b, p.key.sd, key_cache + kd * b, p.key_cache.sd, p.dim_k, b);
+      const int64_t vs = t * p.value.ss + h * p.value.sn;
+      const int64_t vd =
+          block * p.value_cache.sb + offset * p.value_cache.ss + h * p.value_cache.sn;
+      copy_row(value + vs * b, p.value.sd, value_cache + vd * b, p.value_cache.sd, p.dim_v, b);
     }
   });
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "executor.h"
+#include "vocabulary.h"
 
 namespace opmesh::core {
 
@@ -13,15 +14,9 @@ struct KvCacheWriteParams {
   int64_t heads = 0;
   int64_t dim_k = 0;
   int64_t dim_v = 0;
-  int64_t elem_bytes = 0;  // the same element type everywhere (checked by the caller)
-  const void* key = nullptr;
-  const void* value = nullptr;
-  int64_t key_stride[3] = {};  // [token][head][dim], elements
-  int64_t value_stride[3] = {};
-  void* key_cache = nullptr;
-  void* value_cache = nullptr;
-  int64_t key_cache_stride[4] = {};  // [block][offset][head][dim], elements
-  int64_t value_cache_stride[4] = {};
+  int64_t elem_bytes = 0;              // the same element type everywhere (checked by the caller)
+  View key, value;                     // [token][head][dim]: ss, sn, sd (sb 0)
+  MutableView key_cache, value_cache;  // [block][offset][head][dim]
   int64_t num_blocks = 0;
   int64_t block_size = 0;
   const int64_t* slots = nullptr;  // [tokens]

@@ -166,15 +166,16 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
   // A stamp per key block: the id of the last row that named it.
   std::vector<int64_t> stamp((longest + bs - 1) / bs, -1);
   int64_t row_id = 0;
-  const int64_t* st = sel.stride;
+  const View& st = sel.indices;
+  const int32_t* indices = static_cast<const int32_t*>(st.data);
   const std::string unit = bs == 1 ? "key" : "block";
   for (const Sequence& s : seqs) {
     const int64_t blocks = (s.k_len + bs - 1) / bs;
     for (int64_t i = 0; i < s.q_len; ++i) {
       for (int64_t n = 0; n < sel.heads; ++n, ++row_id) {
-        const int64_t base = (sel.tnd ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
+        const int64_t base = (sel.tnd ? 0 : s.batch * st.sb) + (s.q_begin + i) * st.ss + n * st.sn;
         for (int64_t e = 0; e < sel.count; ++e) {
-          const int64_t v = sel.indices[base + e * st[3]];
+          const int64_t v = indices[base + e * st.sd];
           if (v == -1) continue;
           const auto row = [&] {
             std::string r = "[";

@@ -69,8 +69,7 @@ std::vector<Sequence> query_key_sequences(const QueryKeyLayout& layout, Layout k
 // A sparse_indices tensor: [B, S1, heads, count] (strides {b, s, n, k}) or, for TND queries,
 // [T1, heads, count] (strides {unused, t, n, k}); each entry -1 or a block of `block_size` keys.
 struct Selection {
-  const int32_t* indices = nullptr;
-  const int64_t* stride = nullptr;
+  View indices;  // int32
   int64_t heads = 1;
   int64_t count = 0;
   int64_t block_size = 1;

@@ -20,6 +20,27 @@ inline constexpr int64_t kMaxHeadDim = 2048;
 // (-1). Smaller values, -1 and invalid ones (< -1, refused by validate_config) pass unchanged.
 inline int64_t normalize_window(int64_t w) { return w >= kMaxTokens ? -1 : w; }
 
+// A tensor as the kernels read it: its first element and its element strides along the
+// [batch][sequence][head][dim] axes of its layout. TND tensors have sb = 0 and index the sequence
+// axis by token; paged caches are [block][slot][head][dim] (sb per block, ss per slot); a tensor
+// with fewer axes leaves the missing ones' strides 0 (weights [B, S, N]: sd = 0; a KV-cache
+// input [T, N, D]: sb = 0; sparse indices [B, S, N, K]: sd along K).
+struct View {
+  const void* data = nullptr;
+  int64_t sb = 0, ss = 0, sn = 0, sd = 0;
+};
+
+// The same for an output the kernel writes.
+struct MutableView {
+  void* data = nullptr;
+  int64_t sb = 0, ss = 0, sn = 0, sd = 0;
+};
+
+// v's tensor as an output (the caller owns it writable).
+inline MutableView writable(const View& v) {
+  return MutableView{const_cast<void*>(v.data), v.sb, v.ss, v.sn, v.sd};
+}
+
 // The values are the ones the operators' metadata stores; BSND and TND are the indexer's.
 enum class Layout : int32_t { kBSND = 0, kBNSD = 1, kTND = 2, kPagedBBND = 3 };
 const char* layout_name(Layout layout);

@@ -74,8 +74,7 @@ py::object sparse_flash_attention(const SparseFlashAttentionCall& call) {
                   if (no_heads) return;
                   core::SparseAttentionParams p = base;
                   common::point_sparse_attention(p, with_inputs(call, in));
-                  p.out = out[0].GetDataPtr();
-                  common::layout_strides(out[0], tnd ? -1 : 0, p.out_stride);
+                  p.out = common::mutable_layout_view(out[0], tnd ? -1 : 0);
                   if (lse) {
                     p.softmax_max = out[1].data_ptr<float>();
                     p.softmax_sum = out[2].data_ptr<float>();

@@ -38,8 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_cpu(
   common::HostArrays host;
   const SparseFlashAttentionCall c = prepared(call, host);
   core::SparseAttentionParams p = params_of(c, host);
-  p.out = out.data_ptr();
-  common::layout_strides(out, a.tnd ? -1 : 0, p.out_stride);
+  p.out = common::mutable_layout_view(out, a.tnd ? -1 : 0);
   if (c.return_softmax_lse) {
     p.softmax_max = smax.data_ptr<float>();
     p.softmax_sum = ssum.data_ptr<float>();

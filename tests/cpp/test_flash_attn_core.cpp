@@ -106,10 +106,10 @@ FlashAttnParams tnd_params(const PlanConfig& c, const Batch& x, const LengthArra
   p.k = {x.k.data(), 0, kHeadsKv * kDim, kDim, 1};
   p.v = {x.v.data(), 0, kHeadsKv * kDimV, kDimV, 1};
   p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)));
-  p.out = out.data();
-  p.out_ss = kHeadsQ * kDimV;
-  p.out_sn = kDimV;
-  p.out_sd = 1;
+  p.out.data = out.data();
+  p.out.ss = kHeadsQ * kDimV;
+  p.out.sn = kDimV;
+  p.out.sd = 1;
   p.lse = lse.data();
   p.lse_sn = total;
   p.lse_ss = 1;
@@ -199,10 +199,10 @@ TEST(FlashAttnCore, EntryPointValidatesWhatItIsGiven) {
   good.q = {x.q.data(), 0, kHeadsQ * kDim, kDim, 1};
   good.k = {x.k.data(), 0, kHeadsKv * kDim, kDim, 1};
   good.v = {x.v.data(), 0, kHeadsKv * kDimV, kDimV, 1};
-  good.out = out.data();
-  good.out_ss = kHeadsQ * kDimV;
-  good.out_sn = kDimV;
-  good.out_sd = 1;
+  good.out.data = out.data();
+  good.out.ss = kHeadsQ * kDimV;
+  good.out.sn = kDimV;
+  good.out.sd = 1;
   good.softmax_scale = 0.1f;
   const SerialExecutor serial;
   auto expect_arg = [&](const FlashAttnParams& p, const std::vector<Sequence>& s, const Plan& pl,
@@ -261,7 +261,7 @@ TEST(FlashAttnCore, EmptyOperandsNeedNoBuffer) {
   FlashAttnParams nothing = p;
   nothing.lengths = empty_arrays;
   nothing.q.data = nullptr;
-  nothing.out = nullptr;
+  nothing.out.data = nullptr;
   nothing.lse = nullptr;
   flash_attn(nothing, empty, make_plan(c, empty), serial, Isa::kScalar, workspace.data(), nullptr);
 }

@@ -212,9 +212,9 @@ IndexerKlLossParams params(const Problem& x, Output& o) {
   auto operand = [](const std::vector<float>& a, int64_t n, int64_t d) {
     KlOperand op;
     op.data = a.data();
-    op.stride[1] = n * d;
-    op.stride[2] = d;
-    op.stride[3] = 1;
+    op.ss = n * d;
+    op.sn = d;
+    op.sd = 1;
     return op;
   };
   p.query = operand(x.q, kN1, kD);
@@ -237,7 +237,10 @@ IndexerKlLossParams params(const Problem& x, Output& o) {
     const KlOperand op = operand(a, n, d);  // the same strides
     KlGradient g;
     g.data = a.data();
-    std::copy(op.stride, op.stride + 4, g.stride);
+    g.sb = op.sb;
+    g.ss = op.ss;
+    g.sn = op.sn;
+    g.sd = op.sd;
     return g;
   };
   p.d_query_index = grad(o.dqi, kN1i, kDi);
@@ -259,14 +262,9 @@ void index_statistics(Problem& x) {
   p.heads_q = kN1i;
   p.heads_k = kN2i;
   p.head_dim = kDi;
-  p.query = x.qi.data();
-  p.key = x.ki.data();
-  p.weights = x.w.data();
-  const int64_t qs[4] = {0, kN1i * kDi, kDi, 1}, ks[4] = {0, kN2i * kDi, kDi, 1};
-  std::copy(qs, qs + 4, p.query_stride);
-  std::copy(ks, ks + 4, p.key_stride);
-  p.weights_stride[1] = kN1i;
-  p.weights_stride[2] = 1;
+  p.query = View{x.qi.data(), 0, kN1i * kDi, kDi, 1};
+  p.key = View{x.ki.data(), 0, kN2i * kDi, kDi, 1};
+  p.weights = View{x.w.data(), 0, kN1i, 1, 0};
   p.seq_q_lens = x.q_ends.data();
   p.seq_k_lens = x.k_ends.data();
   x.imax.assign(kN2i * x.t1, 0.0f);
@@ -365,10 +363,7 @@ SparseKlLossParams sparse_params(const Problem& x, Output& o, const Indices& ix)
   p.dense = params(x, o);
   p.dense.softmax_max_index = nullptr;  // not read
   p.dense.softmax_sum_index = nullptr;
-  p.indices = ix.data.data();
-  p.indices_stride[1] = ix.heads * ix.count;
-  p.indices_stride[2] = ix.count;
-  p.indices_stride[3] = 1;
+  p.indices = View{ix.data.data(), 0, ix.heads * ix.count, ix.count, 1};
   p.index_heads = ix.heads;
   p.sparse_count = ix.count;
   return p;

@@ -28,15 +28,13 @@ struct Fixture {
     p.heads = kHeads;
     p.dim_k = p.dim_v = kDim;
     p.elem_bytes = sizeof(float);
-    p.key = key.data();
-    p.value = value.data();
-    p.key_stride[0] = p.value_stride[0] = kHeads * kDim;
-    p.key_stride[1] = p.value_stride[1] = kDim;
-    p.key_stride[2] = p.value_stride[2] = 1;
-    p.key_cache = key_cache.data();
-    p.value_cache = value_cache.data();
     const int64_t cache_stride[4] = {kBlockSize * kHeads * kDim, kHeads * kDim, kDim, 1};
-    for (int i = 0; i < 4; ++i) p.key_cache_stride[i] = p.value_cache_stride[i] = cache_stride[i];
+    p.key = core::View{key.data(), 0, kHeads * kDim, kDim, 1};
+    p.value = core::View{value.data(), 0, kHeads * kDim, kDim, 1};
+    p.key_cache = core::MutableView{key_cache.data(), cache_stride[0], cache_stride[1],
+                                    cache_stride[2], cache_stride[3]};
+    p.value_cache = core::MutableView{value_cache.data(), cache_stride[0], cache_stride[1],
+                                      cache_stride[2], cache_stride[3]};
     p.num_blocks = kBlocks;
     p.block_size = kBlockSize;
     p.slots = slots.data();

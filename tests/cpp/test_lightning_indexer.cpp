@@ -124,18 +124,18 @@ LightningIndexerParams make_params(const Case& c, const Inputs& in, bool bf16, O
   p.qk_dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
   p.weights_dtype = DType::kFloat32;
   const bool paged = c.block_size > 0;
-  p.query = bf16 ? static_cast<const void*>(in.q16.data()) : in.q.data();
-  p.key = paged ? (bf16 ? static_cast<const void*>(in.cache16.data()) : in.cache.data())
-                : (bf16 ? static_cast<const void*>(in.k16.data()) : in.k.data());
-  p.weights = in.w.data();
+  p.query.data = bf16 ? static_cast<const void*>(in.q16.data()) : in.q.data();
+  p.key.data = paged ? (bf16 ? static_cast<const void*>(in.cache16.data()) : in.cache.data())
+                     : (bf16 ? static_cast<const void*>(in.k16.data()) : in.k.data());
+  p.weights.data = in.w.data();
   const bool tnd = c.lq == Layout::kTND;
   const int64_t qs[4] = {c.s1 * c.n1 * c.d, c.n1 * c.d, c.d, 1};
   const int64_t ks[4] = {(paged ? c.block_size : c.s2) * c.n2 * c.d, c.n2 * c.d, c.d, 1};
   const int64_t ws[3] = {c.s1 * c.n1, c.n1, 1};
-  std::copy(qs, qs + 4, p.query_stride);
-  std::copy(ks, ks + 4, p.key_stride);
-  std::copy(ws, ws + 3, p.weights_stride);
-  if (tnd) p.query_stride[0] = p.weights_stride[0] = 0;
+  p.query = View{p.query.data, qs[0], qs[1], qs[2], qs[3]};
+  p.key = View{p.key.data, ks[0], ks[1], ks[2], ks[3]};
+  p.weights = View{p.weights.data, ws[0], ws[1], ws[2], 0};
+  if (tnd) p.query.sb = p.weights.sb = 0;
   p.seq_q_lens = c.qlens.empty() ? nullptr : c.qlens.data();
   p.seq_k_lens = c.klens.empty() ? nullptr : c.klens.data();
   if (paged) {

@@ -67,28 +67,21 @@ SparseAttentionParams make_params(const Data& d, std::vector<float>& out, std::v
   p.sparse_count = K;
   p.sparse_block_size = BS;
   p.scale = 0.4f;
-  auto strides = [](int64_t* st, int64_t n, int64_t dim) {
-    const int64_t s[4] = {S * n * dim, n * dim, dim, 1};
-    std::copy(s, s + 4, st);
+  // A contiguous [B, S, n, dim] tensor's view.
+  auto view = [](const void* data, int64_t n, int64_t dim) {
+    return View{data, S * n * dim, n * dim, dim, 1};
   };
-  p.query = d.q.data();
-  strides(p.query_stride, N1, D);
-  p.key = d.k.data();
-  strides(p.key_stride, N2, D);
-  p.value = d.v.data();
-  strides(p.value_stride, N2, DV);
-  p.query_rope = d.qr.data();
-  strides(p.query_rope_stride, N1, DR);
-  p.key_rope = d.kr.data();
-  strides(p.key_rope_stride, N2, DR);
-  p.indices = d.idx.data();
-  strides(p.indices_stride, N2, K);
+  p.query = view(d.q.data(), N1, D);
+  p.key = view(d.k.data(), N2, D);
+  p.value = view(d.v.data(), N2, DV);
+  p.query_rope = view(d.qr.data(), N1, DR);
+  p.key_rope = view(d.kr.data(), N2, DR);
+  p.indices = view(d.idx.data(), N2, K);
   p.sinks = d.sinks.data();
   out.assign(S * N1 * DV, 0.0f);
   m.assign(S * N1, 0.0f);
   l.assign(S * N1, 0.0f);
-  p.out = out.data();
-  strides(p.out_stride, N1, DV);
+  p.out = MutableView{out.data(), S * N1 * DV, N1 * DV, DV, 1};
   p.softmax_max = m.data();
   p.softmax_sum = l.data();
   return p;
@@ -192,10 +185,8 @@ Grads run_backward(const Data& d, const SparseAttentionParams& p, const std::vec
           std::vector<float>(S * N2 * DV), std::vector<float>(S * N1 * DR),
           std::vector<float>(S * N2 * DR), std::vector<float>(N1)};
   SparseAttentionGrads gr;
-  gr.dout = d.dout.data();
-  std::copy(p.out_stride, p.out_stride + 4, gr.dout_stride);
-  gr.out = out.data();
-  std::copy(p.out_stride, p.out_stride + 4, gr.out_stride);
+  gr.dout = View{d.dout.data(), p.out.sb, p.out.ss, p.out.sn, p.out.sd};
+  gr.out = View{out.data(), p.out.sb, p.out.ss, p.out.sn, p.out.sd};
   gr.softmax_max = m.data();
   gr.softmax_sum = l.data();
   gr.dq = g.dq.data();

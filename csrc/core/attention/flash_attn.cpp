@@ -631,8 +631,8 @@ class Runner {
         }
         const int64_t pos = seq.q_begin + i;
         if (p_.lse != nullptr) p_.lse[b * p_.lse_sb + head * p_.lse_sn + pos * p_.lse_ss] = lse;
-        store_row(k_, p_.out, p_.dtype, b * p_.out_sb + pos * p_.out_ss + head * p_.out_sn,
-                  p_.out_sd, dv_, st.o + r * dvp_, scale);
+        store_row(k_, p_.out.data, p_.dtype, b * p_.out.sb + pos * p_.out.ss + head * p_.out.sn,
+                  p_.out.sd, dv_, st.o + r * dvp_, scale);
       }
     }
   }
@@ -761,7 +761,7 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
   const SequenceWork work = sequence_work(seqs);
   if (work.queries) {
     if (p.q.data == nullptr) throw ArgumentError("q", "is null");
-    if (p.out == nullptr) throw ArgumentError("out", "is null");
+    if (p.out.data == nullptr) throw ArgumentError("out", "is null");
   }
   if (work.pairs) {
     if (p.k.data == nullptr) throw ArgumentError("k", "is null");

@@ -15,13 +15,6 @@
 
 namespace opmesh::core::attention {
 
-// Element strides of a [batch][sequence][head][dim] view. TND tensors have sb = 0 and index the
-// sequence axis by token; paged caches are [block][slot][head][dim] (sb per block, ss per slot).
-struct View {
-  const void* data = nullptr;
-  int64_t sb = 0, ss = 0, sn = 0, sd = 0;
-};
-
 struct FlashAttnParams {
   PlanConfig config;
   LengthArrays lengths;
@@ -39,8 +32,7 @@ struct FlashAttnParams {
   float softcap = 0.0f;
   const float* alibi_slopes = nullptr;
   int64_t alibi_sb = 0;
-  void* out = nullptr;  // output, same dtype as q, [b][s][n][dv] strides below
-  int64_t out_sb = 0, out_ss = 0, out_sn = 0, out_sd = 0;
+  MutableView out;       // output, same dtype as q, [b][s][n][dv]
   float* lse = nullptr;  // nullptr: not requested; else strides for (b, head, position)
   int64_t lse_sb = 0, lse_sn = 0, lse_ss = 0;
   // bf16 inputs at the avx512_bf16 level: -1 chooses bf16 pairs or float32 FMA by measured speed

@@ -32,11 +32,6 @@
 
 namespace opmesh::core::attention {
 
-struct MutableView {
-  void* data = nullptr;
-  int64_t sb = 0, ss = 0, sn = 0, sd = 0;
-};
-
 struct FlashAttnBackwardParams {
   PlanConfig config;              // the forward's (num_workers and deterministic are not used)
   DType dtype = DType::kFloat32;  // of q, k, v, out, dout and the three gradients

@@ -92,11 +92,11 @@ double time_problem(Work work, Isa isa, bool pairs, int runs) {
   p.q = {q.data(), s1 * heads_q * dim, heads_q * dim, dim, 1};
   p.k = {k.data(), s2 * heads_kv * dim, heads_kv * dim, dim, 1};
   p.v = {v.data(), s2 * heads_kv * dim, heads_kv * dim, dim, 1};
-  p.out = out.data();
-  p.out_sb = s1 * heads_q * dim;
-  p.out_ss = heads_q * dim;
-  p.out_sn = dim;
-  p.out_sd = 1;
+  p.out.data = out.data();
+  p.out.sb = s1 * heads_q * dim;
+  p.out.ss = heads_q * dim;
+  p.out.sn = dim;
+  p.out.sd = 1;
   p.softmax_scale = 0.088f;
   p.bf16_pairs = pairs ? 1 : 0;
   const SerialExecutor serial;

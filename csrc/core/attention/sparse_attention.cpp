@@ -52,8 +52,8 @@ void validate(const SparseAttentionParams& p) {
   if (p.value_dim < 1 || p.value_dim > attention::kMaxHeadDim) {
     throw ArgumentError("value", "head dim must be in [1, " + str(attention::kMaxHeadDim) + "]");
   }
-  const Selection selection{p.indices,      p.indices_stride,    p.index_heads,
-                            p.sparse_count, p.sparse_block_size, p.layout_query == Layout::kTND};
+  const Selection selection{p.indices, p.index_heads, p.sparse_count, p.sparse_block_size,
+                            p.layout_query == Layout::kTND};
   validate(selection, sparse_attention_sequences(p));
 }
 
@@ -137,11 +137,11 @@ class Forward {
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
       float* dst = sc.q.data() + r * dw_;
-      sparse::load(k_, p_.query, p_.dtype, geo_.query_offset(p_.query_stride, s, i, h),
-                   p_.query_stride[3], p_.head_dim, dst);
+      sparse::load(k_, p_.query.data, p_.dtype, geo_.query_offset(p_.query, s, i, h), p_.query.sd,
+                   p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::load(k_, p_.query_rope, p_.dtype, geo_.query_offset(p_.query_rope_stride, s, i, h),
-                     p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+        sparse::load(k_, p_.query_rope.data, p_.dtype, geo_.query_offset(p_.query_rope, s, i, h),
+                     p_.query_rope.sd, p_.rope_dim, dst + p_.head_dim);
       }
       std::fill(dst + dqk_, dst + dw_, 0.0f);
     }
@@ -154,11 +154,11 @@ class Forward {
       uint32_t* words = reinterpret_cast<uint32_t*>(sc.q.data()) + r * dw_;
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
-      sparse::copy_bf16(p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3],
+      sparse::copy_bf16(p_.query.data, geo_.query_offset(p_.query, s, i, h), p_.query.sd,
                         p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::copy_bf16(p_.query_rope, geo_.query_offset(p_.query_rope_stride, s, i, h),
-                          p_.query_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+        sparse::copy_bf16(p_.query_rope.data, geo_.query_offset(p_.query_rope, s, i, h),
+                          p_.query_rope.sd, p_.rope_dim, dst + p_.head_dim);
       }
     }
   }
@@ -172,11 +172,11 @@ class Forward {
       uint32_t* words = stage + c * dw_;
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
-      sparse::copy_bf16(p_.key, geo_.key_offset(p_.key_stride, s, keys[c], g), p_.key_stride[3],
-                        p_.head_dim, dst);
+      sparse::copy_bf16(p_.key.data, geo_.key_offset(p_.key, s, keys[c], g), p_.key.sd, p_.head_dim,
+                        dst);
       if (p_.rope_dim > 0) {
-        sparse::copy_bf16(p_.key_rope, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
-                          p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+        sparse::copy_bf16(p_.key_rope.data, geo_.key_offset(p_.key_rope, s, keys[c], g),
+                          p_.key_rope.sd, p_.rope_dim, dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(words);
     }
@@ -184,10 +184,9 @@ class Forward {
     uint32_t* vp = reinterpret_cast<uint32_t*>(sc.vp.data());
     std::fill(vp, vp + kKeyTile / 2 * dvp_, 0u);
     const int64_t dv = p_.value_dim;
-    const int64_t sd = p_.value_stride[3];
+    const int64_t sd = p_.value.sd;
     auto value = [&](int64_t c) {
-      return static_cast<const uint16_t*>(p_.value) +
-             geo_.key_offset(p_.value_stride, s, keys[c], g);
+      return static_cast<const uint16_t*>(p_.value.data) + geo_.key_offset(p_.value, s, keys[c], g);
     };
     for (int64_t c = 0; c < n; c += 2) {
       uint32_t* dst = vp + (c / 2) * dvp_;
@@ -209,16 +208,16 @@ class Forward {
     const char* rows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
       float* dst = sc.stage.data() + c * dqk_;
-      sparse::load(k_, p_.key, p_.dtype, geo_.key_offset(p_.key_stride, s, keys[c], g),
-                   p_.key_stride[3], p_.head_dim, dst);
+      sparse::load(k_, p_.key.data, p_.dtype, geo_.key_offset(p_.key, s, keys[c], g), p_.key.sd,
+                   p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::load(k_, p_.key_rope, p_.dtype, geo_.key_offset(p_.key_rope_stride, s, keys[c], g),
-                     p_.key_rope_stride[3], p_.rope_dim, dst + p_.head_dim);
+        sparse::load(k_, p_.key_rope.data, p_.dtype, geo_.key_offset(p_.key_rope, s, keys[c], g),
+                     p_.key_rope.sd, p_.rope_dim, dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(dst);
       float* v = sc.vp.data() + c * dvp_;
-      sparse::load(k_, p_.value, p_.dtype, geo_.key_offset(p_.value_stride, s, keys[c], g),
-                   p_.value_stride[3], p_.value_dim, v);
+      sparse::load(k_, p_.value.data, p_.dtype, geo_.key_offset(p_.value, s, keys[c], g),
+                   p_.value.sd, p_.value_dim, v);
       std::fill(v + p_.value_dim, v + dvp_, 0.0f);
     }
     std::fill(sc.vp.data() + n * dvp_, sc.vp.data() + kKeyTile * dvp_, 0.0f);
@@ -234,7 +233,7 @@ class Forward {
       float denom = sc.l[r];
       if (p_.sinks != nullptr && m > -kInf) denom += std::exp(p_.sinks[h] - m);
       const float inv = m > -kInf && denom > 0.0f ? 1.0f / denom : 0.0f;
-      store_row(k_, p_.out, p_.dtype, geo_.query_offset(p_.out_stride, s, i, h), p_.out_stride[3],
+      store_row(k_, p_.out.data, p_.dtype, geo_.query_offset(p_.out, s, i, h), p_.out.sd,
                 p_.value_dim, sc.o.data() + r * dvp_, inv);
       if (p_.softmax_max != nullptr) {
         p_.softmax_max[stats + r] = m;
@@ -269,9 +268,8 @@ void sparse_flash_attention(const SparseAttentionParams& p, const Executor& exec
     for (const Sequence& s : seqs) {
       for (int64_t i = s.q_len; i < p.seq_q; ++i) {
         for (int64_t h = 0; h < p.heads_q; ++h) {
-          store_row(p.out, p.dtype,
-                    s.batch * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2],
-                    p.out_stride[3], p.value_dim, zeros.data(), 1.0f);
+          store_row(p.out.data, p.dtype, s.batch * p.out.sb + i * p.out.ss + h * p.out.sn, p.out.sd,
+                    p.value_dim, zeros.data(), 1.0f);
         }
       }
     }

@@ -31,26 +31,19 @@ struct SparseAttentionParams : QueryKeyLayout {
   float scale = 1.0f;
 
   DType dtype = DType::kFloat32;  // query, key, value, the ropes and the output
-  // Element strides {b, s, n, d} (TND {unused, t, n, d}; paged {block, slot, n, d}).
-  const void* query = nullptr;
-  int64_t query_stride[4] = {0, 0, 0, 0};
-  const void* key = nullptr;
-  int64_t key_stride[4] = {0, 0, 0, 0};
-  const void* value = nullptr;
-  int64_t value_stride[4] = {0, 0, 0, 0};
-  const void* query_rope = nullptr;  // [.., N1, Dr] in query's layout, or nullptr (Dr = 0)
-  int64_t query_rope_stride[4] = {0, 0, 0, 0};
-  const void* key_rope = nullptr;  // [.., N2, Dr] in key's layout
-  int64_t key_rope_stride[4] = {0, 0, 0, 0};
-  // sparse_indices [B, S1, index_heads, K] / [T1, index_heads, K], strides {b, s, n, k}.
-  const int32_t* indices = nullptr;
-  int64_t indices_stride[4] = {0, 0, 0, 0};
+  // Views (vocabulary.h; TND: sb unused; paged keys {block, slot, n, d}).
+  View query;
+  View key;
+  View value;
+  View query_rope;  // [.., N1, Dr] in query's layout, or data nullptr (Dr = 0)
+  View key_rope;    // [.., N2, Dr] in key's layout
+  // sparse_indices [B, S1, index_heads, K] / [T1, index_heads, K], int32, sd along K.
+  View indices;
   const float* sinks = nullptr;  // [N1] or nullptr
 
-  // Forward outputs: out in query's layout with Dv (dtype), strides out_stride; the statistics
-  // float32 contiguous [B, N2, S1, G] / [N2, T1, G] (G = N1 / N2), or nullptr.
-  void* out = nullptr;
-  int64_t out_stride[4] = {0, 0, 0, 0};
+  // Forward outputs: out in query's layout with Dv (dtype); the statistics float32 contiguous
+  // [B, N2, S1, G] / [N2, T1, G] (G = N1 / N2), or nullptr.
+  MutableView out;
   float* softmax_max = nullptr;
   float* softmax_sum = nullptr;
 };
@@ -58,10 +51,8 @@ struct SparseAttentionParams : QueryKeyLayout {
 // The backward's extra inputs and its outputs. Gradients are written contiguous in their
 // input's shape and dtype (dsinks float32 [N1]); rows no token reaches get zeros.
 struct SparseAttentionGrads {
-  const void* dout = nullptr;  // out's shape, layout and dtype
-  int64_t dout_stride[4] = {0, 0, 0, 0};
-  const void* out = nullptr;
-  int64_t out_stride[4] = {0, 0, 0, 0};
+  View dout;  // out's shape, layout and dtype
+  View out;
   const float* softmax_max = nullptr;  // the forward's statistics, contiguous
   const float* softmax_sum = nullptr;
   void* dq = nullptr;

@@ -127,10 +127,10 @@ class Backward {
     float* delta = delta_.data() + row;
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
-      sparse::load(k_, gr_.out, p_.dtype, geo_.query_offset(gr_.out_stride, s, i, h),
-                   gr_.out_stride[3], p_.value_dim, sc.row.data());
-      sparse::load(k_, gr_.dout, p_.dtype, geo_.query_offset(gr_.dout_stride, s, i, h),
-                   gr_.dout_stride[3], p_.value_dim, sc.row2.data());
+      sparse::load(k_, gr_.out.data, p_.dtype, geo_.query_offset(gr_.out, s, i, h), gr_.out.sd,
+                   p_.value_dim, sc.row.data());
+      sparse::load(k_, gr_.dout.data, p_.dtype, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd,
+                   p_.value_dim, sc.row2.data());
       delta[r] = dot(sc.row2.data(), sc.row.data(), p_.value_dim);
       const float m = gr_.softmax_max[stats + r];
       if (m == -kInf) continue;  // nothing selected: lse stays +inf, no probability anywhere
@@ -273,14 +273,12 @@ class Backward {
   void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g, bool heads) const {
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
-      const int64_t ro =
-          p_.rope_dim > 0 ? geo_.query_offset(p_.query_rope_stride, s, i, h) : int64_t{0};
-      load_joined(
-          {p_.query, geo_.query_offset(p_.query_stride, s, i, h), p_.query_stride[3], p_.head_dim},
-          {p_.query_rope, ro, p_.query_rope_stride[3], p_.rope_dim}, sc.q.data() + r * dw_, dw_);
-      load_joined(
-          {gr_.dout, geo_.query_offset(gr_.dout_stride, s, i, h), gr_.dout_stride[3], p_.value_dim},
-          {}, sc.dout.data() + r * dwv_, dwv_);
+      const int64_t ro = p_.rope_dim > 0 ? geo_.query_offset(p_.query_rope, s, i, h) : int64_t{0};
+      load_joined({p_.query.data, geo_.query_offset(p_.query, s, i, h), p_.query.sd, p_.head_dim},
+                  {p_.query_rope.data, ro, p_.query_rope.sd, p_.rope_dim}, sc.q.data() + r * dw_,
+                  dw_);
+      load_joined({gr_.dout.data, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd, p_.value_dim},
+                  {}, sc.dout.data() + r * dwv_, dwv_);
     }
     if (!pairs_ || !heads) return;
     // qh[l][e] = (q[2l][e], q[2l + 1][e]), oh likewise; rows past G are zero.
@@ -296,13 +294,11 @@ class Backward {
 
   // Key row c of a chunk (key | rope of position j) and its value row, zero-padded.
   void load_key(Scratch& sc, const Sequence& s, int64_t g, int64_t c, int32_t j) const {
-    const int64_t ro = p_.rope_dim > 0 ? geo_.key_offset(p_.key_rope_stride, s, j, g) : 0;
-    load_joined({p_.key, geo_.key_offset(p_.key_stride, s, j, g), p_.key_stride[3], p_.head_dim},
-                {p_.key_rope, ro, p_.key_rope_stride[3], p_.rope_dim}, sc.krow.data() + c * dw_,
-                dw_);
-    load_joined(
-        {p_.value, geo_.key_offset(p_.value_stride, s, j, g), p_.value_stride[3], p_.value_dim}, {},
-        sc.vrow.data() + c * dwv_, dwv_);
+    const int64_t ro = p_.rope_dim > 0 ? geo_.key_offset(p_.key_rope, s, j, g) : 0;
+    load_joined({p_.key.data, geo_.key_offset(p_.key, s, j, g), p_.key.sd, p_.head_dim},
+                {p_.key_rope.data, ro, p_.key_rope.sd, p_.rope_dim}, sc.krow.data() + c * dw_, dw_);
+    load_joined({p_.value.data, geo_.key_offset(p_.value, s, j, g), p_.value.sd, p_.value_dim}, {},
+                sc.vrow.data() + c * dwv_, dwv_);
   }
 
   // n elements of a tensor from element `offset`, `stride` apart.

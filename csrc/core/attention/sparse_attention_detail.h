@@ -43,19 +43,21 @@ class Geometry {
   int64_t groups() const { return groups_; }
 
   // Offset of query-layout row (b, i, head) for a tensor with these strides.
-  int64_t query_offset(const int64_t* st, const Sequence& s, int64_t i, int64_t head) const {
-    const int64_t base = p_.layout_query == Layout::kTND ? 0 : s.batch * st[0];
-    return base + (s.q_begin + i) * st[1] + head * st[2];
+  template <class V>  // View or MutableView
+  int64_t query_offset(const V& st, const Sequence& s, int64_t i, int64_t head) const {
+    const int64_t base = p_.layout_query == Layout::kTND ? 0 : s.batch * st.sb;
+    return base + (s.q_begin + i) * st.ss + head * st.sn;
   }
 
   // Offset of key-layout row (b, j, g).
-  int64_t key_offset(const int64_t* st, const Sequence& s, int64_t j, int64_t g) const {
+  template <class V>
+  int64_t key_offset(const V& st, const Sequence& s, int64_t j, int64_t g) const {
     if (p_.layout_kv == Layout::kPagedBBND) {
       const int64_t block = p_.block_table[s.batch * p_.max_blocks + j / p_.block_size];
-      return block * st[0] + (j % p_.block_size) * st[1] + g * st[2];
+      return block * st.sb + (j % p_.block_size) * st.ss + g * st.sn;
     }
-    const int64_t base = p_.layout_kv == Layout::kTND ? 0 : s.batch * st[0];
-    return base + (s.k_begin + j) * st[1] + g * st[2];
+    const int64_t base = p_.layout_kv == Layout::kTND ? 0 : s.batch * st.sb;
+    return base + (s.k_begin + j) * st.ss + g * st.sn;
   }
 
   // The output row of token i of s: BSND b * S1 + i, TND q_begin + i.
@@ -75,13 +77,14 @@ class Geometry {
     out.clear();
     const KeyRange vis = visible_keys(mask_, s, i);
     if (vis.end <= vis.begin) return;
-    const int64_t* st = p_.indices_stride;
+    const View& st = p_.indices;
+    const int32_t* indices = static_cast<const int32_t*>(st.data);
     const int64_t n = p_.index_heads == 1 ? 0 : g;
-    const int64_t base = (p_.layout_query == Layout::kTND ? 0 : s.batch * st[0]) +
-                         (s.q_begin + i) * st[1] + n * st[2];
+    const int64_t base = (p_.layout_query == Layout::kTND ? 0 : s.batch * st.sb) +
+                         (s.q_begin + i) * st.ss + n * st.sn;
     const int64_t bs = p_.sparse_block_size;
     for (int64_t e = 0; e < p_.sparse_count; ++e) {
-      const int64_t v = p_.indices[base + e * st[3]];
+      const int64_t v = indices[base + e * st.sd];
       if (v < 0) continue;
       const int64_t lo = std::max(v * bs, vis.begin);
       const int64_t hi = std::min((v + 1) * bs, vis.end);

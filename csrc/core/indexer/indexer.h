@@ -35,14 +35,11 @@ struct IndexerParams {
 
   DType qk_dtype = DType::kFloat32;       // dtype of query and key
   DType weights_dtype = DType::kFloat32;  // qk_dtype or float32
-  const void* query = nullptr;            // BSND [B,S1,N1,D]  TND [T1,N1,D]
-  const void* key = nullptr;              // BSND [B,S2,N2,D]  TND [T2,N2,D]
-  const void* weights = nullptr;          // BSND [B,S1,N1]    TND [T1,N1]
-  // Strides in elements. BSND: {b, s, n, d}; TND: {unused, t, n, d}. Any value is allowed
-  // (sliced, transposed views), including 0 for broadcast dims.
-  int64_t query_stride[4] = {0, 0, 0, 0};
-  int64_t key_stride[4] = {0, 0, 0, 0};
-  int64_t weights_stride[3] = {0, 0, 0};  // BSND {b, s, n}; TND {unused, t, n}
+  // Views (vocabulary.h; TND: sb unused). Any stride is allowed (sliced, transposed views),
+  // including 0 for broadcast dims.
+  View query;    // BSND [B,S1,N1,D]  TND [T1,N1,D]
+  View key;      // BSND [B,S2,N2,D]  TND [T2,N2,D]
+  View weights;  // BSND [B,S1,N1]    TND [T1,N1] (sd unused)
 
   // BSND: per-sequence lengths [B] (each in [0, S]), nullptr meaning every length is S.
   // TND: cumulative ends [B] (no leading 0, non-decreasing, last == T), required.

@@ -290,14 +290,13 @@ class KlLoss {
           out[e] = zr > 0.0f ? a[r * dip_ + e] - a[(kTile + r) * dip_ + e] * inv : 0.0f;
         }
         const KlGradient& dq = p_.d_query_index;
-        store_row(k_, dq.data, dq.dtype, offset(dq.stride, u.b, pos, h), dq.stride[3], di_, out,
-                  1.0f);
+        store_row(k_, dq.data, dq.dtype, offset(dq, u.b, pos, h), dq.sd, di_, out, 1.0f);
         const double* dw1 = sc.dw.data();
         const double* dw2 = dw1 + kTile * n1i;
         const float dw =
             zr > 0.0f ? static_cast<float>(dw1[r * n1i + h] - dw2[r * n1i + h] / z[r]) : 0.0f;
         const KlGradient& gw = p_.d_weights;
-        store_row(k_, gw.data, gw.dtype, offset(gw.stride, u.b, pos, h), 1, 1, &dw, 1.0f);
+        store_row(k_, gw.data, gw.dtype, offset(gw, u.b, pos, h), 1, 1, &dw, 1.0f);
       }
       if (zr > 0.0f) {
         for (int64_t g = 0; g < n2i; ++g) {
@@ -344,8 +343,7 @@ class KlLoss {
           float* row = sc.row.data();
           const float* col = acc + g * di_ * kTile + n;
           for (int64_t e = 0; e < di_; ++e) row[e] = col[e * kTile];
-          store_row(k_, dk.data, dk.dtype, offset(dk.stride, u.b, key, g), dk.stride[3], di_, row,
-                    1.0f);
+          store_row(k_, dk.data, dk.dtype, offset(dk, u.b, key, g), dk.sd, di_, row, 1.0f);
         }
       }
     }
@@ -401,18 +399,19 @@ class KlLoss {
   }
 
  private:
-  int64_t offset(const int64_t* stride, int64_t b, int64_t token, int64_t head) const {
-    return (p_.layout == Layout::kBSND ? b * stride[0] : 0) + token * stride[1] + head * stride[2];
+  template <class V>  // View or MutableView
+  int64_t offset(const V& v, int64_t b, int64_t token, int64_t head) const {
+    return (p_.layout == Layout::kBSND ? b * v.sb : 0) + token * v.ss + head * v.sn;
   }
 
   void load(const KlOperand& t, int64_t b, int64_t token, int64_t head, int64_t n,
             float* dst) const {
-    const int64_t off = offset(t.stride, b, token, head);
-    if (t.stride[3] == 1) {
+    const int64_t off = offset(t, b, token, head);
+    if (t.sd == 1) {
       const int64_t elem = t.dtype == DType::kFloat64 ? 8 : t.dtype == DType::kFloat32 ? 4 : 2;
       k_.widen(static_cast<const char*>(t.data) + off * elem, t.dtype, n, dst);
     } else {
-      load_row(t.data, t.dtype, off, t.stride[3], n, dst);
+      load_row(t.data, t.dtype, off, t.sd, n, dst);
     }
   }
 
@@ -448,11 +447,11 @@ class KlLoss {
   // n bf16 elements of a row, as they are (the pair kernels' operands).
   void load_bf16(const KlOperand& t, int64_t b, int64_t token, int64_t head, int64_t n,
                  uint16_t* dst) const {
-    const uint16_t* src = static_cast<const uint16_t*>(t.data) + offset(t.stride, b, token, head);
-    if (t.stride[3] == 1) {
+    const uint16_t* src = static_cast<const uint16_t*>(t.data) + offset(t, b, token, head);
+    if (t.sd == 1) {
       std::memcpy(dst, src, n * sizeof(uint16_t));
     } else {
-      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * t.stride[3]];
+      for (int64_t e = 0; e < n; ++e) dst[e] = src[e * t.sd];
     }
   }
 
@@ -542,7 +541,7 @@ class KlLoss {
           load_bf16(p_.query_index, b, pos, h, di_,
                     reinterpret_cast<uint16_t*>(sc.qip.data() + (h * kTile + r) * diw_));
         }
-        const int64_t off = offset(p_.weights.stride, b, pos, h);
+        const int64_t off = offset(p_.weights, b, pos, h);
         load_row(p_.weights.data, p_.weights.dtype, off, 1, 1,
                  sc.w.data() + r * p_.index_heads_q + h);
       }

@@ -32,18 +32,13 @@
 
 namespace opmesh::core {
 
-// A tensor operand: data, dtype and strides in elements, BSND {b, s, n, d}, TND {0, t, n, d}
-// (weights: {b, s, n, 0} / {0, t, n, 0}).
-struct KlOperand {
-  const void* data = nullptr;
+// A tensor operand: its view (vocabulary.h; TND sb 0, weights sd 0) and its dtype.
+struct KlOperand : View {
   DType dtype = DType::kFloat32;
-  int64_t stride[4] = {0, 0, 0, 0};
 };
 
-struct KlGradient {
-  void* data = nullptr;
+struct KlGradient : MutableView {
   DType dtype = DType::kFloat32;
-  int64_t stride[4] = {0, 0, 0, 0};
 };
 
 struct IndexerKlLossParams {

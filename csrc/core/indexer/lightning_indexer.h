@@ -32,13 +32,9 @@ struct LightningIndexerParams : QueryKeyLayout {
 
   DType qk_dtype = DType::kFloat32;
   DType weights_dtype = DType::kFloat32;  // qk_dtype or float32
-  const void* query = nullptr;            // BSND [B,S1,N1,D]  TND [T1,N1,D]
-  const void* key = nullptr;              // BSND [B,S2,N2,D]  TND [T2,N2,D]  paged [blocks,bs,N2,D]
-  const void* weights = nullptr;          // BSND [B,S1,N1]    TND [T1,N1]
-  // Element strides: BSND {b, s, n, d}; TND {unused, t, n, d}; paged key {block, slot, n, d}.
-  int64_t query_stride[4] = {0, 0, 0, 0};
-  int64_t key_stride[4] = {0, 0, 0, 0};
-  int64_t weights_stride[3] = {0, 0, 0};
+  View query;                             // BSND [B,S1,N1,D]  TND [T1,N1,D]
+  View key;                               // BSND [B,S2,N2,D]  TND [T2,N2,D]  paged [blocks,bs,N2,D]
+  View weights;                           // BSND [B,S1,N1]    TND [T1,N1] (sd unused)
 
   // Outputs, contiguous: indices int32 [rows][N2][K] (rows = B*S1 or T1), positions within the
   // row's sequence in descending score, ties to the lower position, -1 past the visible keys;

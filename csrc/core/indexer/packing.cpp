@@ -19,53 +19,54 @@ Packer::Packer(const Operands& ops, const kernels::KernelSet& set)
 
 void Packer::pack_queries(const Sequence& seq, int64_t p0, int rows, int64_t g,
                           int64_t row_capacity, uint32_t* query, float* weights) const {
-  const int64_t* qs = o_.query_stride;
-  const int64_t* ws = o_.weights_stride;
-  const int64_t q_base = o_.batched_query ? seq.batch * qs[0] : 0;
-  const int64_t w_base = o_.batched_query ? seq.batch * ws[0] : 0;
+  const View& qs = o_.query;
+  const View& ws = o_.weights;
+  const int64_t q_base = o_.batched_query ? seq.batch * qs.sb : 0;
+  const int64_t w_base = o_.batched_query ? seq.batch * ws.sb : 0;
   for (int64_t h = 0; h < groups_; ++h) {
     const int64_t head = g * groups_ + h;
     for (int r = 0; r < rows; ++r) {
       const int64_t token = seq.q_begin + p0 + r;
-      const int64_t offset = q_base + token * qs[1] + head * qs[2];
+      const int64_t offset = q_base + token * qs.ss + head * qs.sn;
       uint32_t* dst = query + (h * row_capacity + r) * depth_;
       if (bf16_pairs_) {
-        load_row_bf16_pairs(o_.query, offset, qs[3], o_.head_dim, dst);
-      } else if (qs[3] == 1) {
-        set_.widen(static_cast<const char*>(o_.query) + offset * elem_, o_.qk_dtype, o_.head_dim,
-                   reinterpret_cast<float*>(dst));
+        load_row_bf16_pairs(o_.query.data, offset, qs.sd, o_.head_dim, dst);
+      } else if (qs.sd == 1) {
+        set_.widen(static_cast<const char*>(o_.query.data) + offset * elem_, o_.qk_dtype,
+                   o_.head_dim, reinterpret_cast<float*>(dst));
       } else {
-        load_row(o_.query, o_.qk_dtype, offset, qs[3], o_.head_dim, reinterpret_cast<float*>(dst));
+        load_row(o_.query.data, o_.qk_dtype, offset, qs.sd, o_.head_dim,
+                 reinterpret_cast<float*>(dst));
       }
       std::fill(dst + words_, dst + depth_, 0u);
-      load_row(o_.weights, o_.weights_dtype, w_base + token * ws[1] + head * ws[2], 1, 1,
+      load_row(o_.weights.data, o_.weights_dtype, w_base + token * ws.ss + head * ws.sn, 1, 1,
                weights + r * groups_ + h);
     }
   }
 }
 
 int64_t Packer::key_offset(const Sequence& seq, int64_t g, int64_t j) const {
-  const int64_t* ks = o_.key_stride;
+  const View& ks = o_.key;
   if (o_.block_table != nullptr) {
     const int64_t block = o_.block_table[seq.batch * o_.block_table_stride + j / o_.block_size];
-    return block * ks[0] + (j % o_.block_size) * ks[1] + g * ks[2];
+    return block * ks.sb + (j % o_.block_size) * ks.ss + g * ks.sn;
   }
-  const int64_t base = o_.batched_key ? seq.batch * ks[0] : 0;
-  return base + (seq.k_begin + j) * ks[1] + g * ks[2];
+  const int64_t base = o_.batched_key ? seq.batch * ks.sb : 0;
+  return base + (seq.k_begin + j) * ks.ss + g * ks.sn;
 }
 
 // Contiguous rows go through the kernel set's transpose: as they are when already in the word
 // type (float32, or bf16 pairs of an even D), else widened first.
 void Packer::pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, uint32_t* dst,
                        float* stage, uint32_t* row) const {
-  const int64_t* ks = o_.key_stride;
-  if (ks[3] == 1 && (!bf16_pairs_ || o_.head_dim % 2 == 0)) {
+  const View& ks = o_.key;
+  if (ks.sd == 1 && (!bf16_pairs_ || o_.head_dim % 2 == 0)) {
     const bool direct = bf16_pairs_ || o_.qk_dtype == DType::kFloat32;
     const char* rows[kKeyTile];
     key_row_addresses(
-        j0, count, o_.block_table != nullptr ? o_.block_size : 0, ks[1] * elem_,
+        j0, count, o_.block_table != nullptr ? o_.block_size : 0, ks.ss * elem_,
         [&](int64_t key) {
-          return static_cast<const char*>(o_.key) + key_offset(seq, g, key) * elem_;
+          return static_cast<const char*>(o_.key.data) + key_offset(seq, g, key) * elem_;
         },
         rows);
     for (int64_t j = 0; j < count; ++j) {
@@ -83,9 +84,9 @@ void Packer::pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count
   for (int64_t j = 0; j < count; ++j) {
     const int64_t offset = key_offset(seq, g, j0 + j);
     if (bf16_pairs_) {
-      load_row_bf16_pairs(o_.key, offset, ks[3], o_.head_dim, row);
+      load_row_bf16_pairs(o_.key.data, offset, ks.sd, o_.head_dim, row);
     } else {
-      load_row(o_.key, o_.qk_dtype, offset, ks[3], o_.head_dim, reinterpret_cast<float*>(row));
+      load_row(o_.key.data, o_.qk_dtype, offset, ks.sd, o_.head_dim, reinterpret_cast<float*>(row));
     }
     for (int64_t l = 0; l < words_; ++l) dst[l * kKeyTile + j] = row[l];
   }

@@ -16,14 +16,10 @@ namespace opmesh::core::indexer {
 struct Operands {
   DType qk_dtype = DType::kFloat32;       // query and key
   DType weights_dtype = DType::kFloat32;  // qk_dtype or float32
-  const void* query = nullptr;            // [B,S1,N1,D] or [T1,N1,D]
-  const void* key = nullptr;              // [B,S2,N2,D], [T2,N2,D] or [blocks,block_size,N2,D]
-  const void* weights = nullptr;          // [B,S1,N1] or [T1,N1]
-  // Element strides {b, s, n, d} ({unused, t, n, d} for TND; {block, slot, n, d} when paged).
-  int64_t query_stride[4] = {0, 0, 0, 0};
-  int64_t key_stride[4] = {0, 0, 0, 0};
-  int64_t weights_stride[3] = {0, 0, 0};
-  bool batched_query = true;  // BSND: a sequence's rows start at batch * stride[0]
+  View query;                             // [B,S1,N1,D] or [T1,N1,D]
+  View key;                               // [B,S2,N2,D], [T2,N2,D] or [blocks,block_size,N2,D]
+  View weights;                           // [B,S1,N1] or [T1,N1] (sd unused)
+  bool batched_query = true;              // BSND: a sequence's rows start at batch * stride[0]
   bool batched_key = true;
   int64_t heads_q = 0;  // N1
   int64_t heads_k = 0;  // N2
@@ -39,25 +35,9 @@ struct Operands {
 // input fields), with each side's batching given by its layout.
 template <class Params>
 Operands operands_of(const Params& p, bool batched_query, bool batched_key) {
-  const int64_t* qs = p.query_stride;
-  const int64_t* ks = p.key_stride;
-  const int64_t* ws = p.weights_stride;
-  return Operands{p.qk_dtype,
-                  p.weights_dtype,
-                  p.query,
-                  p.key,
-                  p.weights,
-                  {qs[0], qs[1], qs[2], qs[3]},
-                  {ks[0], ks[1], ks[2], ks[3]},
-                  {ws[0], ws[1], ws[2]},
-                  batched_query,
-                  batched_key,
-                  p.heads_q,
-                  p.heads_k,
-                  p.head_dim,
-                  nullptr,
-                  0,
-                  0};
+  return Operands{
+      p.qk_dtype, p.weights_dtype, p.query, p.key, p.weights, batched_query, batched_key, p.heads_q,
+      p.heads_k,  p.head_dim,      nullptr, 0,     0};
 }
 
 // The rows [begin, end) of a unit that see key tile [j0, j0 + kKeyTile): its rows are ordered
@@ -92,8 +72,9 @@ class Packer {
                  float* stage, uint32_t* row) const;
 
   // The scores of key tile [j0, j0 + kKeyTile) of key head g for rows [begin, end) of a unit
-  // whose queries sc.query holds (row_capacity rows per head): the tile's keys packed into
-  // sc.key, then the set's score tile into sc.scores ([rows][kKeyTile], those rows zeroed first).
+  // whose queries sc.query.data holds (row_capacity rows per head): the tile's keys packed into
+  // sc.key.data, then the set's score tile into sc.scores ([rows][kKeyTile], those rows zeroed
+  // first).
   template <class Scratch>
   void score_rows(Scratch& sc, const Sequence& seq, int64_t g, int64_t j0, int64_t row_capacity,
                   int begin, int end) const {

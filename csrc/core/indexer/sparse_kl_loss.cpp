@@ -27,14 +27,16 @@ constexpr int64_t kTokensPerTask = 8;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// Offsets of a token's (query side) or key's (key side) row of an operand with strides
-// {b, s, n, d} ({0, t, n, d} for TND, where the batch stride is 0).
-int64_t query_row(const int64_t* st, const Sequence& s, int64_t i, int64_t head) {
-  return s.batch * st[0] + (s.q_begin + i) * st[1] + head * st[2];
+// Offsets of a token's (query side) or key's (key side) row of an operand's view (TND: the
+// batch stride is 0). V: View or MutableView.
+template <class V>
+int64_t query_row(const V& st, const Sequence& s, int64_t i, int64_t head) {
+  return s.batch * st.sb + (s.q_begin + i) * st.ss + head * st.sn;
 }
 
-int64_t key_row(const int64_t* st, const Sequence& s, int64_t j, int64_t head) {
-  return s.batch * st[0] + (s.k_begin + j) * st[1] + head * st[2];
+template <class V>
+int64_t key_row(const V& st, const Sequence& s, int64_t j, int64_t head) {
+  return s.batch * st.sb + (s.k_begin + j) * st.ss + head * st.sn;
 }
 
 class SparseKl {
@@ -178,12 +180,12 @@ class SparseKl {
       if (hi <= lo) continue;
       const int64_t drow = token(s, i) * p_.index_heads_k + g;
       if (!active_[drow]) continue;
-      const int32_t* idx = sp_.indices + indices_row(s, i, n);
+      const int32_t* idx = static_cast<const int32_t*>(sp_.indices.data) + indices_row(s, i, n);
       const float* d = d_index_.data() + drow * sp_.sparse_count;
       sc.hits.clear();
       sc.hit_d.clear();
       for (int64_t e = 0; e < sp_.sparse_count; ++e) {
-        const int64_t v = idx[e * sp_.indices_stride[3]];
+        const int64_t v = idx[e * sp_.indices.sd];
         if (v >= lo && v < hi) {
           sc.hits.push_back(static_cast<int32_t>(v));
           sc.hit_d.push_back(d[e]);
@@ -220,7 +222,7 @@ class SparseKl {
     }
     for (int64_t j = j0; j < j1; ++j) {
       const KlGradient& out = p_.d_key_index;
-      store_row(k_, out.data, out.dtype, key_row(out.stride, s, j, g), out.stride[3], p_.index_dim,
+      store_row(k_, out.data, out.dtype, key_row(out, s, j, g), out.sd, p_.index_dim,
                 sc.key_grad.data() + (j - j0) * dip_, 1.0f);
     }
   }
@@ -232,8 +234,8 @@ class SparseKl {
   }
 
   int64_t indices_row(const Sequence& s, int64_t i, int64_t n) const {
-    const int64_t* st = sp_.indices_stride;
-    return (p_.layout == Layout::kTND ? 0 : s.batch * st[0]) + (s.q_begin + i) * st[1] + n * st[2];
+    const View& st = sp_.indices;
+    return (p_.layout == Layout::kTND ? 0 : s.batch * st.sb) + (s.q_begin + i) * st.ss + n * st.sn;
   }
 
   // The keys selection row (s, i, n) picks among the visible ones, in entry order, with their
@@ -242,9 +244,9 @@ class SparseKl {
     sc.keys.clear();
     sc.entries.clear();
     if (vis.end <= vis.begin) return;
-    const int32_t* idx = sp_.indices + indices_row(s, i, n);
+    const int32_t* idx = static_cast<const int32_t*>(sp_.indices.data) + indices_row(s, i, n);
     for (int64_t e = 0; e < sp_.sparse_count; ++e) {
-      const int64_t v = idx[e * sp_.indices_stride[3]];
+      const int64_t v = idx[e * sp_.indices.sd];
       if (v < vis.begin || v >= vis.end) continue;  // -1 and masked keys
       sc.keys.push_back(static_cast<int32_t>(v));
       sc.entries.push_back(static_cast<int32_t>(e));
@@ -252,7 +254,7 @@ class SparseKl {
   }
 
   void load(const KlOperand& o, int64_t offset, int64_t n, float* dst) const {
-    sparse::load(k_, o.data, o.dtype, offset, o.stride[3], n, dst);
+    sparse::load(k_, o.data, o.dtype, offset, o.sd, n, dst);
   }
 
   // Main query rows and log-sum-exps, index query rows and weights of token i.
@@ -260,18 +262,15 @@ class SparseKl {
     for (int64_t h = 0; h < p_.heads_q && pairs_; ++h) {
       uint32_t* words = sc.qp.data() + h * dmw_;
       std::fill(words, words + dmw_, 0u);
-      uint16_t* q = reinterpret_cast<uint16_t*>(words);
-      copy_bf16(p_.query, query_row(p_.query.stride, s, i, h), p_.head_dim, q);
-      if (p_.rope_dim > 0) {
-        copy_bf16(p_.query_rope, query_row(p_.query_rope.stride, s, i, h), p_.rope_dim,
-                  q + p_.head_dim);
-      }
+      joined_bf16(
+          p_.query, p_.query_rope, [&](const View& v) { return query_row(v, s, i, h); },
+          reinterpret_cast<uint16_t*>(words));
     }
     for (int64_t h = 0; h < p_.heads_q && !pairs_; ++h) {
       float* q = sc.q.data() + h * dmp_;
-      load(p_.query, query_row(p_.query.stride, s, i, h), p_.head_dim, q);
+      load(p_.query, query_row(p_.query, s, i, h), p_.head_dim, q);
       if (p_.rope_dim > 0) {
-        load(p_.query_rope, query_row(p_.query_rope.stride, s, i, h), p_.rope_dim, q + p_.head_dim);
+        load(p_.query_rope, query_row(p_.query_rope, s, i, h), p_.rope_dim, q + p_.head_dim);
       }
       std::fill(q + dm_, q + dmp_, 0.0f);
     }
@@ -285,13 +284,13 @@ class SparseKl {
       }
     }
     for (int64_t h = 0; h < p_.index_heads_q; ++h) load_index_query(sc, s, i, h);
-    load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
-             p_.weights.stride[2], p_.index_heads_q, sc.w.data());
+    load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights, s, i, 0), p_.weights.sn,
+             p_.index_heads_q, sc.w.data());
   }
 
   // Index query row h of token i, zero-padded: float32 into sc.qi or bf16 pairs into sc.qip.
   void load_index_query(Scratch& sc, const Sequence& s, int64_t i, int64_t h) const {
-    const int64_t offset = query_row(p_.query_index.stride, s, i, h);
+    const int64_t offset = query_row(p_.query_index, s, i, h);
     if (ipairs_) {
       uint32_t* words = sc.qip.data() + h * diw_;
       std::fill(words, words + diw_, 0u);
@@ -305,8 +304,8 @@ class SparseKl {
 
   // Pass 2: token i's weights and group g's index query rows.
   void load_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
-    load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights.stride, s, i, 0),
-             p_.weights.stride[2], p_.index_heads_q, sc.w.data());
+    load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights, s, i, 0), p_.weights.sn,
+             p_.index_heads_q, sc.w.data());
     for (int64_t r = 0; r < ig_; ++r) load_index_query(sc, s, i, g * ig_ + r);
     if (!ipairs_) return;
     // Per block of 64 heads from h0 with p pairs: qih rows h0 + l and h0 + p + l both hold pair
@@ -346,7 +345,7 @@ class SparseKl {
       uint32_t* words = sc.istage.data() + c * diw_;
       std::fill(words, words + diw_, 0u);
       if (c < m) {
-        copy_bf16(p_.key_index, key_row(p_.key_index.stride, s, keys[c], g), p_.index_dim,
+        copy_bf16(p_.key_index, key_row(p_.key_index, s, keys[c], g), p_.index_dim,
                   reinterpret_cast<uint16_t*>(words));
       }
       rows[c] = reinterpret_cast<const char*>(words);
@@ -411,13 +410,21 @@ class SparseKl {
 
   // Index key row of key j, head g, into k (zero-padded to dip).
   void load_index_key(const Sequence& s, int64_t j, int64_t g, float* k) const {
-    load(p_.key_index, key_row(p_.key_index.stride, s, j, g), p_.index_dim, k);
+    load(p_.key_index, key_row(p_.key_index, s, j, g), p_.index_dim, k);
     std::fill(k + p_.index_dim, k + dip_, 0.0f);
   }
 
   // n bf16 elements of operand o at element `offset`, as they are.
   static void copy_bf16(const KlOperand& o, int64_t offset, int64_t n, uint16_t* dst) {
-    sparse::copy_bf16(o.data, offset, o.stride[3], n, dst);
+    sparse::copy_bf16(o.data, offset, o.sd, n, dst);
+  }
+
+  // A main row and its rope's (the rope after the head dim), as bf16 words; `row` gives a
+  // view's offset of the row.
+  template <class Row>
+  void joined_bf16(const KlOperand& main, const KlOperand& rope, Row row, uint16_t* dst) const {
+    copy_bf16(main, row(main), p_.head_dim, dst);
+    if (p_.rope_dim > 0) copy_bf16(rope, row(rope), p_.rope_dim, dst + p_.head_dim);
   }
 
   // The main scores of key head kh's query rows against the chunk's m selected keys (from c0),
@@ -428,11 +435,9 @@ class SparseKl {
       const int64_t j = sc.keys[c0 + c];
       uint32_t* words = sc.kstage.data() + c * dmw_;
       std::fill(words, words + dmw_, 0u);
-      uint16_t* k = reinterpret_cast<uint16_t*>(words);
-      copy_bf16(p_.key, key_row(p_.key.stride, s, j, kh), p_.head_dim, k);
-      if (p_.rope_dim > 0) {
-        copy_bf16(p_.key_rope, key_row(p_.key_rope.stride, s, j, kh), p_.rope_dim, k + p_.head_dim);
-      }
+      joined_bf16(
+          p_.key, p_.key_rope, [&](const View& v) { return key_row(v, s, j, kh); },
+          reinterpret_cast<uint16_t*>(words));
       rows[c] = reinterpret_cast<const char*>(words);
     }
     kb_.pack_keys(rows, m, dmw_, sc.ktp.data());
@@ -452,9 +457,9 @@ class SparseKl {
       for (int64_t c = 0; c < m; ++c) {
         const int64_t j = sc.keys[c0 + c];
         float* k = sc.krow.data() + c * dmp_;
-        load(p_.key, key_row(p_.key.stride, s, j, kh), p_.head_dim, k);
+        load(p_.key, key_row(p_.key, s, j, kh), p_.head_dim, k);
         if (p_.rope_dim > 0) {
-          load(p_.key_rope, key_row(p_.key_rope.stride, s, j, kh), p_.rope_dim, k + p_.head_dim);
+          load(p_.key_rope, key_row(p_.key_rope, s, j, kh), p_.rope_dim, k + p_.head_dim);
         }
         std::fill(k + dm_, k + dmp_, 0.0f);
         rows[c] = reinterpret_cast<const char*>(k);
@@ -595,10 +600,10 @@ class SparseKl {
     const KlGradient& dw = p_.d_weights;
     for (int64_t r = 0; r < ig_; ++r) {
       const int64_t h = g * ig_ + r;
-      store_row(k_, dq.data, dq.dtype, query_row(dq.stride, s, i, h), dq.stride[3], p_.index_dim,
+      store_row(k_, dq.data, dq.dtype, query_row(dq, s, i, h), dq.sd, p_.index_dim,
                 sc.acc.data() + r * dip_, 1.0f);
       const float v = static_cast<float>(sc.dw[r]);
-      store_row(k_, dw.data, dw.dtype, query_row(dw.stride, s, i, h), 1, 1, &v, 1.0f);
+      store_row(k_, dw.data, dw.dtype, query_row(dw, s, i, h), 1, 1, &v, 1.0f);
     }
   }
 
@@ -632,11 +637,10 @@ void validate(const SparseKlLossParams& p) {
                                               str(d.index_heads_k) + ", got " + str(p.index_heads));
   }
   const std::vector<Sequence> seqs = indexer_sequences(index_params(d));
-  if (sequence_work(seqs).queries && p.sparse_count > 0 && p.indices == nullptr) {
+  if (sequence_work(seqs).queries && p.sparse_count > 0 && p.indices.data == nullptr) {
     throw ArgumentError("sparse_indices", "is null");
   }
-  const Selection selection{p.indices, p.indices_stride,        p.index_heads, p.sparse_count,
-                            1,         d.layout == Layout::kTND};
+  const Selection selection{p.indices, p.index_heads, p.sparse_count, 1, d.layout == Layout::kTND};
   validate(selection, seqs);
 }
 

@@ -28,10 +28,9 @@ struct SparseKlLossParams {
   // index statistics are not read.
   IndexerKlLossParams dense;
   // sparse_indices [B, S1, index_heads, K] / [T1, index_heads, K]: key positions within the
-  // sequence, -1 skipped; strides {b, s, n, k} ({unused, t, n, k} for TND). index_heads is
-  // N2index, or 1 for one selection that every index key head uses.
-  const int32_t* indices = nullptr;
-  int64_t indices_stride[4] = {0, 0, 0, 0};
+  // sequence, -1 skipped, int32; sd along K (TND: sb unused). index_heads is N2index, or 1 for
+  // one selection that every index key head uses.
+  View indices;
   int64_t index_heads = 1;
   int64_t sparse_count = 0;
 };
