@@ -470,6 +470,8 @@ def lightning_indexer(
     next_tokens: int = UNBOUNDED,
     return_value: bool = False,
     scale_value: float = 1.0,
+    cmp_ratio: int = 1,
+    cmp_residual_key: LengthsLike = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The ``sparse_count`` keys with the highest lightning-indexer score, per token and key head.
 
@@ -507,6 +509,16 @@ def lightning_indexer(
         scale_value: the factor of the returned scores (``sparse_values = scale_value * I``;
             finite and ``> 0``), such as the model's ``softmax_scale``: the selection ranks ``I``
             itself, so it is the same for any scale.
+        cmp_ratio: compressed keys (DeepSeek-V4): key entry ``s`` stands for the original key
+            tokens ``[s * cmp_ratio, (s + 1) * cmp_ratio)``. With ``sparse_mode=3`` query ``i``
+            of a sequence of ``s1`` queries and ``s2`` entries sees entry ``s`` iff
+            ``(s + 1) * cmp_ratio <= i + s2 * cmp_ratio + r - s1 + 1``: its last original token
+            is at or before the query's (bottom-right aligned) diagonal, ``r`` being the
+            sequence's residual below. 1 (the default) is the uncompressed mask; no band
+            (``pre_tokens`` / ``next_tokens``) with ``cmp_ratio > 1``.
+        cmp_residual_key: with ``cmp_ratio > 1``, per sequence ``[B]``: the original key tokens
+            past the last whole entry (the original count modulo ``cmp_ratio``), each in
+            ``[0, cmp_ratio)``; ``None`` for all 0.
 
     Returns:
         ``(sparse_indices, sparse_values)``: int32 ``[B, S1, N2, K]`` (BSND) or ``[T1, N2, K]``
@@ -529,6 +541,7 @@ def lightning_indexer(
     )
     call["actual_seq_lengths_key"] = _as_lengths(actual_seq_lengths_key, "actual_seq_lengths_key")
     call["block_table"] = _as_table(block_table)
+    call["cmp_residual_key"] = _as_lengths(cmp_residual_key, "cmp_residual_key")
     return _run("lightning_indexer", call)
 
 

@@ -219,7 +219,9 @@ struct Field {
   ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens)  \
   ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens) \
   ARG_D(Bool, return_value, false)                         \
-  ARG_D(Float, scale_value, 1.0)
+  ARG_D(Float, scale_value, 1.0)                           \
+  ARG_D(Int, cmp_ratio, 1)                                 \
+  ARG_D(OptInts, cmp_residual_key, std::nullopt)
 #define OPMESH_OP_LIGHTNING_INDEXER_RETURNS "(Tensor sparse_indices, Tensor sparse_values)"
 
 // The arguments sparse_flash_attention and its backward share after their tensors.

@@ -14,6 +14,7 @@
 
 #include "attention/sparse_attention.h"
 #include "conventions.h"
+#include "errors.h"
 #include "indexer/indexer.h"
 #include "indexer/indexer_kl_loss.h"
 #include "indexer/lightning_indexer.h"
@@ -104,12 +105,31 @@ void point_query_key(Params& p, const Call& c, core::Layout key) {
 template <class Call>
 core::LightningIndexerParams lightning_indexer_params(const Call& c, const HostArrays& h) {
   core::LightningIndexerParams p;
-  c.copy_scalars_to(p);  // sparse_count, ...
+  c.copy_scalars_to(p);  // sparse_count, cmp_ratio, ...
   p.layout_key = conventions::indexer_key_layout(c.layout_key);
   fill_query_key_layout(p, c, p.layout_key, h);
   p.qk_dtype = dtype_of(c.query, "query");
   p.weights_dtype = dtype_of(c.weights, "weights");
+  if (h.residuals_given) {
+    if (static_cast<int64_t>(h.residuals.size()) != p.batch) {
+      throw core::ArgumentError("cmp_residual_key", "expected " + std::to_string(p.batch) +
+                                                        " entries (one per sequence), got " +
+                                                        std::to_string(h.residuals.size()));
+    }
+    static const int64_t kNoSequences = 0;
+    p.cmp_residuals = h.residuals.empty() ? &kNoSequences : h.residuals.data();
+  }
   return p;
+}
+
+// lightning_indexer's host arrays: the lengths, the block table and the compressed keys'
+// residuals.
+template <class Call>
+HostArrays lightning_indexer_host(const Call& c) {
+  HostArrays h = host_arrays(c.actual_seq_lengths_query, c.actual_seq_lengths_key, c.block_table);
+  h.residuals_given = c.cmp_residual_key.has_value();
+  h.residuals = host_values(c.cmp_residual_key);
+  return h;
 }
 
 // lightning_indexer's inputs: query, key and weights.

@@ -72,6 +72,9 @@ core::MutableView mutable_layout_view(const Tensor& t, int offset) {
 struct HostArrays {
   std::vector<int64_t> q_lens, k_lens, table;
   int64_t table_columns = 0;
+  // lightning_indexer's compressed keys: each sequence's residual original tokens, when given.
+  std::vector<int64_t> residuals;
+  bool residuals_given = false;
 
   const int64_t* q() const { return q_lens.empty() ? nullptr : q_lens.data(); }
   const int64_t* k() const { return k_lens.empty() ? nullptr : k_lens.data(); }

@@ -62,6 +62,9 @@ struct Sequence {
   // The key index on query row 0's diagonal, for slices of a longer sequence whose query and
   // key offsets differ (context parallelism); kBottomRight for k_len - q_len.
   int64_t diagonal = kBottomRight;
+  // Compressed keys (Mask::ratio > 1): the sequence's original key tokens past its last whole
+  // compressed entry (k_len * ratio + residual original tokens), in [0, ratio).
+  int64_t residual = 0;
 
   int64_t diag() const { return diagonal == kBottomRight ? k_len - q_len : diagonal; }
 };
@@ -85,11 +88,14 @@ SequenceWork sequence_work(const Sequences& seqs) {
 }
 
 // The mask of a call: mode and, for kWindow, how far left and right of the diagonal a query sees
-// (-1: unbounded).
+// (-1: unbounded). With ratio > 1 the keys are compressed, entry j standing for original key
+// tokens [j * ratio, (j + 1) * ratio): under kCausal a query sees the entries whose last original
+// token is at or before its own diagonal (kWindow is not defined for compressed keys).
 struct Mask {
   MaskMode mode = MaskMode::kNone;
   int64_t left = -1;
   int64_t right = -1;
+  int64_t ratio = 1;
 };
 
 // Key columns visible to query row `i` (0-based in its sequence): [begin, end), possibly empty.
@@ -102,7 +108,12 @@ inline KeyRange visible_keys(const Mask& mask, const Sequence& s, int64_t i) {
   const int64_t diag = i + s.diag();
   int64_t lo = 0;
   int64_t hi = s.k_len;
-  if (mask.mode == MaskMode::kCausal) {
+  if (mask.mode == MaskMode::kCausal && mask.ratio > 1) {
+    // The row's diagonal in original key tokens, bottom-right aligned to k_len * ratio +
+    // residual of them: entries whose last token is at or before it.
+    const int64_t original = i + s.k_len * mask.ratio + s.residual - s.q_len;
+    hi = original + 1 >= 0 ? (original + 1) / mask.ratio : 0;
+  } else if (mask.mode == MaskMode::kCausal) {
     hi = diag + 1;
   } else if (mask.mode == MaskMode::kWindow) {
     if (mask.left >= 0) lo = diag - mask.left;

@@ -21,8 +21,7 @@ py::object lightning_indexer(const LightningIndexerCall& call) {
   require_rank(call.query, tnd ? 3 : 4, "query");
   require_rank(call.key, paged || !tnd ? 4 : 3, "key");
   require_rank(call.weights, tnd ? 2 : 3, "weights");
-  auto host = std::make_shared<common::HostArrays>(common::host_arrays(
-      call.actual_seq_lengths_query, call.actual_seq_lengths_key, call.block_table));
+  auto host = std::make_shared<common::HostArrays>(common::lightning_indexer_host(call));
   const core::LightningIndexerParams base =
       checked([&] { return common::lightning_indexer_params(call, *host); });
   // No heads at all (N1 = N2 = 0): nothing to compute; the rest is checked as with heads.

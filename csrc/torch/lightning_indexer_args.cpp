@@ -18,7 +18,8 @@ LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a)
   const std::pair<const std::optional<at::Tensor>*, const char*> ints[] = {
       {&a.actual_seq_lengths_query, "actual_seq_lengths_query"},
       {&a.actual_seq_lengths_key, "actual_seq_lengths_key"},
-      {&a.block_table, "block_table"}};
+      {&a.block_table, "block_table"},
+      {&a.cmp_residual_key, "cmp_residual_key"}};
   for (const auto& [t, name] : ints) {
     if (t->has_value()) {
       TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
@@ -80,6 +81,7 @@ LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a)
   r.batch = check_query_key_lengths(q, a.actual_seq_lengths_query, a.actual_seq_lengths_key,
                                     a.block_table, r.tnd, r.paged, "layout_key",
                                     "actual_seq_lengths_key", a.layout_key);
+  check_per_sequence(a.cmp_residual_key, "cmp_residual_key", r.batch);
   return r;
 }
 

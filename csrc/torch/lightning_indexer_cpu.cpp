@@ -21,8 +21,7 @@ Outputs2 lightning_indexer_cpu(const LightningIndexerCall& a) {
                     a.query.device());
   const LightningIndexerArgs r = check_lightning_indexer_args(a);
   auto [indices, values] = lightning_indexer_outputs(a, r);
-  const common::HostArrays host =
-      common::host_arrays(a.actual_seq_lengths_query, a.actual_seq_lengths_key, a.block_table);
+  const common::HostArrays host = common::lightning_indexer_host(a);
   core::LightningIndexerParams p =
       rethrow([&] { return common::lightning_indexer_params(a, host); });
   common::point_lightning_indexer(p, a);

@@ -18,6 +18,14 @@ void check_int_tensor(const at::Tensor& t, const char* name, int64_t rank) {
 
 }  // namespace
 
+void check_per_sequence(const std::optional<at::Tensor>& t, const char* name,
+                        const c10::SymInt& batch) {
+  if (!t) return;
+  check_int_tensor(*t, name, 1);
+  TORCH_CHECK_VALUE(holds(t->sym_size(0) == batch), name, ": expected ", batch,
+                    " entries (one per sequence), got ", t->sym_size(0));
+}
+
 c10::SymInt check_query_key_lengths(const at::Tensor& q, const std::optional<at::Tensor>& ql,
                                     const std::optional<at::Tensor>& kl,
                                     const std::optional<at::Tensor>& table, bool tnd, bool paged,

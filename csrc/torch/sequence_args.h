@@ -15,6 +15,10 @@ namespace opmesh::binding {
 // dtype, rank and entry counts; `key_layout` and `k_lens_name` are the op's names for the key
 // layout argument and the key lengths. Returns the number of sequences (B, or the query lengths'
 // entries for TND).
+// An optional integer tensor of one entry per sequence (int32 or int64, 1-D, `batch` entries).
+void check_per_sequence(const std::optional<at::Tensor>& t, const char* name,
+                        const c10::SymInt& batch);
+
 c10::SymInt check_query_key_lengths(const at::Tensor& query,
                                     const std::optional<at::Tensor>& q_lens,
                                     const std::optional<at::Tensor>& k_lens,

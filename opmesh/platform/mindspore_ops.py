@@ -215,7 +215,7 @@ def lightning_indexer(call):
     torch shape function on meta stand-ins; the binding reads the lengths and table as host
     values."""
     host, metas = dict(call), dict(call)
-    for name in ("actual_seq_lengths_query", "actual_seq_lengths_key"):
+    for name in ("actual_seq_lengths_query", "actual_seq_lengths_key", "cmp_residual_key"):
         host[name], metas[name] = _host(call[name], name)
     host["block_table"], metas["block_table"] = _table(call["block_table"], "block_table")
     tensors = [_meta(metas.pop(n), n) for n in _schema.positional("lightning_indexer")]

@@ -136,6 +136,14 @@ def test_lightning_indexer_matches_torch(case, dtype):
     t_scaled = opmesh.lightning_indexer(tq, tk, tw, **kw, scale_value=0.25)[1]
     assert_same(m_scaled, t_scaled)
     assert not np.array_equal(as_numpy(m_scaled), as_numpy(m_val))
+    if mode == 3 and not band:
+        # Compressed keys: the ratio by its declared name, the residuals as host lengths.
+        batch = len(klens) if klens else lead[0]
+        kw.update(cmp_ratio=3, cmp_residual_key=[(2 * b + 1) % 3 for b in range(batch)])
+        m_cmp = opmesh.lightning_indexer(mq, mk, mw, **kw)[0]
+        t_cmp = opmesh.lightning_indexer(tq, tk, tw, **kw)[0]
+        assert_same(m_cmp, t_cmp)
+        assert not np.array_equal(as_numpy(m_cmp), as_numpy(m_idx))
 
 
 def test_lightning_indexer_block_table_as_a_mindspore_tensor_and_no_values():

@@ -336,6 +336,16 @@ def case_errors(mesh):
         "layout_key: paged keys (PA_BSND) are not supported on a device mesh",
         lambda: opmesh.lightning_indexer(q, k, w, layout_key="PA_BSND", block_table=[[0]]),
     )
+    _expect(
+        ValueError,
+        "cmp_ratio: not supported on a device mesh",
+        lambda: opmesh.lightning_indexer(q, k, w, cmp_ratio=4),
+    )
+    _expect(
+        ValueError,
+        "cmp_residual_key: not supported on a device mesh",
+        lambda: opmesh.lightning_indexer(q, k, w, cmp_residual_key=[0, 0]),
+    )
     if mesh.ndim == 2:
         # keys sharded over another axis than the query's
         other = [Shard(1), R]

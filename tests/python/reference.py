@@ -223,6 +223,19 @@ def _paged_to_dense(key, block_table, k_lengths):
     return dense
 
 
+def compressed_visible(s1, s2, ratio, residual):
+    """Causal visibility of compressed keys ``[s1, s2]``: entry ``s`` stands for the original key
+    tokens ``[s * ratio, (s + 1) * ratio)`` of ``s2 * ratio + residual``; query ``i`` sits at
+    original position ``i + s2 * ratio + residual - s1`` (bottom-right aligned) and sees the
+    entries whose last original token is at or before it."""
+    visible = torch.zeros((s1, s2), dtype=torch.bool)
+    for i in range(s1):
+        position = i + s2 * ratio + residual - s1
+        for s in range(s2):
+            visible[i, s] = (s + 1) * ratio - 1 <= position
+    return visible
+
+
 def lightning_indexer_scores(
     query,
     key,
@@ -236,6 +249,8 @@ def lightning_indexer_scores(
     sparse_mode=3,
     pre_tokens=UNBOUNDED,
     next_tokens=UNBOUNDED,
+    cmp_ratio=1,
+    cmp_residual_key=None,
     **_,
 ):
     """Reference scores of ``lightning_indexer``: float64 ``[R, N2, L]`` with
@@ -288,7 +303,11 @@ def lightning_indexer_scores(
     for b in range(batch):
         q0, s1 = qb[b]
         keys, s2 = kb[b]
-        visible = indexer_visible(s1, s2, sparse_mode, pre_tokens, next_tokens)
+        if cmp_ratio > 1 and sparse_mode == 3:
+            residual = 0 if cmp_residual_key is None else int(cmp_residual_key[b])
+            visible = compressed_visible(s1, s2, cmp_ratio, residual)
+        else:
+            visible = indexer_visible(s1, s2, sparse_mode, pre_tokens, next_tokens)
         for g in range(n2):
             heads = slice(g * group, (g + 1) * group)
             dots = torch.einsum("ihd,jd->ihj", q[q0 : q0 + s1, heads], keys[:s2, g])

@@ -339,6 +339,55 @@ def test_export_with_a_dynamic_sequence_length():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+# Compressed keys (cmp_ratio): DeepSeek-V4's indexer over compressed key entries.
+
+
+def _residuals(case, ratio, kind):
+    """Per-sequence residuals: none, all zero, or varying (every value in [0, ratio) used)."""
+    if kind is None:
+        return None
+    batch = len(case.q_lengths) if case.layout_query == "TND" else case.batch
+    if kind == "zero":
+        return [0] * batch
+    return [(3 * b + 1) % ratio for b in range(batch)]
+
+
+@pytest.mark.parametrize("residual", [None, "zero", "varying"])
+@pytest.mark.parametrize("ratio", [2, 4, 7])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_compressed_keys_exact_on_integer_inputs(case, ratio, residual):
+    q, k, w, kwargs = make_inputs(case, torch.float32, integer=True)
+    kwargs = dict(kwargs, sparse_mode=3, cmp_ratio=ratio)
+    kwargs["cmp_residual_key"] = _residuals(case, ratio, residual)
+    check_exact(case, q, k, w, kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5], CASES[7]], ids=lambda c: c.name)
+def test_compressed_keys_every_kernel_path(case, dtype, simd_level):
+    q, k, w, kwargs = make_inputs(case, dtype, integer=True)
+    kwargs = dict(kwargs, sparse_mode=3, cmp_ratio=4)
+    kwargs["cmp_residual_key"] = _residuals(case, 4, "varying")
+    check_exact(case, q, k, w, kwargs)
+
+
+def test_compressed_keys_follow_the_original_positions():
+    """A decode step of 10 original key tokens compressed 4 to 1 (2 entries, residual 2): the
+    token at position 9 sees both entries (tokens 0-3 and 4-7); a prefill of those 10 tokens
+    sees entry 0 from position 3 and entry 1 from position 7."""
+    q, k, w = torch.ones(1, 10, 1, 4), torch.ones(1, 2, 1, 4), torch.ones(1, 10, 1)
+    got = opmesh.lightning_indexer(q, k, w, sparse_count=2, cmp_ratio=4, cmp_residual_key=[2])[0]
+    seen = (got[0, :, 0] >= 0).sum(-1).tolist()
+    assert seen == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    one = opmesh.lightning_indexer(
+        q[:, -1:], k, w[:, -1:], sparse_count=2, cmp_ratio=4, cmp_residual_key=[2]
+    )[0]
+    assert (one[0, 0, 0] >= 0).sum().item() == 2
+    # sparse_mode=0 sees every entry whatever the ratio.
+    every = opmesh.lightning_indexer(q, k, w, sparse_count=2, sparse_mode=0, cmp_ratio=4)[0]
+    assert (every >= 0).all()
+
+
 # Errors: each names its argument at the start of the message.
 
 
@@ -366,6 +415,14 @@ ERRORS = [
     ("scale_value", ValueError, lambda kw: dict(kw, scale_value=-0.5)),
     ("scale_value", ValueError, lambda kw: dict(kw, scale_value=float("inf"))),
     ("scale_value", ValueError, lambda kw: dict(kw, scale_value=float("nan"))),
+    ("cmp_ratio", ValueError, lambda kw: dict(kw, cmp_ratio=0)),
+    ("cmp_residual_key", ValueError, lambda kw: dict(kw, cmp_residual_key=[0, 1, 0])),
+    ("cmp_residual_key", ValueError, lambda kw: dict(kw, cmp_ratio=4, cmp_residual_key=[0, 4, 0])),
+    ("cmp_residual_key", ValueError, lambda kw: dict(kw, cmp_ratio=4, cmp_residual_key=[0, -1, 0])),
+    ("cmp_residual_key", ValueError, lambda kw: dict(kw, cmp_ratio=4, cmp_residual_key=[0, 1])),
+    ("cmp_residual_key", TypeError, lambda kw: dict(kw, cmp_ratio=4, cmp_residual_key=[0.5, 1, 0])),
+    ("pre_tokens", ValueError, lambda kw: dict(kw, cmp_ratio=4, pre_tokens=8)),
+    ("next_tokens", ValueError, lambda kw: dict(kw, cmp_ratio=4, next_tokens=8)),
 ]  # fmt: skip
 
 

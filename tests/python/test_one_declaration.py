@@ -25,7 +25,8 @@ EXPECTED = {
         'str layout_query="BSND", str layout_key="BSND", int sparse_count=2048, '
         "int sparse_mode=3, int pre_tokens=9223372036854775807, "
         "int next_tokens=9223372036854775807, bool return_value=False, "
-        "float scale_value=1.) -> (Tensor sparse_indices, Tensor sparse_values)"
+        "float scale_value=1., int cmp_ratio=1, Tensor? cmp_residual_key=None) -> "
+        "(Tensor sparse_indices, Tensor sparse_values)"
     ),
     "sparse_lightning_indexer_grad_kl_loss": (
         "(Tensor query, Tensor key, Tensor query_index, Tensor key_index, Tensor weights, "

@@ -172,6 +172,7 @@ TABLES = {
         lengths=("actual_seq_lengths_query", "actual_seq_lengths_key"),
         tensors={"query": _INDEXER_Q, "key": _INDEXER_K, "weights": _WEIGHTS},
         outputs=(("query", _INDICES), ("query", _INDICES)),
+        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "sparse_flash_attention": OpTable(
         params=positional("sparse_flash_attention"),
@@ -257,6 +258,13 @@ class DsaDistributedOp(DistributedOp):
             )
         named = {**t.defaults, **dict(zip(t.params, args, strict=False)), **kwargs}
         named = local_lengths(named, t.lengths)
+        for name in t.single_device:
+            value, default = named.get(name), t.defaults.get(name)
+            if (value is not None) if default is None else value != default:
+                raise ValueError(
+                    f"{name}: not supported on a device mesh yet (compressed keys run on one "
+                    f"device); got {named[name]!r}"
+                )
         layout = named[t.layout]
         if t.key_layout is not None:
             key_layout = named[t.key_layout]
