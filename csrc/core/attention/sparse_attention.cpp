@@ -28,6 +28,14 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // Tokens per task: enough work to amortise a task, few enough to balance.
 constexpr int64_t kTokensPerTask = 8;
 
+// log(exp(a) + exp(b)), exact where either is -inf.
+float log_add(float a, float b) {
+  const float hi = std::max(a, b);
+  if (hi == -kInf) return -kInf;
+  if (hi == kInf) return kInf;
+  return hi + std::log1p(std::exp(std::min(a, b) - hi));
+}
+
 }  // namespace
 
 std::vector<Sequence> sparse_attention_sequences(const SparseAttentionParams& p) {
@@ -61,9 +69,10 @@ namespace {
 
 class Forward {
  public:
-  Forward(const SparseAttentionParams& p, Isa isa)
+  Forward(const SparseAttentionParams& p, const sparse::KeySelector& keys, Isa isa)
       : p_(p),
         geo_(p),
+        keys_(keys),
         k_(kernels::select_set(isa, p.dtype, -1, true)),
         pairs_(k_.word == kernels::Word::kBf16Pair),
         raw_scores_(pairs_ && p.scale > 0.0f),
@@ -96,21 +105,20 @@ class Forward {
     AlignedBuffer<float> o;      // [rows][dvp] output accumulator
     AlignedBuffer<float> stage;  // [64][dqk] key rows (key | rope) before the transpose
     std::vector<float> m, l, corr;
-    std::vector<int32_t> keys;
+    std::vector<sparse::KeyRef> keys;
   };
 
   const kernels::KernelSet& kernel_set() const { return k_; }
-  const sparse::Geometry& geometry() const { return geo_; }
 
   void row(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
-    geo_.select(s, i, g, sc.keys);
+    keys_.select(s, i, g, sc.keys);
     std::fill(sc.m.begin(), sc.m.end(), -kInf);
     std::fill(sc.l.begin(), sc.l.end(), 0.0f);
     std::fill(sc.o.data(), sc.o.data() + rows_ * dvp_, 0.0f);
     if (!sc.keys.empty()) pack_queries(sc, s, i, g);
     for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
-      pack(sc, s, g, sc.keys.data() + c0, n);
+      pack(sc, sc.keys.data() + c0, n);
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
@@ -163,20 +171,20 @@ class Forward {
     }
   }
 
-  // Keys and values of n selected positions as bf16 pairs: keys packed [dw][64], values with
-  // keys 2l and 2l + 1 interleaved element by element.
-  void pack_pairs(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n) const {
+  // Keys and values of n selected keys as bf16 pairs: keys packed [dw][64], values with keys
+  // 2l and 2l + 1 interleaved element by element.
+  void pack_pairs(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
     const char* rows[kKeyTile];
     uint32_t* stage = reinterpret_cast<uint32_t*>(sc.stage.data());
     for (int64_t c = 0; c < n; ++c) {
+      const sparse::KeySource& src = keys_.source(keys[c].source);
       uint32_t* words = stage + c * dw_;
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
-      sparse::copy_bf16(p_.key.data, geo_.key_offset(p_.key, s, keys[c], g), p_.key.sd, p_.head_dim,
-                        dst);
+      sparse::copy_bf16(src.key.data, keys[c].key, src.key.sd, p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::copy_bf16(p_.key_rope.data, geo_.key_offset(p_.key_rope, s, keys[c], g),
-                          p_.key_rope.sd, p_.rope_dim, dst + p_.head_dim);
+        sparse::copy_bf16(src.rope.data, keys[c].rope, src.rope.sd, p_.rope_dim,
+                          dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(words);
     }
@@ -184,40 +192,40 @@ class Forward {
     uint32_t* vp = reinterpret_cast<uint32_t*>(sc.vp.data());
     std::fill(vp, vp + kKeyTile / 2 * dvp_, 0u);
     const int64_t dv = p_.value_dim;
-    const int64_t sd = p_.value.sd;
     auto value = [&](int64_t c) {
-      return static_cast<const uint16_t*>(p_.value.data) + geo_.key_offset(p_.value, s, keys[c], g);
+      return static_cast<const uint16_t*>(keys_.source(keys[c].source).value.data) + keys[c].value;
     };
+    auto stride = [&](int64_t c) { return keys_.source(keys[c].source).value.sd; };
     for (int64_t c = 0; c < n; c += 2) {
       uint32_t* dst = vp + (c / 2) * dvp_;
-      if (sd == 1) {
+      if (stride(c) == 1 && (c + 1 >= n || stride(c + 1) == 1)) {
         k_.rows.interleave_bf16(value(c), c + 1 < n ? value(c + 1) : nullptr, dv, dst);
         continue;
       }
       for (int64_t half = 0; half < 2 && c + half < n; ++half) {
         const uint16_t* src = value(c + half);
+        const int64_t sd = stride(c + half);
         for (int64_t e = 0; e < dv; ++e)
           dst[e] |= static_cast<uint32_t>(src[e * sd]) << (16 * half);
       }
     }
   }
 
-  // Keys and values of n selected positions: keys transposed into kp, values as rows of vp.
-  void pack(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n) const {
-    if (pairs_) return pack_pairs(sc, s, g, keys, n);
+  // Keys and values of n selected keys: keys transposed into kp, values as rows of vp.
+  void pack(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
+    if (pairs_) return pack_pairs(sc, keys, n);
     const char* rows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
+      const sparse::KeySource& src = keys_.source(keys[c].source);
       float* dst = sc.stage.data() + c * dqk_;
-      sparse::load(k_, p_.key.data, p_.dtype, geo_.key_offset(p_.key, s, keys[c], g), p_.key.sd,
-                   p_.head_dim, dst);
+      sparse::load(k_, src.key.data, p_.dtype, keys[c].key, src.key.sd, p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::load(k_, p_.key_rope.data, p_.dtype, geo_.key_offset(p_.key_rope, s, keys[c], g),
-                     p_.key_rope.sd, p_.rope_dim, dst + p_.head_dim);
+        sparse::load(k_, src.rope.data, p_.dtype, keys[c].rope, src.rope.sd, p_.rope_dim,
+                     dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(dst);
       float* v = sc.vp.data() + c * dvp_;
-      sparse::load(k_, p_.value.data, p_.dtype, geo_.key_offset(p_.value, s, keys[c], g),
-                   p_.value.sd, p_.value_dim, v);
+      sparse::load(k_, src.value.data, p_.dtype, keys[c].value, src.value.sd, p_.value_dim, v);
       std::fill(v + p_.value_dim, v + dvp_, 0.0f);
     }
     std::fill(sc.vp.data() + n * dvp_, sc.vp.data() + kKeyTile * dvp_, 0.0f);
@@ -239,11 +247,17 @@ class Forward {
         p_.softmax_max[stats + r] = m;
         p_.softmax_sum[stats + r] = sc.l[r];
       }
+      if (p_.softmax_lse != nullptr) {
+        float lse = m > -kInf ? m + std::log(sc.l[r]) : -kInf;
+        if (p_.sinks != nullptr) lse = log_add(lse, p_.sinks[h]);
+        p_.softmax_lse[stats + r] = lse;
+      }
     }
   }
 
   const SparseAttentionParams& p_;
-  sparse::Geometry geo_;
+  sparse::QueryGeometry geo_;
+  const sparse::KeySelector& keys_;
   const kernels::KernelSet& k_;  // float32 kernels, or bf16 pairs for bf16 inputs
   bool pairs_;
   bool raw_scores_;  // bf16 pairs and a positive scale: scores unscaled, the scale in the exp
@@ -257,11 +271,12 @@ class Forward {
 
 }  // namespace
 
-void sparse_flash_attention(const SparseAttentionParams& p, const Executor& executor, Isa isa) {
-  validate(p);
+namespace sparse {
+
+void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
+                    const std::vector<Sequence>& seqs, const Executor& executor, Isa isa) {
   require_supported(isa);
-  const Forward run(p, isa);
-  const std::vector<Sequence>& seqs = run.geometry().sequences();
+  const Forward run(p, keys, isa);
   // Rows no task reaches (BSND rows past a length): zero output, statistics (-inf, 0).
   if (p.layout_query == Layout::kBSND) {
     const std::vector<float> zeros(p.value_dim, 0.0f);
@@ -274,17 +289,41 @@ void sparse_flash_attention(const SparseAttentionParams& p, const Executor& exec
       }
     }
   }
+  const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
   if (p.softmax_max != nullptr) {
-    const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
     std::fill(p.softmax_max, p.softmax_max + rows * p.heads_q, -kInf);
     std::fill(p.softmax_sum, p.softmax_sum + rows * p.heads_q, 0.0f);
   }
+  if (p.softmax_lse != nullptr) {
+    // Rows no task reaches: the sink alone (-inf without sinks), in [B][N2][S1][G] order.
+    const int64_t groups = p.heads_q / p.heads_k;
+    const int64_t outer = p.layout_query == Layout::kTND ? 1 : p.batch;
+    float* at = p.softmax_lse;
+    for (int64_t b = 0; b < outer; ++b) {
+      for (int64_t g = 0; g < p.heads_k; ++g) {
+        for (int64_t i = 0; i < p.seq_q; ++i) {
+          for (int64_t r = 0; r < groups; ++r) {
+            *at++ = p.sinks != nullptr ? p.sinks[g * groups + r] : -kInf;
+          }
+        }
+      }
+    }
+  }
   const std::vector<TokenTask> tasks = token_tasks(seqs, kTokensPerTask);
   ScratchPool<Forward::Scratch, const Forward> scratch(run, std::max(1, executor.num_workers()));
-  sparse::each_token_and_head(executor, tasks, seqs, scratch, run.kernel_set(), p.heads_k,
-                              [&](Forward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
-                                run.row(sc, seq, i, g);
-                              });
+  each_token_and_head(executor, tasks, seqs, scratch, run.kernel_set(), p.heads_k,
+                      [&](Forward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
+                        run.row(sc, seq, i, g);
+                      });
+}
+
+}  // namespace sparse
+
+void sparse_flash_attention(const SparseAttentionParams& p, const Executor& executor, Isa isa) {
+  validate(p);
+  const std::vector<Sequence> seqs = sparse_attention_sequences(p);
+  const sparse::IndexedKeys keys(p, seqs);
+  sparse::sparse_forward(p, keys, seqs, executor, isa);
 }
 
 }  // namespace opmesh::core

@@ -46,6 +46,9 @@ struct SparseAttentionParams : QueryKeyLayout {
   MutableView out;
   float* softmax_max = nullptr;
   float* softmax_sum = nullptr;
+  // The log-sum-exp, sink included, in the statistics' layout (-inf for a row with neither a
+  // key nor a sink), or nullptr.
+  float* softmax_lse = nullptr;
 };
 
 // The backward's extra inputs and its outputs. Gradients are written contiguous in their
@@ -55,6 +58,7 @@ struct SparseAttentionGrads {
   View out;
   const float* softmax_max = nullptr;  // the forward's statistics, contiguous
   const float* softmax_sum = nullptr;
+  const float* softmax_lse = nullptr;  // or its log-sum-exp (sink included) in their place
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

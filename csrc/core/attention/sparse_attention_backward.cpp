@@ -45,10 +45,12 @@ constexpr int64_t kPairHeads = 2 * kKeyTile;
 
 class Backward {
  public:
-  Backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr, Isa isa)
+  Backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr,
+           const sparse::KeySelector& keys, Isa isa)
       : p_(p),
         gr_(gr),
         geo_(p),
+        keys_(keys),
         k_(kernels::select_set(isa, p.dtype, -1, true)),
         pairs_(k_.word == kernels::Word::kBf16Pair),
         g_(geo_.groups()),
@@ -65,7 +67,6 @@ class Backward {
     if (p.sinks != nullptr) sink_share_.assign(rows * p.heads_q, 0.0f);
   }
 
-  const sparse::Geometry& geometry() const { return geo_; }
   const kernels::KernelSet& kernel_set() const { return k_; }
 
   // One worker's buffers: O(G x (64 + D + Dr + Dv) + 64 x (D + Dr + Dv)), whatever the sequence
@@ -113,8 +114,8 @@ class Backward {
     AlignedBuffer<uint32_t> words;  // [64][64] head-pair rows before their transpose (pairs)
     std::vector<float> ones;
     std::vector<float> row, row2;
-    std::vector<int32_t> keys;
-    std::vector<int32_t> hits;
+    std::vector<sparse::KeyRef> keys;
+    std::vector<sparse::KeyRef> hits;
   };
 
   // Writes the token's rows of lse_, delta_ and sink_share_ (no other task touches them) and its
@@ -132,18 +133,24 @@ class Backward {
       sparse::load(k_, gr_.dout.data, p_.dtype, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd,
                    p_.value_dim, sc.row2.data());
       delta[r] = dot(sc.row2.data(), sc.row.data(), p_.value_dim);
-      const float m = gr_.softmax_max[stats + r];
-      if (m == -kInf) continue;  // nothing selected: lse stays +inf, no probability anywhere
-      const float sink = p_.sinks != nullptr ? std::exp(p_.sinks[h] - m) : 0.0f;
-      lse[r] = m + std::log(gr_.softmax_sum[stats + r] + sink);
+      if (gr_.softmax_lse != nullptr) {
+        const float given = gr_.softmax_lse[stats + r];
+        if (given == -kInf) continue;  // neither a key nor a sink: lse stays +inf
+        lse[r] = given;
+      } else {
+        const float m = gr_.softmax_max[stats + r];
+        if (m == -kInf) continue;  // nothing selected: lse stays +inf, no probability anywhere
+        const float sink = p_.sinks != nullptr ? std::exp(p_.sinks[h] - m) : 0.0f;
+        lse[r] = m + std::log(gr_.softmax_sum[stats + r] + sink);
+      }
       if (p_.sinks != nullptr) sink_share_[row + r] = -std::exp(p_.sinks[h] - lse[r]) * delta[r];
     }
-    geo_.select(s, i, g, sc.keys);
+    keys_.select(s, i, g, sc.keys);
     float* dq = sc.acc.data();
     std::fill(dq, dq + g_ * dq16_, 0.0f);
     for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
-      probabilities(sc, s, g, sc.keys.data() + c0, n, lse, delta, true);
+      probabilities(sc, sc.keys.data() + c0, n, lse, delta, true);
       // dq += scale dS K
       if (pairs_) {
         k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
@@ -164,27 +171,26 @@ class Backward {
     }
   }
 
-  // dk and dv of keys [j0, j1) of s and key head g: summed over the tokens that select them,
-  // in token order.
-  void key_pass(Scratch& sc, const Sequence& s, int64_t g, int64_t j0, int64_t j1) const {
+  // dk and dv of keys [j0, j1) of source k's sequence ks and key head g: summed over the tokens
+  // of s (its queries) that select them, in token order.
+  void key_pass(Scratch& sc, int k, const Sequence& s, const Sequence& ks, int64_t g, int64_t j0,
+                int64_t j1) const {
     const int64_t n_keys = j1 - j0;
     std::vector<float> dk(n_keys * dq16_, 0.0f), dv(n_keys * dv16_, 0.0f);
-    const Mask mask = indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens);
     for (int64_t i = 0; i < s.q_len; ++i) {
-      const KeyRange vis = visible_keys(mask, s, i);
-      if (vis.end <= j0 || vis.begin >= j1) continue;
-      geo_.select(s, i, g, sc.keys);
+      if (!keys_.may_select(s, i, k, j0, j1)) continue;
+      keys_.select(s, i, g, sc.keys);
       sc.hits.clear();
-      for (int32_t j : sc.keys) {
-        if (j >= j0 && j < j1) sc.hits.push_back(j);
+      for (const sparse::KeyRef& ref : sc.keys) {
+        if (ref.source == k && ref.j >= j0 && ref.j < j1) sc.hits.push_back(ref);
       }
       if (sc.hits.empty()) continue;
       load_token(sc, s, i, g, true);
       const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t n = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
-        const int32_t* hits = sc.hits.data() + c0;
-        probabilities(sc, s, g, hits, n, lse_.data() + row, delta_.data() + row, false);
+        const sparse::KeyRef* hits = sc.hits.data() + c0;
+        probabilities(sc, hits, n, lse_.data() + row, delta_.data() + row, false);
         // dV rows += P^T dout; dK rows += scale dS^T Q.
         const float* tv = sc.acc.data();
         const float* tk = pairs_ ? sc.acc2.data() : sc.acc.data();
@@ -194,24 +200,17 @@ class Backward {
           float_key_product(sc, sc.s.data(), sc.dout.data(), dv16_, 1.0f, n);
         }
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dv.data() + (hits[c] - j0) * dv16_, tv + c * dv16_, p_.value_dim);
+          k_.rows.add_into(dv.data() + (hits[c].j - j0) * dv16_, tv + c * dv16_, p_.value_dim);
         }
         if (!pairs_) float_key_product(sc, sc.dp.data(), sc.q.data(), dq16_, p_.scale, n);
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dk.data() + (hits[c] - j0) * dq16_, tk + c * dq16_, dqk_);
+          k_.rows.add_into(dk.data() + (hits[c].j - j0) * dq16_, tk + c * dq16_, dqk_);
         }
       }
     }
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t key_row = key_row_of(s, j) * p_.heads_k + g;
-      const float* dkj = dk.data() + (j - j0) * dq16_;
-      store_row(k_, gr_.dk, p_.dtype, key_row * p_.head_dim, 1, p_.head_dim, dkj, 1.0f);
-      if (p_.rope_dim > 0) {
-        store_row(k_, gr_.dk_rope, p_.dtype, key_row * p_.rope_dim, 1, p_.rope_dim,
-                  dkj + p_.head_dim, 1.0f);
-      }
-      store_row(k_, gr_.dv, p_.dtype, key_row * p_.value_dim, 1, p_.value_dim,
-                dv.data() + (j - j0) * dv16_, 1.0f);
+      keys_.store_grads(k_, k, ks, j, g, dk.data() + (j - j0) * dq16_,
+                        dv.data() + (j - j0) * dv16_);
     }
   }
 
@@ -292,12 +291,12 @@ class Backward {
     }
   }
 
-  // Key row c of a chunk (key | rope of position j) and its value row, zero-padded.
-  void load_key(Scratch& sc, const Sequence& s, int64_t g, int64_t c, int32_t j) const {
-    const int64_t ro = p_.rope_dim > 0 ? geo_.key_offset(p_.key_rope, s, j, g) : 0;
-    load_joined({p_.key.data, geo_.key_offset(p_.key, s, j, g), p_.key.sd, p_.head_dim},
-                {p_.key_rope.data, ro, p_.key_rope.sd, p_.rope_dim}, sc.krow.data() + c * dw_, dw_);
-    load_joined({p_.value.data, geo_.key_offset(p_.value, s, j, g), p_.value.sd, p_.value_dim}, {},
+  // Key row c of a chunk (key | rope) and its value row, zero-padded.
+  void load_key(Scratch& sc, int64_t c, const sparse::KeyRef& ref) const {
+    const sparse::KeySource& src = keys_.source(ref.source);
+    load_joined({src.key.data, ref.key, src.key.sd, p_.head_dim},
+                {src.rope.data, ref.rope, src.rope.sd, p_.rope_dim}, sc.krow.data() + c * dw_, dw_);
+    load_joined({src.value.data, ref.value, src.value.sd, p_.value_dim}, {},
                 sc.vrow.data() + c * dwv_, dwv_);
   }
 
@@ -328,12 +327,12 @@ class Backward {
   // For n keys of one chunk: their rows and transposes (with `key_pairs` on bf16 pairs, the keys
   // as key pairs too), P = exp(scale q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp
   // (columns past n are 0).
-  void probabilities(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t n,
-                     const float* lse, const float* delta, bool key_pairs) const {
+  void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const float* lse,
+                     const float* delta, bool key_pairs) const {
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
-      load_key(sc, s, g, c, keys[c]);
+      load_key(sc, c, keys[c]);
       krows[c] = reinterpret_cast<const char*>(sc.krow.data() + c * dw_);
       vrows[c] = reinterpret_cast<const char*>(sc.vrow.data() + c * dwv_);
     }
@@ -368,14 +367,10 @@ class Backward {
     }
   }
 
-  // Key row j of s in the key tensor's token order (BSND b * S2 + j, TND k_begin + j).
-  int64_t key_row_of(const Sequence& s, int64_t j) const {
-    return p_.layout_kv == Layout::kTND ? s.k_begin + j : s.batch * p_.seq_k + j;
-  }
-
   const SparseAttentionParams& p_;
   const SparseAttentionGrads& gr_;
-  sparse::Geometry geo_;
+  sparse::QueryGeometry geo_;
+  const sparse::KeySelector& keys_;
   const kernels::KernelSet& k_;  // float32 kernels, or bf16 pairs for bf16 inputs
   bool pairs_;
   int64_t g_;
@@ -391,6 +386,43 @@ class Backward {
 };
 
 }  // namespace
+
+namespace sparse {
+
+void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr,
+                     const KeySelector& keys, const std::vector<Sequence>& seqs,
+                     const Executor& executor, Isa isa) {
+  require_supported(isa);
+  Backward run(p, gr, keys, isa);
+  const int threads = std::max(1, executor.num_workers());
+  ScratchPool<Backward::Scratch, Backward> scratch(run, threads);
+  const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);
+  each_token_and_head(executor, token_tasks, seqs, scratch, run.kernel_set(), p.heads_k,
+                      [&](Backward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
+                        run.query_pass(sc, seq, i, g);
+                      });
+  // Key blocks of every source: about four per thread per (sequence, key head), at least 64 keys
+  // each.
+  struct SourceTask {
+    int k;
+    KeyTask task;
+  };
+  std::vector<SourceTask> tasks;
+  for (int k = 0; k < keys.num_sources(); ++k) {
+    for (const KeyTask& t : core::key_tasks(keys.key_sequences(k), p.heads_k, 4 * threads, 64)) {
+      tasks.push_back({k, t});
+    }
+  }
+  run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int thread) {
+    const kernels::WorkerScope scope(run.kernel_set());
+    const SourceTask& st = tasks[t];
+    run.key_pass(scratch[thread], st.k, seqs[st.task.b], keys.key_sequences(st.k)[st.task.b],
+                 st.task.g, st.task.j0, st.task.j1);
+  });
+  run.finish_sinks();
+}
+
+}  // namespace sparse
 
 void sparse_flash_attention_backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr,
                                      const Executor& executor, Isa isa) {
@@ -409,22 +441,9 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
     store_zeros(gr.dq_rope, p.dtype, q_rows * p.heads_q * p.rope_dim);
     store_zeros(gr.dk_rope, p.dtype, k_rows * p.heads_k * p.rope_dim);
   }
-  Backward run(p, gr, isa);
-  const std::vector<Sequence>& seqs = run.geometry().sequences();
-  const int threads = std::max(1, executor.num_workers());
-  ScratchPool<Backward::Scratch, Backward> scratch(run, threads);
-  const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);
-  sparse::each_token_and_head(executor, token_tasks, seqs, scratch, run.kernel_set(), p.heads_k,
-                              [&](Backward::Scratch& sc, const Sequence& seq, int64_t i,
-                                  int64_t g) { run.query_pass(sc, seq, i, g); });
-  // Key blocks: about four per thread per (sequence, key head), at least 64 keys each.
-  const std::vector<KeyTask> key_tasks = core::key_tasks(seqs, p.heads_k, 4 * threads, 64);
-  run_dynamic(executor, static_cast<int64_t>(key_tasks.size()), [&](int64_t t, int thread) {
-    const kernels::WorkerScope scope(run.kernel_set());
-    const KeyTask& task = key_tasks[t];
-    run.key_pass(scratch[thread], seqs[task.b], task.g, task.j0, task.j1);
-  });
-  run.finish_sinks();
+  const std::vector<Sequence> seqs = sparse_attention_sequences(p);
+  const sparse::IndexedKeys keys(p, seqs, &gr);
+  sparse::sparse_backward(p, gr, keys, seqs, executor, isa);
 }
 
 }  // namespace opmesh::core

@@ -31,15 +31,11 @@ void each_token_and_head(const Executor& executor, const std::vector<TokenTask>&
   });
 }
 
-class Geometry {
+// The query side of a sparse call: where a token's rows, output row and statistics are.
+class QueryGeometry {
  public:
-  explicit Geometry(const SparseAttentionParams& p)
-      : p_(p),
-        seqs_(sparse_attention_sequences(p)),
-        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
-        groups_(p.heads_q / p.heads_k) {}
+  explicit QueryGeometry(const SparseAttentionParams& p) : p_(p), groups_(p.heads_q / p.heads_k) {}
 
-  const std::vector<Sequence>& sequences() const { return seqs_; }
   int64_t groups() const { return groups_; }
 
   // Offset of query-layout row (b, i, head) for a tensor with these strides.
@@ -47,17 +43,6 @@ class Geometry {
   int64_t query_offset(const V& st, const Sequence& s, int64_t i, int64_t head) const {
     const int64_t base = p_.layout_query == Layout::kTND ? 0 : s.batch * st.sb;
     return base + (s.q_begin + i) * st.ss + head * st.sn;
-  }
-
-  // Offset of key-layout row (b, j, g).
-  template <class V>
-  int64_t key_offset(const V& st, const Sequence& s, int64_t j, int64_t g) const {
-    if (p_.layout_kv == Layout::kPagedBBND) {
-      const int64_t block = p_.block_table[s.batch * p_.max_blocks + j / p_.block_size];
-      return block * st.sb + (j % p_.block_size) * st.ss + g * st.sn;
-    }
-    const int64_t base = p_.layout_kv == Layout::kTND ? 0 : s.batch * st.sb;
-    return base + (s.k_begin + j) * st.ss + g * st.sn;
   }
 
   // The output row of token i of s: BSND b * S1 + i, TND q_begin + i.
@@ -71,33 +56,145 @@ class Geometry {
     return ((s.batch * p_.heads_k + g) * p_.seq_q + i) * groups_;
   }
 
-  // The key positions row (s, i) selects for key head g, in index order then key order: each
-  // index v >= 0 picks [v * bs, (v + 1) * bs) within the sequence and the row's visible keys.
-  void select(const Sequence& s, int64_t i, int64_t g, std::vector<int32_t>& out) const {
+ private:
+  const SparseAttentionParams& p_;
+  int64_t groups_;
+};
+
+// A tensor of keys: the key rows (with their rope part, when the call has one) and the value
+// rows the same positions hold. Shared key/value attention names one view twice.
+struct KeySource {
+  View key;
+  View rope;
+  View value;
+};
+
+// One key a query row selects: its source, its position in that source's sequence, and the
+// element offsets of its rows in the source's key, rope and value views.
+struct KeyRef {
+  int32_t source;
+  int32_t j;
+  int64_t key;
+  int64_t rope;
+  int64_t value;
+};
+
+// Which keys each query row attends to, and where their gradients go: what sparse_flash_attention
+// (one key tensor, sparse_indices) and sparse_flash_mla (a window of ori_kv and cmp_kv's entries)
+// tell the shared forward and backward.
+class KeySelector {
+ public:
+  virtual ~KeySelector() = default;
+  virtual int num_sources() const = 0;
+  virtual const KeySource& source(int k) const = 0;
+  // Source k's sequences, indexed like the query sequences (by Sequence::batch).
+  virtual const std::vector<Sequence>& key_sequences(int k) const = 0;
+  // The keys row (s, i) selects for key head g, in selection order, no key twice.
+  virtual void select(const Sequence& s, int64_t i, int64_t g, std::vector<KeyRef>& out) const = 0;
+  // False only when row (s, i) selects none of keys [j0, j1) of source k.
+  virtual bool may_select(const Sequence& s, int64_t i, int k, int64_t j0, int64_t j1) const = 0;
+  // Writes key j's gradients (key part dqk floats: key | rope; value part dv floats) of source
+  // k's sequence ks, key head g.
+  virtual void store_grads(const kernels::KernelSet& set, int k, const Sequence& ks, int64_t j,
+                           int64_t g, const float* dkey, const float* dvalue) const = 0;
+};
+
+// The element offset of row (s, j, g) of a key-layout tensor with strides st: BSND and TND by
+// position (k_begin + j), paged through the block table ([B][max_blocks] row-major).
+template <class V>
+int64_t key_row_offset(const V& st, Layout layout, const Sequence& s, int64_t j, int64_t g,
+                       const int64_t* block_table, int64_t max_blocks, int64_t block_size) {
+  if (layout == Layout::kPagedBBND) {
+    const int64_t block = block_table[s.batch * max_blocks + j / block_size];
+    return block * st.sb + (j % block_size) * st.ss + g * st.sn;
+  }
+  const int64_t base = layout == Layout::kTND ? 0 : s.batch * st.sb;
+  return base + (s.k_begin + j) * st.ss + g * st.sn;
+}
+
+// Appends to out the entries of one selection row (`count` int32 entries from `base`, `stride`
+// apart), each index v >= 0 naming keys [v * bs, (v + 1) * bs) kept within [vis.begin, vis.end).
+template <class Add>
+void each_selected(const int32_t* indices, int64_t base, int64_t stride, int64_t count,
+                   int64_t bs, const KeyRange& vis, Add add) {
+  for (int64_t e = 0; e < count; ++e) {
+    const int64_t v = indices[base + e * stride];
+    if (v < 0) continue;
+    const int64_t lo = std::max(v * bs, vis.begin);
+    const int64_t hi = std::min((v + 1) * bs, vis.end);
+    for (int64_t j = lo; j < hi; ++j) add(j);
+  }
+}
+
+// sparse_flash_attention's selection: sparse_indices' blocks within the band, from key, key_rope
+// and value; gradients written contiguous in the key tensors' shapes.
+class IndexedKeys final : public KeySelector {
+ public:
+  IndexedKeys(const SparseAttentionParams& p, const std::vector<Sequence>& seqs,
+              const SparseAttentionGrads* grads = nullptr)
+      : p_(p),
+        seqs_(seqs),
+        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
+        grads_(grads),
+        source_{p.key, p.key_rope, p.value} {}
+
+  int num_sources() const override { return 1; }
+  const KeySource& source(int) const override { return source_; }
+  const std::vector<Sequence>& key_sequences(int) const override { return seqs_; }
+
+  void select(const Sequence& s, int64_t i, int64_t g, std::vector<KeyRef>& out) const override {
     out.clear();
     const KeyRange vis = visible_keys(mask_, s, i);
     if (vis.end <= vis.begin) return;
     const View& st = p_.indices;
-    const int32_t* indices = static_cast<const int32_t*>(st.data);
     const int64_t n = p_.index_heads == 1 ? 0 : g;
     const int64_t base = (p_.layout_query == Layout::kTND ? 0 : s.batch * st.sb) +
                          (s.q_begin + i) * st.ss + n * st.sn;
-    const int64_t bs = p_.sparse_block_size;
-    for (int64_t e = 0; e < p_.sparse_count; ++e) {
-      const int64_t v = indices[base + e * st.sd];
-      if (v < 0) continue;
-      const int64_t lo = std::max(v * bs, vis.begin);
-      const int64_t hi = std::min((v + 1) * bs, vis.end);
-      for (int64_t j = lo; j < hi; ++j) out.push_back(static_cast<int32_t>(j));
+    each_selected(static_cast<const int32_t*>(st.data), base, st.sd, p_.sparse_count,
+                  p_.sparse_block_size, vis, [&](int64_t j) {
+                    const int64_t ro = p_.rope_dim > 0 ? offset(p_.key_rope, s, j, g) : 0;
+                    out.push_back({0, static_cast<int32_t>(j), offset(p_.key, s, j, g), ro,
+                                   offset(p_.value, s, j, g)});
+                  });
+  }
+
+  bool may_select(const Sequence& s, int64_t i, int, int64_t j0, int64_t j1) const override {
+    const KeyRange vis = visible_keys(mask_, s, i);
+    return vis.end > j0 && vis.begin < j1 && vis.end > vis.begin;
+  }
+
+  void store_grads(const kernels::KernelSet& set, int, const Sequence& ks, int64_t j, int64_t g,
+                   const float* dkey, const float* dvalue) const override {
+    const int64_t row =
+        (p_.layout_kv == Layout::kTND ? ks.k_begin + j : ks.batch * p_.seq_k + j) * p_.heads_k + g;
+    store_row(set, grads_->dk, p_.dtype, row * p_.head_dim, 1, p_.head_dim, dkey, 1.0f);
+    if (p_.rope_dim > 0) {
+      store_row(set, grads_->dk_rope, p_.dtype, row * p_.rope_dim, 1, p_.rope_dim,
+                dkey + p_.head_dim, 1.0f);
     }
+    store_row(set, grads_->dv, p_.dtype, row * p_.value_dim, 1, p_.value_dim, dvalue, 1.0f);
   }
 
  private:
+  int64_t offset(const View& st, const Sequence& s, int64_t j, int64_t g) const {
+    return key_row_offset(st, p_.layout_kv, s, j, g, p_.block_table, p_.max_blocks,
+                          p_.block_size);
+  }
+
   const SparseAttentionParams& p_;
-  std::vector<Sequence> seqs_;
+  const std::vector<Sequence>& seqs_;
   Mask mask_;
-  int64_t groups_;
+  const SparseAttentionGrads* grads_;
+  KeySource source_;
 };
+
+// The shared kernels. `p` gives the query side, the heads, dims, scale, sinks and outputs (its
+// key-side fields are the selector's business); `seqs` are the query sequences.
+void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
+                    const std::vector<Sequence>& seqs, const Executor& executor, Isa isa);
+void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads& grads,
+                     const KeySelector& keys, const std::vector<Sequence>& seqs,
+                     const Executor& executor, Isa isa);
 
 // Copies n bf16 elements (stride `stride`) at element `offset` of `base` as they are.
 inline void copy_bf16(const void* base, int64_t offset, int64_t stride, int64_t n, uint16_t* dst) {
