@@ -68,6 +68,7 @@ from .ops import (  # noqa: E402
     lightning_indexer,
     merge_attn_states,
     sparse_flash_attention,
+    sparse_flash_mla,
     sparse_indexer_kl_loss,
     sparse_lightning_indexer_grad_kl_loss,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "indexer_kl_loss",
     "lightning_indexer",
     "sparse_flash_attention",
+    "sparse_flash_mla",
     "sparse_lightning_indexer_grad_kl_loss",
     "sparse_indexer_kl_loss",
     "flash_attn",

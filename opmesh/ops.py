@@ -620,15 +620,118 @@ def sparse_flash_attention(
     return _run("sparse_flash_attention", call)
 
 
-def _as_table(value) -> torch.Tensor | None:
+def _as_table(value, name: str = "block_table") -> torch.Tensor | None:
     if value is None or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (list, tuple)):
-        return torch.tensor([_int_list(row, "block_table") for row in value], dtype=torch.int64)
+        return torch.tensor([_int_list(row, name) for row in value], dtype=torch.int64)
     raise TypeError(
-        f"block_table: expected a 2-D int32/int64 tensor, a list of lists of ints or None, "
+        f"{name}: expected a 2-D int32/int64 tensor, a list of lists of ints or None, "
         f"got {type(value).__name__}"
     )
+
+
+# sparse_flash_mla's per-sequence arrays (lists become tensors) and block tables.
+_MLA_LENGTHS = (
+    "cu_seqlens_q",
+    "cu_seqlens_ori_kv",
+    "cu_seqlens_cmp_kv",
+    "seqused_q",
+    "seqused_ori_kv",
+    "seqused_cmp_kv",
+    "cmp_residual_kv",
+)
+_MLA_TABLES = ("ori_block_table", "cmp_block_table")
+
+
+def sparse_flash_mla(
+    q: torch.Tensor,
+    *,
+    ori_kv: torch.Tensor | None = None,
+    cmp_kv: torch.Tensor | None = None,
+    ori_sparse_indices: torch.Tensor | None = None,
+    cmp_sparse_indices: torch.Tensor | None = None,
+    ori_block_table: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    cmp_block_table: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    cu_seqlens_q: LengthsLike = None,
+    cu_seqlens_ori_kv: LengthsLike = None,
+    cu_seqlens_cmp_kv: LengthsLike = None,
+    seqused_q: LengthsLike = None,
+    seqused_ori_kv: LengthsLike = None,
+    seqused_cmp_kv: LengthsLike = None,
+    cmp_residual_kv: LengthsLike = None,
+    ori_topk_length: torch.Tensor | None = None,
+    cmp_topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    metadata: torch.Tensor | None = None,
+    softmax_scale: float = 1.0,
+    cmp_ratio: int = 1,
+    ori_mask_mode: int = 4,
+    cmp_mask_mode: int = 3,
+    ori_win_left: int = -1,
+    ori_win_right: int = -1,
+    layout_q: str = "BSND",
+    layout_kv: str = "BSND",
+    topk_value_mode: int = 1,
+    return_softmax_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""DeepSeek-V4's attention: shared key/value over a window of original keys and over
+    compressed keys, one softmax over both and the sink.
+
+    For token ``t`` (position ``i`` in its sequence) and query head ``h`` of key head
+    ``g = h // (N1 // N2)``, the keys are ``ori_kv``'s the ``ori_*`` mask lets the row see (all
+    of them, or those ``ori_sparse_indices`` names) followed by ``cmp_kv``'s (all the row may see,
+    or those ``cmp_sparse_indices`` names)::
+
+        s[j] = softmax_scale * q[t, h] . kv[j, g]
+        out[t, h] = sum_j exp(s[j] - lse) kv[j, g]
+        lse = log(sum_j exp(s[j]) + exp(sinks[h]))
+
+    ``ori_mask_mode`` 0 shows every key, 3 is causal aligned to the bottom-right corner of each
+    sequence, 4 the window ``[diag - ori_win_left, diag + ori_win_right]`` (``-1``: unbounded).
+    ``cmp_mask_mode`` 3 lets a row see compressed entry ``j`` when its last original token,
+    ``(j + 1) * cmp_ratio - 1``, is at or before the row's position counted in original tokens
+    (``cmp_len * cmp_ratio + cmp_residual_kv[b]`` of them, bottom-right aligned); 0 shows all.
+    Selected entries (``-1`` skipped, only the first ``*_topk_length`` of a row when given) are
+    kept within the mask. A row with no key and no sink gives zeros.
+
+    Args:
+        q: ``[B, S1, N1, D]`` (``layout_q="BSND"``) or ``[T1, N1, D]`` (``"TND"``); float32,
+            bfloat16, float16 or float64.
+        ori_kv, cmp_kv: q's layout with ``N2`` heads dividing ``N1`` and head dim ``D``, or
+            ``layout_kv="PA_BBND"``: paged ``[blocks, block_size, N2, D]`` read through
+            ``ori_block_table`` / ``cmp_block_table`` ``[B, max_blocks]``. At least one.
+        ori_sparse_indices, cmp_sparse_indices: int32/int64 ``[B, S1, N2, K]`` / ``[T1, N2, K]``
+            token indices within the row's sequence; a repeated or out-of-range entry raises
+            ``ValueError`` naming the row.
+        cu_seqlens_q, cu_seqlens_ori_kv, cu_seqlens_cmp_kv: TND ``[B + 1]`` cumulative token
+            counts from 0.
+        seqused_q, seqused_ori_kv, seqused_cmp_kv: ``[B]`` lengths used (required for paged
+            keys).
+        cmp_residual_kv: ``[B]`` original tokens past each sequence's last whole compressed
+            entry, in ``[0, cmp_ratio)`` (with ``cmp_mask_mode=3`` and ``cmp_ratio > 1``; 0 when
+            absent).
+        ori_topk_length, cmp_topk_length: int32/int64 ``[B, S1, N2]`` / ``[T1, N2]``.
+        sinks: optional ``[N1]`` per-head sink logits.
+        metadata: the plan of :func:`sparse_flash_mla_metadata`, checked against the call.
+        topk_value_mode: 1 (indices are token positions), the only mode.
+        return_softmax_lse: also return ``lse`` above.
+
+    Returns:
+        ``(attention_out, softmax_lse)``: attention_out like q; with ``return_softmax_lse``
+        float32 ``[B, N2, S1, G]`` / ``[N2, T1, G]`` (``G = N1 // N2``), otherwise a float32
+        scalar 0.
+
+    Differentiable in q, ori_kv, cmp_kv and sinks (not with paged keys), through the output and
+    the returned lse. Deterministic: the same bits for any thread count, backward included.
+    """
+    call = dict(locals())
+    check_scalar_types("sparse_flash_mla", call)
+    for name in _MLA_LENGTHS:
+        call[name] = _as_lengths(call[name], name)
+    for name in _MLA_TABLES:
+        call[name] = _as_table(call[name], name)
+    return _run("sparse_flash_mla", call)
 
 
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:

@@ -273,6 +273,63 @@ struct Field {
   "(Tensor d_query, Tensor d_key, Tensor d_value, Tensor d_query_rope, Tensor d_key_rope, " \
   "Tensor d_sinks)"
 
+// sparse_flash_mla's key/value tensors, selections, lengths and sinks, which its backward
+// shares (Ascend's order).
+#define OPMESH_MLA_KEYS(ARG, ARG_D)                    \
+  ARG_D(OptTensor, ori_kv, std::nullopt)               \
+  ARG_D(OptTensor, cmp_kv, std::nullopt)               \
+  ARG_D(OptTensor, ori_sparse_indices, std::nullopt)   \
+  ARG_D(OptTensor, cmp_sparse_indices, std::nullopt)   \
+  ARG_D(OptInts, ori_block_table, std::nullopt)        \
+  ARG_D(OptInts, cmp_block_table, std::nullopt)        \
+  ARG_D(OptInts, cu_seqlens_q, std::nullopt)           \
+  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt)      \
+  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt)      \
+  ARG_D(OptInts, seqused_q, std::nullopt)              \
+  ARG_D(OptInts, seqused_ori_kv, std::nullopt)         \
+  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)         \
+  ARG_D(OptInts, cmp_residual_kv, std::nullopt)        \
+  ARG_D(OptTensor, ori_topk_length, std::nullopt)      \
+  ARG_D(OptTensor, cmp_topk_length, std::nullopt)      \
+  ARG_D(OptTensor, sinks, std::nullopt)
+
+// sparse_flash_mla's options after its metadata.
+#define OPMESH_MLA_OPTIONS(ARG, ARG_D) \
+  ARG_D(Float, softmax_scale, 1.0)     \
+  ARG_D(Int, cmp_ratio, 1)             \
+  ARG_D(Int, ori_mask_mode, 4)         \
+  ARG_D(Int, cmp_mask_mode, 3)         \
+  ARG_D(Int, ori_win_left, -1)         \
+  ARG_D(Int, ori_win_right, -1)        \
+  ARG_D(Str, layout_q, "BSND")         \
+  ARG_D(Str, layout_kv, "BSND")        \
+  ARG_D(Int, topk_value_mode, 1)
+
+// sparse_flash_mla(q, *, ori_kv, cmp_kv, ...) -> (attention_out, softmax_lse): DeepSeek-V4's
+// shared key/value attention over a window of original keys and compressed keys.
+#define OPMESH_OP_SPARSE_FLASH_MLA(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, q)                                       \
+  KWONLY                                               \
+  OPMESH_MLA_KEYS(ARG, ARG_D)                          \
+  ARG_D(OptInts, metadata, std::nullopt)               \
+  OPMESH_MLA_OPTIONS(ARG, ARG_D)                       \
+  ARG_D(Bool, return_softmax_lse, false)
+#define OPMESH_OP_SPARSE_FLASH_MLA_RETURNS "(Tensor attention_out, Tensor softmax_lse)"
+
+// sparse_flash_mla_backward(dout, q, attention_out, softmax_lse, *, ...) -> the gradients, an
+// operator of its own (softmax_lse: the forward's, sink included; dlse: its gradient, if any).
+#define OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, dout)                                             \
+  ARG(Tensor, q)                                                \
+  ARG(Tensor, attention_out)                                    \
+  ARG(Tensor, softmax_lse)                                      \
+  KWONLY                                                        \
+  ARG_D(OptTensor, dlse, std::nullopt)                          \
+  OPMESH_MLA_KEYS(ARG, ARG_D)                                   \
+  OPMESH_MLA_OPTIONS(ARG, ARG_D)
+#define OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD_RETURNS \
+  "(Tensor d_q, Tensor d_ori_kv, Tensor d_cmp_kv, Tensor d_sinks)"
+
 // kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping) -> ()
 #define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
   ARG(Tensor, key)                                   \
@@ -347,6 +404,9 @@ namespace opmesh::ops {
   X(SparseFlashAttentionCall, "sparse_flash_attention", OPMESH_OP_SPARSE_FLASH_ATTENTION) \
   X(SparseFlashAttentionBackwardCall, "sparse_flash_attention_backward",                  \
     OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)                                            \
+  X(SparseFlashMlaCall, "sparse_flash_mla", OPMESH_OP_SPARSE_FLASH_MLA)                   \
+  X(SparseFlashMlaBackwardCall, "sparse_flash_mla_backward",                              \
+    OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD)                                                  \
   X(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)                        \
   X(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
 
@@ -374,6 +434,17 @@ void copy_sparse_attn_shared(const From& from, To& to) {
 #undef OPMESH_DETAIL_COPY
 #undef OPMESH_DETAIL_COPY_D
   to.scale_value = from.scale_value;
+}
+
+// Copies the arguments sparse_flash_mla and its backward share.
+template <class To, class From>
+void copy_mla_shared(const From& from, To& to) {
+#define OPMESH_DETAIL_COPY(kind, name) to.name = from.name;
+#define OPMESH_DETAIL_COPY_D(kind, name, value) to.name = from.name;
+  OPMESH_MLA_KEYS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+  OPMESH_MLA_OPTIONS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+#undef OPMESH_DETAIL_COPY
+#undef OPMESH_DETAIL_COPY_D
 }
 
 }  // namespace opmesh::ops

@@ -174,21 +174,26 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
     for (int64_t i = 0; i < s.q_len; ++i) {
       for (int64_t n = 0; n < sel.heads; ++n, ++row_id) {
         const int64_t base = (sel.tnd ? 0 : s.batch * st.sb) + (s.q_begin + i) * st.ss + n * st.sn;
-        for (int64_t e = 0; e < sel.count; ++e) {
+        const auto row = [&] {
+          std::string r = "[";
+          if (!sel.tnd) r += str(s.batch) + ", ";
+          return r + str(sel.tnd ? s.q_begin + i : i) + ", " + str(n) + "]";
+        };
+        const int64_t count = sel.row_count(s, i, n);
+        if (count < 0 || count > sel.count) {
+          throw ArgumentError(sel.lengths_name, "row " + row() + " is " + str(count) +
+                                                    ", expected [0, " + str(sel.count) + "]");
+        }
+        for (int64_t e = 0; e < count; ++e) {
           const int64_t v = indices[base + e * st.sd];
           if (v == -1) continue;
-          const auto row = [&] {
-            std::string r = "[";
-            if (!sel.tnd) r += str(s.batch) + ", ";
-            return r + str(sel.tnd ? s.q_begin + i : i) + ", " + str(n) + "]";
-          };
           if (v < -1 || v >= blocks) {
-            throw ArgumentError("sparse_indices", "row " + row() + " entry " + str(e) + " is " +
-                                                      str(v) + ", expected -1 or a " + unit +
-                                                      " in [0, " + str(blocks) + ")");
+            throw ArgumentError(sel.name, "row " + row() + " entry " + str(e) + " is " + str(v) +
+                                              ", expected -1 or a " + unit + " in [0, " +
+                                              str(blocks) + ")");
           }
           if (stamp[v] == row_id) {
-            throw ArgumentError("sparse_indices",
+            throw ArgumentError(sel.name,
                                 "row " + row() + " selects " + unit + " " + str(v) + " twice");
           }
           stamp[v] = row_id;

@@ -74,11 +74,24 @@ struct Selection {
   int64_t count = 0;
   int64_t block_size = 1;
   bool tnd = false;
+  const char* name = "sparse_indices";
+  // How many leading entries of each row count: int32 [B, S1, heads] / [T1, heads] (sd unused),
+  // each in [0, count]; data nullptr: all `count`.
+  View lengths;
+  const char* lengths_name = "";
+
+  // Entries of row (s, i, n) that count.
+  int64_t row_count(const Sequence& s, int64_t i, int64_t n) const {
+    if (lengths.data == nullptr) return count;
+    const int64_t at = (tnd ? 0 : s.batch * lengths.sb) + (s.q_begin + i) * lengths.ss +
+                       n * lengths.sn;
+    return static_cast<const int32_t*>(lengths.data)[at];
+  }
 };
 
-// Checks sparse_indices' values, O(count) per row: every entry is -1 or a block of its
-// sequence's keys, and no row names a block twice. Throws ArgumentError("sparse_indices") naming
-// the row and entry.
+// Checks a selection's values, O(count) per row: every counted entry is -1 or a block of its
+// sequence's keys, and no row names a block twice; the row lengths in [0, count]. Throws
+// ArgumentError naming the selection (or its lengths), the row and entry.
 void validate(const Selection& selection, const std::vector<Sequence>& seqs);
 
 }  // namespace opmesh::core

@@ -17,6 +17,9 @@
 // - sparse_flash_attention's gradients come from opmesh::sparse_flash_attention_backward, as
 //   flash_attn's do; its statistics outputs are not differentiable. Paged keys and values have
 //   no backward (the backward operator refuses them).
+// - sparse_flash_mla's gradients come from opmesh::sparse_flash_mla_backward; like flash_attn,
+//   its forward computes the log-sum-exp whenever a gradient may be asked, and the returned lse
+//   is differentiable.
 // - kv_cache_write_ refuses grad-requiring arguments (kv_cache_cpu.cpp).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -199,6 +202,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_autograd(
   return {out[0], out[1], out[2]};
 }
 
+// sparse_flash_mla: gradients for q, ori_kv, cmp_kv and sinks through
+// opmesh::sparse_flash_mla_backward; softmax_lse, when returned, is differentiable too.
+class SparseFlashMlaFunction : public torch::autograd::Function<SparseFlashMlaFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q,
+                               const std::optional<at::Tensor>& ori_kv,
+                               const std::optional<at::Tensor>& cmp_kv,
+                               const std::optional<at::Tensor>& sinks,
+                               const SparseFlashMlaCall& call) {
+    SparseFlashMlaCall with_lse = call;
+    with_lse.return_softmax_lse = true;
+    auto [out, lse] = tensors_of<2>(call_below_autograd(with_lse));
+    ctx->set_materialize_grads(false);
+    SparseFlashMlaBackwardCall backward;
+    ops::copy_mla_shared(call, backward);
+    backward.ori_kv.reset();
+    backward.cmp_kv.reset();
+    backward.sinks.reset();
+    ctx->saved_data["backward"] = pack(backward);
+    ctx->saved_data["present"] = std::vector<bool>{ori_kv.has_value(), cmp_kv.has_value(),
+                                                   sinks.has_value()};
+    ctx->saved_data["returns_lse"] = call.return_softmax_lse;
+    variable_list saved{q, out, lse};
+    for (const auto* t : {&ori_kv, &cmp_kv, &sinks}) saved.push_back(t->value_or(at::Tensor()));
+    ctx->save_for_backward(saved);
+    at::Tensor lse_out = call.return_softmax_lse ? lse : lse.new_zeros({});
+    if (!call.return_softmax_lse) ctx->mark_non_differentiable({lse_out});
+    return {out, lse_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const c10::List<bool> present = ctx->saved_data["present"].toBoolList();
+    auto g = unpack<SparseFlashMlaBackwardCall>(ctx->saved_data["backward"]);
+    g.q = saved[0];
+    g.attention_out = saved[1];
+    g.softmax_lse = saved[2];
+    if (present[0]) g.ori_kv = saved[3];
+    if (present[1]) g.cmp_kv = saved[4];
+    if (present[2]) g.sinks = saved[5];
+    g.dout = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(g.attention_out);
+    if (ctx->saved_data["returns_lse"].toBool() && grad_outputs[1].defined()) {
+      g.dlse = grad_outputs[1];
+    }
+    auto [dq, d_ori, d_cmp, dsinks] = tensors_of<4>(call_op(g));
+    return {dq, present[0] ? d_ori : at::Tensor(), present[1] ? d_cmp : at::Tensor(),
+            present[2] ? dsinks : at::Tensor(), at::Tensor()};
+  }
+};
+
+Outputs2 sparse_flash_mla_autograd(const SparseFlashMlaCall& call) {
+  const auto wants_grad = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->requires_grad();
+  };
+  const bool needs_grad = at::GradMode::is_enabled() &&
+                          (call.q.requires_grad() || wants_grad(call.ori_kv) ||
+                           wants_grad(call.cmp_kv) || wants_grad(call.sinks));
+  if (!needs_grad) return tensors_of<2>(call_below_autograd(call));
+  const variable_list out =
+      SparseFlashMlaFunction::apply(call.q, call.ori_kv, call.cmp_kv, call.sinks, call);
+  return {out[0], out[1]};
+}
+
 Outputs2 lightning_indexer_autograd(const LightningIndexerCall& call) {
   return tensors_of<2>(call_below_autograd(call));  // outputs carry no gradient function
 }
@@ -270,6 +336,7 @@ TORCH_LIBRARY_IMPL(opmesh, Autograd, m) {
   impl<IndexerCall, indexer_autograd>(m);
   impl<LightningIndexerCall, lightning_indexer_autograd>(m);
   impl<SparseFlashAttentionCall, sparse_attention_autograd>(m);
+  impl<SparseFlashMlaCall, sparse_flash_mla_autograd>(m);
 }
 
 }  // namespace opmesh::binding

@@ -442,3 +442,124 @@ def sparse_flash_attention(
         else q.new_zeros((0, n1, value.shape[-1]), dtype=torch.float64)
     )
     return out, smax, ssum
+
+
+def _mla_rows(x, b, begin, length, layout, table=None):
+    """Sequence b's first ``length`` rows of a BSND / TND / paged (PA_BBND) tensor."""
+    if layout == "BSND":
+        return x[b, :length]
+    if layout == "TND":
+        return x[begin : begin + length]
+    size = x.shape[1]
+    return torch.stack([x[int(table[b][j // size]), j % size] for j in range(length)]) if length else x[0, :0]
+
+
+def _mla_visible_ori(i, q_len, k_len, mode, left, right):
+    """Original keys row i sees: mode 0 all, 3 causal (bottom-right), 4 the window."""
+    diag = i + k_len - q_len
+    keys = range(k_len)
+    if mode == 3:
+        return [j for j in keys if j <= diag]
+    if mode == 4:
+        return [j for j in keys if (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)]
+    return list(keys)
+
+
+def sparse_flash_mla(
+    q,
+    *,
+    ori_kv=None,
+    cmp_kv=None,
+    ori_sparse_indices=None,
+    cmp_sparse_indices=None,
+    ori_block_table=None,
+    cmp_block_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_ori_kv=None,
+    cu_seqlens_cmp_kv=None,
+    seqused_q=None,
+    seqused_ori_kv=None,
+    seqused_cmp_kv=None,
+    cmp_residual_kv=None,
+    ori_topk_length=None,
+    cmp_topk_length=None,
+    sinks=None,
+    softmax_scale=1.0,
+    cmp_ratio=1,
+    ori_mask_mode=4,
+    cmp_mask_mode=3,
+    ori_win_left=-1,
+    ori_win_right=-1,
+    layout_q="BSND",
+    layout_kv="BSND",
+):
+    """sparse_flash_mla in float64, row by row (docs/ops/sparse_flash_mla.md): a row's keys are
+    ori_kv's it may see (or those ori_sparse_indices names among them) then cmp_kv's (likewise);
+    one softmax over their scores ``softmax_scale * q . kv`` and the sink; the output is the
+    probability-weighted sum of the same rows. Returns ``(out [R, N1, D], lse [R, N1])`` over the
+    query rows R (BSND flattened), lse including the sink (``-inf`` with neither key nor sink);
+    rows outside every sequence and rows with no key give zeros."""
+    tnd = layout_q == "TND"
+    n1, d = q.shape[-2], q.shape[-1]
+    qd = q.double()
+    batch = len(cu_seqlens_q) - 1 if tnd else q.shape[0]
+    rows = q.shape[0] if tnd else q.shape[0] * q.shape[1]
+    out = torch.zeros(rows, n1, d, dtype=torch.float64)
+    sink = sinks.double() if sinks is not None else None
+    lse = (sink.expand(rows, n1) if sink is not None else torch.full((rows, n1), -torch.inf, dtype=torch.float64)).clone()
+
+    def seq_len(b, cu, used, tensor, kv_layout):
+        if kv_layout == "TND":
+            begin, length = int(cu[b]), int(cu[b + 1]) - int(cu[b])
+        elif kv_layout == "BSND":
+            begin, length = 0, tensor.shape[1]
+        else:
+            begin, length = 0, None
+        if used is not None:
+            length = int(used[b])
+        return begin, length
+
+    for b in range(batch):
+        qb, ql = seq_len(b, cu_seqlens_q, seqused_q, q, layout_q)
+        sides = []
+        for kv, cu, used, table, idx, topk, name in (
+            (ori_kv, cu_seqlens_ori_kv, seqused_ori_kv, ori_block_table, ori_sparse_indices, ori_topk_length, "ori"),
+            (cmp_kv, cu_seqlens_cmp_kv, seqused_cmp_kv, cmp_block_table, cmp_sparse_indices, cmp_topk_length, "cmp"),
+        ):  # fmt: skip
+            if kv is None:
+                continue
+            kb, kl = seq_len(b, cu, used, kv, layout_kv)
+            keys = _mla_rows(kv.double(), b, kb, kl, layout_kv, table)
+            sides.append((name, keys, kl, idx, topk))
+        for i in range(ql):
+            row = qb + i if tnd else b * q.shape[1] + i
+            qrow = qd[row] if tnd else qd[b, i]
+            for h in range(n1):
+                g = h // (n1 // sides[0][1].shape[-2]) if sides else 0
+                chosen = []
+                for name, keys, kl, idx, topk in sides:
+                    if name == "ori":
+                        vis = _mla_visible_ori(i, ql, kl, ori_mask_mode, ori_win_left, ori_win_right)
+                    elif cmp_mask_mode == 3:
+                        res = int(cmp_residual_kv[b]) if cmp_residual_kv is not None else 0
+                        position = i + kl * cmp_ratio + res - ql
+                        vis = [j for j in range(kl) if (j + 1) * cmp_ratio - 1 <= position]
+                    else:
+                        vis = list(range(kl))
+                    if idx is not None:
+                        sel = idx[row] if tnd else idx[b, i]
+                        count = sel.shape[-1]
+                        if topk is not None:
+                            count = int((topk[row] if tnd else topk[b, i])[g])
+                        picked = [int(v) for v in sel[g, :count] if int(v) >= 0]
+                        vis = [j for j in picked if j in set(vis)]
+                    chosen.extend(keys[j, g] for j in vis)
+                if not chosen:
+                    continue
+                kv_rows = torch.stack(chosen)
+                scores = softmax_scale * (kv_rows @ qrow[h])
+                all_scores = scores if sink is None else torch.cat([scores, sink[h : h + 1]])
+                total = torch.logsumexp(all_scores, 0)
+                lse[row, h] = total
+                out[row, h] = torch.exp(scores - total) @ kv_rows
+    return out, lse

@@ -59,6 +59,7 @@ struct SparseAttentionGrads {
   const float* softmax_max = nullptr;  // the forward's statistics, contiguous
   const float* softmax_sum = nullptr;
   const float* softmax_lse = nullptr;  // or its log-sum-exp (sink included) in their place
+  const float* dlse = nullptr;         // the log-sum-exp's gradient (same layout), or nullptr
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;

@@ -132,7 +132,10 @@ class Backward {
                    p_.value_dim, sc.row.data());
       sparse::load(k_, gr_.dout.data, p_.dtype, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd,
                    p_.value_dim, sc.row2.data());
-      delta[r] = dot(sc.row2.data(), sc.row.data(), p_.value_dim);
+      // A gradient of the log-sum-exp adds dlse * P to dS (dlse * the sink's share to dsinks):
+      // dS = P (dP - (delta - dlse)).
+      delta[r] = dot(sc.row2.data(), sc.row.data(), p_.value_dim) -
+                 (gr_.dlse != nullptr ? gr_.dlse[stats + r] : 0.0f);
       if (gr_.softmax_lse != nullptr) {
         const float given = gr_.softmax_lse[stats + r];
         if (given == -kInf) continue;  // neither a key nor a sink: lse stays +inf

@@ -13,6 +13,7 @@
 #include "../attention/flash_attn.h"
 #include "../attention/flash_attn_backward.h"
 #include "../attention/sparse_attention.h"
+#include "../attention/sparse_flash_mla.h"
 #include "../executor.h"
 #include "../indexer/indexer.h"
 #include "../indexer/indexer_kl_loss.h"
@@ -35,6 +36,9 @@ struct Backend {
   void (*sparse_flash_attention)(const SparseAttentionParams&, const Executor&);
   void (*sparse_flash_attention_backward)(const SparseAttentionParams&, const SparseAttentionGrads&,
                                           const Executor&);
+  void (*sparse_flash_mla)(const SparseFlashMlaParams&, const Executor&);
+  void (*sparse_flash_mla_backward)(const SparseFlashMlaParams&, const SparseFlashMlaGrads&,
+                                    const Executor&);
   void (*flash_attn)(const attention::FlashAttnParams&, const std::vector<Sequence>&,
                      const attention::Plan&, const Executor&, float* workspace, int64_t* worker_ns);
   void (*flash_attn_backward)(const attention::FlashAttnBackwardParams&,

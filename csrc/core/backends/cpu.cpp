@@ -30,6 +30,12 @@ const Backend& cpu_backend() {
       [](const SparseAttentionParams& p, const SparseAttentionGrads& g, const Executor& e) {
         sparse_flash_attention_backward(p, g, e, active_isa());
       },
+      [](const SparseFlashMlaParams& p, const Executor& e) {
+        sparse_flash_mla(p, e, active_isa());
+      },
+      [](const SparseFlashMlaParams& p, const SparseFlashMlaGrads& g, const Executor& e) {
+        sparse_flash_mla_backward(p, g, e, active_isa());
+      },
       [](const attention::FlashAttnParams& p, const std::vector<Sequence>& seqs,
          const attention::Plan& plan, const Executor& e, float* workspace, int64_t* worker_ns) {
         attention::flash_attn(p, seqs, plan, e, active_isa(), workspace, worker_ns);

@@ -1,0 +1,139 @@
+// The core's params of sparse_flash_mla and its backward from a checked call struct of either
+// binding, in the two steps of sequence_params.h: `sparse_flash_mla_params(call, host)` (layouts,
+// masks, sizes, options, host arrays), then `point_sparse_flash_mla(params, call)` (pointers and
+// strides).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention/sparse_flash_mla.h"
+#include "conventions.h"
+#include "errors.h"
+#include "tensor_access.h"
+
+namespace opmesh::common {
+
+// The host arrays a sparse_flash_mla call's params point into; `given` tells an absent array
+// from an empty one.
+struct MlaHost {
+  struct Array {
+    std::vector<int64_t> values;
+    bool given = false;
+    int64_t columns = 0;  // block tables: entries per row
+    const int64_t* data() const {
+      static const int64_t kNone = 0;
+      return !given ? nullptr : values.empty() ? &kNone : values.data();
+    }
+  };
+  Array cu_q, cu_ori, cu_cmp, used_q, used_ori, used_cmp, residuals, ori_table, cmp_table;
+};
+
+template <class Ints>
+MlaHost::Array mla_array(const std::optional<Ints>& ints) {
+  MlaHost::Array a;
+  a.given = ints.has_value();
+  a.values = host_values(ints);
+  a.columns = ints.has_value() ? HostIntsAccess<Ints>::columns(*ints) : 0;
+  return a;
+}
+
+template <class Call>
+MlaHost sparse_flash_mla_host(const Call& c) {
+  return {mla_array(c.cu_seqlens_q),      mla_array(c.cu_seqlens_ori_kv),
+          mla_array(c.cu_seqlens_cmp_kv), mla_array(c.seqused_q),
+          mla_array(c.seqused_ori_kv),    mla_array(c.seqused_cmp_kv),
+          mla_array(c.cmp_residual_kv),   mla_array(c.ori_block_table),
+          mla_array(c.cmp_block_table)};
+}
+
+// A per-sequence array of `batch` entries (cu_seqlens: batch + 1).
+inline void check_entries(const MlaHost::Array& a, int64_t batch, const char* name) {
+  if (a.given && static_cast<int64_t>(a.values.size()) != batch) {
+    throw core::ArgumentError(name, "expected " + std::to_string(batch) + " entries, got " +
+                                        std::to_string(a.values.size()));
+  }
+}
+
+// One key tensor's sizes, lengths, block table and mask.
+template <class Tensor>
+void fill_mla_keys(core::MlaKeys& k, const std::optional<Tensor>& kv, const MlaHost::Array& cu,
+                   const MlaHost::Array& used, const MlaHost::Array& table, core::Layout layout,
+                   int64_t batch, const char* cu_name, const char* used_name) {
+  k.present = kv.has_value();
+  if (!k.present) return;
+  const std::vector<int64_t> ks = sizes_of(*kv);
+  const bool paged = layout == core::Layout::kPagedBBND;
+  k.seq = paged ? 0 : ks[layout == core::Layout::kTND ? 0 : 1];
+  check_entries(cu, batch + 1, cu_name);
+  check_entries(used, batch, used_name);
+  k.cu_seqlens = cu.data();
+  k.seqused = used.data();
+  if (paged) {
+    k.block_table = table.data();
+    k.max_blocks = table.columns;
+    k.block_size = ks[1];
+    k.block_count = ks[0];
+  }
+}
+
+template <class Call>
+core::SparseFlashMlaParams sparse_flash_mla_params(const Call& c, const MlaHost& h) {
+  core::SparseFlashMlaParams p;
+  c.copy_scalars_to(p);  // cmp_ratio
+  p.layout_q = conventions::attention_layout(c.layout_q, "layout_q");
+  p.layout_kv = conventions::attention_layout(c.layout_kv, "layout_kv");
+  const bool tnd = p.layout_q == core::Layout::kTND;
+  const std::vector<int64_t> qs = sizes_of(c.q);
+  p.batch = tnd ? static_cast<int64_t>(h.cu_q.values.size()) - 1 : qs[0];
+  if (tnd && !h.cu_q.given) throw core::ArgumentError("cu_seqlens_q", "is required for TND");
+  p.batch = std::max<int64_t>(p.batch, 0);
+  p.seq_q = qs[tnd ? 0 : 1];
+  p.heads_q = qs[qs.size() - 2];
+  p.head_dim = qs.back();
+  const auto& any_kv = c.ori_kv.has_value() ? c.ori_kv : c.cmp_kv;
+  p.heads_kv = any_kv.has_value() ? sizes_of(*any_kv)[sizes_of(*any_kv).size() - 2] : 1;
+  check_entries(h.used_q, p.batch, "seqused_q");
+  p.cu_seqlens_q = h.cu_q.data();
+  p.seqused_q = h.used_q.data();
+  fill_mla_keys(p.ori, c.ori_kv, h.cu_ori, h.used_ori, h.ori_table, p.layout_kv, p.batch,
+                "cu_seqlens_ori_kv", "seqused_ori_kv");
+  fill_mla_keys(p.cmp, c.cmp_kv, h.cu_cmp, h.used_cmp, h.cmp_table, p.layout_kv, p.batch,
+                "cu_seqlens_cmp_kv", "seqused_cmp_kv");
+  p.ori.mask_mode = static_cast<core::MaskMode>(c.ori_mask_mode);
+  p.ori.win_left = c.ori_win_left;
+  p.ori.win_right = c.ori_win_right;
+  p.cmp.mask_mode = static_cast<core::MaskMode>(c.cmp_mask_mode);
+  check_entries(h.residuals, p.batch, "cmp_residual_kv");
+  p.cmp_residuals = h.residuals.data();
+  if (c.topk_value_mode != 1) {
+    throw core::ArgumentError("topk_value_mode", "must be 1 (indices are token positions), got " +
+                                                     std::to_string(c.topk_value_mode));
+  }
+  p.scale = static_cast<float>(c.softmax_scale);
+  p.dtype = dtype_of(c.q, "q");
+  return p;
+}
+
+// The call's q, key tensors, selections (int32), topk lengths (int32) and sinks (float32).
+template <class Call>
+void point_sparse_flash_mla(core::SparseFlashMlaParams& p, const Call& c) {
+  const int qoff = p.layout_q == core::Layout::kTND ? -1 : 0;
+  const int koff = p.layout_kv == core::Layout::kPagedBBND ? 0 : qoff;
+  p.q = layout_view(c.q, qoff);
+  if (c.ori_kv.has_value()) p.ori.kv = layout_view(*c.ori_kv, koff);
+  if (c.cmp_kv.has_value()) p.cmp.kv = layout_view(*c.cmp_kv, koff);
+  const auto selection = [&](core::MlaKeys& k, const auto& indices, const auto& lengths) {
+    if (indices.has_value()) {
+      k.indices = layout_view(*indices, qoff);
+      k.topk = sizes_of(*indices).back();
+    }
+    if (lengths.has_value()) k.topk_length = layout_view(*lengths, qoff);
+  };
+  selection(p.ori, c.ori_sparse_indices, c.ori_topk_length);
+  selection(p.cmp, c.cmp_sparse_indices, c.cmp_topk_length);
+  p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
+}
+
+}  // namespace opmesh::common

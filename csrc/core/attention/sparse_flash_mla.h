@@ -1,0 +1,106 @@
+// sparse_flash_mla: shared key/value attention of each query token over a window of original
+// keys (ori_kv) and over compressed keys (cmp_kv: all those its position has passed, or a top-k
+// of them), one softmax over both and the sink:
+//   s[t, h, j] = scale * q[t, h] . kv[j, g],  g = h / (N1 / N2)
+//   out[t, h]  = sum_j p[t, h, j] kv[j, g],  p = softmax over the row's keys of both and the sink
+// Work and memory: O(tile) per worker, no S1 x S2 buffer; results, gradients included, are the
+// same bits for any executor (the sparse attention kernels of sparse_attention_detail.h).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "../vocabulary.h"
+
+namespace opmesh::core {
+
+// One of the two key/value tensors and how a query row selects its keys.
+struct MlaKeys {
+  bool present = false;
+  View kv;  // [B, S, N2, D] / [T, N2, D] / paged [blocks, block_size, N2, D]
+  int64_t seq = 0;  // BSND: S; TND: T; paged: unused
+  // Lengths (host copies): TND cumulative cu_seqlens [B + 1] (from 0, last == T), required;
+  // seqused [B] (nullptr: the layout's lengths), required for paged keys.
+  const int64_t* cu_seqlens = nullptr;
+  const int64_t* seqused = nullptr;
+  // Paged keys: block_table [B][max_blocks] (row-major host copy).
+  const int64_t* block_table = nullptr;
+  int64_t max_blocks = 0;
+  int64_t block_size = 0;
+  int64_t block_count = 0;
+  // The mask: kNone, kCausal (bottom-right aligned; compressed keys by cmp_ratio) or kWindow
+  // (win_left / win_right around the diagonal, -1 unbounded; original keys only).
+  MaskMode mask_mode = MaskMode::kNone;
+  int64_t win_left = -1;
+  int64_t win_right = -1;
+  // A top-k selection: int32 [B, S1, N2, K] / [T1, N2, K] (sd along K), -1 skipped, kept within
+  // the mask; data nullptr: every key the mask lets the row see. topk_length int32 [B, S1, N2] /
+  // [T1, N2]: how many leading entries count (data nullptr: K).
+  View indices;
+  int64_t topk = 0;
+  View topk_length;
+};
+
+struct SparseFlashMlaParams {
+  Layout layout_q = Layout::kBSND;   // BSND or TND
+  Layout layout_kv = Layout::kBSND;  // layout_q's, or kPagedBBND
+  int64_t batch = 0;                 // B
+  int64_t seq_q = 0;                 // BSND: S1; TND: T1
+  int64_t heads_q = 0;               // N1, a multiple of N2
+  int64_t heads_kv = 0;              // N2
+  int64_t head_dim = 0;              // D of q and both key tensors
+  const int64_t* cu_seqlens_q = nullptr;  // TND [B + 1], required
+  const int64_t* seqused_q = nullptr;     // [B] or nullptr
+
+  MlaKeys ori;
+  MlaKeys cmp;
+  // Compressed entry j of cmp_kv stands for original tokens [j * cmp_ratio, (j + 1) * cmp_ratio);
+  // a sequence's original length is cmp_len * cmp_ratio + residual (cmp_residuals [B] in
+  // [0, cmp_ratio), nullptr: 0).
+  int64_t cmp_ratio = 1;
+  const int64_t* cmp_residuals = nullptr;
+
+  float scale = 1.0f;
+  DType dtype = DType::kFloat32;  // q, ori_kv, cmp_kv and the output
+  View q;
+  const float* sinks = nullptr;  // [N1] or nullptr
+
+  MutableView out;             // q's shape and layout
+  float* softmax_lse = nullptr;  // [B, N2, S1, G] / [N2, T1, G] float32 contiguous, or nullptr
+};
+
+// The backward's extra inputs and outputs: gradients contiguous in their input's shape and dtype
+// (dsinks float32 [N1]); rows nothing reaches get zeros.
+struct SparseFlashMlaGrads {
+  View dout;                           // q's shape, layout and dtype
+  View out;                            // the forward's output
+  const float* softmax_lse = nullptr;  // the forward's, contiguous
+  const float* dlse = nullptr;         // softmax_lse's gradient, contiguous, or nullptr
+  void* dq = nullptr;
+  void* d_ori_kv = nullptr;  // when ori_kv is present
+  void* d_cmp_kv = nullptr;  // when cmp_kv is present
+  float* dsinks = nullptr;   // when sinks
+};
+
+// Throws ArgumentError naming the first argument that is wrong, the selections' values included.
+void validate(const SparseFlashMlaParams& params);
+
+// The query sequences, each with ori_kv's keys (k_len 0 without ori_kv), and cmp_kv's sequences
+// (with their residuals), both indexed by batch.
+struct MlaSequences {
+  std::vector<Sequence> ori;
+  std::vector<Sequence> cmp;
+};
+MlaSequences sparse_flash_mla_sequences(const SparseFlashMlaParams& params);
+
+// Validates, then writes out and (when given) softmax_lse. A row with no key gets a zero output.
+void sparse_flash_mla(const SparseFlashMlaParams& params, const Executor& executor, Isa isa);
+
+// Validates, then writes the gradients (paged keys have none: kPagedBBND is refused).
+void sparse_flash_mla_backward(const SparseFlashMlaParams& params, const SparseFlashMlaGrads& grads,
+                               const Executor& executor, Isa isa);
+
+}  // namespace opmesh::core

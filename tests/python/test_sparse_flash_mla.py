@@ -1,0 +1,500 @@
+"""sparse_flash_mla forward and backward against the float64 reference (whose autograd gives the
+reference gradients) on a designed grid: SWA (a window of ori_kv), HCA (every compressed entry
+a row may see, residuals), CSA (a top-k of the compressed entries with -1 and topk lengths), an
+ori-side selection, cmp_kv alone; BSND, TND and paged keys; GQA, awkward head dims, sinks,
+uneven and empty sequences, rows that see nothing and rows past a length; every kernel path;
+gradcheck; graph mode; errors."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import assert_raises_named
+from reference import sparse_flash_mla as reference
+
+import opmesh
+
+OP = torch.ops.opmesh.sparse_flash_mla.default
+BACKWARD = torch.ops.opmesh.sparse_flash_mla_backward.default
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    layout_q: str
+    layout_kv: str
+    n1: int
+    n2: int
+    d: int
+    q_lens: tuple[int, ...]
+    ori_lens: tuple[int, ...] | None  # None: no ori_kv
+    cmp_lens: tuple[int, ...] | None = None  # None: no cmp_kv (SWA)
+    s1: int = 0  # BSND padded lengths (0: the longest)
+    s_ori: int = 0
+    s_cmp: int = 0
+    cmp_ratio: int = 1
+    residuals: tuple[int, ...] | None = None
+    win: tuple[int, int] = (-1, -1)
+    ori_mask_mode: int = 4
+    cmp_mask_mode: int = 3
+    topk: int = 0  # CSA: K of cmp_sparse_indices
+    ori_topk: int = 0  # K of ori_sparse_indices
+    topk_length: bool = False
+    block_size: int = 0  # paged
+    sinks: bool = False
+
+
+CASES = [
+    Case("swa", "BSND", "BSND", 4, 1, 24, (13, 13), (13, 13), win=(5, 0), sinks=True),
+    Case("hca_gqa", "BSND", "BSND", 4, 2, 16, (9, 9), (9, 9), (2, 2), cmp_ratio=4,
+         residuals=(1, 1), win=(3, 0)),
+    Case("csa_tnd", "TND", "TND", 6, 2, 20, (7, 0, 12), (7, 0, 12), (3, 0, 6), cmp_ratio=2,
+         residuals=(1, 0, 0), win=(4, 0), topk=4, topk_length=True, sinks=True),
+    Case("decode_paged_hca", "BSND", "PA_BBND", 8, 1, 32, (1, 1, 1), (40, 9, 1), (10, 2, 0),
+         cmp_ratio=4, residuals=(0, 1, 1), win=(15, 0), block_size=8, sinks=True),
+    Case("csa_tnd_paged", "TND", "PA_BBND", 4, 1, 16, (2, 3), (21, 3), (5, 0), cmp_ratio=4,
+         residuals=(1, 3), win=(7, 0), topk=8, block_size=4),
+    Case("ori_selection", "BSND", "BSND", 2, 1, 8, (6, 6), (10, 10), ori_mask_mode=0,
+         ori_topk=5, topk_length=True),
+    Case("lengths_past", "BSND", "BSND", 4, 2, 12, (5, 0, 3), (8, 2, 0), (2, 1, 0), s1=6,
+         s_ori=9, s_cmp=3, cmp_ratio=3, residuals=(2, 0, 0), ori_mask_mode=3, sinks=True),
+    Case("cmp_only", "TND", "TND", 3, 1, 40, (10, 4), None, (3, 1), cmp_ratio=3,
+         residuals=(1, 1)),
+    Case("hca_ratio_1", "BSND", "BSND", 2, 1, 8, (7,), (7,), (7,), cmp_ratio=1, win=(2, 1)),
+]  # fmt: skip
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+SCALE = 0.3
+
+
+def _lengths(lens):
+    return torch.tensor(lens, dtype=torch.int32)
+
+
+def _cumulative(lens):
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+
+def _keys(case, lens, padded, draw, gen, kwargs, side):
+    """One key tensor in the case's layout, its lengths and (paged) block table."""
+    if case.layout_kv == "PA_BBND":
+        per_seq = [-(-n // case.block_size) + 1 for n in lens]
+        blocks = sum(per_seq) + 2
+        order = torch.randperm(blocks, generator=gen)
+        table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(per_seq):
+            table[b, :n] = order[used : used + n]
+            used += n
+        kwargs[f"{side}_block_table"] = table
+        kwargs[f"seqused_{side}_kv"] = _lengths(lens)
+        return draw(blocks, case.block_size, case.n2, case.d)
+    if case.layout_kv == "TND":
+        kwargs[f"cu_seqlens_{side}_kv"] = _cumulative(lens)
+        return draw(sum(lens), case.n2, case.d)
+    s = padded or max(lens)
+    if any(n != s for n in lens):
+        kwargs[f"seqused_{side}_kv"] = _lengths(lens)
+    return draw(len(lens), s, case.n2, case.d)
+
+
+def _selection(case, lens, k, gen, q_rows):
+    """[rows, N2, K] int32: distinct entries of each row's sequence, -1 anywhere."""
+    idx = torch.full((q_rows, case.n2, k), -1, dtype=torch.int32)
+    for r, n in enumerate(lens):
+        for h in range(case.n2):
+            pick = torch.randperm(max(n, 1), generator=gen)[: min(k, n)].int()
+            idx[r, h, : len(pick)] = pick
+            idx[r, h] = idx[r, h, torch.randperm(k, generator=gen)]
+    return idx
+
+
+def make_inputs(case: Case, dtype, *, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tnd = case.layout_q == "TND"
+    batch = len(case.q_lens)
+    kwargs = dict(layout_q=case.layout_q, layout_kv=case.layout_kv, softmax_scale=SCALE)
+    kwargs.update(cmp_ratio=case.cmp_ratio, ori_mask_mode=case.ori_mask_mode)
+    kwargs.update(cmp_mask_mode=case.cmp_mask_mode)
+    if case.ori_mask_mode == 4:
+        kwargs.update(ori_win_left=case.win[0], ori_win_right=case.win[1])
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    if tnd:
+        q = draw(sum(case.q_lens), case.n1, case.d)
+        kwargs["cu_seqlens_q"] = _cumulative(case.q_lens)
+        row_seq = [b for b, n in enumerate(case.q_lens) for _ in range(n)]
+    else:
+        s1 = case.s1 or max(case.q_lens)
+        q = draw(batch, s1, case.n1, case.d)
+        if any(n != s1 for n in case.q_lens):
+            kwargs["seqused_q"] = _lengths(case.q_lens)
+        row_seq = [b for b in range(batch) for _ in range(s1)]
+    if case.ori_lens is not None:
+        kwargs["ori_kv"] = _keys(case, case.ori_lens, case.s_ori, draw, gen, kwargs, "ori")
+    if case.cmp_lens is not None:
+        kwargs["cmp_kv"] = _keys(case, case.cmp_lens, case.s_cmp, draw, gen, kwargs, "cmp")
+    if case.residuals is not None:
+        kwargs["cmp_residual_kv"] = _lengths(case.residuals)
+    lead = q.shape[:-2]
+    for side, k, lens in (("cmp", case.topk, case.cmp_lens), ("ori", case.ori_topk, case.ori_lens)):
+        if not k:
+            continue
+        idx = _selection(case, [lens[b] for b in row_seq], k, gen, len(row_seq))
+        kwargs[f"{side}_sparse_indices"] = idx.view(*lead, case.n2, k)
+        if case.topk_length:
+            length = torch.randint(0, k + 1, (len(row_seq), case.n2), generator=gen)
+            kwargs[f"{side}_topk_length"] = length.int().view(*lead, case.n2)
+    if case.sinks:
+        kwargs["sinks"] = torch.randn(case.n1, generator=gen)
+    return q, kwargs
+
+
+def rows_of(t, case):
+    return t if case.layout_q == "TND" else t.flatten(0, 1)
+
+
+def lse_rows(t, case):
+    """[B, N2, S1, G] / [N2, T1, G] -> [R, N1]."""
+    if case.layout_q == "TND":
+        return t.permute(1, 0, 2).flatten(1)
+    return t.permute(0, 2, 1, 3).flatten(0, 1).flatten(1)
+
+
+# Forward: float32 accumulation; outputs rounded to the dtype.
+FORWARD_TOL = {torch.float32: 2e-5, torch.float64: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def check_forward(case, dtype, **extra):
+    q, kwargs = make_inputs(case, dtype)
+    kwargs.update(extra)
+    out, lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **kwargs)
+    want, wlse = reference(q, **kwargs)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = FORWARD_TOL[dtype]
+    torch.testing.assert_close(rows_of(out, case).double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse_rows(lse, case).double(), wlse, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_grid(case, dtype):
+    check_forward(case, dtype)
+
+
+@pytest.mark.parametrize(
+    "mask", [dict(ori_mask_mode=0), dict(ori_mask_mode=3), dict(ori_win_left=0, ori_win_right=0),
+             dict(ori_win_left=-1, ori_win_right=2), dict(cmp_mask_mode=0, cmp_residual_kv=None)],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=lambda c: c.name)
+def test_masks(case, mask):
+    extra = dict(mask)
+    if extra.get("ori_mask_mode", 4) != 4:
+        extra.update(ori_win_left=-1, ori_win_right=-1)
+    check_forward(case, torch.float32, **extra)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]], ids=lambda c: c.name)
+def test_every_kernel_path(case, simd_level):
+    check_forward(case, torch.float32)
+    check_forward(case, torch.bfloat16)
+
+
+def test_rows_that_see_nothing():
+    # Causal ori keys shorter than the queries, compressed keys not yet whole: the first rows
+    # see nothing (zeros; lse the sink, or -inf without one).
+    case = Case("early", "BSND", "BSND", 2, 1, 8, (6,), (2,), (1,), cmp_ratio=4,
+                residuals=(0,), ori_mask_mode=3)  # fmt: skip
+    q, kwargs = make_inputs(case, torch.float32)
+    out, lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **kwargs)
+    assert (out[0, :4] == 0).all() and torch.isneginf(lse[0, 0, :4]).all()
+    assert (out[0, 4:] != 0).any()
+    sinks = torch.tensor([0.5, -1.0])
+    out, lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, sinks=sinks, **kwargs)
+    assert (out[0, :4] == 0).all() and torch.equal(lse[0, 0, 0], sinks)
+    check_forward(case, torch.float32)
+
+
+def test_lse_placeholder_without_return():
+    q, kwargs = make_inputs(CASES[0], torch.float32)
+    out, lse = opmesh.sparse_flash_mla(q, **kwargs)
+    assert lse.shape == () and lse.dtype == torch.float32 and lse.item() == 0
+
+
+def test_selected_entries_outside_the_mask_are_skipped():
+    # A CSA row naming a compressed entry it may not see yet (a future one) leaves it out, as
+    # the mask does for HCA: the result equals the selection without it.
+    case = CASES[2]
+    q, kwargs = make_inputs(case, torch.float32)
+    kwargs.pop("cmp_topk_length")
+    idx = kwargs["cmp_sparse_indices"]
+    idx[:] = -1
+    idx[:, :, 0] = 5  # sequence 2's last entry: visible only to its last rows
+    idx[:7, :, 0] = 2
+    check_forward(case, torch.float32, cmp_sparse_indices=idx, cmp_topk_length=None)
+
+
+def gradients(case, dtype, *, with_lse=False, seed=3):
+    """The op's and the reference's gradients for the same upstream gradients."""
+    q, kwargs = make_inputs(case, dtype, seed=seed)
+    leaves = {"q": q}
+    for name in ("ori_kv", "cmp_kv", "sinks"):
+        if kwargs.get(name) is not None:
+            leaves[name] = kwargs.pop(name)
+    ours = {n: t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
+    ref = {n: t.detach().double().requires_grad_(True) for n, t in leaves.items()}
+    out, lse = opmesh.sparse_flash_mla(**ours, return_softmax_lse=with_lse, **kwargs)
+    want, wlse = reference(**ref, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    loss = (rows_of(out, case).double() * upstream).sum()
+    wloss = (want * upstream).sum()
+    if with_lse:
+        lse_up = torch.randn(wlse.shape, generator=g, dtype=torch.float64)
+        finite = torch.isfinite(wlse)
+        loss = loss + (lse_rows(lse, case).double()[finite] * lse_up[finite]).sum()
+        wloss = wloss + (wlse[finite] * lse_up[finite]).sum()
+    loss.backward()
+    wloss.backward()
+    return ours, ref
+
+
+# Backward: float32 sums over the selected keys and tokens; gradients rounded to the dtype.
+BACKWARD_TOL = {torch.float32: 2e-4, torch.float64: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+TRAINABLE = [c for c in CASES if c.layout_kv != "PA_BBND"]
+
+
+def check_gradients(ours, ref, dtype):
+    tol = BACKWARD_TOL[dtype]
+    for name in ours:
+        got, want = ours[name].grad, ref[name].grad
+        assert got is not None and got.dtype == ours[name].dtype, name
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", TRAINABLE, ids=lambda c: c.name)
+def test_gradients(case, dtype):
+    check_gradients(*gradients(case, dtype), dtype)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.name)
+def test_gradients_through_the_lse(case):
+    check_gradients(*gradients(case, torch.float32, with_lse=True), torch.float32)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.name)
+def test_gradients_on_every_kernel_path(case, simd_level):
+    check_gradients(*gradients(case, torch.bfloat16), torch.bfloat16)
+    check_gradients(*gradients(case, torch.float32), torch.float32)
+
+
+def test_gradcheck_float64():
+    case = Case("small", "TND", "TND", 2, 1, 8, (5, 3), (5, 3), (2, 1), cmp_ratio=2,
+                residuals=(1, 1), win=(2, 0), topk=2, sinks=True)  # fmt: skip
+    q, kwargs = make_inputs(case, torch.float64)
+    ori, cmp, sinks = kwargs.pop("ori_kv"), kwargs.pop("cmp_kv"), kwargs.pop("sinks")
+
+    def f(q, ori, cmp, sinks):
+        return opmesh.sparse_flash_mla(
+            q, ori_kv=ori, cmp_kv=cmp, sinks=sinks, return_softmax_lse=True, **kwargs
+        )
+
+    inputs = tuple(t.requires_grad_(True) for t in (q, ori, cmp, sinks))
+    # float64 inputs compute in float32: gradcheck's finite differences need the float64
+    # default eps raised to be above float32 rounding.
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_same_bits_for_any_thread_count(dtype):
+    case = Case("threads", "BSND", "BSND", 8, 2, 32, (70, 41), (70, 41), (17, 10), cmp_ratio=4,
+                residuals=(2, 1), win=(20, 0), topk=8, sinks=True)  # fmt: skip
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            ours, _ = gradients(case, dtype)
+            results.append({name: t.grad for name, t in ours.items()})
+    finally:
+        torch.set_num_threads(threads)
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_paged_backward_is_refused():
+    q, kwargs = make_inputs(CASES[3], torch.float32)
+    q.requires_grad_(True)
+    out = opmesh.sparse_flash_mla(q, **kwargs)[0]
+    assert_raises_named(ValueError, "layout_kv", lambda: out.sum().backward())
+
+
+def test_empty_inputs():
+    # No query heads, no batch, no tokens: empty outputs.
+    q = torch.randn(2, 3, 0, 8)
+    kv = torch.randn(2, 5, 1, 8)
+    out, lse = opmesh.sparse_flash_mla(q, ori_kv=kv, return_softmax_lse=True)
+    assert out.shape == q.shape
+    q = torch.randn(0, 4, 2, 8, requires_grad=True)
+    out, lse = opmesh.sparse_flash_mla(q, ori_kv=torch.randn(0, 4, 1, 8), return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (0, 1, 4, 2)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    out, _ = opmesh.sparse_flash_mla(
+        torch.randn(0, 2, 8), ori_kv=torch.randn(0, 1, 8), layout_q="TND", layout_kv="TND",
+        cu_seqlens_q=cu, cu_seqlens_ori_kv=cu,
+    )  # fmt: skip
+    assert out.shape == (0, 2, 8)
+
+
+# Graph mode.
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[7]], ids=lambda c: c.name)
+def test_opcheck(case):
+    q, kwargs = make_inputs(case, torch.float32)
+    torch.library.opcheck(OP, (q,), dict(kwargs, return_softmax_lse=True))
+    if case.layout_kv == "PA_BBND":
+        return
+    out, lse = OP(q, return_softmax_lse=True, **kwargs)
+    args = (torch.randn_like(out), q, out, lse)
+    torch.library.opcheck(BACKWARD, args, dict(kwargs, dlse=torch.randn_like(lse)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=lambda c: c.name)
+def test_compile_fullgraph_forward_and_backward_equal_eager(case, dynamic):
+    torch._dynamo.reset()
+
+    def step(q, kwargs):
+        out, lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **kwargs)
+        return out.float().sum() + lse[torch.isfinite(lse)].sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+    for seed in (0, 1):
+        q, kwargs = make_inputs(case, torch.float32, seed=seed)
+        if seed == 1 and case.layout_q == "BSND":
+            q, kwargs = make_inputs(
+                Case(**{**case.__dict__, "q_lens": (9, 9, 9), "ori_lens": (9, 9, 9),
+                        "cmp_lens": (2, 2, 2), "residuals": (1, 1, 1)}), torch.float32, seed=1)  # fmt: skip
+        leaves = [q] + [kwargs[n] for n in ("ori_kv", "cmp_kv") if n in kwargs]
+        for t in leaves:
+            t.requires_grad_(True)
+        eager = step(q, kwargs)
+        grads = torch.autograd.grad(eager, leaves)
+        got = compiled(q, kwargs)
+        got_grads = torch.autograd.grad(got, leaves)
+        torch.testing.assert_close(got, eager)
+        for a, b in zip(got_grads, grads, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_export():
+    q, kwargs = make_inputs(CASES[2], torch.float32)
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, ori_kv, cmp_kv, idx):
+            args = {k: v for k, v in kwargs.items() if k not in ("ori_kv", "cmp_kv")}
+            args["cmp_sparse_indices"] = idx
+            return opmesh.sparse_flash_mla(q, ori_kv=ori_kv, cmp_kv=cmp_kv, **args)[0]
+
+    inputs = (q, kwargs["ori_kv"], kwargs["cmp_kv"], kwargs["cmp_sparse_indices"])
+    program = torch.export.export(Layer(), inputs)
+    torch.testing.assert_close(program.module()(*inputs), Layer()(*inputs))
+
+
+# Errors: each names its argument first.
+
+
+def _call(case=CASES[2], **change):
+    q, kwargs = make_inputs(case, torch.float32)
+    kwargs.update(change)
+    return lambda: opmesh.sparse_flash_mla(q, **kwargs)
+
+
+def _bad_index(case, value, side="cmp"):
+    q, kwargs = make_inputs(case, torch.float32)
+    idx = kwargs[f"{side}_sparse_indices"].clone()
+    idx.view(-1, idx.shape[-1])[3, 0] = value
+    return idx
+
+
+@pytest.mark.parametrize(
+    "name,change",
+    [
+        ("cmp_sparse_indices", dict(cmp_sparse_indices=_bad_index(CASES[2], 99))),
+        ("cmp_sparse_indices", dict(cmp_sparse_indices=_bad_index(CASES[2], -2))),
+        ("cmp_topk_length", dict(cmp_topk_length=torch.full((19, 2), 5, dtype=torch.int32))),
+        ("cmp_residual_kv", dict(cmp_residual_kv=torch.tensor([2, 0, 0], dtype=torch.int32))),
+        ("cmp_residual_kv", dict(cmp_residual_kv=torch.tensor([0, 0], dtype=torch.int32))),
+        ("cmp_ratio", dict(cmp_ratio=0)),
+        ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 7, 7, 18], dtype=torch.int32))),
+        ("cu_seqlens_ori_kv", dict(cu_seqlens_ori_kv=torch.tensor([1, 7, 7, 19]))),
+        ("cu_seqlens_cmp_kv", dict(cu_seqlens_cmp_kv=torch.tensor([0, 3, 2, 9]))),
+        ("seqused_ori_kv", dict(seqused_ori_kv=torch.tensor([8, 0, 0]))),
+        ("ori_mask_mode", dict(ori_mask_mode=2)),
+        ("cmp_mask_mode", dict(cmp_mask_mode=4)),
+        ("ori_win_left", dict(ori_win_left=-2)),
+        ("ori_win_right", dict(ori_mask_mode=3, ori_win_left=-1, ori_win_right=3)),
+        ("topk_value_mode", dict(topk_value_mode=2)),
+        ("layout_q", dict(layout_q="BNSD")),
+        ("layout_kv", dict(layout_kv="BSND")),
+        ("sinks", dict(sinks=torch.zeros(5))),
+        ("ori_kv", dict(ori_kv=None, cmp_kv=None, cmp_sparse_indices=None, cmp_topk_length=None,
+                        cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None, cmp_residual_kv=None)),
+        ("ori_kv", dict(ori_kv=torch.randn(19, 2, 16))),
+        ("cmp_kv", dict(cmp_kv=torch.randn(9, 3, 20))),
+        ("cmp_kv", dict(cmp_kv=torch.randn(9, 2, 20).double())),
+        ("cmp_sparse_indices", dict(cmp_sparse_indices=torch.zeros(19, 2, 4))),
+        ("ori_topk_length", dict(ori_topk_length=torch.zeros(19, 2, dtype=torch.int32))),
+        ("cmp_block_table", dict(cmp_block_table=torch.zeros(3, 2, dtype=torch.int32))),
+        ("softmax_scale", dict(softmax_scale=float("nan"))),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)  # fmt: skip
+def test_bad_arguments_are_named(name, change):
+    assert_raises_named((ValueError, TypeError), name, _call(**change))
+
+
+def test_repeated_index_and_bad_block_table_are_named():
+    case = CASES[2]
+    q, kwargs = make_inputs(case, torch.float32)
+    idx = kwargs["cmp_sparse_indices"].clone()
+    idx[8, 0, :2] = torch.tensor([1, 1])
+    kwargs["cmp_topk_length"] = None
+    assert_raises_named(
+        ValueError, "cmp_sparse_indices", lambda: opmesh.sparse_flash_mla(q, **{**kwargs, "cmp_sparse_indices": idx})
+    )  # fmt: skip
+    q, kwargs = make_inputs(CASES[3], torch.float32)
+    table = kwargs["ori_block_table"].clone()
+    table[0, 0] = 10_000
+    assert_raises_named(
+        ValueError, "ori_block_table", lambda: opmesh.sparse_flash_mla(q, **{**kwargs, "ori_block_table": table})
+    )  # fmt: skip
+    used = kwargs["seqused_ori_kv"].clone()
+    used[0] = 1000
+    assert_raises_named(
+        ValueError, "seqused_ori_kv", lambda: opmesh.sparse_flash_mla(q, **{**kwargs, "seqused_ori_kv": used})
+    )  # fmt: skip
+
+
+def test_fuzzed_indices_never_crash():
+    # Random values anywhere in the selection: a clear ValueError or a result, never a crash.
+    case = CASES[2]
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(30):
+        q, kwargs = make_inputs(case, torch.float32)
+        idx = torch.randint(-3, 10, kwargs["cmp_sparse_indices"].shape, generator=gen).int()
+        try:
+            out, _ = opmesh.sparse_flash_mla(q, **{**kwargs, "cmp_sparse_indices": idx})
+        except ValueError as e:
+            assert str(e).startswith(("cmp_sparse_indices", "cmp_topk_length")), e
+        else:
+            assert torch.isfinite(out).all()
