@@ -451,7 +451,11 @@ def _mla_rows(x, b, begin, length, layout, table=None):
     if layout == "TND":
         return x[begin : begin + length]
     size = x.shape[1]
-    return torch.stack([x[int(table[b][j // size]), j % size] for j in range(length)]) if length else x[0, :0]
+    return (
+        torch.stack([x[int(table[b][j // size]), j % size] for j in range(length)])
+        if length
+        else x[0, :0]
+    )
 
 
 def _mla_visible_ori(i, q_len, k_len, mode, left, right):
@@ -461,7 +465,9 @@ def _mla_visible_ori(i, q_len, k_len, mode, left, right):
     if mode == 3:
         return [j for j in keys if j <= diag]
     if mode == 4:
-        return [j for j in keys if (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)]
+        return [
+            j for j in keys if (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
+        ]
     return list(keys)
 
 
@@ -499,6 +505,7 @@ def sparse_flash_mla(
     probability-weighted sum of the same rows. Returns ``(out [R, N1, D], lse [R, N1])`` over the
     query rows R (BSND flattened), lse including the sink (``-inf`` with neither key nor sink);
     rows outside every sequence and rows with no key give zeros."""
+    call = dict(locals())
     tnd = layout_q == "TND"
     n1, d = q.shape[-2], q.shape[-1]
     qd = q.double()
@@ -506,7 +513,11 @@ def sparse_flash_mla(
     rows = q.shape[0] if tnd else q.shape[0] * q.shape[1]
     out = torch.zeros(rows, n1, d, dtype=torch.float64)
     sink = sinks.double() if sinks is not None else None
-    lse = (sink.expand(rows, n1) if sink is not None else torch.full((rows, n1), -torch.inf, dtype=torch.float64)).clone()
+    lse = (
+        sink.expand(rows, n1)
+        if sink is not None
+        else torch.full((rows, n1), -torch.inf, dtype=torch.float64)
+    ).clone()
 
     def seq_len(b, cu, used, tensor, kv_layout):
         if kv_layout == "TND":
@@ -522,10 +533,14 @@ def sparse_flash_mla(
     for b in range(batch):
         qb, ql = seq_len(b, cu_seqlens_q, seqused_q, q, layout_q)
         sides = []
-        for kv, cu, used, table, idx, topk, name in (
-            (ori_kv, cu_seqlens_ori_kv, seqused_ori_kv, ori_block_table, ori_sparse_indices, ori_topk_length, "ori"),
-            (cmp_kv, cu_seqlens_cmp_kv, seqused_cmp_kv, cmp_block_table, cmp_sparse_indices, cmp_topk_length, "cmp"),
-        ):  # fmt: skip
+        for name in ("ori", "cmp"):
+            kv, idx, topk = (
+                call[f"{name}_kv"],
+                call[f"{name}_sparse_indices"],
+                call[f"{name}_topk_length"],
+            )
+            cu, used = call[f"cu_seqlens_{name}_kv"], call[f"seqused_{name}_kv"]
+            table = call[f"{name}_block_table"]
             if kv is None:
                 continue
             kb, kl = seq_len(b, cu, used, kv, layout_kv)
@@ -539,7 +554,9 @@ def sparse_flash_mla(
                 chosen = []
                 for name, keys, kl, idx, topk in sides:
                     if name == "ori":
-                        vis = _mla_visible_ori(i, ql, kl, ori_mask_mode, ori_win_left, ori_win_right)
+                        vis = _mla_visible_ori(
+                            i, ql, kl, ori_mask_mode, ori_win_left, ori_win_right
+                        )
                     elif cmp_mask_mode == 3:
                         res = int(cmp_residual_kv[b]) if cmp_residual_kv is not None else 0
                         position = i + kl * cmp_ratio + res - ql

@@ -22,6 +22,7 @@ FUNCTIONS = {
     opmesh.sparse_indexer_kl_loss: "sparse_lightning_indexer_grad_kl_loss",
     opmesh.lightning_indexer: "lightning_indexer",
     opmesh.sparse_flash_attention: "sparse_flash_attention",
+    opmesh.sparse_flash_mla: "sparse_flash_mla",
     opmesh.flash_attn: "flash_attn",
     opmesh.flash_attn_metadata: "flash_attn_metadata",
 }

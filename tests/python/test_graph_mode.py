@@ -37,6 +37,12 @@ def samples():
     sel = torch.stack([torch.randperm(50, generator=g)[:6] for _ in range(2 * 40 * 2)])
     sel = sel.view(2, 40, 2, 6).int()
     s_out, s_max, s_sum = opmesh.sparse_flash_attention(q, k, v, sel, 0.25, return_softmax_lse=True)
+    ori, cmp = k[:, :, :1], torch.randn(2, 12, 1, 16, generator=g)
+    mla = dict(
+        ori_kv=ori, cmp_kv=cmp, cmp_ratio=4, cmp_residual_kv=torch.tensor([2, 2]), sinks=sinks,
+        ori_win_left=7, ori_win_right=0, softmax_scale=0.25,
+    )  # fmt: skip
+    m_out, m_lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **mla)
     return {
         "merge_attn_states": ((out, lse, out2, lse2), {}),
         "dense_lightning_indexer_grad_kl_loss": (
@@ -56,6 +62,11 @@ def samples():
         "sparse_flash_attention_backward": (
             (torch.randn_like(s_out), q, k, v, sel, s_out, s_max, s_sum, 0.25),
             dict(sparse_mode=0),
+        ),
+        "sparse_flash_mla": ((q,), dict(mla, return_softmax_lse=True)),
+        "sparse_flash_mla_backward": (
+            (torch.randn_like(m_out), q, m_out, m_lse),
+            dict(mla, dlse=torch.randn_like(m_lse)),
         ),
         "flash_attn": ((q, k, v), dict(sinks=sinks, mask_mode=3, return_softmax_lse=True)),
         "flash_attn_backward": (

@@ -36,6 +36,30 @@ EXPECTED = {
         "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
         "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)"
     ),
+    "sparse_flash_mla": (
+        "(Tensor q, *, Tensor? ori_kv=None, Tensor? cmp_kv=None, Tensor? ori_sparse_indices=None, "
+        "Tensor? cmp_sparse_indices=None, Tensor? ori_block_table=None, "
+        "Tensor? cmp_block_table=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, "
+        "Tensor? cu_seqlens_cmp_kv=None, Tensor? seqused_q=None, Tensor? seqused_ori_kv=None, "
+        "Tensor? seqused_cmp_kv=None, Tensor? cmp_residual_kv=None, Tensor? ori_topk_length=None, "
+        "Tensor? cmp_topk_length=None, Tensor? sinks=None, Tensor? metadata=None, "
+        "float softmax_scale=1., int cmp_ratio=1, int ori_mask_mode=4, int cmp_mask_mode=3, "
+        'int ori_win_left=-1, int ori_win_right=-1, str layout_q="BSND", str layout_kv="BSND", '
+        "int topk_value_mode=1, bool return_softmax_lse=False) -> "
+        "(Tensor attention_out, Tensor softmax_lse)"
+    ),
+    "sparse_flash_mla_backward": (
+        "(Tensor dout, Tensor q, Tensor attention_out, Tensor softmax_lse, *, Tensor? dlse=None, "
+        "Tensor? ori_kv=None, Tensor? cmp_kv=None, Tensor? ori_sparse_indices=None, "
+        "Tensor? cmp_sparse_indices=None, Tensor? ori_block_table=None, "
+        "Tensor? cmp_block_table=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, "
+        "Tensor? cu_seqlens_cmp_kv=None, Tensor? seqused_q=None, Tensor? seqused_ori_kv=None, "
+        "Tensor? seqused_cmp_kv=None, Tensor? cmp_residual_kv=None, Tensor? ori_topk_length=None, "
+        "Tensor? cmp_topk_length=None, Tensor? sinks=None, float softmax_scale=1., "
+        "int cmp_ratio=1, int ori_mask_mode=4, int cmp_mask_mode=3, int ori_win_left=-1, "
+        'int ori_win_right=-1, str layout_q="BSND", str layout_kv="BSND", int topk_value_mode=1) '
+        "-> (Tensor d_q, Tensor d_ori_kv, Tensor d_cmp_kv, Tensor d_sinks)"
+    ),
     "kv_cache_write_": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()"
@@ -65,6 +89,8 @@ def test_every_operator_has_a_schema_read_by_python():
         "lightning_indexer",
         "sparse_flash_attention",
         "sparse_flash_attention_backward",
+        "sparse_flash_mla",
+        "sparse_flash_mla_backward",
         "sparse_lightning_indexer_grad_kl_loss",
     }
     assert _schema.positional("flash_attn") == ("q", "k", "v")
@@ -93,6 +119,7 @@ LEFT_OUT = {"softcap"}
         (opmesh.merge_attn_states, "merge_attn_states"),
         (opmesh.lightning_indexer, "lightning_indexer"),
         (opmesh.sparse_flash_attention, "sparse_flash_attention"),
+        (opmesh.sparse_flash_mla, "sparse_flash_mla"),
         (opmesh.sparse_lightning_indexer_grad_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
         (opmesh.sparse_indexer_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
     ],
@@ -144,6 +171,7 @@ DIRECT = {
     opmesh.sparse_lightning_indexer_grad_kl_loss: ("sparse_lightning_indexer_grad_kl_loss", ()),
     opmesh.lightning_indexer: ("lightning_indexer", ()),
     opmesh.sparse_flash_attention: ("sparse_flash_attention", ()),
+    opmesh.sparse_flash_mla: ("sparse_flash_mla", ()),
     opmesh.flash_attn: ("flash_attn", ("context_parallel",)),
     opmesh.flash_attn_metadata: ("flash_attn_metadata", ()),
     opmesh.merge_attn_states: ("merge_attn_states", ()),

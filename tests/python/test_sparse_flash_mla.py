@@ -381,9 +381,8 @@ def test_compile_fullgraph_forward_and_backward_equal_eager(case, dynamic):
     for seed in (0, 1):
         q, kwargs = make_inputs(case, torch.float32, seed=seed)
         if seed == 1 and case.layout_q == "BSND":
-            q, kwargs = make_inputs(
-                Case(**{**case.__dict__, "q_lens": (9, 9, 9), "ori_lens": (9, 9, 9),
-                        "cmp_lens": (2, 2, 2), "residuals": (1, 1, 1)}), torch.float32, seed=1)  # fmt: skip
+            three = dict(q_lens=(9,) * 3, ori_lens=(9,) * 3, cmp_lens=(2,) * 3, residuals=(1,) * 3)
+            q, kwargs = make_inputs(Case(**{**case.__dict__, **three}), torch.float32, seed=1)
         leaves = [q] + [kwargs[n] for n in ("ori_kv", "cmp_kv") if n in kwargs]
         for t in leaves:
             t.requires_grad_(True)
@@ -469,20 +468,19 @@ def test_repeated_index_and_bad_block_table_are_named():
     idx = kwargs["cmp_sparse_indices"].clone()
     idx[8, 0, :2] = torch.tensor([1, 1])
     kwargs["cmp_topk_length"] = None
+    kwargs["cmp_sparse_indices"] = idx
     assert_raises_named(
-        ValueError, "cmp_sparse_indices", lambda: opmesh.sparse_flash_mla(q, **{**kwargs, "cmp_sparse_indices": idx})
-    )  # fmt: skip
+        ValueError, "cmp_sparse_indices", lambda: opmesh.sparse_flash_mla(q, **kwargs)
+    )
     q, kwargs = make_inputs(CASES[3], torch.float32)
     table = kwargs["ori_block_table"].clone()
     table[0, 0] = 10_000
-    assert_raises_named(
-        ValueError, "ori_block_table", lambda: opmesh.sparse_flash_mla(q, **{**kwargs, "ori_block_table": table})
-    )  # fmt: skip
+    bad = {**kwargs, "ori_block_table": table}
+    assert_raises_named(ValueError, "ori_block_table", lambda: opmesh.sparse_flash_mla(q, **bad))
     used = kwargs["seqused_ori_kv"].clone()
     used[0] = 1000
-    assert_raises_named(
-        ValueError, "seqused_ori_kv", lambda: opmesh.sparse_flash_mla(q, **{**kwargs, "seqused_ori_kv": used})
-    )  # fmt: skip
+    bad = {**kwargs, "seqused_ori_kv": used}
+    assert_raises_named(ValueError, "seqused_ori_kv", lambda: opmesh.sparse_flash_mla(q, **bad))
 
 
 def test_fuzzed_indices_never_crash():
