@@ -41,11 +41,10 @@ MlaHost::Array mla_array(const std::optional<Ints>& ints) {
 
 template <class Call>
 MlaHost sparse_flash_mla_host(const Call& c) {
-  return {mla_array(c.cu_seqlens_q),      mla_array(c.cu_seqlens_ori_kv),
-          mla_array(c.cu_seqlens_cmp_kv), mla_array(c.seqused_q),
-          mla_array(c.seqused_ori_kv),    mla_array(c.seqused_cmp_kv),
-          mla_array(c.cmp_residual_kv),   mla_array(c.ori_block_table),
-          mla_array(c.cmp_block_table)};
+  return {
+      mla_array(c.cu_seqlens_q),    mla_array(c.cu_seqlens_ori_kv), mla_array(c.cu_seqlens_cmp_kv),
+      mla_array(c.seqused_q),       mla_array(c.seqused_ori_kv),    mla_array(c.seqused_cmp_kv),
+      mla_array(c.cmp_residual_kv), mla_array(c.ori_block_table),   mla_array(c.cmp_block_table)};
 }
 
 // A per-sequence array of `batch` entries (cu_seqlens: batch + 1).

@@ -275,22 +275,22 @@ struct Field {
 
 // sparse_flash_mla's key/value tensors, selections, lengths and sinks, which its backward
 // shares (Ascend's order).
-#define OPMESH_MLA_KEYS(ARG, ARG_D)                    \
-  ARG_D(OptTensor, ori_kv, std::nullopt)               \
-  ARG_D(OptTensor, cmp_kv, std::nullopt)               \
-  ARG_D(OptTensor, ori_sparse_indices, std::nullopt)   \
-  ARG_D(OptTensor, cmp_sparse_indices, std::nullopt)   \
-  ARG_D(OptInts, ori_block_table, std::nullopt)        \
-  ARG_D(OptInts, cmp_block_table, std::nullopt)        \
-  ARG_D(OptInts, cu_seqlens_q, std::nullopt)           \
-  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt)      \
-  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt)      \
-  ARG_D(OptInts, seqused_q, std::nullopt)              \
-  ARG_D(OptInts, seqused_ori_kv, std::nullopt)         \
-  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)         \
-  ARG_D(OptInts, cmp_residual_kv, std::nullopt)        \
-  ARG_D(OptTensor, ori_topk_length, std::nullopt)      \
-  ARG_D(OptTensor, cmp_topk_length, std::nullopt)      \
+#define OPMESH_MLA_KEYS(ARG, ARG_D)                  \
+  ARG_D(OptTensor, ori_kv, std::nullopt)             \
+  ARG_D(OptTensor, cmp_kv, std::nullopt)             \
+  ARG_D(OptTensor, ori_sparse_indices, std::nullopt) \
+  ARG_D(OptTensor, cmp_sparse_indices, std::nullopt) \
+  ARG_D(OptInts, ori_block_table, std::nullopt)      \
+  ARG_D(OptInts, cmp_block_table, std::nullopt)      \
+  ARG_D(OptInts, cu_seqlens_q, std::nullopt)         \
+  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt)    \
+  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt)    \
+  ARG_D(OptInts, seqused_q, std::nullopt)            \
+  ARG_D(OptInts, seqused_ori_kv, std::nullopt)       \
+  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)       \
+  ARG_D(OptInts, cmp_residual_kv, std::nullopt)      \
+  ARG_D(OptTensor, ori_topk_length, std::nullopt)    \
+  ARG_D(OptTensor, cmp_topk_length, std::nullopt)    \
   ARG_D(OptTensor, sinks, std::nullopt)
 
 // sparse_flash_mla's options after its metadata.
@@ -393,21 +393,20 @@ struct Field {
 namespace opmesh::ops {
 
 // Every operator: X(call struct, operator name, argument list).
-#define OPMESH_ALL_OPS(X)                                                                 \
-  X(FlashAttnCall, "flash_attn", OPMESH_OP_FLASH_ATTN)                                    \
-  X(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH_ATTN_BACKWARD)          \
-  X(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)          \
-  X(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)                \
-  X(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)                \
-  X(SparseKlLossCall, "sparse_lightning_indexer_grad_kl_loss", OPMESH_OP_SPARSE_KL_LOSS)  \
-  X(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)               \
-  X(SparseFlashAttentionCall, "sparse_flash_attention", OPMESH_OP_SPARSE_FLASH_ATTENTION) \
-  X(SparseFlashAttentionBackwardCall, "sparse_flash_attention_backward",                  \
-    OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)                                            \
-  X(SparseFlashMlaCall, "sparse_flash_mla", OPMESH_OP_SPARSE_FLASH_MLA)                   \
-  X(SparseFlashMlaBackwardCall, "sparse_flash_mla_backward",                              \
-    OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD)                                                  \
-  X(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)                        \
+#define OPMESH_ALL_OPS(X)                                                                         \
+  X(FlashAttnCall, "flash_attn", OPMESH_OP_FLASH_ATTN)                                            \
+  X(FlashAttnBackwardCall, "flash_attn_backward", OPMESH_OP_FLASH_ATTN_BACKWARD)                  \
+  X(FlashAttnMetadataCall, "flash_attn_metadata", OPMESH_OP_FLASH_ATTN_METADATA)                  \
+  X(IndexerCall, "dense_lightning_indexer_softmax_lse", OPMESH_OP_INDEXER)                        \
+  X(KlLossCall, "dense_lightning_indexer_grad_kl_loss", OPMESH_OP_KL_LOSS)                        \
+  X(SparseKlLossCall, "sparse_lightning_indexer_grad_kl_loss", OPMESH_OP_SPARSE_KL_LOSS)          \
+  X(LightningIndexerCall, "lightning_indexer", OPMESH_OP_LIGHTNING_INDEXER)                       \
+  X(SparseFlashAttentionCall, "sparse_flash_attention", OPMESH_OP_SPARSE_FLASH_ATTENTION)         \
+  X(SparseFlashAttentionBackwardCall, "sparse_flash_attention_backward",                          \
+    OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)                                                    \
+  X(SparseFlashMlaCall, "sparse_flash_mla", OPMESH_OP_SPARSE_FLASH_MLA)                           \
+  X(SparseFlashMlaBackwardCall, "sparse_flash_mla_backward", OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD) \
+  X(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)                                \
   X(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
 
 OPMESH_ALL_OPS(OPMESH_DEFINE_CALL)

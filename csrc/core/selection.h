@@ -83,8 +83,8 @@ struct Selection {
   // Entries of row (s, i, n) that count.
   int64_t row_count(const Sequence& s, int64_t i, int64_t n) const {
     if (lengths.data == nullptr) return count;
-    const int64_t at = (tnd ? 0 : s.batch * lengths.sb) + (s.q_begin + i) * lengths.ss +
-                       n * lengths.sn;
+    const int64_t at =
+        (tnd ? 0 : s.batch * lengths.sb) + (s.q_begin + i) * lengths.ss + n * lengths.sn;
     return static_cast<const int32_t*>(lengths.data)[at];
   }
 };

@@ -221,8 +221,8 @@ class SparseFlashMlaFunction : public torch::autograd::Function<SparseFlashMlaFu
     backward.cmp_kv.reset();
     backward.sinks.reset();
     ctx->saved_data["backward"] = pack(backward);
-    ctx->saved_data["present"] = std::vector<bool>{ori_kv.has_value(), cmp_kv.has_value(),
-                                                   sinks.has_value()};
+    ctx->saved_data["present"] =
+        std::vector<bool>{ori_kv.has_value(), cmp_kv.has_value(), sinks.has_value()};
     ctx->saved_data["returns_lse"] = call.return_softmax_lse;
     variable_list saved{q, out, lse};
     for (const auto* t : {&ori_kv, &cmp_kv, &sinks}) saved.push_back(t->value_or(at::Tensor()));
@@ -256,9 +256,9 @@ Outputs2 sparse_flash_mla_autograd(const SparseFlashMlaCall& call) {
   const auto wants_grad = [](const std::optional<at::Tensor>& t) {
     return t.has_value() && t->requires_grad();
   };
-  const bool needs_grad = at::GradMode::is_enabled() &&
-                          (call.q.requires_grad() || wants_grad(call.ori_kv) ||
-                           wants_grad(call.cmp_kv) || wants_grad(call.sinks));
+  const bool needs_grad =
+      at::GradMode::is_enabled() && (call.q.requires_grad() || wants_grad(call.ori_kv) ||
+                                     wants_grad(call.cmp_kv) || wants_grad(call.sinks));
   if (!needs_grad) return tensors_of<2>(call_below_autograd(call));
   const variable_list out =
       SparseFlashMlaFunction::apply(call.q, call.ori_kv, call.cmp_kv, call.sinks, call);

@@ -74,8 +74,11 @@ void check_side(const Side& s, const at::Tensor& q, MlaArgs& a, const c10::SymIn
                         kv.sym_size(0), " differs from q's ", q.sym_size(0));
     }
   } else {
-    for (const auto& [t, name] : {std::pair{s.indices, s.indices_name}, {s.topk_length, s.topk_name},
-                                  {s.table, s.table_name}, {s.cu, s.cu_name}, {s.used, s.used_name}}) {
+    for (const auto& [t, name] : {std::pair{s.indices, s.indices_name},
+                                  {s.topk_length, s.topk_name},
+                                  {s.table, s.table_name},
+                                  {s.cu, s.cu_name},
+                                  {s.used, s.used_name}}) {
       TORCH_CHECK_VALUE(!t->has_value(), name, ": given without ", s.kv_name);
     }
     return;
@@ -96,8 +99,8 @@ void check_side(const Side& s, const at::Tensor& q, MlaArgs& a, const c10::SymIn
                       q.device(), " like q, got ", len.device());
     check_int(len, s.topk_name);
     check_query_leading(len, q, q_rank - 1, s.topk_name, "q's leading dims, key heads");
-    TORCH_CHECK_VALUE(a.no_heads || concrete(len.sym_size(-1)) == a.n2, s.topk_name,
-                      ": expected ", a.n2, " key heads, got shape ", len.sym_sizes());
+    TORCH_CHECK_VALUE(a.no_heads || concrete(len.sym_size(-1)) == a.n2, s.topk_name, ": expected ",
+                      a.n2, " key heads, got shape ", len.sym_sizes());
   }
   if (a.paged) {
     TORCH_CHECK_VALUE(s.table->has_value(), s.table_name, ": required with layout_kv PA_BBND");
@@ -123,7 +126,8 @@ template <class Call>
 MlaArgs check_sparse_flash_mla_args(const Call& c) {
   const at::Tensor& q = c.q;
   MlaArgs a;
-  const core::Layout lq = rethrow([&] { return conventions::attention_layout(c.layout_q, "layout_q"); });
+  const core::Layout lq =
+      rethrow([&] { return conventions::attention_layout(c.layout_q, "layout_q"); });
   const core::Layout lkv =
       rethrow([&] { return conventions::attention_layout(c.layout_kv, "layout_kv"); });
   TORCH_CHECK_VALUE(lq == core::Layout::kBSND || lq == core::Layout::kTND,
@@ -160,30 +164,14 @@ MlaArgs check_sparse_flash_mla_args(const Call& c) {
   const c10::SymInt batch = a.tnd ? c.cu_seqlens_q->sym_size(0) - 1 : q.sym_size(0);
   check_per_sequence(c.seqused_q, "seqused_q", batch);
   check_per_sequence(c.cmp_residual_kv, "cmp_residual_kv", batch);
-  const Side ori{&c.ori_kv,
-                 &c.ori_sparse_indices,
-                 &c.ori_topk_length,
-                 &c.ori_block_table,
-                 &c.cu_seqlens_ori_kv,
-                 &c.seqused_ori_kv,
-                 "ori_kv",
-                 "ori_sparse_indices",
-                 "ori_topk_length",
-                 "ori_block_table",
-                 "cu_seqlens_ori_kv",
-                 "seqused_ori_kv"};
-  const Side cmp{&c.cmp_kv,
-                 &c.cmp_sparse_indices,
-                 &c.cmp_topk_length,
-                 &c.cmp_block_table,
-                 &c.cu_seqlens_cmp_kv,
-                 &c.seqused_cmp_kv,
-                 "cmp_kv",
-                 "cmp_sparse_indices",
-                 "cmp_topk_length",
-                 "cmp_block_table",
-                 "cu_seqlens_cmp_kv",
-                 "seqused_cmp_kv"};
+  const Side ori{&c.ori_kv,          &c.ori_sparse_indices, &c.ori_topk_length,
+                 &c.ori_block_table, &c.cu_seqlens_ori_kv,  &c.seqused_ori_kv,
+                 "ori_kv",           "ori_sparse_indices",  "ori_topk_length",
+                 "ori_block_table",  "cu_seqlens_ori_kv",   "seqused_ori_kv"};
+  const Side cmp{&c.cmp_kv,          &c.cmp_sparse_indices, &c.cmp_topk_length,
+                 &c.cmp_block_table, &c.cu_seqlens_cmp_kv,  &c.seqused_cmp_kv,
+                 "cmp_kv",           "cmp_sparse_indices",  "cmp_topk_length",
+                 "cmp_block_table",  "cu_seqlens_cmp_kv",   "seqused_cmp_kv"};
   check_side(ori, q, a, batch);
   check_side(cmp, q, a, batch);
   if (c.sinks) {

@@ -17,8 +17,8 @@ namespace {
 template <class Call>
 Call prepared(const Call& c) {
   Call p = c;
-  for (std::optional<at::Tensor>* t : {&p.ori_sparse_indices, &p.cmp_sparse_indices,
-                                       &p.ori_topk_length, &p.cmp_topk_length}) {
+  for (std::optional<at::Tensor>* t :
+       {&p.ori_sparse_indices, &p.cmp_sparse_indices, &p.ori_topk_length, &p.cmp_topk_length}) {
     if (t->has_value() && (*t)->scalar_type() != at::kInt) *t = (*t)->to(at::kInt);
   }
   if (p.sinks) p.sinks = p.sinks->to(at::kFloat).contiguous();
@@ -27,10 +27,8 @@ Call prepared(const Call& c) {
 
 // The core's params of a checked call; with no query heads, the lengths and tables alone.
 template <class Call>
-core::SparseFlashMlaParams params_of(const Call& c, const common::MlaHost& host,
-                                     const MlaArgs& a) {
-  core::SparseFlashMlaParams p =
-      rethrow([&] { return common::sparse_flash_mla_params(c, host); });
+core::SparseFlashMlaParams params_of(const Call& c, const common::MlaHost& host, const MlaArgs& a) {
+  core::SparseFlashMlaParams p = rethrow([&] { return common::sparse_flash_mla_params(c, host); });
   common::point_sparse_flash_mla(p, c);
   if (a.no_heads) {
     p.heads_q = p.heads_kv = 1;
@@ -60,7 +58,8 @@ Outputs4 sparse_flash_mla_backward_cpu(const SparseFlashMlaBackwardCall& call) {
   const MlaArgs a = check_sparse_flash_mla_args(call);
   TORCH_CHECK_VALUE(!a.paged, "layout_kv: PA_BBND (paged keys) has no backward");
   const at::Tensor lse_like = std::get<1>(sparse_flash_mla_outputs(call.q, a, true));
-  for (const auto& [t, name] : {std::pair{&call.dout, "dout"}, {&call.attention_out, "attention_out"}}) {
+  for (const auto& [t, name] :
+       {std::pair{&call.dout, "dout"}, {&call.attention_out, "attention_out"}}) {
     TORCH_CHECK_VALUE(t->sizes() == call.q.sizes(), name, ": expected shape ", call.q.sizes(),
                       " like q, got ", t->sizes());
   }

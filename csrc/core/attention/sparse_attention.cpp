@@ -60,8 +60,12 @@ void validate(const SparseAttentionParams& p) {
   if (p.value_dim < 1 || p.value_dim > attention::kMaxHeadDim) {
     throw ArgumentError("value", "head dim must be in [1, " + str(attention::kMaxHeadDim) + "]");
   }
-  const Selection selection{p.indices, p.index_heads, p.sparse_count, p.sparse_block_size,
-                            p.layout_query == Layout::kTND};
+  Selection selection;
+  selection.indices = p.indices;
+  selection.heads = p.index_heads;
+  selection.count = p.sparse_count;
+  selection.block_size = p.sparse_block_size;
+  selection.tnd = p.layout_query == Layout::kTND;
   validate(selection, sparse_attention_sequences(p));
 }
 
@@ -183,8 +187,7 @@ class Forward {
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
       sparse::copy_bf16(src.key.data, keys[c].key, src.key.sd, p_.head_dim, dst);
       if (p_.rope_dim > 0) {
-        sparse::copy_bf16(src.rope.data, keys[c].rope, src.rope.sd, p_.rope_dim,
-                          dst + p_.head_dim);
+        sparse::copy_bf16(src.rope.data, keys[c].rope, src.rope.sd, p_.rope_dim, dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(words);
     }

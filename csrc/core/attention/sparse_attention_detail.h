@@ -115,8 +115,8 @@ int64_t key_row_offset(const V& st, Layout layout, const Sequence& s, int64_t j,
 // Appends to out the entries of one selection row (`count` int32 entries from `base`, `stride`
 // apart), each index v >= 0 naming keys [v * bs, (v + 1) * bs) kept within [vis.begin, vis.end).
 template <class Add>
-void each_selected(const int32_t* indices, int64_t base, int64_t stride, int64_t count,
-                   int64_t bs, const KeyRange& vis, Add add) {
+void each_selected(const int32_t* indices, int64_t base, int64_t stride, int64_t count, int64_t bs,
+                   const KeyRange& vis, Add add) {
   for (int64_t e = 0; e < count; ++e) {
     const int64_t v = indices[base + e * stride];
     if (v < 0) continue;
@@ -177,8 +177,7 @@ class IndexedKeys final : public KeySelector {
 
  private:
   int64_t offset(const View& st, const Sequence& s, int64_t j, int64_t g) const {
-    return key_row_offset(st, p_.layout_kv, s, j, g, p_.block_table, p_.max_blocks,
-                          p_.block_size);
+    return key_row_offset(st, p_.layout_kv, s, j, g, p_.block_table, p_.max_blocks, p_.block_size);
   }
 
   const SparseAttentionParams& p_;

@@ -28,12 +28,18 @@ struct Names {
 };
 
 constexpr Names kQueryNames{"q", "cu_seqlens_q", "seqused_q", "", "", "", "", "", ""};
-constexpr Names kOriNames{"ori_kv",        "cu_seqlens_ori_kv",  "seqused_ori_kv",
+constexpr Names kOriNames{"ori_kv",          "cu_seqlens_ori_kv",  "seqused_ori_kv",
                           "ori_block_table", "ori_sparse_indices", "ori_topk_length",
-                          "ori_mask_mode",  "ori_win_left",       "ori_win_right"};
-constexpr Names kCmpNames{"cmp_kv",          "cu_seqlens_cmp_kv",  "seqused_cmp_kv",
-                          "cmp_block_table", "cmp_sparse_indices", "cmp_topk_length",
-                          "cmp_mask_mode",   "",                   ""};
+                          "ori_mask_mode",   "ori_win_left",       "ori_win_right"};
+constexpr Names kCmpNames{"cmp_kv",
+                          "cu_seqlens_cmp_kv",
+                          "seqused_cmp_kv",
+                          "cmp_block_table",
+                          "cmp_sparse_indices",
+                          "cmp_topk_length",
+                          "cmp_mask_mode",
+                          "",
+                          ""};
 
 // One side's token ranges per sequence, from its layout, token count and length arrays.
 struct Span {
@@ -81,9 +87,9 @@ void check_paged(const Names& n, const MlaKeys& k, const std::vector<Span>& span
   for (size_t b = 0; b < spans.size(); ++b) {
     const int64_t blocks = (spans[b].len + k.block_size - 1) / k.block_size;
     if (blocks > k.max_blocks) {
-      throw ArgumentError(n.used, "entry " + str(b) + " is " + str(spans[b].len) +
-                                      ", more than " + n.table + " holds (" + str(k.max_blocks) +
-                                      " blocks of " + str(k.block_size) + ")");
+      throw ArgumentError(n.used, "entry " + str(b) + " is " + str(spans[b].len) + ", more than " +
+                                      n.table + " holds (" + str(k.max_blocks) + " blocks of " +
+                                      str(k.block_size) + ")");
     }
     for (int64_t i = 0; i < blocks; ++i) {
       const int64_t block = k.block_table[b * k.max_blocks + i];
@@ -103,7 +109,8 @@ void check_mask(const Names& n, const MlaKeys& k, bool windows) {
                                          (windows ? " or 4 (window)" : "") + ", got " + str(mode));
   }
   if (!windows) return;
-  for (const auto& [value, name] : {std::pair{k.win_left, n.win_left}, {k.win_right, n.win_right}}) {
+  for (const auto& [value, name] :
+       {std::pair{k.win_left, n.win_left}, {k.win_right, n.win_right}}) {
     if (value < -1 || value >= kMaxTokens) {
       throw ArgumentError(name, "must be -1 (unbounded) or a count >= 0, got " + str(value));
     }
@@ -133,8 +140,8 @@ Selection selection_of(const Names& n, const MlaKeys& k, const SparseFlashMlaPar
 
 void check_options(const SparseFlashMlaParams& p) {
   if (p.layout_q != Layout::kBSND && p.layout_q != Layout::kTND) {
-    throw ArgumentError("layout_q", std::string("must be BSND or TND, got ") +
-                                        layout_name(p.layout_q));
+    throw ArgumentError("layout_q",
+                        std::string("must be BSND or TND, got ") + layout_name(p.layout_q));
   }
   if (p.layout_kv != p.layout_q && p.layout_kv != Layout::kPagedBBND) {
     throw ArgumentError("layout_kv", std::string("must equal layout_q (") +
@@ -146,16 +153,16 @@ void check_options(const SparseFlashMlaParams& p) {
   }
   const char* kv = p.ori.present ? "ori_kv" : "cmp_kv";
   if (p.heads_q < 1 || p.heads_q > kMaxHeads) {
-    throw ArgumentError("q", "head count must be in [1, " + str(kMaxHeads) + "], got " +
-                                 str(p.heads_q));
+    throw ArgumentError("q",
+                        "head count must be in [1, " + str(kMaxHeads) + "], got " + str(p.heads_q));
   }
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0) {
-    throw ArgumentError(kv, "head count must divide q's " + str(p.heads_q) + ", got " +
-                                str(p.heads_kv));
+    throw ArgumentError(
+        kv, "head count must divide q's " + str(p.heads_q) + ", got " + str(p.heads_kv));
   }
   if (p.head_dim < 1 || p.head_dim > kMaxHeadDim) {
-    throw ArgumentError("q", "head dim must be in [1, " + str(kMaxHeadDim) + "], got " +
-                                 str(p.head_dim));
+    throw ArgumentError(
+        "q", "head dim must be in [1, " + str(kMaxHeadDim) + "], got " + str(p.head_dim));
   }
   if (p.batch < 0 || p.batch > kMaxBatch) throw ArgumentError("q", "batch out of range");
   check_mask(kOriNames, p.ori, true);
@@ -256,9 +263,8 @@ class MlaKeySelector final : public sparse::KeySelector {
       const KeyRange vis = visible_keys(masks_[k], ks, i);
       if (vis.end <= vis.begin) continue;
       auto add = [&](int64_t j) {
-        const int64_t at = sparse::key_row_offset(side.kv, p_.layout_kv, ks, j, g,
-                                                  side.block_table, side.max_blocks,
-                                                  side.block_size);
+        const int64_t at = sparse::key_row_offset(side.kv, p_.layout_kv, ks, j, g, side.block_table,
+                                                  side.max_blocks, side.block_size);
         out.push_back({k, static_cast<int32_t>(j), at, 0, at});
       };
       if (side.indices.data == nullptr) {
@@ -266,8 +272,8 @@ class MlaKeySelector final : public sparse::KeySelector {
         continue;
       }
       const View& st = side.indices;
-      const int64_t base = (p_.layout_q == Layout::kTND ? 0 : s.batch * st.sb) +
-                           (s.q_begin + i) * st.ss + g * st.sn;
+      const int64_t base =
+          (p_.layout_q == Layout::kTND ? 0 : s.batch * st.sb) + (s.q_begin + i) * st.ss + g * st.sn;
       sparse::each_selected(static_cast<const int32_t*>(st.data), base, st.sd,
                             selections_[k].row_count(s, i, g), 1, vis, add);
     }

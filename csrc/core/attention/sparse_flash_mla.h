@@ -20,7 +20,7 @@ namespace opmesh::core {
 // One of the two key/value tensors and how a query row selects its keys.
 struct MlaKeys {
   bool present = false;
-  View kv;  // [B, S, N2, D] / [T, N2, D] / paged [blocks, block_size, N2, D]
+  View kv;          // [B, S, N2, D] / [T, N2, D] / paged [blocks, block_size, N2, D]
   int64_t seq = 0;  // BSND: S; TND: T; paged: unused
   // Lengths (host copies): TND cumulative cu_seqlens [B + 1] (from 0, last == T), required;
   // seqused [B] (nullptr: the layout's lengths), required for paged keys.
@@ -45,13 +45,13 @@ struct MlaKeys {
 };
 
 struct SparseFlashMlaParams {
-  Layout layout_q = Layout::kBSND;   // BSND or TND
-  Layout layout_kv = Layout::kBSND;  // layout_q's, or kPagedBBND
-  int64_t batch = 0;                 // B
-  int64_t seq_q = 0;                 // BSND: S1; TND: T1
-  int64_t heads_q = 0;               // N1, a multiple of N2
-  int64_t heads_kv = 0;              // N2
-  int64_t head_dim = 0;              // D of q and both key tensors
+  Layout layout_q = Layout::kBSND;        // BSND or TND
+  Layout layout_kv = Layout::kBSND;       // layout_q's, or kPagedBBND
+  int64_t batch = 0;                      // B
+  int64_t seq_q = 0;                      // BSND: S1; TND: T1
+  int64_t heads_q = 0;                    // N1, a multiple of N2
+  int64_t heads_kv = 0;                   // N2
+  int64_t head_dim = 0;                   // D of q and both key tensors
   const int64_t* cu_seqlens_q = nullptr;  // TND [B + 1], required
   const int64_t* seqused_q = nullptr;     // [B] or nullptr
 
@@ -68,7 +68,7 @@ struct SparseFlashMlaParams {
   View q;
   const float* sinks = nullptr;  // [N1] or nullptr
 
-  MutableView out;             // q's shape and layout
+  MutableView out;               // q's shape and layout
   float* softmax_lse = nullptr;  // [B, N2, S1, G] / [N2, T1, G] float32 contiguous, or nullptr
 };
 

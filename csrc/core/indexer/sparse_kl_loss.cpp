@@ -640,7 +640,11 @@ void validate(const SparseKlLossParams& p) {
   if (sequence_work(seqs).queries && p.sparse_count > 0 && p.indices.data == nullptr) {
     throw ArgumentError("sparse_indices", "is null");
   }
-  const Selection selection{p.indices, p.index_heads, p.sparse_count, 1, d.layout == Layout::kTND};
+  Selection selection;
+  selection.indices = p.indices;
+  selection.heads = p.index_heads;
+  selection.count = p.sparse_count;
+  selection.tnd = d.layout == Layout::kTND;
   validate(selection, seqs);
 }
 
