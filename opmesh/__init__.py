@@ -69,6 +69,7 @@ from .ops import (  # noqa: E402
     merge_attn_states,
     sparse_flash_attention,
     sparse_flash_mla,
+    sparse_flash_mla_metadata,
     sparse_indexer_kl_loss,
     sparse_lightning_indexer_grad_kl_loss,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "lightning_indexer",
     "sparse_flash_attention",
     "sparse_flash_mla",
+    "sparse_flash_mla_metadata",
     "sparse_lightning_indexer_grad_kl_loss",
     "sparse_indexer_kl_loss",
     "flash_attn",

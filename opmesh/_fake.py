@@ -57,3 +57,15 @@ def _flash_attn_metadata_fake(*args, **kwargs):
     except Exception:  # noqa: BLE001  (no shape environment: fake tensors outside a trace)
         words = _C._metadata_words(max(1, torch.get_num_threads()))
     return torch.empty(words, dtype=torch.int32, device="cpu")
+
+
+@torch.library.register_fake("opmesh::sparse_flash_mla_metadata")
+def _sparse_flash_mla_metadata_fake(*args, **kwargs):
+    num_workers = kwargs.get("num_workers")
+    if num_workers is not None:
+        return torch.empty(_C._mla_metadata_words(num_workers), dtype=torch.int32, device="cpu")
+    try:
+        words = torch.library.get_ctx().new_dynamic_size(min=_C._mla_metadata_words(1))
+    except Exception:  # noqa: BLE001  (no shape environment: fake tensors outside a trace)
+        words = _C._mla_metadata_words(max(1, torch.get_num_threads()))
+    return torch.empty(words, dtype=torch.int32, device="cpu")

@@ -644,6 +644,64 @@ _MLA_LENGTHS = (
 _MLA_TABLES = ("ori_block_table", "cmp_block_table")
 
 
+def sparse_flash_mla_metadata(
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim: int,
+    *,
+    cu_seqlens_q: LengthsLike = None,
+    cu_seqlens_ori_kv: LengthsLike = None,
+    cu_seqlens_cmp_kv: LengthsLike = None,
+    seqused_q: LengthsLike = None,
+    seqused_ori_kv: LengthsLike = None,
+    seqused_cmp_kv: LengthsLike = None,
+    cmp_residual_kv: LengthsLike = None,
+    ori_topk_length: torch.Tensor | None = None,
+    cmp_topk_length: torch.Tensor | None = None,
+    batch_size: int = 0,
+    max_seqlen_q: int = 0,
+    max_seqlen_ori_kv: int = 0,
+    max_seqlen_cmp_kv: int = 0,
+    ori_topk: int = 0,
+    cmp_topk: int = 0,
+    cmp_ratio: int = 1,
+    ori_mask_mode: int = 0,
+    cmp_mask_mode: int = 0,
+    ori_win_left: int = -1,
+    ori_win_right: int = -1,
+    layout_q: str = "BSND",
+    layout_kv: str = "BSND",
+    has_ori_kv: bool = True,
+    has_cmp_kv: bool = True,
+    num_workers: int | None = None,
+) -> torch.Tensor:
+    r"""Plans a :func:`sparse_flash_mla` call: returns the int32 CPU metadata tensor that cuts
+    the batch's work into one contiguous stretch per logical worker, and records every argument
+    and length array the call must match (a mismatched call raises ``ValueError`` naming
+    ``metadata``). The work is a sequence of units, one per query row and key head, each
+    predicted to cost the keys it reads in both key tensors plus a fixed overhead; a stretch may
+    end inside a unit, whose pieces then merge by their log-sum-exp.
+
+    The arguments are the call's, described without tensors: ``batch_size`` (BSND; TND takes
+    it from ``cu_seqlens_q``), ``max_seqlen_*`` (BSND: the tensors' sequence dims; TND and paged
+    keys: the longest length), ``ori_topk`` / ``cmp_topk`` (the selections' ``K``, 0 without
+    one), ``has_ori_kv`` / ``has_cmp_kv``. The mask defaults (0, 0) are Ascend's, not
+    :func:`sparse_flash_mla`'s (4, 3): pass them explicitly. ``num_workers`` defaults to
+    ``torch.get_num_threads()``; the tensor holds ``53 + 5 * num_workers`` words.
+    :func:`describe_metadata` summarises it.
+    """
+    call = dict(locals())
+    check_scalar_types("sparse_flash_mla_metadata", call)
+    for name in _MLA_LENGTHS:
+        call[name] = _as_lengths(call[name], name)
+    return _OVERLOADS["sparse_flash_mla_metadata"](
+        num_heads_q,
+        num_heads_kv,
+        head_dim,
+        **{n: v for n, v in call.items() if n not in ("num_heads_q", "num_heads_kv", "head_dim")},
+    )
+
+
 def sparse_flash_mla(
     q: torch.Tensor,
     *,
@@ -977,7 +1035,15 @@ def describe_metadata(metadata: torch.Tensor) -> dict:
         raise TypeError("metadata: expected the int32 tensor flash_attn_metadata returns")
     if metadata.dim() != 1:
         raise ValueError(f"metadata: expected a 1-D tensor, got shape {tuple(metadata.shape)}")
+    if metadata.numel() and int(metadata[0]) == _MLA_PLAN_MAGIC:
+        return _C._describe_mla_metadata(plan_bytes(metadata))
     return _C._describe_metadata(plan_bytes(metadata))
+
+
+# The first word of a sparse_flash_mla_metadata plan ("OMLM"); such a plan's summary has
+# num_workers, rows, makespan, lower_bound, total_cost (the predicted work, in key-dim products)
+# and each worker's ((begin unit, begin key), (end unit, end key), cost).
+_MLA_PLAN_MAGIC = 0x4D4C4D4F
 
 
 def plan_bytes(metadata: torch.Tensor) -> bytes:

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/mla_plan.h"
 #include "attention/sparse_flash_mla.h"
 #include "conventions.h"
 #include "errors.h"
@@ -133,6 +134,90 @@ void point_sparse_flash_mla(core::SparseFlashMlaParams& p, const Call& c) {
   selection(p.ori, c.ori_sparse_indices, c.ori_topk_length);
   selection(p.cmp, c.cmp_sparse_indices, c.cmp_topk_length);
   p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
+}
+
+// A selection's topk lengths as host values, row by row ([rows][N2]; empty without them).
+inline std::vector<int64_t> topk_length_values(const core::SparseFlashMlaParams& p,
+                                               const core::MlaKeys& k) {
+  std::vector<int64_t> out;
+  if (k.topk_length.data == nullptr) return out;
+  const bool tnd = p.layout_q == core::Layout::kTND;
+  const int64_t outer = tnd ? 1 : p.batch;
+  const int32_t* v = static_cast<const int32_t*>(k.topk_length.data);
+  const core::View& st = k.topk_length;
+  for (int64_t b = 0; b < outer; ++b) {
+    for (int64_t s = 0; s < p.seq_q; ++s) {
+      for (int64_t g = 0; g < p.heads_kv; ++g) out.push_back(v[b * st.sb + s * st.ss + g * st.sn]);
+    }
+  }
+  return out;
+}
+
+// The call's plan: the metadata's words checked against the call (ArgumentError("metadata")
+// naming what differs) and its workers' stretches as token tasks.
+inline core::sparse::TokenSchedule planned_schedule(const core::SparseFlashMlaParams& p,
+                                                    const std::vector<int64_t>& metadata) {
+  namespace plan = core::mla_plan;
+  core::validate(p);
+  const std::vector<int32_t> words(metadata.begin(), metadata.end());
+  const plan::Plan planned = plan::read(words.data(), static_cast<int64_t>(words.size()));
+  const core::MlaSequences seqs = core::sparse_flash_mla_sequences(p);
+  plan::Arrays arrays = plan::arrays_of(p);
+  const std::vector<int64_t> ori = topk_length_values(p, p.ori), cmp = topk_length_values(p, p.cmp);
+  for (const auto& [values, k] :
+       {std::pair{&ori, plan::kOriTopkLength}, {&cmp, plan::kCmpTopkLength}}) {
+    if (!values->empty()) {
+      arrays.data[k] = values->data();
+      arrays.count[k] = static_cast<int64_t>(values->size());
+    }
+  }
+  int64_t rows = 0;
+  for (const core::Sequence& s : seqs.ori) rows += s.q_len;
+  plan::verify(planned, plan::config_of(p, seqs), arrays, rows);
+  return plan::schedule(planned, seqs.ori);
+}
+
+// sparse_flash_mla_metadata's plan from its call.
+template <class Call>
+core::mla_plan::Plan sparse_flash_mla_metadata_plan(const Call& c, int64_t workers) {
+  namespace plan = core::mla_plan;
+  plan::Config cfg;
+  c.copy_scalars_to(cfg);  // heads, sizes, top-k, ratio, masks, windows, presence
+  cfg.layout_q = conventions::attention_layout(c.layout_q, "layout_q");
+  cfg.layout_kv = conventions::attention_layout(c.layout_kv, "layout_kv");
+  cfg.num_workers = workers;
+  const std::vector<int64_t> values[plan::kArrays] = {
+      host_values(c.cu_seqlens_q),      host_values(c.cu_seqlens_ori_kv),
+      host_values(c.cu_seqlens_cmp_kv), host_values(c.seqused_q),
+      host_values(c.seqused_ori_kv),    host_values(c.seqused_cmp_kv),
+      host_values(c.cmp_residual_kv),   host_values(c.ori_topk_length),
+      host_values(c.cmp_topk_length)};
+  const bool given[plan::kArrays] = {
+      c.cu_seqlens_q.has_value(),      c.cu_seqlens_ori_kv.has_value(),
+      c.cu_seqlens_cmp_kv.has_value(), c.seqused_q.has_value(),
+      c.seqused_ori_kv.has_value(),    c.seqused_cmp_kv.has_value(),
+      c.cmp_residual_kv.has_value(),   c.ori_topk_length.has_value(),
+      c.cmp_topk_length.has_value()};
+  if (cfg.layout_q == core::Layout::kTND) {
+    if (!given[plan::kCuQ] || values[plan::kCuQ].empty()) {
+      throw core::ArgumentError("cu_seqlens_q", "is required for layout_q TND");
+    }
+    const int64_t batch = static_cast<int64_t>(values[plan::kCuQ].size()) - 1;
+    if (cfg.batch_size != 0 && cfg.batch_size != batch) {
+      throw core::ArgumentError("batch_size", "is " + std::to_string(cfg.batch_size) +
+                                                  ", but cu_seqlens_q holds " +
+                                                  std::to_string(batch) + " sequences");
+    }
+    cfg.batch_size = batch;
+  }
+  plan::Arrays arrays;
+  static const int64_t kNone = 0;
+  for (int k = 0; k < plan::kArrays; ++k) {
+    if (!given[k]) continue;
+    arrays.data[k] = values[k].empty() ? &kNone : values[k].data();
+    arrays.count[k] = static_cast<int64_t>(values[k].size());
+  }
+  return plan::make_plan(cfg, arrays);
 }
 
 }  // namespace opmesh::common

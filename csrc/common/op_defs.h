@@ -330,6 +330,41 @@ struct Field {
 #define OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD_RETURNS \
   "(Tensor d_q, Tensor d_ori_kv, Tensor d_cmp_kv, Tensor d_sinks)"
 
+// sparse_flash_mla_metadata(num_heads_q, num_heads_kv, head_dim, *, ...) -> metadata: the plan
+// of a sparse_flash_mla call over num_workers logical workers (Ascend's arguments, whose mask
+// defaults differ from sparse_flash_mla's).
+#define OPMESH_OP_SPARSE_FLASH_MLA_METADATA(ARG, ARG_D, KWONLY) \
+  ARG(Int, num_heads_q)                                         \
+  ARG(Int, num_heads_kv)                                        \
+  ARG(Int, head_dim)                                            \
+  KWONLY                                                        \
+  ARG_D(OptInts, cu_seqlens_q, std::nullopt)                    \
+  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt)               \
+  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt)               \
+  ARG_D(OptInts, seqused_q, std::nullopt)                       \
+  ARG_D(OptInts, seqused_ori_kv, std::nullopt)                  \
+  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)                  \
+  ARG_D(OptInts, cmp_residual_kv, std::nullopt)                 \
+  ARG_D(OptInts, ori_topk_length, std::nullopt)                 \
+  ARG_D(OptInts, cmp_topk_length, std::nullopt)                 \
+  ARG_D(Int, batch_size, 0)                                     \
+  ARG_D(Int, max_seqlen_q, 0)                                   \
+  ARG_D(Int, max_seqlen_ori_kv, 0)                              \
+  ARG_D(Int, max_seqlen_cmp_kv, 0)                              \
+  ARG_D(Int, ori_topk, 0)                                       \
+  ARG_D(Int, cmp_topk, 0)                                       \
+  ARG_D(Int, cmp_ratio, 1)                                      \
+  ARG_D(Int, ori_mask_mode, 0)                                  \
+  ARG_D(Int, cmp_mask_mode, 0)                                  \
+  ARG_D(Int, ori_win_left, -1)                                  \
+  ARG_D(Int, ori_win_right, -1)                                 \
+  ARG_D(Str, layout_q, "BSND")                                  \
+  ARG_D(Str, layout_kv, "BSND")                                 \
+  ARG_D(Bool, has_ori_kv, true)                                 \
+  ARG_D(Bool, has_cmp_kv, true)                                 \
+  ARG_D(OptInt, num_workers, std::nullopt)
+#define OPMESH_OP_SPARSE_FLASH_MLA_METADATA_RETURNS "Tensor"
+
 // kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping) -> ()
 #define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
   ARG(Tensor, key)                                   \
@@ -406,6 +441,7 @@ namespace opmesh::ops {
     OPMESH_OP_SPARSE_FLASH_ATTENTION_BACKWARD)                                                    \
   X(SparseFlashMlaCall, "sparse_flash_mla", OPMESH_OP_SPARSE_FLASH_MLA)                           \
   X(SparseFlashMlaBackwardCall, "sparse_flash_mla_backward", OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD) \
+  X(SparseFlashMlaMetadataCall, "sparse_flash_mla_metadata", OPMESH_OP_SPARSE_FLASH_MLA_METADATA) \
   X(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)                                \
   X(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
 

@@ -7,6 +7,7 @@
 
 #include "attention/cost_model.h"
 #include "attention/metadata.h"
+#include "attention/mla_plan.h"
 #include "cpu_features.h"
 #include "errors.h"
 #include "kernel_choice.h"
@@ -303,7 +304,67 @@ PyObject* metadata_words(PyObject*, PyObject* arg) {
   return PyLong_FromLongLong(attn::metadata::size_words(workers));
 }
 
+PyObject* mla_metadata_words(PyObject*, PyObject* arg) {
+  const long long workers = PyLong_AsLongLong(arg);
+  if (workers == -1 && PyErr_Occurred()) return nullptr;
+  if (workers < 1 || workers > (1 << 16)) {
+    PyErr_Format(PyExc_ValueError, "num_workers: must be in [1, 65536], got %lld", workers);
+    return nullptr;
+  }
+  return PyLong_FromLongLong(opmesh::core::mla_plan::size_words(workers));
+}
+
+PyObject* describe_mla_metadata(PyObject*, PyObject* args) {
+  Py_buffer buffer;
+  if (!PyArg_ParseTuple(args, "y*", &buffer)) return nullptr;
+  opmesh::core::mla_plan::Plan plan;
+  try {
+    plan = opmesh::core::mla_plan::read(static_cast<const int32_t*>(buffer.buf),
+                                        static_cast<int64_t>(buffer.len / sizeof(int32_t)));
+  } catch (const opmesh::core::ArgumentError& e) {
+    PyBuffer_Release(&buffer);
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  PyBuffer_Release(&buffer);
+  PyObject* workers = PyList_New(0);
+  if (workers == nullptr) return nullptr;
+  for (const auto& st : plan.workers) {
+    PyObject* item =
+        Py_BuildValue("((LL)(LL)d)", static_cast<long long>(st.begin.unit),
+                      static_cast<long long>(st.begin.key), static_cast<long long>(st.end.unit),
+                      static_cast<long long>(st.end.key), static_cast<double>(st.cost));
+    if (item == nullptr || PyList_Append(workers, item) != 0) {
+      Py_XDECREF(item);
+      Py_DECREF(workers);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  PyObject* dict = PyDict_New();
+  if (dict == nullptr) {
+    Py_DECREF(workers);
+    return nullptr;
+  }
+  const bool ok = set_item(dict, "operator", PyUnicode_FromString("sparse_flash_mla")) &&
+                  set_item(dict, "num_workers", PyLong_FromSsize_t(plan.workers.size())) &&
+                  set_item(dict, "rows", PyLong_FromLongLong(plan.rows)) &&
+                  set_item(dict, "makespan", PyFloat_FromDouble(plan.makespan)) &&
+                  set_item(dict, "lower_bound", PyFloat_FromDouble(plan.lower_bound)) &&
+                  set_item(dict, "total_cost", PyFloat_FromDouble(plan.total_cost)) &&
+                  set_item(dict, "workers", workers);
+  if (!ok) {
+    Py_DECREF(dict);
+    return nullptr;
+  }
+  return dict;
+}
+
 PyMethodDef methods[] = {
+    {"_mla_metadata_words", mla_metadata_words, METH_O,
+     "Length of a sparse_flash_mla_metadata tensor planned for num_workers."},
+    {"_describe_mla_metadata", describe_mla_metadata, METH_VARARGS,
+     "Decodes the words of a sparse_flash_mla_metadata tensor into a dict."},
     {"_metadata_words", metadata_words, METH_O,
      "Length of a flash_attn_metadata tensor planned for num_workers."},
     {"_describe_metadata", describe_metadata, METH_VARARGS,

@@ -1,6 +1,7 @@
 // CPU kernels of sparse_flash_mla and its backward: checks, the core's params, the core on
 // PyTorch's thread pool.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "aten_executor.h"
@@ -48,9 +49,21 @@ Outputs2 sparse_flash_mla_cpu(const SparseFlashMlaCall& call) {
   if (c.return_softmax_lse) p.softmax_lse = lse.data_ptr<float>();
   rethrow([&] {
     if (a.no_heads) return core::validate(p);
-    cpu_kernels().sparse_flash_mla(p, AtenExecutor());
+    if (!c.metadata.has_value()) return cpu_kernels().sparse_flash_mla(p, AtenExecutor(), nullptr);
+    const core::sparse::TokenSchedule planned =
+        common::planned_schedule(p, common::host_values(c.metadata));
+    cpu_kernels().sparse_flash_mla(p, AtenExecutor(), &planned);
   });
   return {out, lse};
+}
+
+at::Tensor sparse_flash_mla_metadata_cpu(const SparseFlashMlaMetadataCall& call) {
+  const int64_t workers = call.num_workers.value_or(std::max(1, at::get_num_threads()));
+  const core::mla_plan::Plan plan =
+      rethrow([&] { return common::sparse_flash_mla_metadata_plan(call, workers); });
+  at::Tensor out = at::empty({core::mla_plan::size_words(workers)}, at::kInt);
+  core::mla_plan::write(plan, out.data_ptr<int32_t>());
+  return out;
 }
 
 Outputs4 sparse_flash_mla_backward_cpu(const SparseFlashMlaBackwardCall& call) {
@@ -111,6 +124,11 @@ Outputs4 sparse_flash_mla_backward_cpu(const SparseFlashMlaBackwardCall& call) {
 TORCH_LIBRARY_IMPL(opmesh, CPU, m) {
   impl<SparseFlashMlaCall, sparse_flash_mla_cpu>(m);
   impl<SparseFlashMlaBackwardCall, sparse_flash_mla_backward_cpu>(m);
+}
+
+// Called with no tensor at all, the plan has no backend to follow: it is a host-side plan.
+TORCH_LIBRARY_IMPL(opmesh, CompositeExplicitAutograd, m) {
+  impl<SparseFlashMlaMetadataCall, sparse_flash_mla_metadata_cpu>(m);
 }
 
 }  // namespace opmesh::binding

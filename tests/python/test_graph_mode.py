@@ -64,6 +64,22 @@ def samples():
             dict(sparse_mode=0),
         ),
         "sparse_flash_mla": ((q,), dict(mla, return_softmax_lse=True)),
+        "sparse_flash_mla_metadata": (
+            (8, 1, 16),
+            dict(
+                batch_size=2,
+                max_seqlen_q=40,
+                max_seqlen_ori_kv=50,
+                max_seqlen_cmp_kv=12,
+                cmp_ratio=4,
+                cmp_residual_kv=torch.tensor([2, 2]),
+                ori_mask_mode=4,
+                cmp_mask_mode=3,
+                ori_win_left=7,
+                ori_win_right=0,
+                num_workers=3,
+            ),
+        ),  # fmt: skip
         "sparse_flash_mla_backward": (
             (torch.randn_like(m_out), q, m_out, m_lse),
             dict(mla, dlse=torch.randn_like(m_lse)),

@@ -60,6 +60,16 @@ EXPECTED = {
         'int ori_win_right=-1, str layout_q="BSND", str layout_kv="BSND", int topk_value_mode=1) '
         "-> (Tensor d_q, Tensor d_ori_kv, Tensor d_cmp_kv, Tensor d_sinks)"
     ),
+    "sparse_flash_mla_metadata": (
+        "(int num_heads_q, int num_heads_kv, int head_dim, *, Tensor? cu_seqlens_q=None, "
+        "Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, Tensor? seqused_q=None, "
+        "Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, Tensor? cmp_residual_kv=None, "
+        "Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, int batch_size=0, "
+        "int max_seqlen_q=0, int max_seqlen_ori_kv=0, int max_seqlen_cmp_kv=0, int ori_topk=0, "
+        "int cmp_topk=0, int cmp_ratio=1, int ori_mask_mode=0, int cmp_mask_mode=0, "
+        'int ori_win_left=-1, int ori_win_right=-1, str layout_q="BSND", str layout_kv="BSND", '
+        "bool has_ori_kv=True, bool has_cmp_kv=True, int? num_workers=None) -> Tensor"
+    ),
     "kv_cache_write_": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()"
@@ -91,6 +101,7 @@ def test_every_operator_has_a_schema_read_by_python():
         "sparse_flash_attention_backward",
         "sparse_flash_mla",
         "sparse_flash_mla_backward",
+        "sparse_flash_mla_metadata",
         "sparse_lightning_indexer_grad_kl_loss",
     }
     assert _schema.positional("flash_attn") == ("q", "k", "v")
@@ -120,6 +131,7 @@ LEFT_OUT = {"softcap"}
         (opmesh.lightning_indexer, "lightning_indexer"),
         (opmesh.sparse_flash_attention, "sparse_flash_attention"),
         (opmesh.sparse_flash_mla, "sparse_flash_mla"),
+        (opmesh.sparse_flash_mla_metadata, "sparse_flash_mla_metadata"),
         (opmesh.sparse_lightning_indexer_grad_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
         (opmesh.sparse_indexer_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
     ],
@@ -172,6 +184,7 @@ DIRECT = {
     opmesh.lightning_indexer: ("lightning_indexer", ()),
     opmesh.sparse_flash_attention: ("sparse_flash_attention", ()),
     opmesh.sparse_flash_mla: ("sparse_flash_mla", ()),
+    opmesh.sparse_flash_mla_metadata: ("sparse_flash_mla_metadata", ()),
     opmesh.flash_attn: ("flash_attn", ("context_parallel",)),
     opmesh.flash_attn_metadata: ("flash_attn_metadata", ()),
     opmesh.merge_attn_states: ("merge_attn_states", ()),

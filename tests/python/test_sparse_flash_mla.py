@@ -298,7 +298,7 @@ def test_gradcheck_float64():
     case = Case("small", "TND", "TND", 2, 1, 8, (5, 3), (5, 3), (2, 1), cmp_ratio=2,
                 residuals=(1, 1), win=(2, 0), topk=2, sinks=True)  # fmt: skip
     q, kwargs = make_inputs(case, torch.float64)
-    ori, cmp, sinks = kwargs.pop("ori_kv"), kwargs.pop("cmp_kv"), kwargs.pop("sinks")
+    ori, cmp, sinks = kwargs.pop("ori_kv"), kwargs.pop("cmp_kv"), kwargs.pop("sinks").double()
 
     def f(q, ori, cmp, sinks):
         return opmesh.sparse_flash_mla(
@@ -496,3 +496,136 @@ def test_fuzzed_indices_never_crash():
             assert str(e).startswith(("cmp_sparse_indices", "cmp_topk_length")), e
         else:
             assert torch.isfinite(out).all()
+
+
+# The plan: sparse_flash_mla_metadata.
+
+
+def plan_for(case: Case, kwargs, q, num_workers=3):
+    """sparse_flash_mla_metadata's arguments for the call make_inputs describes."""
+    tnd = case.layout_q == "TND"
+    args = {n: kwargs.get(n) for n in (
+        "cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "seqused_ori_kv",
+        "seqused_cmp_kv", "cmp_residual_kv", "ori_topk_length", "cmp_topk_length")}  # fmt: skip
+    for n in ("cmp_ratio", "ori_mask_mode", "cmp_mask_mode", "layout_q", "layout_kv"):
+        args[n] = kwargs[n]
+    args["ori_win_left"] = kwargs.get("ori_win_left", -1)
+    args["ori_win_right"] = kwargs.get("ori_win_right", -1)
+    args["batch_size"] = 0 if tnd else q.shape[0]
+    args["max_seqlen_q"] = max(case.q_lens) if tnd else q.shape[1]
+    for side, lens in (("ori", case.ori_lens), ("cmp", case.cmp_lens)):
+        kv = kwargs.get(f"{side}_kv")
+        args[f"has_{side}_kv"] = kv is not None
+        if kv is not None:
+            bsnd = case.layout_kv == "BSND"
+            args[f"max_seqlen_{side}_kv"] = kv.shape[1] if bsnd else max(lens)
+        idx = kwargs.get(f"{side}_sparse_indices")
+        args[f"{side}_topk"] = idx.shape[-1] if idx is not None else 0
+    return opmesh.sparse_flash_mla_metadata(
+        case.n1, case.n2, case.d, num_workers=num_workers, **args
+    )
+
+
+@pytest.mark.parametrize("workers", [1, 3, 7])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_planned_call_equals_the_unplanned_one(case, workers):
+    q, kwargs = make_inputs(case, torch.float32)
+    metadata = plan_for(case, kwargs, q, workers)
+    assert metadata.dtype == torch.int32 and metadata.shape == (53 + 5 * workers,)
+    planned = opmesh.sparse_flash_mla(q, metadata=metadata, return_softmax_lse=True, **kwargs)
+    free = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **kwargs)
+    # A unit split between workers merges its pieces by their log-sum-exp: float32 rounding.
+    torch.testing.assert_close(planned[0], free[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(planned[1], free[1], rtol=1e-5, atol=1e-6)
+    again = opmesh.sparse_flash_mla(q, metadata=metadata, return_softmax_lse=True, **kwargs)
+    assert torch.equal(again[0], planned[0]) and torch.equal(again[1], planned[1])
+    plan = opmesh.describe_metadata(metadata)
+    assert plan["num_workers"] == workers and plan["rows"] == sum(case.q_lens)
+    stretches = plan["workers"]
+    assert stretches[0][0] == (0, 0) and stretches[-1][1] == (plan["rows"] * case.n2, 0)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(stretches))
+
+
+@pytest.mark.parametrize("workers", [2, 16, 128])
+@pytest.mark.parametrize(
+    "shape", [(8192, 1), (1024, 8), (1, 64)], ids=["long", "batch", "decode"]
+)  # S and B: one long prefill, a batch of uneven prefills, a decode batch
+def test_makespan_within_five_percent_of_the_lower_bound(shape, workers):
+    s, b = shape
+    gen = torch.Generator().manual_seed(0)
+    lens = (
+        [s] * b if s * b in (s, b) else torch.randint(s // 4, s + 1, (b,), generator=gen).tolist()
+    )
+    ori = [n + 500 for n in lens] if s == 1 else lens
+    cu = _cumulative(lens)
+    metadata = opmesh.sparse_flash_mla_metadata(
+        64, 1, 512, cu_seqlens_q=cu, cu_seqlens_ori_kv=_cumulative(ori),
+        cu_seqlens_cmp_kv=_cumulative([n // 4 for n in ori]),
+        cmp_residual_kv=[n % 4 for n in ori], max_seqlen_q=max(lens), max_seqlen_ori_kv=max(ori),
+        max_seqlen_cmp_kv=max(ori) // 4, cmp_topk=512, cmp_ratio=4, ori_mask_mode=4,
+        cmp_mask_mode=3, ori_win_left=127, ori_win_right=0, layout_q="TND", layout_kv="TND",
+        num_workers=workers,
+    )  # fmt: skip
+    plan = opmesh.describe_metadata(metadata)
+    assert plan["makespan"] <= 1.05 * plan["lower_bound"], plan["makespan"] / plan["lower_bound"]
+
+
+MISMATCHES = [
+    dict(ori_win_left=3),
+    dict(cmp_ratio=3, cmp_residual_kv=torch.tensor([1, 0, 0], dtype=torch.int32)),
+    dict(cmp_residual_kv=torch.tensor([0, 0, 0], dtype=torch.int32)),
+    dict(seqused_q=torch.tensor([7, 0, 11], dtype=torch.int32)),
+    dict(cmp_topk_length=None),
+    dict(cmp_sparse_indices=torch.full((19, 2, 5), -1, dtype=torch.int32), cmp_topk_length=None),
+    dict(sinks=None, q=torch.randn(19, 4, 20)),
+]
+
+
+@pytest.mark.parametrize("change", MISMATCHES, ids=lambda c: ",".join(c))
+def test_a_plan_made_for_another_call_is_refused(change):
+    case = CASES[2]
+    q, kwargs = make_inputs(case, torch.float32)
+    metadata = plan_for(case, kwargs, q)
+    change = dict(change)
+    q = change.pop("q", q)
+    call = {**kwargs, **change}
+    assert_raises_named(
+        ValueError, "metadata", lambda: opmesh.sparse_flash_mla(q, metadata=metadata, **call)
+    )
+
+
+def test_plan_arguments_are_checked_by_name():
+    plan = opmesh.sparse_flash_mla_metadata
+    assert_raises_named(ValueError, "max_seqlen_q", lambda: plan(
+        4, 1, 8, cu_seqlens_q=[0, 3, 9], cu_seqlens_ori_kv=[0, 3, 9], max_seqlen_q=5,
+        max_seqlen_ori_kv=6, layout_q="TND", layout_kv="TND", has_cmp_kv=False))  # fmt: skip
+    assert_raises_named(ValueError, "num_workers", lambda: plan(4, 1, 8, batch_size=1,
+        max_seqlen_q=3, max_seqlen_ori_kv=3, has_cmp_kv=False, num_workers=0))  # fmt: skip
+    assert_raises_named(ValueError, "cmp_topk_length", lambda: plan(4, 1, 8, batch_size=1,
+        max_seqlen_q=3, max_seqlen_ori_kv=3, max_seqlen_cmp_kv=1, cmp_topk=2,
+        cmp_topk_length=torch.tensor([[1], [3], [0]]), cmp_mask_mode=3))  # fmt: skip
+    assert_raises_named(ValueError, "ori_kv", lambda: plan(4, 1, 8, batch_size=1,
+        max_seqlen_q=3, has_ori_kv=False, has_cmp_kv=False))  # fmt: skip
+    md = plan(4, 1, 8, batch_size=1, max_seqlen_q=3, max_seqlen_ori_kv=3, has_cmp_kv=False)
+    bad = md.clone()
+    bad[0] = 7
+    q, kv = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 1, 8)
+    assert_raises_named(ValueError, "metadata", lambda: opmesh.sparse_flash_mla(
+        q, ori_kv=kv, ori_mask_mode=0, cmp_mask_mode=0, metadata=bad))  # fmt: skip
+    out = opmesh.sparse_flash_mla(q, ori_kv=kv, ori_mask_mode=0, cmp_mask_mode=0, metadata=md)
+    torch.testing.assert_close(
+        out[0], opmesh.sparse_flash_mla(q, ori_kv=kv, ori_mask_mode=0, cmp_mask_mode=0)[0]
+    )
+
+
+def test_plan_under_compile():
+    case = CASES[2]
+    q, kwargs = make_inputs(case, torch.float32)
+
+    def step(q, kwargs):
+        md = plan_for(case, kwargs, q, num_workers=2)
+        return opmesh.sparse_flash_mla(q, metadata=md, **kwargs)[0]
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(q, kwargs)
+    torch.testing.assert_close(got, step(q, kwargs), rtol=0, atol=0)

@@ -4,48 +4,18 @@
 #include <string>
 
 #include "../errors.h"
+#include "plan_words.h"
 
 namespace opmesh::core::attention::metadata {
 namespace {
 
-int32_t float_bits(float f) {
-  int32_t w;
-  std::memcpy(&w, &f, sizeof(w));
-  return w;
-}
-
-float bits_float(int32_t w) {
-  float f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
-// 64-bit hash of the values: a multiply-xorshift mix per word (word-wise FNV with a final
-// avalanche), so any changed entry changes the print.
-uint64_t hash_values(const int32_t* values, int64_t count) {
-  uint64_t h = 0xcbf29ce484222325ull ^ static_cast<uint64_t>(count);
-  for (int64_t i = 0; i < count; ++i) {
-    h ^= static_cast<uint32_t>(values[i]);
-    h *= 0x100000001b3ull;
-    h ^= h >> 29;
-  }
-  h ^= h >> 33;
-  h *= 0xff51afd7ed558ccdull;
-  h ^= h >> 33;
-  return h;
-}
+using plan_words::bits_float;
+using plan_words::float_bits;
 
 void length_prints(const PlanConfig& c, const LengthArrays& l, ArrayPrint out[4]) {
   const int32_t* arrays[4] = {l.cu_seqlens_q, l.cu_seqlens_kv, l.seqused_q, l.seqused_kv};
   const int64_t counts[4] = {c.batch_size + 1, c.batch_size + 1, c.batch_size, c.batch_size};
-  for (int i = 0; i < 4; ++i) {
-    if (arrays[i] == nullptr) {
-      out[i] = {0, 0, 0};
-      continue;
-    }
-    const uint64_t h = hash_values(arrays[i], counts[i]);
-    out[i] = {1, static_cast<int32_t>(h & 0xffffffffu), static_cast<int32_t>(h >> 32)};
-  }
+  for (int i = 0; i < 4; ++i) out[i] = plan_words::print_of(arrays[i], counts[i]);
 }
 
 void put_position(int32_t* w, const Position& p) {

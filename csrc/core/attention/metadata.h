@@ -16,6 +16,7 @@
 
 #include "config.h"
 #include "flash_attn_backward.h"
+#include "plan_words.h"
 #include "planner.h"
 
 namespace opmesh::core::attention::metadata {
@@ -74,11 +75,7 @@ int64_t size_words(int64_t num_workers);
 void write(const PlanConfig& config, const LengthArrays& lengths, int32_t* out);
 
 // Whether a length array was given, and the 64-bit hash of its values.
-struct ArrayPrint {
-  int32_t present;
-  int32_t low;
-  int32_t high;
-};
+using ArrayPrint = plan_words::ArrayPrint;
 
 // A decoded metadata tensor.
 struct Decoded {

@@ -114,14 +114,19 @@ class Forward {
 
   const kernels::KernelSet& kernel_set() const { return k_; }
 
-  void row(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+  // Row (s, i) of key head g over its selected keys [k0, k1) (k1 < 0: to the last): the output
+  // and statistics, or with `slot` the unnormalised partial result (m, l, o) there.
+  void row(Scratch& sc, const Sequence& s, int64_t i, int64_t g, int64_t k0 = 0, int64_t k1 = -1,
+           float* slot = nullptr) const {
     keys_.select(s, i, g, sc.keys);
+    const int64_t size = static_cast<int64_t>(sc.keys.size());
+    const int64_t end = k1 < 0 ? size : std::min(k1, size);
     std::fill(sc.m.begin(), sc.m.end(), -kInf);
     std::fill(sc.l.begin(), sc.l.end(), 0.0f);
     std::fill(sc.o.data(), sc.o.data() + rows_ * dvp_, 0.0f);
-    if (!sc.keys.empty()) pack_queries(sc, s, i, g);
-    for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
-      const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
+    if (k0 < end) pack_queries(sc, s, i, g);
+    for (int64_t c0 = k0; c0 < end; c0 += kKeyTile) {
+      const int64_t n = std::min<int64_t>(kKeyTile, end - c0);
       pack(sc, sc.keys.data() + c0, n);
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
@@ -140,7 +145,41 @@ class Forward {
                  sc.corr.data(), 1.0f});
       }
     }
-    write(sc, s, i, g);
+    if (slot == nullptr) return write(s, i, g, sc.m.data(), sc.l.data(), sc.o.data());
+    // [m | l | o] of each row of the group.
+    for (int64_t r = 0; r < g_; ++r) {
+      float* dst = slot + r * slot_row();
+      dst[0] = sc.m[r];
+      dst[1] = sc.l[r];
+      std::copy(sc.o.data() + r * dvp_, sc.o.data() + r * dvp_ + p_.value_dim, dst + 2);
+    }
+  }
+
+  // Floats of one partial result: per row of the group, its max, sum and unnormalised output.
+  int64_t slot_row() const { return 2 + p_.value_dim; }
+  int64_t slot_floats() const { return g_ * slot_row(); }
+
+  // Merges the partial results in `count` consecutive slots (in slot order) and writes the row.
+  void combine(Scratch& sc, const Sequence& s, int64_t i, int64_t g, const float* slots,
+               int64_t count) const {
+    for (int64_t r = 0; r < g_; ++r) {
+      float m = -kInf;
+      for (int64_t k = 0; k < count; ++k)
+        m = std::max(m, slots[k * slot_floats() + r * slot_row()]);
+      float l = 0.0f;
+      float* o = sc.o.data() + r * dvp_;
+      std::fill(o, o + p_.value_dim, 0.0f);
+      for (int64_t k = 0; k < count && m > -kInf; ++k) {
+        const float* part = slots + k * slot_floats() + r * slot_row();
+        if (part[0] == -kInf) continue;
+        const float w = std::exp(part[0] - m);
+        l += part[1] * w;
+        for (int64_t e = 0; e < p_.value_dim; ++e) o[e] += part[2 + e] * w;
+      }
+      sc.m[r] = m;
+      sc.l[r] = l;
+    }
+    write(s, i, g, sc.m.data(), sc.l.data(), sc.o.data());
   }
 
  private:
@@ -236,22 +275,24 @@ class Forward {
     std::fill(sc.kp.data() + dqk_ * kKeyTile, sc.kp.data() + dw_ * kKeyTile, 0u);
   }
 
-  void write(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+  // The group's rows from their running max m, sum l and unnormalised output o ([rows][dvp]).
+  void write(const Sequence& s, int64_t i, int64_t g, const float* ms, const float* ls,
+             const float* os) const {
     const int64_t stats = geo_.stats_offset(s, i, g);
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
-      const float m = sc.m[r];
-      float denom = sc.l[r];
+      const float m = ms[r];
+      float denom = ls[r];
       if (p_.sinks != nullptr && m > -kInf) denom += std::exp(p_.sinks[h] - m);
       const float inv = m > -kInf && denom > 0.0f ? 1.0f / denom : 0.0f;
       store_row(k_, p_.out.data, p_.dtype, geo_.query_offset(p_.out, s, i, h), p_.out.sd,
-                p_.value_dim, sc.o.data() + r * dvp_, inv);
+                p_.value_dim, os + r * dvp_, inv);
       if (p_.softmax_max != nullptr) {
         p_.softmax_max[stats + r] = m;
-        p_.softmax_sum[stats + r] = sc.l[r];
+        p_.softmax_sum[stats + r] = ls[r];
       }
       if (p_.softmax_lse != nullptr) {
-        float lse = m > -kInf ? m + std::log(sc.l[r]) : -kInf;
+        float lse = m > -kInf ? m + std::log(ls[r]) : -kInf;
         if (p_.sinks != nullptr) lse = log_add(lse, p_.sinks[h]);
         p_.softmax_lse[stats + r] = lse;
       }
@@ -277,7 +318,8 @@ class Forward {
 namespace sparse {
 
 void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
-                    const std::vector<Sequence>& seqs, const Executor& executor, Isa isa) {
+                    const std::vector<Sequence>& seqs, const Executor& executor, Isa isa,
+                    const TokenSchedule* schedule) {
   require_supported(isa);
   const Forward run(p, keys, isa);
   // Rows no task reaches (BSND rows past a length): zero output, statistics (-inf, 0).
@@ -312,12 +354,41 @@ void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
       }
     }
   }
-  const std::vector<TokenTask> tasks = token_tasks(seqs, kTokensPerTask);
   ScratchPool<Forward::Scratch, const Forward> scratch(run, std::max(1, executor.num_workers()));
-  each_token_and_head(executor, tasks, seqs, scratch, run.kernel_set(), p.heads_k,
-                      [&](Forward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
-                        run.row(sc, seq, i, g);
-                      });
+  if (schedule == nullptr) {
+    each_token_and_head(executor, token_tasks(seqs, kTokensPerTask), seqs, scratch,
+                        run.kernel_set(), p.heads_k,
+                        [&](Forward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
+                          run.row(sc, seq, i, g);
+                        });
+    return;
+  }
+  // A plan's schedule: each group of items on one worker, then the split rows' combines.
+  std::vector<float> slots(schedule->slots * run.slot_floats());
+  const std::vector<ScheduledWork>& items = schedule->items;
+  const std::vector<int64_t>& ends = schedule->group_ends;
+  run_dynamic(executor, static_cast<int64_t>(ends.size()), [&](int64_t w, int worker) {
+    Forward::Scratch& sc = scratch[worker];
+    const kernels::WorkerScope scope(run.kernel_set());
+    for (int64_t t = w == 0 ? 0 : ends[w - 1]; t < ends[w]; ++t) {
+      const ScheduledWork& it = items[t];
+      const Sequence& seq = seqs[it.b];
+      if (it.g < 0) {
+        for (int64_t i = it.i0; i < it.i1; ++i) {
+          for (int64_t g = 0; g < p.heads_k; ++g) run.row(sc, seq, i, g);
+        }
+        continue;
+      }
+      float* slot = it.slot < 0 ? nullptr : slots.data() + it.slot * run.slot_floats();
+      run.row(sc, seq, it.i0, it.g, it.k0, it.k1, slot);
+    }
+  });
+  const std::vector<CombineWork>& combines = schedule->combines;
+  run_dynamic(executor, static_cast<int64_t>(combines.size()), [&](int64_t t, int worker) {
+    const CombineWork& c = combines[t];
+    run.combine(scratch[worker], seqs[c.b], c.i, c.g,
+                slots.data() + c.first_slot * run.slot_floats(), c.num_slots);
+  });
 }
 
 }  // namespace sparse

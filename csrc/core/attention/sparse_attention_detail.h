@@ -17,6 +17,8 @@ namespace opmesh::core::sparse {
 
 // Runs fn(scratch, sequence, token, key head) for every token of every task and every key head,
 // a task at a time per worker with that worker's scratch and the kernel set's worker scope.
+// Runs fn(scratch, sequence, token, key head) for every token of every task and every key head,
+// a task at a time per worker with that worker's scratch and the kernel set's worker scope.
 template <class Pool, class Fn>
 void each_token_and_head(const Executor& executor, const std::vector<TokenTask>& tasks,
                          const std::vector<Sequence>& seqs, Pool& scratch,
@@ -189,8 +191,33 @@ class IndexedKeys final : public KeySelector {
 
 // The shared kernels. `p` gives the query side, the heads, dims, scale, sinks and outputs (its
 // key-side fields are the selector's business); `seqs` are the query sequences.
+// A planned forward's work: for each worker, a list of items, each rows [i0, i1) of sequence b
+// with every key head (g < 0), or row i0 of one key head g over its selected keys [k0, k1)
+// (k1 < 0: to the last), written out (slot < 0) or kept as a partial result in `slot`; then
+// the split rows' partial results merged in slot order.
+struct ScheduledWork {
+  int32_t b = 0;
+  int64_t i0 = 0, i1 = 0;
+  int32_t g = -1;
+  int64_t k0 = 0, k1 = -1;
+  int32_t slot = -1;
+};
+struct CombineWork {
+  int32_t b = 0;
+  int64_t i = 0;
+  int32_t g = 0;
+  int32_t first_slot = 0;
+  int32_t num_slots = 0;
+};
+struct TokenSchedule {
+  std::vector<ScheduledWork> items;
+  std::vector<int64_t> group_ends;  // each worker's end in items
+  std::vector<CombineWork> combines;
+  int64_t slots = 0;
+};
 void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
-                    const std::vector<Sequence>& seqs, const Executor& executor, Isa isa);
+                    const std::vector<Sequence>& seqs, const Executor& executor, Isa isa,
+                    const TokenSchedule* schedule = nullptr);
 void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads& grads,
                      const KeySelector& keys, const std::vector<Sequence>& seqs,
                      const Executor& executor, Isa isa);

@@ -83,6 +83,7 @@ std::vector<Span> resolve(const Names& n, Layout layout, int64_t seq, const int6
 }
 
 void check_paged(const Names& n, const MlaKeys& k, const std::vector<Span>& spans) {
+  if (k.block_table == nullptr) return;  // a plan's sequences: no table to check
   if (k.block_size < 1) throw ArgumentError(n.tensor, "block size must be >= 1");
   for (size_t b = 0; b < spans.size(); ++b) {
     const int64_t blocks = (spans[b].len + k.block_size - 1) / k.block_size;
@@ -334,11 +335,15 @@ void store_zeros(void* dst, DType dtype, int64_t n) {
 
 }  // namespace
 
-void sparse_flash_mla(const SparseFlashMlaParams& p, const Executor& executor, Isa isa) {
+Mask ori_mask(const SparseFlashMlaParams& p) { return mask_of(p.ori, 1); }
+Mask cmp_mask(const SparseFlashMlaParams& p) { return mask_of(p.cmp, p.cmp_ratio); }
+
+void sparse_flash_mla(const SparseFlashMlaParams& p, const Executor& executor, Isa isa,
+                      const sparse::TokenSchedule* schedule) {
   validate(p);
   const MlaSequences seqs = sparse_flash_mla_sequences(p);
   const MlaKeySelector keys(p, seqs);
-  sparse::sparse_forward(kernel_params(p), keys, seqs.ori, executor, isa);
+  sparse::sparse_forward(kernel_params(p), keys, seqs.ori, executor, isa, schedule);
 }
 
 void sparse_flash_mla_backward(const SparseFlashMlaParams& p, const SparseFlashMlaGrads& gr,

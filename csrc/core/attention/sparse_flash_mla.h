@@ -17,6 +17,10 @@
 
 namespace opmesh::core {
 
+namespace sparse {
+struct TokenSchedule;
+}
+
 // One of the two key/value tensors and how a query row selects its keys.
 struct MlaKeys {
   bool present = false;
@@ -96,8 +100,14 @@ struct MlaSequences {
 };
 MlaSequences sparse_flash_mla_sequences(const SparseFlashMlaParams& params);
 
+// The masks of the two key tensors (cmp_kv's with cmp_ratio).
+Mask ori_mask(const SparseFlashMlaParams& params);
+Mask cmp_mask(const SparseFlashMlaParams& params);
+
 // Validates, then writes out and (when given) softmax_lse. A row with no key gets a zero output.
-void sparse_flash_mla(const SparseFlashMlaParams& params, const Executor& executor, Isa isa);
+// With a schedule (a plan's), each worker task runs one of its groups.
+void sparse_flash_mla(const SparseFlashMlaParams& params, const Executor& executor, Isa isa,
+                      const sparse::TokenSchedule* schedule = nullptr);
 
 // Validates, then writes the gradients (paged keys have none: kPagedBBND is refused).
 void sparse_flash_mla_backward(const SparseFlashMlaParams& params, const SparseFlashMlaGrads& grads,

@@ -36,7 +36,8 @@ struct Backend {
   void (*sparse_flash_attention)(const SparseAttentionParams&, const Executor&);
   void (*sparse_flash_attention_backward)(const SparseAttentionParams&, const SparseAttentionGrads&,
                                           const Executor&);
-  void (*sparse_flash_mla)(const SparseFlashMlaParams&, const Executor&);
+  void (*sparse_flash_mla)(const SparseFlashMlaParams&, const Executor&,
+                           const sparse::TokenSchedule*);
   void (*sparse_flash_mla_backward)(const SparseFlashMlaParams&, const SparseFlashMlaGrads&,
                                     const Executor&);
   void (*flash_attn)(const attention::FlashAttnParams&, const std::vector<Sequence>&,

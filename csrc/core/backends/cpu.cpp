@@ -30,8 +30,8 @@ const Backend& cpu_backend() {
       [](const SparseAttentionParams& p, const SparseAttentionGrads& g, const Executor& e) {
         sparse_flash_attention_backward(p, g, e, active_isa());
       },
-      [](const SparseFlashMlaParams& p, const Executor& e) {
-        sparse_flash_mla(p, e, active_isa());
+      [](const SparseFlashMlaParams& p, const Executor& e, const sparse::TokenSchedule* s) {
+        sparse_flash_mla(p, e, active_isa(), s);
       },
       [](const SparseFlashMlaParams& p, const SparseFlashMlaGrads& g, const Executor& e) {
         sparse_flash_mla_backward(p, g, e, active_isa());
