@@ -692,14 +692,20 @@ def sparse_flash_mla_metadata(
     """
     call = dict(locals())
     check_scalar_types("sparse_flash_mla_metadata", call)
+    # MindSpore arrays are planned on the host like any other; the plan comes back as theirs.
+    on_mindspore = _on_mindspore(*call.values())
+    for name in (*_MLA_LENGTHS, "ori_topk_length", "cmp_topk_length"):
+        if on_mindspore and _platform.on_mindspore(call[name]):
+            call[name] = torch.from_numpy(call[name].asnumpy())
     for name in _MLA_LENGTHS:
         call[name] = _as_lengths(call[name], name)
-    return _OVERLOADS["sparse_flash_mla_metadata"](
+    plan = _OVERLOADS["sparse_flash_mla_metadata"](
         num_heads_q,
         num_heads_kv,
         head_dim,
         **{n: v for n, v in call.items() if n not in ("num_heads_q", "num_heads_kv", "head_dim")},
     )
+    return _ms.from_torch(plan) if on_mindspore else plan
 
 
 def sparse_flash_mla(
@@ -785,6 +791,8 @@ def sparse_flash_mla(
     """
     call = dict(locals())
     check_scalar_types("sparse_flash_mla", call)
+    if _on_mindspore(q, ori_kv, cmp_kv):
+        return _ms.sparse_flash_mla(call)
     for name in _MLA_LENGTHS:
         call[name] = _as_lengths(call[name], name)
     for name in _MLA_TABLES:

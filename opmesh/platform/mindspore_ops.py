@@ -259,8 +259,8 @@ def sparse_flash_attention(call):
     return _sparse_function().apply(*(tensors[n] for n in _SPARSE_TENSORS), indices, host, options)
 
 
-def _int32_indices(indices):
-    """sparse_indices as int32 for the binding; int64 entries outside [-1, 2**31) are refused
+def _int32_indices(indices, name="sparse_indices"):
+    """Indices as int32 for the binding; int64 entries outside [-1, 2**31) are refused
     (narrowing could turn a bad entry into a valid one), as the torch operators refuse them."""
     import mindspore
 
@@ -269,7 +269,7 @@ def _int32_indices(indices):
         lo, hi = int(values.min()), int(values.max())
         if lo < -1 or hi >= 2**31:
             raise ValueError(
-                f"sparse_indices: entries must be -1 or key positions, got values in [{lo}, {hi}]"
+                f"{name}: entries must be -1 or key positions, got values in [{lo}, {hi}]"
             )
     return indices.astype(mindspore.int32)
 
@@ -314,6 +314,97 @@ def _sparse_function():
             )  # fmt: skip
 
     return SparseFlashAttentionFunction
+
+
+_MLA_TENSORS = ("q", "ori_kv", "cmp_kv", "sinks")
+_MLA_INDICES = ("ori_sparse_indices", "cmp_sparse_indices", "ori_topk_length", "cmp_topk_length")
+_MLA_HOST = (
+    "cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv", "seqused_q", "seqused_ori_kv",
+    "seqused_cmp_kv", "cmp_residual_kv", "metadata",
+)  # fmt: skip
+_MLA_TABLES = ("ori_block_table", "cmp_block_table")
+
+
+def sparse_flash_mla(call):
+    """``call``: sparse_flash_mla's arguments by schema name. The torch shape function checks the
+    shapes on meta stand-ins; the binding runs forward and backward (differentiable through
+    MindSpore's autograd, as on PyTorch)."""
+    import mindspore
+
+    host, metas = {}, {}
+    for name in _MLA_HOST:
+        host[name], metas[name] = _host(call[name], name)
+    for name in _MLA_TABLES:
+        host[name], metas[name] = _table(call[name], name)
+    tensors = {n: call[n] for n in _MLA_TENSORS}
+    indices = {n: call[n] for n in _MLA_INDICES}
+    options = {
+        n: x
+        for n, x in call.items()
+        if n not in _MLA_TENSORS + _MLA_INDICES + _MLA_HOST + _MLA_TABLES
+    }
+    torch.ops.opmesh.sparse_flash_mla(
+        _meta(tensors["q"], "q"),
+        **{n: _meta(tensors[n], n) for n in _MLA_TENSORS[1:]},
+        **{n: _meta(indices[n], n) for n in _MLA_INDICES},
+        **metas,
+        **options,
+    )
+    indices = {n: None if t is None else _int32_indices(t, n) for n, t in indices.items()}
+    if tensors["sinks"] is not None:
+        tensors["sinks"] = tensors["sinks"].astype(mindspore.float32)
+    return _mla_function().apply(*(tensors[n] for n in _MLA_TENSORS), indices, {**host, **options})
+
+
+@functools.cache
+def _mla_function():
+    class SparseFlashMlaFunction(DFunction):
+        """sparse_flash_mla on MindSpore tensors: the binding's forward and backward."""
+
+        @staticmethod
+        def forward(ctx, q, ori_kv, cmp_kv, sinks, indices, options):
+            out, lse = _call(
+                "sparse_flash_mla", q=q, ori_kv=ori_kv, cmp_kv=cmp_kv, sinks=sinks, **indices,
+                **dict(options, return_softmax_lse=True),
+            )  # fmt: skip
+            ctx.save_for_backward(q, ori_kv, cmp_kv, sinks, out, lse)
+            ctx.call = (indices, options)
+            if options["return_softmax_lse"]:
+                return out, lse
+            return out, mindspore_zero()
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, ori_kv, cmp_kv, sinks, out, lse = (_concrete(x) for x in ctx.saved_tensors)
+            indices, options = ctx.call
+            dlse = _concrete(dlse) if options["return_softmax_lse"] else None
+            drop = ("return_softmax_lse", "metadata")
+            options = {n: x for n, x in options.items() if n not in drop}
+            dq, d_ori, d_cmp, dsinks = _call(
+                "sparse_flash_mla_backward", dout=_concrete(dout), q=q, attention_out=out,
+                softmax_lse=lse, dlse=dlse, ori_kv=ori_kv, cmp_kv=cmp_kv, sinks=sinks, **indices,
+                **options,
+            )  # fmt: skip
+            return (
+                dq, d_ori if ori_kv is not None else None, d_cmp if cmp_kv is not None else None,
+                dsinks if sinks is not None else None, None, None,
+            )  # fmt: skip
+
+    return SparseFlashMlaFunction
+
+
+def from_torch(tensor):
+    """A host-side torch result (a plan) as a MindSpore tensor."""
+    import mindspore
+
+    return mindspore.Tensor(tensor.numpy())
+
+
+def mindspore_zero():
+    """The float32 scalar 0 sparse_flash_mla returns without return_softmax_lse."""
+    import mindspore
+
+    return mindspore.ops.zeros((), mindspore.float32)
 
 
 # The fused KL op's tensors (its positional parameters but the scale).

@@ -265,6 +265,104 @@ def test_sparse_flash_attention_errors_are_the_torch_bindings():
     assert msg.startswith("value:"), msg
 
 
+# ---------------------------------------------------------------------------- sparse_flash_mla
+
+
+def mla_case(layout_kv):
+    """An HCA/CSA call: 2 sequences, 8 query heads over 1 key head, D = 32, cmp_ratio 4."""
+    tnd = layout_kv != "BSND"
+    lens, cmp_lens = [9, 14], [2, 3]
+    kw = dict(cmp_ratio=4, ori_win_left=5, ori_win_right=0, softmax_scale=0.2,
+              cmp_residual_kv=[1, 2])  # fmt: skip
+    if layout_kv == "BSND":
+        arrays = [randn(2, 14, 8, 32), randn(2, 14, 1, 32), randn(2, 3, 1, 32)]
+        kw.update(seqused_q=lens, seqused_ori_kv=lens, seqused_cmp_kv=cmp_lens)
+    else:
+        arrays = [randn(sum(lens), 8, 32)]
+        kw.update(layout_q="TND", cu_seqlens_q=[0, 9, 23])
+        if layout_kv == "TND":
+            arrays += [randn(sum(lens), 1, 32), randn(sum(cmp_lens), 1, 32)]
+            kw.update(layout_kv="TND", cu_seqlens_ori_kv=[0, 9, 23], cu_seqlens_cmp_kv=[0, 2, 5])
+        else:
+            arrays += [randn(8, 4, 1, 32), randn(3, 4, 1, 32)]
+            tables = dict(ori_block_table=[[3, 0, 5, 7], [1, 2, 4, 6]], cmp_block_table=[[2], [0]])
+            kw.update(layout_kv="PA_BBND", seqused_ori_kv=lens, seqused_cmp_kv=cmp_lens, **tables)
+    rows = 2 * 14 if not tnd else sum(lens)
+    idx = np.full((rows, 1, 3), -1, np.int32)
+    for r in range(rows):
+        b = r // 14 if not tnd else int(r >= 9)
+        idx[r, 0, :2] = RNG.permutation(cmp_lens[b] + 1)[:2] - 1
+    lead = (2, 14) if not tnd else (rows,)
+    return arrays, idx.reshape(*lead, 1, 3), kw
+
+
+@pytest.mark.parametrize("layout_kv", ["BSND", "TND", "PA_BBND"])
+def test_sparse_flash_mla_forward_and_backward_match_torch(layout_kv):
+    arrays, idx, kw = mla_case(layout_kv)
+    m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
+    m_sinks, t_sinks = both(randn(8))
+    m_idx, t_idx = ms.Tensor(idx), torch.from_numpy(idx)
+
+    def run(idx_, sinks, q, ori, cmp, **extra):
+        return opmesh.sparse_flash_mla(
+            q, ori_kv=ori, cmp_kv=cmp, cmp_sparse_indices=idx_, sinks=sinks,
+            return_softmax_lse=True, **kw, **extra,
+        )  # fmt: skip
+
+    m_out = run(m_idx, m_sinks, *m_in)
+    t_out = run(t_idx, t_sinks, *t_in)
+    assert isinstance(m_out[0], ms.Tensor)
+    for m, t in zip(m_out, t_out, strict=True):
+        assert_same(m, t)
+    # Planned: the plan made from MindSpore arrays, the same bits as torch's planned call.
+    plan_kw = {n: kw[n] for n in kw if n.startswith(("cu_", "seqused", "layout", "cmp_res"))}
+    plan_kw.update(
+        cmp_ratio=4, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=5, ori_win_right=0,
+        cmp_topk=3, max_seqlen_q=14, max_seqlen_ori_kv=14, max_seqlen_cmp_kv=3,
+        batch_size=0 if "layout_q" in kw else 2, num_workers=3,
+    )  # fmt: skip
+    as_ms = {n: ms.Tensor(np.array(v, np.int32)) if isinstance(v, list) else v
+             for n, v in plan_kw.items()}  # fmt: skip
+    m_plan = opmesh.sparse_flash_mla_metadata(8, 1, 32, **as_ms)
+    t_plan = opmesh.sparse_flash_mla_metadata(8, 1, 32, **plan_kw)
+    assert isinstance(m_plan, ms.Tensor)
+    assert_same(m_plan, t_plan)
+    for m, t in zip(run(m_idx, m_sinks, *m_in, metadata=m_plan),
+                    run(t_idx, t_sinks, *t_in, metadata=t_plan), strict=True):  # fmt: skip
+        assert_same(m, t)
+    if layout_kv == "PA_BBND":
+        return
+
+    def loss(sinks, *tensors):
+        out, lse = run(m_idx if isinstance(sinks, ms.Tensor) else t_idx, sinks, *tensors)
+        return (out * out).sum() + (lse * lse).sum()
+
+    m_grads = ms.grad(loss, grad_position=(0, 1, 2, 3))(m_sinks, *m_in)
+    leaves = [x.clone().requires_grad_() for x in (t_sinks, *t_in)]
+    loss(*leaves).backward()
+    for g, leaf in zip(m_grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+
+
+def test_sparse_flash_mla_errors_are_the_torch_bindings():
+    arrays, idx, kw = mla_case("TND")
+    bad = idx.copy()
+    bad[3, 0, 0] = 40
+    msg = _same_error(
+        lambda conv: opmesh.sparse_flash_mla(
+            conv(arrays[0]), ori_kv=conv(arrays[1]), cmp_kv=conv(arrays[2]),
+            cmp_sparse_indices=conv(bad), **kw,
+        )
+    )  # fmt: skip
+    assert msg.startswith("cmp_sparse_indices:"), msg
+    msg = _same_error(
+        lambda conv: opmesh.sparse_flash_mla(
+            conv(arrays[0]), ori_kv=conv(arrays[1][:, :, :16]), cmp_kv=conv(arrays[2]), **kw
+        )
+    )
+    assert msg.startswith("ori_kv:"), msg
+
+
 # ------------------------------------------------------------------------------ KL loss
 
 
