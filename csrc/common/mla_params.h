@@ -70,12 +70,7 @@ void fill_mla_keys(core::MlaKeys& k, const std::optional<Tensor>& kv, const MlaH
   check_entries(used, batch, used_name);
   k.cu_seqlens = cu.data();
   k.seqused = used.data();
-  if (paged) {
-    k.block_table = table.data();
-    k.max_blocks = table.columns;
-    k.block_size = ks[1];
-    k.block_count = ks[0];
-  }
+  if (paged) fill_paged(k, ks, table.data(), table.columns);
 }
 
 template <class Call>
@@ -134,6 +129,23 @@ void point_sparse_flash_mla(core::SparseFlashMlaParams& p, const Call& c) {
   selection(p.ori, c.ori_sparse_indices, c.ori_topk_length);
   selection(p.cmp, c.cmp_sparse_indices, c.cmp_topk_length);
   p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
+}
+
+// The backward's inputs (dout and attention_out in q's dtype, softmax_lse and dlse float32
+// contiguous) and its outputs: dq, d ori_kv, d cmp_kv, dsinks (each only when the call has it).
+template <class Call, class Tensor>
+core::SparseFlashMlaGrads sparse_flash_mla_grads(const Call& c, bool tnd, const Tensor (&out)[4]) {
+  auto mutable_data = [](const Tensor& t) { return const_cast<void*>(data_of(t)); };
+  core::SparseFlashMlaGrads g;
+  g.dout = layout_view(c.dout, tnd ? -1 : 0);
+  g.out = layout_view(c.attention_out, tnd ? -1 : 0);
+  g.softmax_lse = static_cast<const float*>(data_of(c.softmax_lse));
+  g.dlse = c.dlse.has_value() ? static_cast<const float*>(data_of(*c.dlse)) : nullptr;
+  g.dq = mutable_data(out[0]);
+  g.d_ori_kv = c.ori_kv.has_value() ? mutable_data(out[1]) : nullptr;
+  g.d_cmp_kv = c.cmp_kv.has_value() ? mutable_data(out[2]) : nullptr;
+  g.dsinks = c.sinks.has_value() ? static_cast<float*>(mutable_data(out[3])) : nullptr;
+  return g;
 }
 
 // A selection's topk lengths as host values, row by row ([rows][N2]; empty without them).

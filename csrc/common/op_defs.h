@@ -273,6 +273,16 @@ struct Field {
   "(Tensor d_query, Tensor d_key, Tensor d_value, Tensor d_query_rope, Tensor d_key_rope, " \
   "Tensor d_sinks)"
 
+// sparse_flash_mla's length arrays (its metadata's too).
+#define OPMESH_MLA_LENGTHS(ARG, ARG_D)            \
+  ARG_D(OptInts, cu_seqlens_q, std::nullopt)      \
+  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt) \
+  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt) \
+  ARG_D(OptInts, seqused_q, std::nullopt)         \
+  ARG_D(OptInts, seqused_ori_kv, std::nullopt)    \
+  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)    \
+  ARG_D(OptInts, cmp_residual_kv, std::nullopt)
+
 // sparse_flash_mla's key/value tensors, selections, lengths and sinks, which its backward
 // shares (Ascend's order).
 #define OPMESH_MLA_KEYS(ARG, ARG_D)                  \
@@ -282,27 +292,26 @@ struct Field {
   ARG_D(OptTensor, cmp_sparse_indices, std::nullopt) \
   ARG_D(OptInts, ori_block_table, std::nullopt)      \
   ARG_D(OptInts, cmp_block_table, std::nullopt)      \
-  ARG_D(OptInts, cu_seqlens_q, std::nullopt)         \
-  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt)    \
-  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt)    \
-  ARG_D(OptInts, seqused_q, std::nullopt)            \
-  ARG_D(OptInts, seqused_ori_kv, std::nullopt)       \
-  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)       \
-  ARG_D(OptInts, cmp_residual_kv, std::nullopt)      \
+  OPMESH_MLA_LENGTHS(ARG, ARG_D)                     \
   ARG_D(OptTensor, ori_topk_length, std::nullopt)    \
   ARG_D(OptTensor, cmp_topk_length, std::nullopt)    \
   ARG_D(OptTensor, sinks, std::nullopt)
 
+// The compression, masks and layouts, with the mask modes' defaults (the metadata's are Ascend's
+// 0 and 0, the call's 4 and 3).
+#define OPMESH_MLA_MASKS(ARG, ARG_D, ORI_MODE, CMP_MODE) \
+  ARG_D(Int, cmp_ratio, 1)                               \
+  ARG_D(Int, ori_mask_mode, ORI_MODE)                    \
+  ARG_D(Int, cmp_mask_mode, CMP_MODE)                    \
+  ARG_D(Int, ori_win_left, -1)                           \
+  ARG_D(Int, ori_win_right, -1)                          \
+  ARG_D(Str, layout_q, "BSND")                           \
+  ARG_D(Str, layout_kv, "BSND")
+
 // sparse_flash_mla's options after its metadata.
 #define OPMESH_MLA_OPTIONS(ARG, ARG_D) \
   ARG_D(Float, softmax_scale, 1.0)     \
-  ARG_D(Int, cmp_ratio, 1)             \
-  ARG_D(Int, ori_mask_mode, 4)         \
-  ARG_D(Int, cmp_mask_mode, 3)         \
-  ARG_D(Int, ori_win_left, -1)         \
-  ARG_D(Int, ori_win_right, -1)        \
-  ARG_D(Str, layout_q, "BSND")         \
-  ARG_D(Str, layout_kv, "BSND")        \
+  OPMESH_MLA_MASKS(ARG, ARG_D, 4, 3)   \
   ARG_D(Int, topk_value_mode, 1)
 
 // sparse_flash_mla(q, *, ori_kv, cmp_kv, ...) -> (attention_out, softmax_lse): DeepSeek-V4's
@@ -338,13 +347,7 @@ struct Field {
   ARG(Int, num_heads_kv)                                        \
   ARG(Int, head_dim)                                            \
   KWONLY                                                        \
-  ARG_D(OptInts, cu_seqlens_q, std::nullopt)                    \
-  ARG_D(OptInts, cu_seqlens_ori_kv, std::nullopt)               \
-  ARG_D(OptInts, cu_seqlens_cmp_kv, std::nullopt)               \
-  ARG_D(OptInts, seqused_q, std::nullopt)                       \
-  ARG_D(OptInts, seqused_ori_kv, std::nullopt)                  \
-  ARG_D(OptInts, seqused_cmp_kv, std::nullopt)                  \
-  ARG_D(OptInts, cmp_residual_kv, std::nullopt)                 \
+  OPMESH_MLA_LENGTHS(ARG, ARG_D)                                \
   ARG_D(OptInts, ori_topk_length, std::nullopt)                 \
   ARG_D(OptInts, cmp_topk_length, std::nullopt)                 \
   ARG_D(Int, batch_size, 0)                                     \
@@ -353,13 +356,7 @@ struct Field {
   ARG_D(Int, max_seqlen_cmp_kv, 0)                              \
   ARG_D(Int, ori_topk, 0)                                       \
   ARG_D(Int, cmp_topk, 0)                                       \
-  ARG_D(Int, cmp_ratio, 1)                                      \
-  ARG_D(Int, ori_mask_mode, 0)                                  \
-  ARG_D(Int, cmp_mask_mode, 0)                                  \
-  ARG_D(Int, ori_win_left, -1)                                  \
-  ARG_D(Int, ori_win_right, -1)                                 \
-  ARG_D(Str, layout_q, "BSND")                                  \
-  ARG_D(Str, layout_kv, "BSND")                                 \
+  OPMESH_MLA_MASKS(ARG, ARG_D, 0, 0)                            \
   ARG_D(Bool, has_ori_kv, true)                                 \
   ARG_D(Bool, has_cmp_kv, true)                                 \
   ARG_D(OptInt, num_workers, std::nullopt)

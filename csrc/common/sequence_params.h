@@ -83,12 +83,7 @@ void fill_query_key_layout(core::QueryKeyLayout& p, const Call& c, core::Layout 
   p.head_dim = qs.back();
   p.seq_q_lens = h.q();
   p.seq_k_lens = h.k();
-  if (paged) {
-    p.block_table = h.blocks();
-    p.max_blocks = h.table_columns;
-    p.block_size = ks[1];
-    p.block_count = ks[0];
-  }
+  if (paged) fill_paged(p, ks, h.blocks(), h.table_columns);
 }
 
 // The query's and key's pointers and strides of a sparse-stage call, keys in layout `key`.

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "selection.h"
 #include "vocabulary.h"
 
 namespace opmesh::common {
@@ -96,6 +97,15 @@ HostArrays host_arrays(const std::optional<Ints>& q_lens, const std::optional<In
   h.table = host_values(table);
   h.table_columns = table.has_value() ? HostIntsAccess<Ints>::columns(*table) : 0;
   return h;
+}
+
+// A paged key tensor's [blocks, block_size, ...] sizes and its block table's host copy.
+inline void fill_paged(core::PagedKeys& p, const std::vector<int64_t>& sizes, const int64_t* table,
+                       int64_t columns) {
+  p.block_table = table;
+  p.max_blocks = columns;
+  p.block_size = sizes[1];
+  p.block_count = sizes[0];
 }
 
 }  // namespace opmesh::common

@@ -21,12 +21,21 @@ Mask indexer_mask(MaskMode sparse_mode, int64_t pre_tokens, int64_t next_tokens)
 void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bool cumulative,
                            const char* name);
 
+// Paged keys: block_table [B][max_blocks] (row-major), entries in [0, block_count) for every
+// block a sequence's length reaches; block_size keys a block.
+struct PagedKeys {
+  const int64_t* block_table = nullptr;
+  int64_t max_blocks = 0;
+  int64_t block_size = 0;
+  int64_t block_count = 0;
+};
+
 // What the sparse stage's operators (lightning_indexer, sparse_flash_attention) share, the base of
 // their params: queries BSND (per-sequence lengths, or all seq_q) or TND (cumulative ends); keys
 // in the queries' layout, or paged (kPagedBBND: per-sequence lengths and a block table of
 // max_blocks entries per sequence), their layout given apart (the operators name it differently);
 // the indexer family's band mask, bottom-right aligned per sequence; the heads.
-struct QueryKeyLayout {
+struct QueryKeyLayout : PagedKeys {
   Layout layout_query = Layout::kBSND;  // BSND or TND
   MaskMode sparse_mode = MaskMode::kCausal;
   int64_t pre_tokens = std::numeric_limits<int64_t>::max();
@@ -46,12 +55,7 @@ struct QueryKeyLayout {
   // (last == T2), required; paged per-sequence [B], required, each within the block table.
   const int64_t* seq_k_lens = nullptr;
 
-  // Paged keys: block_table [B][max_blocks] (row-major), entries in [0, block_count) for every
-  // block a sequence's length reaches.
-  const int64_t* block_table = nullptr;
-  int64_t max_blocks = 0;
-  int64_t block_size = 0;
-  int64_t block_count = 0;
+  // Paged keys: the PagedKeys base.
 };
 
 // Checks the layouts, sizes, lengths, block table and band with keys in layout `key`; messages

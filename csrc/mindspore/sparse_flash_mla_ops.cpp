@@ -56,15 +56,15 @@ py::object sparse_flash_mla(const SparseFlashMlaCall& call) {
   const core::SparseFlashMlaParams base = base_params(call, host);
   const bool empty = no_heads(base);
   const bool tnd = base.layout_q == core::Layout::kTND;
-  auto metadata = std::make_shared<std::vector<int64_t>>(values_of(call.metadata).value_or(
-      std::vector<int64_t>{}));
+  auto metadata = std::make_shared<std::vector<int64_t>>(
+      values_of(call.metadata).value_or(std::vector<int64_t>{}));
   const bool planned = call.metadata.has_value();
   const std::vector<OutputSpec> outs{
       {call.q.data_type(), call.q.shape()},
       {mindspore::kNumberTypeFloat32, empty ? std::vector<int64_t>{0} : lse_shape(base)}};
   return launch("OpmeshSparseFlashMla", inputs_of(call), outs,
-                [call, base, host, metadata, planned, empty, tnd](
-                    const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+                [call, base, host, metadata, planned, empty, tnd](const std::vector<ms::Tensor>& in,
+                                                                  std::vector<ms::Tensor>& out) {
                   if (empty) return;
                   core::SparseFlashMlaParams p = base;
                   common::point_sparse_flash_mla(p, with_inputs(call, in));
@@ -107,15 +107,8 @@ py::object sparse_flash_mla_backward(const SparseFlashMlaBackwardCall& call) {
                   const SparseFlashMlaBackwardCall c = with_inputs(call, in);
                   core::SparseFlashMlaParams p = base;
                   common::point_sparse_flash_mla(p, c);
-                  core::SparseFlashMlaGrads g;
-                  g.dout = common::layout_view(c.dout, tnd ? -1 : 0);
-                  g.out = common::layout_view(c.attention_out, tnd ? -1 : 0);
-                  g.softmax_lse = static_cast<const float*>(common::data_of(c.softmax_lse));
-                  g.dlse = c.dlse ? static_cast<const float*>(common::data_of(*c.dlse)) : nullptr;
-                  g.dq = out[0].GetDataPtr();
-                  g.d_ori_kv = c.ori_kv ? out[1].GetDataPtr() : nullptr;
-                  g.d_cmp_kv = c.cmp_kv ? out[2].GetDataPtr() : nullptr;
-                  g.dsinks = c.sinks ? out[3].data_ptr<float>() : nullptr;
+                  const ms::Tensor grads[4] = {out[0], out[1], out[2], out[3]};
+                  const core::SparseFlashMlaGrads g = common::sparse_flash_mla_grads(c, tnd, grads);
                   checked([&] {
                     cpu_kernels().sparse_flash_mla_backward(p, g, ThreadExecutor());
                     return 0;

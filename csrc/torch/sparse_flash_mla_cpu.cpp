@@ -96,15 +96,8 @@ Outputs4 sparse_flash_mla_backward_cpu(const SparseFlashMlaBackwardCall& call) {
   at::Tensor d_ori = like(c.ori_kv);
   at::Tensor d_cmp = like(c.cmp_kv);
   at::Tensor dsinks = c.sinks ? at::empty({a.n1}, f32) : at::empty({0}, f32);
-  core::SparseFlashMlaGrads g;
-  g.dout = common::layout_view(c.dout, a.tnd ? -1 : 0);
-  g.out = common::layout_view(c.attention_out, a.tnd ? -1 : 0);
-  g.softmax_lse = c.softmax_lse.data_ptr<float>();
-  g.dlse = c.dlse ? c.dlse->data_ptr<float>() : nullptr;
-  g.dq = dq.data_ptr();
-  g.d_ori_kv = c.ori_kv ? d_ori.data_ptr() : nullptr;
-  g.d_cmp_kv = c.cmp_kv ? d_cmp.data_ptr() : nullptr;
-  g.dsinks = c.sinks ? dsinks.data_ptr<float>() : nullptr;
+  const at::Tensor outs[4] = {dq, d_ori, d_cmp, dsinks};
+  const core::SparseFlashMlaGrads g = common::sparse_flash_mla_grads(c, a.tnd, outs);
   rethrow([&] {
     if (a.no_heads) {
       dq.zero_();

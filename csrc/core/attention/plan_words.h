@@ -9,17 +9,16 @@
 
 namespace opmesh::core::plan_words {
 
-inline int32_t float_bits(float f) {
-  int32_t w;
-  std::memcpy(&w, &f, sizeof(w));
-  return w;
+// The same bits as another type of the same size.
+template <class To, class From>
+To same_bits(const From& from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof(to));
+  return to;
 }
-
-inline float bits_float(int32_t w) {
-  float f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
+inline int32_t float_bits(float f) { return same_bits<int32_t>(f); }
+inline float bits_float(int32_t w) { return same_bits<float>(w); }
 
 // 64-bit hash of the values: a multiply-xorshift mix per value (word-wise FNV with a final
 // avalanche), so any changed entry changes the print.

@@ -362,14 +362,7 @@ void sparse_flash_mla_backward(const SparseFlashMlaParams& p, const SparseFlashM
   }
   const MlaSequences seqs = sparse_flash_mla_sequences(p);
   const MlaKeySelector keys(p, seqs, &gr);
-  SparseAttentionGrads g;
-  g.dout = gr.dout;
-  g.out = gr.out;
-  g.softmax_lse = gr.softmax_lse;
-  g.dlse = gr.dlse;
-  g.dq = gr.dq;
-  g.dsinks = gr.dsinks;
-  sparse::sparse_backward(kernel_params(p), g, keys, seqs.ori, executor, isa);
+  sparse::sparse_backward(kernel_params(p), gr, keys, seqs.ori, executor, isa);
 }
 
 }  // namespace opmesh::core

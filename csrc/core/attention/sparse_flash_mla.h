@@ -13,7 +13,9 @@
 #include "../cpu_features.h"
 #include "../dtype.h"
 #include "../executor.h"
+#include "../selection.h"
 #include "../vocabulary.h"
+#include "sparse_attention.h"
 
 namespace opmesh::core {
 
@@ -22,7 +24,7 @@ struct TokenSchedule;
 }
 
 // One of the two key/value tensors and how a query row selects its keys.
-struct MlaKeys {
+struct MlaKeys : PagedKeys {  // paged keys: the PagedKeys base (host table)
   bool present = false;
   View kv;          // [B, S, N2, D] / [T, N2, D] / paged [blocks, block_size, N2, D]
   int64_t seq = 0;  // BSND: S; TND: T; paged: unused
@@ -30,11 +32,6 @@ struct MlaKeys {
   // seqused [B] (nullptr: the layout's lengths), required for paged keys.
   const int64_t* cu_seqlens = nullptr;
   const int64_t* seqused = nullptr;
-  // Paged keys: block_table [B][max_blocks] (row-major host copy).
-  const int64_t* block_table = nullptr;
-  int64_t max_blocks = 0;
-  int64_t block_size = 0;
-  int64_t block_count = 0;
   // The mask: kNone, kCausal (bottom-right aligned; compressed keys by cmp_ratio) or kWindow
   // (win_left / win_right around the diagonal, -1 unbounded; original keys only).
   MaskMode mask_mode = MaskMode::kNone;
@@ -76,17 +73,12 @@ struct SparseFlashMlaParams {
   float* softmax_lse = nullptr;  // [B, N2, S1, G] / [N2, T1, G] float32 contiguous, or nullptr
 };
 
-// The backward's extra inputs and outputs: gradients contiguous in their input's shape and dtype
-// (dsinks float32 [N1]); rows nothing reaches get zeros.
-struct SparseFlashMlaGrads {
-  View dout;                           // q's shape, layout and dtype
-  View out;                            // the forward's output
-  const float* softmax_lse = nullptr;  // the forward's, contiguous
-  const float* dlse = nullptr;         // softmax_lse's gradient, contiguous, or nullptr
-  void* dq = nullptr;
+// The backward's extra inputs and outputs: sparse attention's (dout, out, softmax_lse and dlse,
+// dq, dsinks; its key-side gradients unused) and the two key tensors' gradients, contiguous in
+// their input's shape and dtype; rows nothing reaches get zeros.
+struct SparseFlashMlaGrads : SparseAttentionGrads {
   void* d_ori_kv = nullptr;  // when ori_kv is present
   void* d_cmp_kv = nullptr;  // when cmp_kv is present
-  float* dsinks = nullptr;   // when sinks
 };
 
 // Throws ArgumentError naming the first argument that is wrong, the selections' values included.
