@@ -1,0 +1,261 @@
+"""DeepSeek-V4's attention (``sparse_flash_mla``) against the strongest PyTorch composition.
+
+Parts (``--parts``):
+
+- ``layer``: one CSA layer (a 128-token window of the original keys and a top-``--topk`` of the
+  keys compressed 4:1) and one HCA layer (the window and every key compressed 128:1 that a row
+  has passed), ``--heads`` query heads over one shared key/value head of ``--dim``, sinks, bf16,
+  at each ``--seq``: forward, and forward + backward, against the same attention composed in
+  PyTorch (each chunk of query rows gathers its keys, then batched matmuls, the sink, softmax),
+  eager and compiled, at the chunk size that runs fastest. Time, GFLOP/s (the keys each row
+  reads x 4 N1 D), peak extra memory and the ratio to the best composition.
+- ``decode``: one query token for each of ``--batch`` sequences of ``--context`` tokens over
+  paged caches (an HCA layer: the window and ``context / 128`` compressed entries), against the
+  composition on the gathered keys; time, the bytes of key/value rows read per second, and
+  GFLOP/s.
+
+    python benchmarks/bench_v4.py [--seq 8192 32768] [--parts layer decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import peak_extra_bytes, time_call, write_results  # noqa: E402
+
+import opmesh  # noqa: E402
+
+WINDOW = 128
+
+
+def layer_inputs(kind, s, heads, dim, topk, requires_grad=False):
+    """q, ori_kv, cmp_kv, sinks and the call's arguments for one sequence (BSND, B = 1)."""
+    ratio = 4 if kind == "csa" else 128
+    c = s // ratio
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, s, heads, dim, generator=g) * dim**-0.25).to(torch.bfloat16)
+    ori = (torch.randn(1, s, 1, dim, generator=g) * dim**-0.25).to(torch.bfloat16)
+    cmp = (torch.randn(1, c, 1, dim, generator=g) * dim**-0.25).to(torch.bfloat16)
+    sinks = torch.zeros(heads)
+    kwargs = dict(
+        cmp_ratio=ratio, cmp_residual_kv=torch.tensor([s % ratio]), ori_mask_mode=4,
+        cmp_mask_mode=3, ori_win_left=WINDOW - 1, ori_win_right=0, softmax_scale=dim**-0.5,
+    )  # fmt: skip
+    if kind == "csa":
+        # A top-k of distinct entries each row has passed (its latest ones, in a shuffled
+        # order; -1 past the first entry): what the indexer hands over, at the same count.
+        passed = (torch.arange(s) + 1) // ratio
+        idx = passed[:, None] - 1 - torch.randperm(topk, generator=g)[None, :]
+        kwargs["cmp_sparse_indices"] = idx.clamp(min=-1).int().view(1, s, 1, topk)
+    if requires_grad:
+        for t in (q, ori, cmp, sinks):
+            t.requires_grad_(True)
+    return q, ori, cmp, sinks, kwargs
+
+
+def row_keys(kind, s, topk):
+    """Keys each row reads: its window and its compressed entries."""
+    ratio = 4 if kind == "csa" else 128
+    i = torch.arange(s)
+    window = torch.clamp(i + 1, max=WINDOW)
+    passed = (i + 1) // ratio
+    return window + (torch.clamp(passed, max=topk) if kind == "csa" else passed)
+
+
+def composition(q, ori, cmp, sinks, kwargs, chunk):
+    """The attention in PyTorch, ``chunk`` query rows at a time: each row's window keys and
+    compressed entries gathered into ``[chunk, K, D]`` (masked where a row has fewer), then
+    ``einsum`` scores, the sink as one more logit, softmax, and the weighted sum."""
+    s, heads, dim = q.shape[1], q.shape[2], q.shape[3]
+    ratio = kwargs["cmp_ratio"]
+    scale = kwargs["softmax_scale"]
+    kv_o, kv_c = ori[0, :, 0], cmp[0, :, 0]
+    idx_c = kwargs.get("cmp_sparse_indices")
+    outs = []
+    for c0 in range(0, s, chunk):
+        i = torch.arange(c0, min(s, c0 + chunk))
+        win = i[:, None] - torch.arange(WINDOW - 1, -1, -1)[None, :]  # [c, W]
+        win_ok = win >= 0
+        passed = (i + 1) // ratio
+        if idx_c is None:
+            ent = torch.arange(kv_c.shape[0])[None, :].expand(len(i), -1)
+        else:
+            ent = idx_c[0, c0 : c0 + len(i), 0].long()
+        ent_ok = (ent >= 0) & (ent < passed[:, None])
+        keys = torch.cat([kv_o[win.clamp(min=0)], kv_c[ent.clamp(min=0)]], dim=1)  # [c, K, D]
+        ok = torch.cat([win_ok, ent_ok], dim=1)
+        scores = torch.einsum("chd,ckd->chk", q[0, c0 : c0 + len(i)], keys).float() * scale
+        scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
+        logits = torch.cat([scores, sinks.view(1, heads, 1).expand(len(i), heads, 1)], dim=-1)
+        p = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
+        outs.append(torch.einsum("chk,ckd->chd", p, keys))
+    return torch.cat(outs).view(1, s, heads, dim)
+
+
+def ours(q, ori, cmp, sinks, kwargs):
+    return opmesh.sparse_flash_mla(q, ori_kv=ori, cmp_kv=cmp, sinks=sinks, **kwargs)[0]
+
+
+def with_backward(fn, leaves, grad):
+    def run():
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        out.backward(grad)
+
+    return run
+
+
+def bench_layer(args, rows):
+    for kind in ("csa", "hca"):
+        for s in args.seq:
+            q, ori, cmp, sinks, kwargs = layer_inputs(kind, s, args.heads, args.dim, args.topk)
+            keys = row_keys(kind, s, args.topk).sum().item()
+            flops_fwd = keys * 4 * args.heads * args.dim
+            want = ours(q, ori, cmp, sinks, kwargs)
+            compiled = torch.compile(composition, dynamic=False)
+            methods = {"opmesh": partial(ours, q, ori, cmp, sinks, kwargs)}
+            chunks = [c for c in args.chunks if c <= s] if s <= args.compose_up_to else []
+            for chunk in chunks:
+                methods[f"eager chunk {chunk}"] = partial(
+                    composition, q, ori, cmp, sinks, kwargs, chunk
+                )
+                methods[f"compiled chunk {chunk}"] = partial(
+                    compiled, q, ori, cmp, sinks, kwargs, chunk
+                )
+            if chunks:
+                got = methods[f"eager chunk {chunks[0]}"]()
+                err = (got.float() - want.float()).abs().max().item()
+            else:
+                err = float("nan")
+            add_rows(rows, kind, s, "forward", methods, flops_fwd, args, err)
+            # Forward + backward: the backward reads every key twice more (2.5x the forward's
+            # products).
+            leaves_q = layer_inputs(kind, s, args.heads, args.dim, args.topk, requires_grad=True)
+            lq, lo, lc, ls, lkw = leaves_q
+            grad = torch.randn_like(want)
+            both = {
+                "opmesh": with_backward(partial(ours, lq, lo, lc, ls, lkw), [lq, lo, lc, ls], grad)
+            }
+            for chunk in chunks:
+                both[f"eager chunk {chunk}"] = with_backward(
+                    partial(composition, lq, lo, lc, ls, lkw, chunk), [lq, lo, lc, ls], grad
+                )
+            add_rows(rows, kind, s, "forward + backward", both, flops_fwd * 3.5, args, err)
+
+
+def add_rows(rows, kind, s, phase, methods, flops, args, err):
+    timed = {}
+    for method, fn in methods.items():
+        # The compositions take tens of seconds a call at S = 8192: one timed call after the
+        # memory measurement's two (which warm them up).
+        slow = method != "opmesh"
+        extra = peak_extra_bytes(fn)
+        seconds = time_call(fn, budget_s=0 if slow else args.budget, min_repeats=1 if slow else 3,
+                            warm_up=False)  # fmt: skip
+        timed[method] = seconds
+        rows.append(
+            dict(
+                layer=kind.upper(), S=s, phase=phase, method=method, ms=round(seconds * 1e3, 1),
+                GFLOPs=round(flops / seconds / 1e9, 1),
+                extra_MB=round(extra / 2**20, 1),
+                max_abs_err=f"{err:.1e}" if method == "opmesh" else "",
+            )
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+    others = [t for m, t in timed.items() if m != "opmesh"]
+    if others:
+        rows[-len(timed)]["vs_best_torch"] = f"{min(others) / timed['opmesh']:.1f}x"
+
+
+def bench_decode(args, rows):
+    b, ctx, heads, dim, bs = args.batch, args.context, args.heads, args.dim, 64
+    g = torch.Generator().manual_seed(1)
+    c = ctx // 128
+    blocks_o, blocks_c = b * math.ceil(ctx / bs), b * math.ceil(c / bs)
+
+    def draw(*shape):
+        return (torch.randn(*shape, generator=g) * dim**-0.25).to(torch.bfloat16)
+
+    q = draw(b, 1, heads, dim)
+    ori, cmp = draw(blocks_o, bs, 1, dim), draw(blocks_c, bs, 1, dim)
+    table_o = torch.randperm(blocks_o, generator=g).view(b, -1).int()
+    table_c = torch.randperm(blocks_c, generator=g).view(b, -1).int()
+    kwargs = dict(
+        ori_block_table=table_o, cmp_block_table=table_c, layout_kv="PA_BBND",
+        seqused_ori_kv=torch.full((b,), ctx), seqused_cmp_kv=torch.full((b,), c), cmp_ratio=128,
+        cmp_mask_mode=3, ori_mask_mode=4, ori_win_left=WINDOW - 1, ori_win_right=0,
+        softmax_scale=dim**-0.5, sinks=torch.zeros(heads),
+    )  # fmt: skip
+
+    def ours_decode():
+        return opmesh.sparse_flash_mla(q, ori_kv=ori, cmp_kv=cmp, **kwargs)[0]
+
+    def composed():
+        # Each sequence's window and compressed rows gathered from the pages, then the same
+        # attention as the layer composition.
+        outs = []
+        for i in range(b):
+            w = torch.arange(ctx - WINDOW, ctx)
+            kw = ori[table_o[i, w // bs].long(), w % bs, 0]
+            e = torch.arange(c)
+            kc = cmp[table_c[i, e // bs].long(), e % bs, 0]
+            keys = torch.cat([kw, kc])
+            s = (q[i, 0] @ keys.T).float() * dim**-0.5
+            p = torch.softmax(torch.cat([s, torch.zeros(heads, 1)], dim=1), dim=1)[:, :-1]
+            outs.append(p.to(keys.dtype) @ keys)
+        return torch.stack(outs)
+
+    read = b * (WINDOW + c) * dim * 2  # bytes of key/value rows
+    flops = b * (WINDOW + c) * 4 * heads * dim
+    for method, fn in {"opmesh": ours_decode, "gather + matmul": composed}.items():
+        seconds = time_call(fn, budget_s=args.budget)
+        rows.append(
+            dict(
+                layer="HCA decode", S=ctx, phase=f"B={b}", method=method,
+                ms=round(seconds * 1e3, 3), GFLOPs=round(flops / seconds / 1e9, 1),
+                GB_per_s=round(read / seconds / 1e9, 2),
+            )
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["layer", "decode"])
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--topk", type=int, default=512)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[512])
+    parser.add_argument("--compose-up-to", type=int, default=8192,
+                        help="longest S the compositions run at (they take minutes beyond)")  # fmt: skip
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--budget", type=float, default=3.0)
+    parser.add_argument("--name", default="v4")
+    args = parser.parse_args()
+    rows = []
+    if "layer" in args.parts:
+        bench_layer(args, rows)
+    if "decode" in args.parts:
+        bench_decode(args, rows)
+    columns = ["layer", "S", "phase", "method", "ms", "GFLOPs", "extra_MB", "GB_per_s",
+               "vs_best_torch", "max_abs_err"]  # fmt: skip
+    notes = [
+        "GFLOP/s counts the keys each row reads x 4 N1 D (x 3.5 with the backward). The "
+        "compositions gather each chunk's keys and run batched matmuls (eager, and compiled "
+        "forward); vs_best_torch divides the fastest composition's time by opmesh's.",
+    ]
+    print(write_results(args.name, rows, columns, notes))
+
+
+if __name__ == "__main__":
+    main()
