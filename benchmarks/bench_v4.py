@@ -235,8 +235,8 @@ def main():
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--topk", type=int, default=512)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512])
-    parser.add_argument("--compose-up-to", type=int, default=8192,
-                        help="longest S the compositions run at (they take minutes beyond)")  # fmt: skip
+    # The longest S the compositions run at (they take minutes a call beyond).
+    parser.add_argument("--compose-up-to", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--budget", type=float, default=3.0)
