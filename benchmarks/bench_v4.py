@@ -253,6 +253,9 @@ def main():
         "GFLOP/s counts the keys each row reads x 4 N1 D (x 3.5 with the backward). The "
         "compositions gather each chunk's keys and run batched matmuls (eager, and compiled "
         "forward); vs_best_torch divides the fastest composition's time by opmesh's.",
+        "extra_MB is the peak resident memory a call adds, its output included (S x 64 x 512 "
+        "bf16: 512 MB at S = 8192); opmesh's kernels add O(tile) beyond it. Decode with 64 "
+        "query heads on one key head is compute-bound (GB_per_s: the key/value rows read).",
     ]
     print(write_results(args.name, rows, columns, notes))
 
