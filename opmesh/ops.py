@@ -105,6 +105,8 @@ def dense_lightning_indexer_softmax_lse(
     sparse_mode: int = 3,
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
+    cmp_ratio: int = 1,
+    cmp_residual_key: LengthsLike = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Softmax statistics of the lightning-indexer score, without materialising the scores.
 
@@ -133,6 +135,11 @@ def dense_lightning_indexer_softmax_lse(
         pre_tokens, next_tokens: a band around that diagonal ``d = i + s2 - s1``: key ``j`` is
             visible only if ``d - pre_tokens <= j <= d + next_tokens`` (both ``>= 0``; the
             defaults are unbounded; with ``sparse_mode=3`` keys right of ``d`` stay hidden).
+        cmp_ratio, cmp_residual_key: compressed keys (DeepSeek-V4), as for
+            :func:`lightning_indexer`: key entry ``j`` stands for original tokens
+            ``[j * cmp_ratio, (j + 1) * cmp_ratio)``, and with ``sparse_mode=3`` query ``i`` sees
+            the entries whose last original token is at or before its position
+            ``i + s2 * cmp_ratio + cmp_residual_key[b] - s1``. Not with a band; one device.
 
     Returns:
         ``(softmax_max, softmax_sum)``, float32, ``[B, N2, S1]`` (BSND) or ``[N2, T1]`` (TND).
@@ -154,9 +161,10 @@ def dense_lightning_indexer_softmax_lse(
     return _run("dense_lightning_indexer_softmax_lse", _torch_lengths(call))
 
 
-_LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen")
-# The indexer family's mask and length arguments, which its three functions share.
-_MASK_NAMES = (*_LENGTH_NAMES, "layout", "sparse_mode", "pre_tokens", "next_tokens")
+_LENGTH_NAMES = ("actual_seq_qlen", "actual_seq_klen", "cmp_residual_key")
+# The indexer family's mask, length and compressed-key arguments, which its functions share.
+_MASK_NAMES = (*_LENGTH_NAMES[:2], "layout", "sparse_mode", "pre_tokens", "next_tokens",
+               "cmp_ratio", "cmp_residual_key")  # fmt: skip
 # The dense front's parameters, in the order its DFunction takes them (the layout rules' table).
 _KL_PARAMETERS = _DSA_TABLES["indexer_kl_loss"].params
 
@@ -190,6 +198,8 @@ def dense_lightning_indexer_grad_kl_loss(
     sparse_mode: int = 3,
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
+    cmp_ratio: int = 1,
+    cmp_residual_key: LengthsLike = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""The KL loss that trains the lightning indexer against the main attention, and its
     gradients with respect to the indexer's inputs, fused (no S1 x S2 matrix is formed).
@@ -253,6 +263,8 @@ def indexer_kl_loss(
     sparse_mode: int = 3,
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
+    cmp_ratio: int = 1,
+    cmp_residual_key: LengthsLike = None,
 ) -> torch.Tensor:
     """The indexer's training loss as one differentiable call: computes the indexer's softmax
     statistics, then :func:`dense_lightning_indexer_grad_kl_loss`, and returns the loss (float32
@@ -342,6 +354,8 @@ def sparse_lightning_indexer_grad_kl_loss(
     sparse_mode: int = 3,
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
+    cmp_ratio: int = 1,
+    cmp_residual_key: LengthsLike = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""The indexer's KL loss over the keys ``sparse_indices`` select (DeepSeek sparse
     attention's sparse stage), and its gradients with respect to the indexer's inputs, fused.
@@ -411,6 +425,8 @@ def sparse_indexer_kl_loss(
     sparse_mode: int = 3,
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
+    cmp_ratio: int = 1,
+    cmp_residual_key: LengthsLike = None,
 ) -> torch.Tensor:
     """The indexer's sparse-stage training loss as one differentiable call: runs
     :func:`sparse_lightning_indexer_grad_kl_loss` and returns the loss (float32 ``[1]``), whose

@@ -144,15 +144,22 @@ struct Field {
   ARG_D(Bool, backward, false)
 #define OPMESH_OP_FLASH_ATTN_METADATA_RETURNS "Tensor"
 
+// The indexer family's compressed keys (DeepSeek-V4): each key entry stands for cmp_ratio
+// original tokens, cmp_residual_key the original tokens past each sequence's last whole entry.
+#define OPMESH_COMPRESSED_KEYS(ARG, ARG_D) \
+  ARG_D(Int, cmp_ratio, 1)                 \
+  ARG_D(OptInts, cmp_residual_key, std::nullopt)
+
 // The indexer family's mask and lengths (the Ascend convention: cumulative ends without a
-// leading 0, sparse_mode, pre_tokens/next_tokens).
-#define OPMESH_INDEXER_OPTIONS(ARG, ARG_D)                \
-  ARG_D(OptInts, actual_seq_qlen, std::nullopt)           \
-  ARG_D(OptInts, actual_seq_klen, std::nullopt)           \
-  ARG_D(Str, layout, "BSND")                              \
-  ARG_D(Int, sparse_mode, 3)                              \
-  ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens) \
-  ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens)
+// leading 0, sparse_mode, pre_tokens/next_tokens) and compressed keys.
+#define OPMESH_INDEXER_OPTIONS(ARG, ARG_D)                 \
+  ARG_D(OptInts, actual_seq_qlen, std::nullopt)            \
+  ARG_D(OptInts, actual_seq_klen, std::nullopt)            \
+  ARG_D(Str, layout, "BSND")                               \
+  ARG_D(Int, sparse_mode, 3)                               \
+  ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens)  \
+  ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens) \
+  OPMESH_COMPRESSED_KEYS(ARG, ARG_D)
 
 // dense_lightning_indexer_softmax_lse(query_index, key_index, weights, *, ...)
 #define OPMESH_OP_INDEXER(ARG, ARG_D, KWONLY) \
@@ -220,8 +227,7 @@ struct Field {
   ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens) \
   ARG_D(Bool, return_value, false)                         \
   ARG_D(Float, scale_value, 1.0)                           \
-  ARG_D(Int, cmp_ratio, 1)                                 \
-  ARG_D(OptInts, cmp_residual_key, std::nullopt)
+  OPMESH_COMPRESSED_KEYS(ARG, ARG_D)
 #define OPMESH_OP_LIGHTNING_INDEXER_RETURNS "(Tensor sparse_indices, Tensor sparse_values)"
 
 // The arguments sparse_flash_attention and its backward share after their tensors.

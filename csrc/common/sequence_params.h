@@ -25,6 +25,35 @@ namespace opmesh::common {
 
 // ------------------------------------------------------------ dense_lightning_indexer_softmax_lse
 
+// ----------------------------------------------------------------------------- compressed keys
+
+// A call's host arrays with its compressed keys' residuals (cmp_residual_key).
+template <class Call>
+HostArrays with_residuals(HostArrays h, const Call& c) {
+  h.residuals_given = c.cmp_residual_key.has_value();
+  h.residuals = host_values(c.cmp_residual_key);
+  return h;
+}
+
+// The residuals into the params (core::Compression), one per sequence.
+inline void point_residuals(core::Compression& p, int64_t batch, const HostArrays& h) {
+  if (!h.residuals_given) return;
+  if (static_cast<int64_t>(h.residuals.size()) != batch) {
+    throw core::ArgumentError("cmp_residual_key", "expected " + std::to_string(batch) +
+                                                      " entries (one per sequence), got " +
+                                                      std::to_string(h.residuals.size()));
+  }
+  static const int64_t kNoSequences = 0;
+  p.cmp_residuals = h.residuals.empty() ? &kNoSequences : h.residuals.data();
+}
+
+// The indexer family's host arrays (dense statistics and both KL losses): the lengths and the
+// residuals.
+template <class Call>
+HostArrays indexer_host(const Call& c) {
+  return with_residuals(host_arrays(c.actual_seq_qlen, c.actual_seq_klen), c);
+}
+
 // The indexer family's layout, mask (pre_tokens and next_tokens come by name), sequence sizes
 // and lengths, read off the index tensors: what the indexer and its KL losses share.
 template <class Params, class Call>
@@ -39,6 +68,7 @@ void indexer_sequences_of(Params& p, const Call& c, const HostArrays& h) {
   p.seq_k = ki[tnd ? 0 : 1];
   p.seq_q_lens = h.q();
   p.seq_k_lens = h.k();
+  point_residuals(p, p.batch, h);
 }
 
 template <class Call>
@@ -105,15 +135,7 @@ core::LightningIndexerParams lightning_indexer_params(const Call& c, const HostA
   fill_query_key_layout(p, c, p.layout_key, h);
   p.qk_dtype = dtype_of(c.query, "query");
   p.weights_dtype = dtype_of(c.weights, "weights");
-  if (h.residuals_given) {
-    if (static_cast<int64_t>(h.residuals.size()) != p.batch) {
-      throw core::ArgumentError("cmp_residual_key", "expected " + std::to_string(p.batch) +
-                                                        " entries (one per sequence), got " +
-                                                        std::to_string(h.residuals.size()));
-    }
-    static const int64_t kNoSequences = 0;
-    p.cmp_residuals = h.residuals.empty() ? &kNoSequences : h.residuals.data();
-  }
+  point_residuals(p, p.batch, h);
   return p;
 }
 
@@ -121,10 +143,8 @@ core::LightningIndexerParams lightning_indexer_params(const Call& c, const HostA
 // residuals.
 template <class Call>
 HostArrays lightning_indexer_host(const Call& c) {
-  HostArrays h = host_arrays(c.actual_seq_lengths_query, c.actual_seq_lengths_key, c.block_table);
-  h.residuals_given = c.cmp_residual_key.has_value();
-  h.residuals = host_values(c.cmp_residual_key);
-  return h;
+  return with_residuals(
+      host_arrays(c.actual_seq_lengths_query, c.actual_seq_lengths_key, c.block_table), c);
 }
 
 // lightning_indexer's inputs: query, key and weights.

@@ -203,4 +203,28 @@ void validate(const Selection& sel, const std::vector<Sequence>& seqs) {
   }
 }
 
+void validate(const Compression& c, int64_t batch, int64_t pre_tokens, int64_t next_tokens) {
+  if (c.cmp_ratio < 1 || c.cmp_ratio > kMaxTokens) {
+    throw ArgumentError("cmp_ratio",
+                        "must be in [1, " + str(kMaxTokens) + "], got " + str(c.cmp_ratio));
+  }
+  if (c.cmp_residuals != nullptr) {
+    if (c.cmp_ratio == 1) {
+      throw ArgumentError("cmp_residual_key", "is given only with cmp_ratio > 1");
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t r = c.cmp_residuals[b];
+      if (r < 0 || r >= c.cmp_ratio) {
+        throw ArgumentError("cmp_residual_key",
+                            "entry " + str(b) + " is " + str(r) +
+                                ", outside [0, cmp_ratio = " + str(c.cmp_ratio) + ")");
+      }
+    }
+  }
+  if (c.cmp_ratio > 1 && (pre_tokens < kMaxTokens || next_tokens < kMaxTokens)) {
+    throw ArgumentError(pre_tokens < kMaxTokens ? "pre_tokens" : "next_tokens",
+                        "a band is not defined over compressed keys (cmp_ratio > 1)");
+  }
+}
+
 }  // namespace opmesh::core

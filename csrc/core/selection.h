@@ -21,6 +21,31 @@ Mask indexer_mask(MaskMode sparse_mode, int64_t pre_tokens, int64_t next_tokens)
 void check_indexer_lengths(const int64_t* lens, int64_t batch, int64_t total, bool cumulative,
                            const char* name);
 
+// Compressed keys (DeepSeek-V4's indexer): each key entry stands for cmp_ratio original tokens,
+// and under the causal mask a query sees the entries whose last original token is at or before
+// its bottom-right-aligned position (Mask::ratio); cmp_residuals [B] (nullptr: all 0) gives each
+// sequence's original tokens past its last whole entry, each in [0, cmp_ratio).
+struct Compression {
+  int64_t cmp_ratio = 1;
+  const int64_t* cmp_residuals = nullptr;
+};
+
+// cmp_ratio within [1, kMaxTokens]; residuals only with compression, each in [0, cmp_ratio); no
+// band over compressed keys (a window in original tokens has no entry-wise meaning there).
+// ArgumentError names cmp_ratio, cmp_residual_key, pre_tokens or next_tokens.
+void validate(const Compression& compression, int64_t batch, int64_t pre_tokens,
+              int64_t next_tokens);
+
+// The mask with the compression's ratio, and the sequences with its residuals.
+inline Mask compressed(Mask mask, const Compression& c) {
+  mask.ratio = c.cmp_ratio;
+  return mask;
+}
+inline void apply_residuals(const Compression& c, std::vector<Sequence>& seqs) {
+  if (c.cmp_residuals == nullptr) return;
+  for (Sequence& s : seqs) s.residual = c.cmp_residuals[s.batch];
+}
+
 // Paged keys: block_table [B][max_blocks] (row-major), entries in [0, block_count) for every
 // block a sequence's length reaches; block_size keys a block.
 struct PagedKeys {

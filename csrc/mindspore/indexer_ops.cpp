@@ -41,8 +41,7 @@ py::object indexer(const IndexerCall& call) {
   require_rank(call.query_index, rank, "query_index");
   require_rank(call.key_index, rank, "key_index");
   require_rank(call.weights, rank - 1, "weights");
-  auto host = std::make_shared<common::HostArrays>(
-      common::host_arrays(call.actual_seq_qlen, call.actual_seq_klen));
+  auto host = std::make_shared<common::HostArrays>(common::indexer_host(call));
   const core::IndexerParams base = checked([&] { return common::indexer_params(call, *host); });
   // No heads at all (N1 = N2 = 0): nothing to compute; the rest is checked as with heads.
   const bool no_heads = base.heads_q == 0 && base.heads_k == 0;
@@ -111,8 +110,7 @@ template <class Call>
 py::object kl_loss(const Call& call, const char* kernel) {
   const bool tnd = is_tnd(call);
   check_kl_ranks(call, tnd);
-  auto host = std::make_shared<common::HostArrays>(
-      common::host_arrays(call.actual_seq_qlen, call.actual_seq_klen));
+  auto host = std::make_shared<common::HostArrays>(common::indexer_host(call));
   // The length arrays' checks are the indexer's (the same mask over the same tokens).
   validate_with_heads(checked([&] { return common::indexer_params(call, *host); }));
   const core::IndexerKlLossParams base =

@@ -57,7 +57,8 @@ void check_indexer_args(const Call& a) {
   const at::Tensor& w = a.weights;
   check_indexer_devices(q, k, w);
   for (const auto& [t, name] : {std::pair{&a.actual_seq_qlen, "actual_seq_qlen"},
-                                {&a.actual_seq_klen, "actual_seq_klen"}}) {
+                                {&a.actual_seq_klen, "actual_seq_klen"},
+                                {&a.cmp_residual_key, "cmp_residual_key"}}) {
     if (t->has_value()) {
       TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
                         " like query_index, got ", (*t)->device());
@@ -119,6 +120,8 @@ void check_indexer_args(const Call& a) {
                       "actual_seq_klen: expected ", a.actual_seq_qlen->sym_size(0),
                       " entries like actual_seq_qlen, got ", a.actual_seq_klen->sym_size(0));
   }
+  check_per_sequence(a.cmp_residual_key, "cmp_residual_key",
+                     tnd ? a.actual_seq_qlen->sym_size(0) : q.sym_size(0));
 }
 
 }  // namespace opmesh::binding

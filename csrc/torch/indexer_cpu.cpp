@@ -19,7 +19,7 @@ Outputs2 indexer_cpu(const IndexerCall& a) {
   TORCH_CHECK_VALUE(a.query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
                     a.query_index.device());
   check_indexer_args(a);
-  const common::HostArrays host = common::host_arrays(a.actual_seq_qlen, a.actual_seq_klen);
+  const common::HostArrays host = common::indexer_host(a);
   core::IndexerParams p = rethrow([&] { return common::indexer_params(a, host); });
   common::point_indexer(p, a);
   const std::vector<int64_t> shape = p.layout == core::Layout::kTND

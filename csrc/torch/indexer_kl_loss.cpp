@@ -204,7 +204,7 @@ Outputs4 kl_loss_cpu(const Call& call) {
   TORCH_CHECK_VALUE(call.query_index.device().is_cpu(), "query_index: expected a CPU tensor, got ",
                     call.query_index.device());
   const KlShapes s = check_kl_args(call);
-  const common::HostArrays host = common::host_arrays(call.actual_seq_qlen, call.actual_seq_klen);
+  const common::HostArrays host = common::indexer_host(call);
   // The statistics float32 contiguous and the selection int32, as the core reads them.
   Call a = call;
   a.softmax_max = a.softmax_max.contiguous();

@@ -170,10 +170,10 @@ def _indexer_mask(mask):
     """``mask``: the indexer's keyword arguments (lengths, layout, sparse_mode, band). Returns
     them for the shared checks (lengths as meta stand-ins) and as the binding takes them (lengths
     as host values)."""
-    qlen, qlen_meta = _host(mask["actual_seq_qlen"], "actual_seq_qlen")
-    klen, klen_meta = _host(mask["actual_seq_klen"], "actual_seq_klen")
-    checks = dict(mask, actual_seq_qlen=qlen_meta, actual_seq_klen=klen_meta)
-    return checks, dict(mask, actual_seq_qlen=qlen, actual_seq_klen=klen)
+    checks, host = dict(mask), dict(mask)
+    for name in ("actual_seq_qlen", "actual_seq_klen", "cmp_residual_key"):
+        host[name], checks[name] = _host(mask.get(name), name)
+    return checks, host
 
 
 def indexer(query_index, key_index, weights, mask):
@@ -442,7 +442,10 @@ def grad_kl_loss(args, query_rope, key_rope, mask, differentiable=True):
 _SPARSE_KL = "sparse_lightning_indexer_grad_kl_loss"
 _SPARSE_KL_TENSORS = _schema.positional(_SPARSE_KL)[:-1]
 # The indexer family's mask and length arguments.
-_MASK = ("actual_seq_qlen", "actual_seq_klen", "layout", "sparse_mode", "pre_tokens", "next_tokens")
+_MASK = (
+    "actual_seq_qlen", "actual_seq_klen", "layout", "sparse_mode", "pre_tokens", "next_tokens",
+    "cmp_ratio", "cmp_residual_key",
+)  # fmt: skip
 # The binding's kernels of the two KL losses.
 _DENSE_KL_KERNEL = "indexer_grad_kl_loss"
 _SPARSE_KL_KERNEL = "sparse_indexer_grad_kl_loss"

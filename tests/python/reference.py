@@ -25,9 +25,13 @@ def sequence_bounds(batch, total_q, total_k, qlen, klen, layout):
 UNBOUNDED = 2**63 - 1
 
 
-def indexer_visible(s1, s2, sparse_mode, pre_tokens=UNBOUNDED, next_tokens=UNBOUNDED):
+def indexer_visible(
+    s1, s2, sparse_mode, pre_tokens=UNBOUNDED, next_tokens=UNBOUNDED, cmp_ratio=1, residual=0
+):
     """``[s1, s2]`` bool: key ``j`` visible to query ``i`` with diagonal ``d = i + s2 - s1``:
     ``d - pre_tokens <= j <= d + next_tokens``, and ``j <= d`` when ``sparse_mode == 3``."""
+    if cmp_ratio > 1 and sparse_mode == 3:
+        return compressed_visible(s1, s2, cmp_ratio, residual)
     i = torch.arange(s1)[:, None]
     j = torch.arange(s2)[None, :]
     d = i + s2 - s1
@@ -48,8 +52,11 @@ def indexer_softmax_lse(
     sparse_mode=3,
     pre_tokens=UNBOUNDED,
     next_tokens=UNBOUNDED,
+    cmp_ratio=1,
+    cmp_residual_key=None,
 ):
-    """Reference for ``dense_lightning_indexer_softmax_lse``.
+    """Reference for ``dense_lightning_indexer_softmax_lse`` (compressed keys: ``cmp_ratio``
+    and per-sequence ``cmp_residual_key``, see ``compressed_visible``).
 
     ``I[g, i, j] = sum_{h in group g} w[i, h] * relu(q[i, h] . k[j, g])`` over visible ``j``;
     returns float64 ``(max_j I, sum_j exp(I - max))``, ``[B, N2, S1]`` (BSND) or ``[N2, T1]``
@@ -79,7 +86,10 @@ def indexer_softmax_lse(
             heads = slice(g * group, (g + 1) * group)
             dots = torch.einsum("ihd,jd->ihj", qs[:, heads], ks[:, g])
             scores = torch.einsum("ih,ihj->ij", ws[:, heads], dots.clamp_min(0))
-            visible = indexer_visible(s1, s2, sparse_mode, pre_tokens, next_tokens)
+            residual = int(cmp_residual_key[b]) if cmp_residual_key is not None else 0
+            visible = indexer_visible(
+                s1, s2, sparse_mode, pre_tokens, next_tokens, cmp_ratio, residual
+            )
             scores = scores.masked_fill(~visible, float("-inf"))
             m = scores.amax(dim=1) if s2 > 0 else torch.full((s1,), float("-inf"))
             m = torch.where(visible.any(dim=1), m, torch.full_like(m, float("-inf")))

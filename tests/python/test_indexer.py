@@ -11,8 +11,10 @@ from reference import UNBOUNDED, indexer_softmax_lse
 import opmesh
 
 
-def check(case, dtype, sparse_mode, **input_options):
+def check(case, dtype, sparse_mode, cmp_ratio=1, cmp_residual_key=None, **input_options):
     q, k, w, kwargs = make_inputs(case, dtype, **input_options)
+    if cmp_ratio > 1:
+        kwargs.update(cmp_ratio=cmp_ratio, cmp_residual_key=cmp_residual_key)
     got_max, got_sum = opmesh.dense_lightning_indexer_softmax_lse(
         q, k, w, sparse_mode=sparse_mode, **kwargs
     )
@@ -146,3 +148,33 @@ def test_negative_band_is_named(name):
         name,
         lambda: opmesh.dense_lightning_indexer_softmax_lse(q, k, w, **{name: -1}, **kwargs),
     )
+
+
+# Compressed keys (DeepSeek-V4): each key entry stands for cmp_ratio original tokens; under the
+# causal mask a query sees the entries whose last original token is at or before its position.
+COMPRESSED = [
+    (CASES[3], 4, (1,)),  # 111 queries over 17 entries (69 original tokens)
+    (CASES[5], 3, (2, 0, 1)),  # lengths with empty sequences
+    (CASES[7], 2, (1, 0, 1, 0)),  # TND varlen
+    (CASES[8], 8, (7, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case, ratio, residuals", COMPRESSED, ids=lambda c: getattr(c, "name", ""))
+def test_compressed_keys(case, ratio, residuals, dtype, simd_level):
+    check(case, dtype, 3, cmp_ratio=ratio, cmp_residual_key=list(residuals))
+    check(case, dtype, 3, cmp_ratio=ratio)  # residuals 0
+
+
+def test_compressed_keys_errors_are_named():
+    q, k, w, kwargs = make_inputs(CASES[5], torch.float32)
+    call = opmesh.dense_lightning_indexer_softmax_lse
+    for name, extra in [
+        ("cmp_residual_key", dict(cmp_ratio=3, cmp_residual_key=[3, 0, 0])),
+        ("cmp_residual_key", dict(cmp_residual_key=[0, 0, 0])),
+        ("cmp_residual_key", dict(cmp_ratio=3, cmp_residual_key=[0, 0])),
+        ("cmp_ratio", dict(cmp_ratio=0)),
+        ("pre_tokens", dict(cmp_ratio=3, pre_tokens=4)),
+    ]:
+        assert_raises_named(ValueError, name, lambda e=extra: call(q, k, w, **kwargs, **e))

@@ -34,6 +34,8 @@ class Case:
     sparse_mode: int = 3
     pre_tokens: int = UNBOUNDED
     next_tokens: int = UNBOUNDED
+    cmp_ratio: int = 1  # compressed keys (DeepSeek-V4), with one residual per sequence
+    residuals: tuple | None = None
 
 
 CASES = [
@@ -64,7 +66,27 @@ CASES = [
         lens=((64, 100), (64, 100)),
         pre_tokens=17,
     ),
+    # Compressed keys: each key entry stands for cmp_ratio original tokens.
+    Case("compressed_bsnd", b=2, s1=41, s2=10, cmp_ratio=4, residuals=(1, 3), dr=4),
+    Case(
+        "compressed_tnd",
+        layout="TND",
+        b=3,
+        s1=60,
+        s2=21,
+        lens=((25, 25, 60), (6, 6, 21)),
+        cmp_ratio=4,
+        residuals=(1, 0, 3),
+        n2i=2,
+    ),
 ]
+
+
+def case_visible(case, b, ql, kl):
+    residual = case.residuals[b] if case.residuals else 0
+    return indexer_visible(
+        ql, kl, case.sparse_mode, case.pre_tokens, case.next_tokens, case.cmp_ratio, residual
+    )
 
 
 def sequences(case):
@@ -115,7 +137,7 @@ def make(case, dtype, seed=0):
         bi = () if case.layout == "TND" else (b,)
         rows = slice(q0, q0 + ql)
         keys = slice(k0, k0 + kl)
-        visible = indexer_visible(ql, kl, case.sparse_mode, case.pre_tokens, case.next_tokens)
+        visible = case_visible(case, b, ql, kl)
         rope = {}
         if case.dr:
             rope = dict(
@@ -130,6 +152,8 @@ def make(case, dtype, seed=0):
     t["softmax_sum"] = ssum.float()
     options = dict(layout=case.layout, sparse_mode=case.sparse_mode)
     options.update(pre_tokens=case.pre_tokens, next_tokens=case.next_tokens)
+    if case.cmp_ratio > 1:
+        options.update(cmp_ratio=case.cmp_ratio, cmp_residual_key=case.residuals)
     if case.lens is not None:
         options.update(actual_seq_qlen=list(case.lens[0]), actual_seq_klen=list(case.lens[1]))
     return t, scale, options
@@ -149,7 +173,7 @@ def reference(case, t, scale):
         rope = {}
         if case.dr:
             rope = dict(query_rope=t["query_rope"][rows], key_rope=t["key_rope"][keys])
-        visible = indexer_visible(ql, kl, case.sparse_mode, case.pre_tokens, case.next_tokens)
+        visible = case_visible(case, b, ql, kl)
         loss = loss + indexer_kl_loss(
             t["query"][rows],
             t["key"][keys],

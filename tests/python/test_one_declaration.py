@@ -16,7 +16,8 @@ EXPECTED = {
     "dense_lightning_indexer_softmax_lse": (
         "(Tensor query_index, Tensor key_index, Tensor weights, *, Tensor? actual_seq_qlen=None, "
         'Tensor? actual_seq_klen=None, str layout="BSND", int sparse_mode=3, '
-        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
+        "int cmp_ratio=1, Tensor? cmp_residual_key=None) -> "
         "(Tensor softmax_max, Tensor softmax_sum)"
     ),
     "lightning_indexer": (
@@ -33,7 +34,8 @@ EXPECTED = {
         "Tensor sparse_indices, Tensor softmax_max, Tensor softmax_sum, float scale_value, *, "
         "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? actual_seq_qlen=None, "
         'Tensor? actual_seq_klen=None, str layout="BSND", int sparse_mode=3, '
-        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807) -> "
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
+        "int cmp_ratio=1, Tensor? cmp_residual_key=None) -> "
         "(Tensor d_query_index, Tensor d_key_index, Tensor d_weights, Tensor loss)"
     ),
     "sparse_flash_mla": (

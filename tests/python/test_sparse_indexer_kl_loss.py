@@ -14,9 +14,8 @@ import pytest
 import torch
 from comparators import assert_close
 from conftest import assert_raises_named
-from reference import indexer_visible
 from reference import sparse_indexer_kl_loss as reference_loss
-from test_indexer_kl_loss import CASES, Case, make, sequences
+from test_indexer_kl_loss import CASES, Case, case_visible, make, sequences
 
 import opmesh
 
@@ -58,7 +57,7 @@ def reference(case, t, idx, scale):
         rope = {}
         if case.dr:
             rope = dict(query_rope=t["query_rope"][rows], key_rope=t["key_rope"][keys])
-        visible = indexer_visible(ql, kl, case.sparse_mode, case.pre_tokens, case.next_tokens)
+        visible = case_visible(case, b, ql, kl)
         loss = loss + reference_loss(
             t["query"][rows],
             t["key"][keys],
@@ -131,6 +130,8 @@ GRID = {
     "bsnd_lengths": (17, False),
     "tnd_varlen": (25, False),
     "tnd_rope_band": (12, True),
+    "compressed_bsnd": (9, False),
+    "compressed_tnd": (6, True),
 }
 
 

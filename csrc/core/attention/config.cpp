@@ -181,7 +181,19 @@ TileSpan tile_span(const PlanConfig& c, const Sequence& s, int64_t p0, int64_t p
   TileSpan t;
   if (p1 <= p0 || s.k_len == 0) return t;
   int64_t first_seeing = p0;
-  if (c.mask_mode != MaskMode::kNone && !(c.mask_mode == MaskMode::kWindow && c.win_right < 0)) {
+  if (c.cmp_ratio > 1 && c.mask_mode == MaskMode::kCausal) {
+    // Compressed keys: the first row whose range is not empty (the ranges grow with the row).
+    int64_t hi = p1;
+    while (first_seeing < hi) {
+      const int64_t mid = first_seeing + (hi - first_seeing) / 2;
+      if (visible_keys(c, s, mid).end > 0) {
+        hi = mid;
+      } else {
+        first_seeing = mid + 1;
+      }
+    }
+  } else if (c.mask_mode != MaskMode::kNone &&
+             !(c.mask_mode == MaskMode::kWindow && c.win_right < 0)) {
     const int64_t reach = c.mask_mode == MaskMode::kCausal ? 0 : c.win_right;
     // Row i sees something iff i + diag + reach >= 0.
     first_seeing = std::max(p0, -s.diag() - reach);

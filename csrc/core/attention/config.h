@@ -43,6 +43,9 @@ struct PlanConfig {
   bool deterministic = false;
   // A plan for flash_attn_backward rather than for the forward (metadata only).
   bool backward = false;
+  // The keys' compression (the indexer over compressed keys; Mask::ratio): 1 for flash attention.
+  // Not part of the metadata format.
+  int64_t cmp_ratio = 1;
   // Query positions per tile; 0 chooses kTargetRows / group (flash attention). Not part of the
   // metadata format: a plan decoded from metadata always has 0 here.
   int64_t tile_positions = 0;
@@ -67,7 +70,9 @@ void validate_config(const PlanConfig& config);
 std::vector<Sequence> resolve_sequences(const PlanConfig& config, const LengthArrays& lengths);
 
 // The mask a configuration describes, and the keys it lets query row `i` of a sequence see.
-inline Mask mask_of(const PlanConfig& c) { return {c.mask_mode, c.win_left, c.win_right}; }
+inline Mask mask_of(const PlanConfig& c) {
+  return {c.mask_mode, c.win_left, c.win_right, c.cmp_ratio};
+}
 inline KeyRange visible_keys(const PlanConfig& config, const Sequence& seq, int64_t i) {
   return core::visible_keys(mask_of(config), seq, i);
 }

@@ -32,7 +32,9 @@ std::vector<Sequence> indexer_sequences(const IndexerParams& p) {
   l.seq_k = p.seq_k;
   l.seq_q_lens = p.seq_q_lens;
   l.seq_k_lens = p.seq_k_lens;
-  return query_key_sequences(l, p.layout);
+  std::vector<Sequence> seqs = query_key_sequences(l, p.layout);
+  apply_residuals(p, seqs);
+  return seqs;
 }
 
 namespace {
@@ -87,6 +89,7 @@ attention::PlanConfig plan_config(const IndexerParams& p, const std::vector<Sequ
   c.win_left = mask.left;
   c.win_right = mask.right;
   c.layout_q = c.layout_kv = c.layout_out = p.layout;
+  c.cmp_ratio = p.cmp_ratio;
   c.num_workers = workers;
   // Units split only at fixed key chunks, whose statistics merge in a fixed order: the result
   // is the same, bit for bit, whatever the worker and thread counts.
@@ -122,7 +125,7 @@ class IndexerRun {
         plan_(attention::make_plan(config_, sequences_, cost_model(p, set_))),
         walker_(config_, sequences_),
         rows_(kernels::round_up(plan_.geometry.positions, set_.row_align)),
-        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)) {}
+        mask_(compressed(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens), p)) {}
 
   const attention::Plan& plan() const { return plan_; }
   const attention::UnitWalker& walker() const { return walker_; }
@@ -235,6 +238,7 @@ void validate(const IndexerParams& p) {
     throw ArgumentError("layout", "expected BSND or TND");
   }
   indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens);
+  validate(static_cast<const Compression&>(p), p.batch, p.pre_tokens, p.next_tokens);
   if (p.batch < 0) throw ArgumentError("batch", "must be >= 0, got " + str(p.batch));
   if (p.seq_q < 0 || p.seq_k < 0) throw ArgumentError("query_index", "negative sequence size");
   // The same head and head-dim limits as flash attention: they bound every scratch size.

@@ -15,8 +15,8 @@
 
 namespace opmesh::core {
 
-struct IndexerParams {
-  Layout layout = Layout::kBSND;  // BSND or TND
+struct IndexerParams : Compression {  // compressed keys: Compression (selection.h)
+  Layout layout = Layout::kBSND;      // BSND or TND
   // The operator's sparse_mode: kNone, or kCausal (key j visible to query i iff
   // j <= i + s2 - s1, aligned to the bottom-right corner of each sequence).
   MaskMode sparse_mode = MaskMode::kCausal;

@@ -32,6 +32,7 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 IndexerParams index_params(const IndexerKlLossParams& p) {
   IndexerParams q;
+  static_cast<Compression&>(q) = p;
   q.layout = p.layout;
   q.sparse_mode = p.sparse_mode;
   q.pre_tokens = p.pre_tokens;
@@ -64,7 +65,7 @@ class KlLoss {
         k_(kernels::float32_set(isa)),
         kb_(kernels::select_set(isa, score_dtype(p), -1, true)),
         pairs_(kb_.word == kernels::Word::kBf16Pair),
-        mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
+        mask_(compressed(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens), p)),
         seqs_(indexer_sequences(index_params(p))),
         group_(p.heads_q / p.heads_k),
         igroup_(p.index_heads_q / p.index_heads_k),

@@ -41,8 +41,8 @@ struct KlGradient : MutableView {
   DType dtype = DType::kFloat32;
 };
 
-struct IndexerKlLossParams {
-  Layout layout = Layout::kBSND;  // BSND or TND
+struct IndexerKlLossParams : Compression {  // compressed keys: Compression (selection.h)
+  Layout layout = Layout::kBSND;            // BSND or TND
   MaskMode sparse_mode = MaskMode::kCausal;
   int64_t pre_tokens = std::numeric_limits<int64_t>::max();
   int64_t next_tokens = std::numeric_limits<int64_t>::max();

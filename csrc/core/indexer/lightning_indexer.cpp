@@ -19,12 +19,6 @@
 namespace opmesh::core {
 namespace {
 
-// The call's mask with its keys' compression ratio.
-Mask compressed(Mask mask, int64_t ratio) {
-  mask.ratio = ratio;
-  return mask;
-}
-
 using kernels::kKeyTile;
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -93,7 +87,7 @@ class TopKRun {
         set_(kernels::select_set(isa, p.qk_dtype, p.bf16_pairs, true)),
         operands_(operands(p)),
         packer_(operands_, set_),
-        mask_(compressed(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens), p.cmp_ratio)),
+        mask_(compressed(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens), p)),
         seqs_(lightning_indexer_sequences(p)),
         positions_(unit_positions()),
         rows_(kernels::round_up(positions_, set_.row_align)) {
@@ -316,41 +310,9 @@ class TopKRun {
 
 std::vector<Sequence> lightning_indexer_sequences(const LightningIndexerParams& p) {
   std::vector<Sequence> seqs = query_key_sequences(p, p.layout_key);
-  if (p.cmp_residuals != nullptr) {
-    for (Sequence& s : seqs) s.residual = p.cmp_residuals[s.batch];
-  }
+  apply_residuals(p, seqs);
   return seqs;
 }
-
-namespace {
-
-// cmp_ratio within [1, kMaxTokens]; residuals only with compression, each in [0, cmp_ratio); no
-// band over compressed keys (a window in original tokens has no entry-wise meaning here).
-void validate_compression(const LightningIndexerParams& p) {
-  if (p.cmp_ratio < 1 || p.cmp_ratio > kMaxTokens) {
-    throw ArgumentError("cmp_ratio",
-                        "must be in [1, " + str(kMaxTokens) + "], got " + str(p.cmp_ratio));
-  }
-  if (p.cmp_residuals != nullptr) {
-    if (p.cmp_ratio == 1) {
-      throw ArgumentError("cmp_residual_key", "is given only with cmp_ratio > 1");
-    }
-    for (int64_t b = 0; b < p.batch; ++b) {
-      const int64_t r = p.cmp_residuals[b];
-      if (r < 0 || r >= p.cmp_ratio) {
-        throw ArgumentError("cmp_residual_key",
-                            "entry " + str(b) + " is " + str(r) +
-                                ", outside [0, cmp_ratio = " + str(p.cmp_ratio) + ")");
-      }
-    }
-  }
-  if (p.cmp_ratio > 1 && (p.pre_tokens < kMaxTokens || p.next_tokens < kMaxTokens)) {
-    throw ArgumentError(p.pre_tokens < kMaxTokens ? "pre_tokens" : "next_tokens",
-                        "a band is not defined over compressed keys (cmp_ratio > 1)");
-  }
-}
-
-}  // namespace
 
 void validate(const LightningIndexerParams& p) {
   validate(p, p.layout_key, "layout_key", "actual_seq_lengths_query", "actual_seq_lengths_key");
@@ -359,7 +321,7 @@ void validate(const LightningIndexerParams& p) {
                         "must be in [1, " + str(kMaxSparseCount) + "], got " + str(p.sparse_count));
   }
   check_grouped_heads(p.heads_q, p.heads_k);
-  validate_compression(p);
+  validate(static_cast<const Compression&>(p), p.batch, p.pre_tokens, p.next_tokens);
   if (!(p.scale_value > 0.0f) || std::isinf(p.scale_value)) {
     throw ArgumentError("scale_value",
                         "must be finite and > 0, got " + std::to_string(p.scale_value));

@@ -24,17 +24,11 @@ inline constexpr int64_t kMaxSparseCount = int64_t{1} << 16;
 // The queries' layout, band, sizes, heads, lengths and block table are QueryKeyLayout's
 // (selection.h); the keys' layout is layout_key: BSND or TND (as layout_query), or kPagedBBND
 // (the public PA_BSND): key [block_count, block_size, N2, D] read through block_table.
-struct LightningIndexerParams : QueryKeyLayout {
+struct LightningIndexerParams : QueryKeyLayout, Compression {  // compressed keys: Compression
   Layout layout_key = Layout::kBSND;
   int64_t sparse_count = 0;  // K, in [1, kMaxSparseCount]
   // The selection ranks the scores I; `values` holds scale_value * I (finite, > 0).
   float scale_value = 1.0f;
-  // Compressed keys: each key entry stands for cmp_ratio original tokens, and with
-  // sparse_mode 3 a query sees the entries whose last original token is at or before its
-  // diagonal (Mask::ratio); cmp_residuals [B] (or nullptr: all 0) gives each sequence's original
-  // tokens past its last whole entry, each in [0, cmp_ratio).
-  int64_t cmp_ratio = 1;
-  const int64_t* cmp_residuals = nullptr;
 
   DType qk_dtype = DType::kFloat32;
   DType weights_dtype = DType::kFloat32;  // qk_dtype or float32

@@ -49,7 +49,7 @@ class SparseKl {
         pairs_(kb_.word == kernels::Word::kBf16Pair),
         ki_(kernels::select_set(isa, index_dtype(sp.dense), -1, true)),
         ipairs_(ki_.word == kernels::Word::kBf16Pair),
-        mask_(indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens)),
+        mask_(compressed(indexer_mask(p_.sparse_mode, p_.pre_tokens, p_.next_tokens), p_)),
         seqs_(indexer_sequences(index_params(p_))),
         g_(p_.heads_q / p_.heads_k),
         ig_(p_.index_heads_q / p_.index_heads_k),

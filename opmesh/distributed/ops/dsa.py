@@ -110,6 +110,8 @@ _KL_FRONT = (
     "sparse_mode",
     "pre_tokens",
     "next_tokens",
+    "cmp_ratio",
+    "cmp_residual_key",
 )
 # The sparse front takes the selection after the main key.
 _SPARSE_KL_FRONT = (*_KL_FRONT[:5], "sparse_indices", *_KL_FRONT[5:])
@@ -125,6 +127,7 @@ TABLES = {
         lengths=("actual_seq_qlen", "actual_seq_klen"),
         tensors={"query_index": _INDEXER_Q, "key_index": _INDEXER_K, "weights": _WEIGHTS},
         outputs=(("query", _STATS), ("query", _STATS)),
+        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "indexer_kl_loss": OpTable(
         params=_KL_FRONT,
@@ -134,6 +137,7 @@ TABLES = {
         lengths=("actual_seq_qlen", "actual_seq_klen"),
         tensors=_KL_TENSORS,
         outputs=(("loss",),),
+        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "dense_lightning_indexer_grad_kl_loss": OpTable(
         params=positional("dense_lightning_indexer_grad_kl_loss"),
@@ -143,6 +147,7 @@ TABLES = {
         lengths=("actual_seq_qlen", "actual_seq_klen"),
         tensors=_KL_TENSORS,
         outputs=_KL_GRADS,
+        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "sparse_indexer_kl_loss": OpTable(
         params=_SPARSE_KL_FRONT,
@@ -153,6 +158,7 @@ TABLES = {
         tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
         outputs=(("loss",),),
         indices="sparse_indices",
+        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "sparse_lightning_indexer_grad_kl_loss": OpTable(
         params=positional("sparse_lightning_indexer_grad_kl_loss"),
@@ -163,6 +169,7 @@ TABLES = {
         tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
         outputs=_KL_GRADS,
         indices="sparse_indices",
+        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "lightning_indexer": OpTable(
         params=positional("lightning_indexer"),
