@@ -75,6 +75,18 @@ def test_indexer_matches_torch(case, dtype):
     assert_same(m_sum, t_sum)
 
 
+def test_indexer_over_compressed_keys_matches_torch():
+    # 13 queries over 17 entries of 2 original tokens (residual 1 or 0): the compressed mask.
+    (mq, tq), (mk, tk), (mw, tw) = indexer_inputs("BSND", "float32", None, None)
+    kw = dict(cmp_ratio=2, cmp_residual_key=[1, 0, 1])
+    m = opmesh.dense_lightning_indexer_softmax_lse(mq, mk, mw, **kw)
+    t = opmesh.dense_lightning_indexer_softmax_lse(tq, tk, tw, **kw)
+    plain = opmesh.dense_lightning_indexer_softmax_lse(tq, tk, tw)
+    assert not torch.equal(t[1], plain[1])  # the compression reached the kernel
+    assert_same(m[0], t[0])
+    assert_same(m[1], t[1])
+
+
 def test_indexer_lengths_as_mindspore_tensors():
     (mq, tq), (mk, tk), (mw, tw) = indexer_inputs("BSND", "float32", None, None)
     lens = np.array([3, 13, 0], np.int64)
