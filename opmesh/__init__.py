@@ -58,6 +58,7 @@ from .distributed import sharding as _sharding  # noqa: E402, F401  (DTensor str
 #: the installed package directory holding lib/, include/ and share/cmake/opmesh/.
 cmake_prefix_path = os.path.dirname(os.path.abspath(_C.__file__))
 from .ops import (  # noqa: E402
+    compressor,
     dense_lightning_indexer_grad_kl_loss,
     dense_lightning_indexer_softmax_lse,
     describe_metadata,
@@ -99,6 +100,7 @@ __all__ = [
     "sparse_flash_attention",
     "sparse_flash_mla",
     "sparse_flash_mla_metadata",
+    "compressor",
     "sparse_lightning_indexer_grad_kl_loss",
     "sparse_indexer_kl_loss",
     "flash_attn",

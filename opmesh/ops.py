@@ -816,6 +816,80 @@ def sparse_flash_mla(
     return _run("sparse_flash_mla", call)
 
 
+def compressor(
+    x: torch.Tensor,
+    wkv: torch.Tensor,
+    wgate: torch.Tensor,
+    state_cache: torch.Tensor | None,
+    ape: torch.Tensor,
+    cmp_ratio: int,
+    *,
+    state_block_table: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
+    cu_seqlens: LengthsLike = None,
+    seqused: LengthsLike = None,
+    start_pos: LengthsLike = None,
+    coff: int = 1,
+    cache_mode: int = 1,
+) -> torch.Tensor:
+    r"""DeepSeek-V4's compressor: every ``cmp_ratio`` tokens of a sequence become one compressed
+    key/value entry, a per-channel softmax-weighted sum of the tokens' projections.
+
+    Token ``p`` (absolute position ``start_pos[b] + i``) projects to ``kv_p = wkv @ x_p`` and
+    ``score_p = wgate @ x_p + ape[p % cmp_ratio]`` (``coff * D`` channels each). Entry ``w``
+    (``r = cmp_ratio``) is emitted by the call holding its last token ``(w + 1) r - 1``::
+
+        cmp_kv[w, c] = sum_j softmax_j(score_j[c]) kv_j[c]
+
+    over the slots ``j`` of window ``w`` (positions ``[w r, (w + 1) r)``, channels ``[0, D)``)
+    with ``coff=1``; with ``coff=2`` over window ``w - 1``'s positions on channels ``[0, D)``
+    (when ``w >= 1``) and window ``w``'s on channels ``[D, 2 D)``: two overlapping series, each
+    entry spanning ``2 r`` tokens. Positions before ``start_pos`` are read from ``state_cache``,
+    which holds ``[kv_p | score_p]`` (float32, ``2 coff D``) per position; the call stores each of
+    its tokens there, so decoding token by token emits an entry every ``r`` tokens.
+
+    Args:
+        x: ``[B, S, H]``, or ``[T, H]`` with ``cu_seqlens``; float32, bfloat16, float16 or
+            float64 (computed in float32).
+        wkv, wgate: ``[coff * D, H]``, x's dtype.
+        state_cache: float32 ``[block_num, block_size, 2 * coff * D]`` updated in place, or
+            None (no history: ``start_pos`` must be 0).
+        ape: ``[cmp_ratio, coff * D]`` position biases, any floating dtype.
+        cmp_ratio: tokens per entry, any positive integer.
+        state_block_table: int ``[B, blocks]`` with ``cache_mode=1`` (position ``p`` in block
+            ``table[b, p // block_size]``, slot ``p % block_size``), ``[B]`` with
+            ``cache_mode=2`` (a ring: slot ``p % block_size`` of block ``table[b]``, needing
+            ``block_size >= coff * cmp_ratio``). Block 0 means none: its positions are not
+            stored, and reading one is refused.
+        cu_seqlens: ``[B + 1]`` offsets of the sequences in x ``[T, H]``.
+        seqused: ``[B]`` tokens compressed per sequence (the rest of its rows are ignored).
+        start_pos: ``[B]`` absolute position of each sequence's first token (0 when absent).
+        coff: 1, or 2 for the overlapping series.
+        cache_mode: 1 (continuous) or 2 (ring buffer).
+
+    Returns:
+        cmp_kv in x's dtype: ``[B, ceil(S / r), D]`` (sequence ``b``'s entries first, zeros
+        after), or ``[min(T, T // r + B), D]`` for x ``[T, H]`` (the sequences' entries one after
+        another, zeros after).
+
+    Differentiable in x, wkv, wgate and ape when no entry reads the state cache (its values are
+    constants the forward found there; such a backward is refused by name). ``state_cache``'s
+    version counter advances, and under ``torch.compile`` the op is functionalized and written
+    back in place.
+    """
+    call = dict(locals())
+    check_scalar_types("compressor", call)
+    if _on_mindspore(x, wkv, wgate, ape):
+        return _ms.compressor(call)
+    for name in ("cu_seqlens", "seqused", "start_pos"):
+        call[name] = _as_lengths(call[name], name)
+    table = call["state_block_table"]
+    if isinstance(table, (list, tuple)) and table and isinstance(table[0], (list, tuple)):
+        call["state_block_table"] = _as_table(table, "state_block_table")
+    else:
+        call["state_block_table"] = _as_lengths(table, "state_block_table")
+    return _run("compressor", call)
+
+
 def _as_int32(value: LengthsLike, name: str) -> torch.Tensor | None:
     if value is None:
         return value

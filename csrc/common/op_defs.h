@@ -8,9 +8,9 @@
 //   ARG(kind, name)            an argument without a default
 //   ARG_D(kind, name, value)   an argument with a default (a C++ value of the kind's type)
 //   KWONLY                     the arguments after it are keyword-only (the schema's `*`)
-// Kinds: Tensor, OptTensor, MutTensor (written in place), Ints and OptInts (integer tensors the
-// kernels read on the host: lengths, block tables, slots, plans; a binding may take them as host
-// arrays), Float, OptFloat, Int, OptInt, SymInt, OptSymInt, Str, Bool.
+// Kinds: Tensor, OptTensor, MutTensor and OptMutTensor (written in place), Ints and OptInts
+// (integer tensors the kernels read on the host: lengths, block tables, slots, plans; a binding may
+// take them as host arrays), Float, OptFloat, Int, OptInt, SymInt, OptSymInt, Str, Bool.
 //
 // The file includes no framework: a struct is `OpCall<Types>` with `Types` giving the binding's
 // C++ type for each kind (`typename Types::Tensor`, ...).
@@ -33,6 +33,7 @@ template <class TensorT, class IntsT, class SymIntT>
 struct BindingTypes {
   using Tensor = TensorT;
   using MutTensor = TensorT;
+  using OptMutTensor = std::optional<TensorT>;
   using OptTensor = std::optional<TensorT>;
   using Ints = IntsT;
   using OptInts = std::optional<IntsT>;
@@ -377,6 +378,44 @@ struct Field {
   ARG(Ints, slot_mapping)
 #define OPMESH_OP_KV_CACHE_WRITE_RETURNS "()"
 
+// The compressor's sequences: x [T, H]'s offsets, the tokens compressed per sequence and their
+// first absolute positions.
+#define OPMESH_COMPRESSOR_LENGTHS(ARG, ARG_D) \
+  ARG_D(OptInts, cu_seqlens, std::nullopt)    \
+  ARG_D(OptInts, seqused, std::nullopt)       \
+  ARG_D(OptInts, start_pos, std::nullopt)
+
+// compressor(x, wkv, wgate, state_cache!?, ape, cmp_ratio, *, ...) -> cmp_kv: DeepSeek-V4's
+// compressed key/value entries, the state cache updated in place.
+#define OPMESH_OP_COMPRESSOR(ARG, ARG_D, KWONLY)  \
+  ARG(Tensor, x)                                  \
+  ARG(Tensor, wkv)                                \
+  ARG(Tensor, wgate)                              \
+  ARG(OptMutTensor, state_cache)                  \
+  ARG(Tensor, ape)                                \
+  ARG(Int, cmp_ratio)                             \
+  KWONLY                                          \
+  ARG_D(OptInts, state_block_table, std::nullopt) \
+  OPMESH_COMPRESSOR_LENGTHS(ARG, ARG_D)           \
+  ARG_D(Int, coff, 1)                             \
+  ARG_D(Int, cache_mode, 1)
+#define OPMESH_OP_COMPRESSOR_RETURNS "Tensor"
+
+// compressor_backward(grad_cmp_kv, x, wkv, wgate, ape, cmp_ratio, *, ...) -> the gradients of
+// x, wkv, wgate and ape (entries that read the state cache are refused).
+#define OPMESH_OP_COMPRESSOR_BACKWARD(ARG, ARG_D, KWONLY) \
+  ARG(Tensor, grad_cmp_kv)                                \
+  ARG(Tensor, x)                                          \
+  ARG(Tensor, wkv)                                        \
+  ARG(Tensor, wgate)                                      \
+  ARG(Tensor, ape)                                        \
+  ARG(Int, cmp_ratio)                                     \
+  KWONLY                                                  \
+  OPMESH_COMPRESSOR_LENGTHS(ARG, ARG_D)                   \
+  ARG_D(Int, coff, 1)
+#define OPMESH_OP_COMPRESSOR_BACKWARD_RETURNS \
+  "(Tensor d_x, Tensor d_wkv, Tensor d_wgate, Tensor d_ape)"
+
 // merge_attn_states(out_a, lse_a, out_b, lse_b, *, layout="BSND") -> (out, lse)
 #define OPMESH_OP_MERGE_ATTN_STATES(ARG, ARG_D, KWONLY) \
   ARG(Tensor, out_a)                                    \
@@ -446,6 +485,8 @@ namespace opmesh::ops {
   X(SparseFlashMlaBackwardCall, "sparse_flash_mla_backward", OPMESH_OP_SPARSE_FLASH_MLA_BACKWARD) \
   X(SparseFlashMlaMetadataCall, "sparse_flash_mla_metadata", OPMESH_OP_SPARSE_FLASH_MLA_METADATA) \
   X(KvCacheWriteCall, "kv_cache_write_", OPMESH_OP_KV_CACHE_WRITE)                                \
+  X(CompressorCall, "compressor", OPMESH_OP_COMPRESSOR)                                           \
+  X(CompressorBackwardCall, "compressor_backward", OPMESH_OP_COMPRESSOR_BACKWARD)                 \
   X(MergeAttnStatesCall, "merge_attn_states", OPMESH_OP_MERGE_ATTN_STATES)
 
 OPMESH_ALL_OPS(OPMESH_DEFINE_CALL)

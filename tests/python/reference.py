@@ -590,3 +590,70 @@ def sparse_flash_mla(
                 lse[row, h] = total
                 out[row, h] = torch.exp(scores - total) @ kv_rows
     return out, lse
+
+
+def compressor(x, wkv, wgate, state_cache, ape, cmp_ratio, *, state_block_table=None,
+               cu_seqlens=None, seqused=None, start_pos=None, coff=1, cache_mode=1):  # fmt: skip
+    """DeepSeek-V4's compressor in float64, position by position (differentiable in x, wkv,
+    wgate and ape). Token p of a sequence (p = start_pos[b] + i) has kv_p = wkv x_p and
+    score_p = wgate x_p + ape[p % r]; entry w, emitted when the call holds position
+    (w + 1) r - 1, is sum_j softmax_j(score_j[c]) kv_j[c] over window w's positions (channels
+    [0, D)), or with coff = 2 over window w - 1's on channels [0, D) and window w's on [D, 2D).
+    Positions before start_pos come from state_cache rows [kv | score]. Returns (cmp_kv [B,
+    ceil(S / r), D] or [min(T, T // r + B), D], the state cache after the call (or None))."""
+    r, d = cmp_ratio, wkv.shape[0] // coff
+    packed = x.dim() == 2
+    batch = len(cu_seqlens) - 1 if packed else x.shape[0]
+    if packed:
+        out = torch.zeros(min(x.shape[0], x.shape[0] // r + batch), d, dtype=torch.float64)
+    else:
+        out = torch.zeros(batch, -(-x.shape[1] // r), d, dtype=torch.float64)
+    state = None if state_cache is None else state_cache.double().clone()
+    block_size = 0 if state is None else state.shape[1]
+
+    def block(b, p):
+        table = state_block_table[b]
+        return int(table) if cache_mode == 2 else int(table[p // block_size])
+
+    wkv, wgate, ape = wkv.double(), wgate.double(), ape.double()
+    written = []
+    row_out = 0
+    for b in range(batch):
+        rows = x[int(cu_seqlens[b]) : int(cu_seqlens[b + 1])] if packed else x[b]
+        used = int(seqused[b]) if seqused is not None else rows.shape[0]
+        start = int(start_pos[b]) if start_pos is not None else 0
+        tok = rows[:used].double()
+        pos = torch.arange(start, start + used)
+        kv = tok @ wkv.T
+        score = tok @ wgate.T + ape[pos % r]
+
+        def row(p, b=b, start=start, kv=kv, score=score):
+            if p >= start:
+                return kv[p - start], score[p - start]
+            cached = state[block(b, p), p % block_size]
+            return cached[: coff * d], cached[coff * d :]
+
+        if not packed:
+            row_out = 0
+        for w in range(start // r, (start + used) // r):
+            slots = []
+            if coff == 2 and w >= 1:
+                slots += [(row(p), 0) for p in range((w - 1) * r, w * r)]
+            slots += [(row(p), d if coff == 2 else 0) for p in range(w * r, (w + 1) * r)]
+            kvs = torch.stack([k[c : c + d] for (k, _), c in slots])
+            scores = torch.stack([s[c : c + d] for (_, s), c in slots])
+            entry = (torch.softmax(scores, dim=0) * kvs).sum(0)
+            if packed:
+                out[row_out] = entry
+            else:
+                out[b, row_out] = entry
+            row_out += 1
+        if state is not None:
+            written.append(
+                [(b, p, torch.cat([kv[p - start], score[p - start]])) for p in pos.tolist()]
+            )
+    for seq in written:  # after every read: a call reads the state as it found it
+        for b, p, values in seq:
+            if block(b, p) != 0:
+                state[block(b, p), p % block_size] = values.detach()
+    return out, state

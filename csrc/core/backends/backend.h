@@ -14,6 +14,7 @@
 #include "../attention/flash_attn_backward.h"
 #include "../attention/sparse_attention.h"
 #include "../attention/sparse_flash_mla.h"
+#include "../compressor.h"
 #include "../executor.h"
 #include "../indexer/indexer.h"
 #include "../indexer/indexer_kl_loss.h"
@@ -46,6 +47,8 @@ struct Backend {
                               const std::vector<Sequence>&, const Executor&,
                               const attention::BackwardPlan* plan);
   void (*kv_cache_write)(const KvCacheWriteParams&, const Executor&);
+  void (*compressor)(const CompressorParams&, const Executor&);
+  void (*compressor_backward)(const CompressorParams&, const CompressorGrads&, const Executor&);
 };
 
 // The kernels of this library's CPU kernel sets.

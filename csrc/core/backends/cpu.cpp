@@ -45,6 +45,10 @@ const Backend& cpu_backend() {
         attention::flash_attn_backward(p, seqs, e, active_isa(), plan);
       },
       [](const KvCacheWriteParams& p, const Executor& e) { kv_cache_write(p, e); },
+      [](const CompressorParams& p, const Executor& e) { compressor(p, e, active_isa()); },
+      [](const CompressorParams& p, const CompressorGrads& g, const Executor& e) {
+        compressor_backward(p, g, e, active_isa());
+      },
   };
   return backend;
 }

@@ -1,0 +1,516 @@
+#include "compressor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "errors.h"
+#include "kernels/kernel_set.h"
+#include "kernels/row_loads.h"
+
+namespace opmesh::core {
+namespace {
+
+using kernels::KernelSet;
+using kernels::round_up;
+
+constexpr int64_t kRowBlock = 48;     // token rows per projection task
+constexpr int64_t kDepthChunk = 256;  // depth per product call: B's panel stays in cache
+constexpr int64_t kWeightRows = 16;   // weight rows per weight-gradient task
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+// C[m][n] = A[m][depth] . B[depth][n] in float32 words (n a multiple of 16), the depth in chunks
+// accumulated through the product's row scale (`ones`: m entries of 1).
+void product(const KernelSet& k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+             int64_t ldc, int64_t m, int64_t n, int64_t depth, const float* ones) {
+  if (depth == 0) {
+    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
+    return;
+  }
+  for (int64_t d0 = 0; d0 < depth; d0 += kDepthChunk) {
+    const int64_t dn = std::min(kDepthChunk, depth - d0);
+    k.gemm({a + d0, lda, b + d0 * ldb, ldb, c, ldc, m, n, dn, d0 == 0 ? nullptr : ones, 1.0f});
+  }
+}
+
+// Writes zeros to `rows` rows of n elements of a view (row r at r * row_stride).
+void zero_rows(const MutableView& v, DType dtype, int64_t offset, int64_t row_stride, int64_t rows,
+               int64_t n) {
+  const std::vector<float> zeros(static_cast<size_t>(n), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    store_row(v.data, dtype, offset + r * row_stride, v.sd, n, zeros.data(), 1.0f);
+  }
+}
+
+// The channels of one projected row: [kv (coff D) | score (coff D)].
+int64_t row_width(const CompressorParams& p) { return 2 * p.coff * p.dim; }
+
+// Lengths: each sequence's tokens, start and output rows.
+std::vector<CompressorSequence> sequences_of(const CompressorParams& p) {
+  if (p.packed && p.cu_seqlens == nullptr) {
+    throw ArgumentError("cu_seqlens", "required when x is [T, H]");
+  }
+  if (!p.packed && p.cu_seqlens != nullptr) {
+    throw ArgumentError("cu_seqlens", "only for x [T, H]; x [B, S, H] has S tokens per sequence");
+  }
+  const int64_t r = p.cmp_ratio;
+  std::vector<CompressorSequence> seqs(static_cast<size_t>(p.batch));
+  int64_t out = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    CompressorSequence& s = seqs[static_cast<size_t>(b)];
+    s.batch = b;
+    int64_t len = p.seq_len;
+    if (p.packed) {
+      const int64_t lo = p.cu_seqlens[b];
+      const int64_t hi = p.cu_seqlens[b + 1];
+      if ((b == 0 && lo != 0) || hi < lo || hi > p.tokens) {
+        throw ArgumentError("cu_seqlens",
+                            "expected offsets from 0 rising to at most T = " + str(p.tokens) +
+                                ", got [" + str(b) + "] = " + str(lo) + ", [" + str(b + 1) +
+                                "] = " + str(hi));
+      }
+      s.x_begin = lo;
+      len = hi - lo;
+    }
+    s.tokens = len;
+    if (p.seqused != nullptr) {
+      s.tokens = p.seqused[b];
+      if (s.tokens < 0 || s.tokens > len) {
+        throw ArgumentError("seqused", "entry " + str(b) + " is " + str(s.tokens) +
+                                           ", expected 0 to the sequence's " + str(len) +
+                                           " tokens");
+      }
+    }
+    if (p.start_pos != nullptr) {
+      s.start = p.start_pos[b];
+      if (s.start < 0 || s.start > kMaxTokens - len) {
+        throw ArgumentError("start_pos", "entry " + str(b) + " is " + str(s.start) +
+                                             ", expected 0 <= start_pos < " +
+                                             str(kMaxTokens - len));
+      }
+      if (s.start > 0 && !p.has_state) {
+        throw ArgumentError("start_pos",
+                            "entry " + str(b) + " is " + str(s.start) +
+                                ": earlier tokens of the sequence live in a state_cache, and "
+                                "none was given");
+      }
+    }
+    s.first_entry = s.start / r;
+    s.entries = (s.start + s.tokens) / r - s.first_entry;
+    s.out_begin = p.packed ? out : 0;
+    out = p.packed ? out + s.entries : std::max(out, s.entries);
+  }
+  if (out > p.out_rows) {
+    throw ArgumentError("cmp_kv",
+                        "the call emits " + str(out) + " entries, cmp_kv holds " + str(p.out_rows));
+  }
+  return seqs;
+}
+
+// The state cache's block of position `pos` of a sequence, or -1 where the table has none.
+int64_t block_of(const CompressorParams& p, const CompressorSequence& s, int64_t pos) {
+  if (p.cache_mode == 2) return p.block_table[s.batch * p.table_width];
+  const int64_t col = pos / p.block_size;
+  return col < p.table_width ? p.block_table[s.batch * p.table_width + col] : -1;
+}
+
+float* state_row(const CompressorParams& p, const CompressorSequence& s, int64_t pos) {
+  const int64_t block = block_of(p, s, pos);
+  return static_cast<float*>(p.state.data) + block * p.state.sb + (pos % p.block_size) * p.state.ss;
+}
+
+void validate_state(const CompressorParams& p, const std::vector<CompressorSequence>& seqs) {
+  if (p.state.sd != 1) {
+    throw ArgumentError("state_cache", "its last dimension must be contiguous");
+  }
+  if (p.num_blocks < 1 || p.block_size < 1) {
+    throw ArgumentError("state_cache", "expected at least one block of at least one slot, got " +
+                                           str(p.num_blocks) + " blocks of " + str(p.block_size));
+  }
+  if (p.block_table == nullptr) {
+    throw ArgumentError("state_block_table", "required with a state_cache");
+  }
+  if (p.cache_mode == 2 && p.block_size < p.coff * p.cmp_ratio) {
+    throw ArgumentError("state_cache",
+                        "a ring buffer (cache_mode=2) keeps the last coff * cmp_ratio = " +
+                            str(p.coff * p.cmp_ratio) + " positions: block_size " +
+                            str(p.block_size) + " is too small");
+  }
+  for (int64_t i = 0; i < p.batch * p.table_width; ++i) {
+    if (p.block_table[i] < 0 || p.block_table[i] >= p.num_blocks) {
+      throw ArgumentError("state_block_table", "entry " + str(i) + " is " + str(p.block_table[i]) +
+                                                   ", expected a block in [0, " +
+                                                   str(p.num_blocks) + ")");
+    }
+  }
+  for (const CompressorSequence& s : seqs) {
+    const int64_t lo = first_state_position(p, s);
+    const int64_t end = s.start + s.tokens;
+    if (end > lo && block_of(p, s, end - 1) < 0) {
+      throw ArgumentError("state_block_table", "sequence " + str(s.batch) + " reaches position " +
+                                                   str(end - 1) + ", past its " +
+                                                   str(p.table_width) + " blocks of " +
+                                                   str(p.block_size));
+    }
+    for (int64_t pos = lo; pos < s.start; ++pos) {
+      if (block_of(p, s, pos) == 0) {
+        throw ArgumentError("state_block_table",
+                            "sequence " + str(s.batch) + " reads position " + str(pos) +
+                                " from the state cache, but its block is 0 (none)");
+      }
+    }
+  }
+}
+
+// The call's tokens projected, one row [kv | score + ape] of row_width floats per token, and
+// the place of each sequence's rows.
+struct Projected {
+  std::vector<float> rows;
+  int64_t ld = 0;
+  std::vector<int64_t> first_row;  // per sequence
+  int64_t count = 0;
+};
+
+// ape widened, [r][coff D].
+std::vector<float> widened_ape(const CompressorParams& p) {
+  const int64_t n = p.coff * p.dim;
+  std::vector<float> ape(static_cast<size_t>(p.cmp_ratio * n));
+  for (int64_t k = 0; k < p.cmp_ratio; ++k) {
+    load_row(p.ape.data, p.ape_dtype, k * p.ape.ss, p.ape.sd, n, ape.data() + k * n);
+  }
+  return ape;
+}
+
+// x's token rows the call uses, in sequence order: batch row, token row and position.
+struct TokenRows {
+  std::vector<int64_t> batch;
+  std::vector<int64_t> token;
+  std::vector<int64_t> position;
+  int64_t offset(const MutableView& v, int64_t r) const {
+    return batch[r] * v.sb + token[r] * v.ss;
+  }
+  int64_t offset(const View& v, int64_t r) const { return batch[r] * v.sb + token[r] * v.ss; }
+};
+
+TokenRows token_rows(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
+                     Projected& proj) {
+  TokenRows t;
+  for (const CompressorSequence& s : seqs) {
+    proj.first_row.push_back(proj.count);
+    for (int64_t i = 0; i < s.tokens; ++i) {
+      t.batch.push_back(s.batch);
+      t.token.push_back(s.x_begin + i);
+      t.position.push_back(s.start + i);
+    }
+    proj.count += s.tokens;
+  }
+  return t;
+}
+
+// The weights as the product's operand B: [H][ld] with column n' = row n' of [wkv; wgate].
+std::vector<float> packed_weights(const CompressorParams& p, int64_t ld, const Executor& ex) {
+  const int64_t n = p.coff * p.dim;
+  std::vector<float> b(static_cast<size_t>(p.hidden * ld), 0.0f);
+  run_dynamic(ex, 2 * n, [&](int64_t row, int) {
+    const View& w = row < n ? p.wkv : p.wgate;
+    std::vector<float> tmp(static_cast<size_t>(p.hidden));
+    load_row(w.data, p.dtype, (row % n) * w.ss, w.sd, p.hidden, tmp.data());
+    for (int64_t h = 0; h < p.hidden; ++h) b[static_cast<size_t>(h * ld + row)] = tmp[h];
+  });
+  return b;
+}
+
+Projected project(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
+                  const KernelSet& k, const Executor& ex) {
+  Projected proj;
+  const TokenRows t = token_rows(p, seqs, proj);
+  proj.ld = round_up(row_width(p), 16);
+  proj.rows.assign(static_cast<size_t>(proj.count * proj.ld), 0.0f);
+  if (proj.count == 0) return proj;
+  const std::vector<float> b = packed_weights(p, proj.ld, ex);
+  const std::vector<float> ape = widened_ape(p);
+  const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
+  const int64_t n = p.coff * p.dim;
+  run_dynamic(ex, (proj.count + kRowBlock - 1) / kRowBlock, [&](int64_t task, int) {
+    const kernels::WorkerScope scope(k);
+    const int64_t r0 = task * kRowBlock;
+    const int64_t m = std::min(kRowBlock, proj.count - r0);
+    std::vector<float> a(static_cast<size_t>(m * std::max<int64_t>(p.hidden, 1)));
+    for (int64_t r = 0; r < m; ++r) {
+      load_row(p.x.data, p.dtype, t.offset(p.x, r0 + r), p.x.sd, p.hidden, a.data() + r * p.hidden);
+    }
+    float* c = proj.rows.data() + r0 * proj.ld;
+    product(k, a.data(), p.hidden, b.data(), proj.ld, c, proj.ld, m, proj.ld, p.hidden,
+            ones.data());
+    for (int64_t r = 0; r < m; ++r) {
+      const float* bias = ape.data() + (t.position[r0 + r] % p.cmp_ratio) * n;
+      float* score = c + r * proj.ld + n;
+      for (int64_t ch = 0; ch < n; ++ch) score[ch] += bias[ch];
+    }
+  });
+  return proj;
+}
+
+// One slot of an entry: a projected row (or the state's) and the channel its D values start at.
+struct Slot {
+  const float* row;
+  int64_t channel;
+  int64_t proj_row;  // the row in the projection, -1 for a state row
+};
+
+// The slots of entry w of sequence s.
+void entry_slots(const CompressorParams& p, const CompressorSequence& s, int64_t seq_row,
+                 const Projected& proj, int64_t w, std::vector<Slot>& slots) {
+  slots.clear();
+  const int64_t r = p.cmp_ratio;
+  const auto add = [&](int64_t pos, int64_t channel) {
+    if (pos >= s.start) {
+      const int64_t row = seq_row + pos - s.start;
+      slots.push_back({proj.rows.data() + row * proj.ld, channel, row});
+    } else {
+      slots.push_back({state_row(p, s, pos), channel, -1});
+    }
+  };
+  if (p.coff == 2 && w >= 1) {
+    for (int64_t j = 0; j < r; ++j) add((w - 1) * r + j, 0);
+  }
+  const int64_t channel = p.coff == 2 ? p.dim : 0;
+  for (int64_t j = 0; j < r; ++j) add(w * r + j, channel);
+}
+
+// The softmax over an entry's slots per channel: max m, normaliser l and the entry out.
+void combine(const CompressorParams& p, const std::vector<Slot>& slots, float* m, float* l,
+             float* out) {
+  const int64_t d = p.dim;
+  const int64_t n = p.coff * p.dim;
+  std::fill(m, m + d, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + d, 0.0f);
+  std::fill(out, out + d, 0.0f);
+  for (const Slot& s : slots) {
+    const float* score = s.row + n + s.channel;
+    for (int64_t c = 0; c < d; ++c) m[c] = std::max(m[c], score[c]);
+  }
+  for (const Slot& s : slots) {
+    const float* kv = s.row + s.channel;
+    const float* score = s.row + n + s.channel;
+    for (int64_t c = 0; c < d; ++c) {
+      const float e = std::exp(score[c] - m[c]);
+      l[c] += e;
+      out[c] += e * kv[c];
+    }
+  }
+  for (int64_t c = 0; c < d; ++c) out[c] /= l[c];
+}
+
+// Every entry of the call: (sequence, entry index).
+struct EntryRef {
+  int64_t seq;
+  int64_t w;
+};
+
+std::vector<EntryRef> entries_of(const std::vector<CompressorSequence>& seqs) {
+  std::vector<EntryRef> out;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (int64_t e = 0; e < seqs[i].entries; ++e) {
+      out.push_back({static_cast<int64_t>(i), seqs[i].first_entry + e});
+    }
+  }
+  return out;
+}
+
+void check_sizes(const CompressorParams& p) {
+  if (p.coff != 1 && p.coff != 2) {
+    throw ArgumentError("coff", "expected 1 or 2 (two overlapping series), got " + str(p.coff));
+  }
+  if (p.cmp_ratio < 1 || p.cmp_ratio > kMaxTokens) {
+    throw ArgumentError("cmp_ratio", "expected a positive ratio, got " + str(p.cmp_ratio));
+  }
+  if (p.cache_mode != 1 && p.cache_mode != 2) {
+    throw ArgumentError("cache_mode",
+                        "expected 1 (continuous) or 2 (ring buffer), got " + str(p.cache_mode));
+  }
+  if (p.batch < 0 || p.batch > kMaxBatch || p.hidden < 0 || p.dim < 0 || p.dim > kMaxHeadDim) {
+    throw ArgumentError("x", "unsupported sizes: batch " + str(p.batch) + ", hidden " +
+                                 str(p.hidden) + ", D " + str(p.dim));
+  }
+}
+
+}  // namespace
+
+int64_t first_state_position(const CompressorParams& p, const CompressorSequence& s) {
+  if (s.entries == 0) return s.start;
+  const int64_t lo = std::max<int64_t>(0, (s.first_entry - (p.coff - 1)) * p.cmp_ratio);
+  return std::min(lo, s.start);
+}
+
+std::vector<CompressorSequence> validate(const CompressorParams& p) {
+  check_sizes(p);
+  std::vector<CompressorSequence> seqs = sequences_of(p);
+  if (p.has_state) validate_state(p, seqs);
+  return seqs;
+}
+
+void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
+  const std::vector<CompressorSequence> seqs = validate(p);
+  const KernelSet& k = kernels::float32_set(isa);
+  // Padding rows first: every row of cmp_kv, then the entries over them.
+  if (p.packed) {
+    zero_rows(p.cmp_kv, p.dtype, 0, p.cmp_kv.ss, p.out_rows, p.dim);
+  } else {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      zero_rows(p.cmp_kv, p.dtype, b * p.cmp_kv.sb, p.cmp_kv.ss, p.out_rows, p.dim);
+    }
+  }
+  const Projected proj = project(p, seqs, k, ex);
+  const std::vector<EntryRef> entries = entries_of(seqs);
+  run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
+    const EntryRef& e = entries[static_cast<size_t>(i)];
+    const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
+    std::vector<Slot> slots;
+    entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
+    std::vector<float> buf(static_cast<size_t>(3 * p.dim));
+    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim);
+    const int64_t row = s.out_begin + e.w - s.first_entry;
+    store_row(p.cmp_kv.data, p.dtype, s.batch * p.cmp_kv.sb + row * p.cmp_kv.ss, p.cmp_kv.sd, p.dim,
+              buf.data() + 2 * p.dim, 1.0f);
+  });
+  if (!p.has_state) return;
+  // The call's tokens into the state cache, in position order (a ring keeps the latest).
+  const int64_t width = row_width(p);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const CompressorSequence& s = seqs[i];
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      const int64_t pos = s.start + t;
+      if (block_of(p, s, pos) == 0) continue;  // block 0: not kept
+      const float* src = proj.rows.data() + (proj.first_row[i] + t) * proj.ld;
+      std::copy(src, src + width, state_row(p, s, pos));
+    }
+  }
+}
+
+void compressor_backward(const CompressorParams& p, const CompressorGrads& g, const Executor& ex,
+                         Isa isa) {
+  const std::vector<CompressorSequence> seqs = validate(p);
+  for (const CompressorSequence& s : seqs) {
+    if (first_state_position(p, s) < s.start) {
+      throw ArgumentError("start_pos",
+                          "sequence " + str(s.batch) + " compresses tokens before its start " +
+                              str(s.start) +
+                              " from the state cache, whose values have no gradient; the "
+                              "backward needs every entry's tokens in x");
+    }
+  }
+  const KernelSet& k = kernels::float32_set(isa);
+  const int64_t n = p.coff * p.dim;
+  const int64_t width = row_width(p);
+  // Gradients of tokens the call does not use (padding, past seqused) stay zero.
+  const int64_t x_rows = p.packed ? p.tokens : p.seq_len;
+  for (int64_t b = 0; b < (p.packed ? 1 : p.batch); ++b) {
+    zero_rows(g.dx, p.dtype, b * g.dx.sb, g.dx.ss, x_rows, p.hidden);
+  }
+  const Projected proj = project(p, seqs, k, ex);
+  // dP: per token row, the gradients of its kv and score channels.
+  std::vector<float> dp(static_cast<size_t>(proj.count * proj.ld), 0.0f);
+  const std::vector<EntryRef> entries = entries_of(seqs);
+  run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
+    const EntryRef& e = entries[static_cast<size_t>(i)];
+    const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
+    std::vector<Slot> slots;
+    entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
+    std::vector<float> buf(static_cast<size_t>(4 * p.dim));
+    float* m = buf.data();
+    float* l = m + p.dim;
+    float* out = l + p.dim;
+    float* grad = out + p.dim;
+    combine(p, slots, m, l, out);
+    const int64_t row = s.out_begin + e.w - s.first_entry;
+    load_row(g.d_cmp_kv.data, p.dtype, s.batch * g.d_cmp_kv.sb + row * g.d_cmp_kv.ss, g.d_cmp_kv.sd,
+             p.dim, grad);
+    for (const Slot& slot : slots) {
+      const float* kv = slot.row + slot.channel;
+      const float* score = slot.row + n + slot.channel;
+      float* dkv = dp.data() + slot.proj_row * proj.ld + slot.channel;
+      float* dscore = dkv + n;
+      for (int64_t c = 0; c < p.dim; ++c) {
+        const float a = std::exp(score[c] - m[c]) / l[c];
+        dkv[c] = grad[c] * a;
+        dscore[c] = grad[c] * a * (kv[c] - out[c]);
+      }
+    }
+  });
+  if (proj.count == 0) {
+    for (const auto& [v, rows, cols, dtype] :
+         {std::tuple{g.dwkv, n, p.hidden, p.dtype}, std::tuple{g.dwgate, n, p.hidden, p.dtype},
+          std::tuple{g.dape, p.cmp_ratio, n, p.ape_dtype}}) {
+      zero_rows(v, dtype, 0, v.ss, rows, cols);
+    }
+    return;
+  }
+  const int64_t hp = round_up(std::max<int64_t>(p.hidden, 1), 16);
+  Projected unused;
+  const TokenRows t = token_rows(p, seqs, unused);
+  // dx = dP [kv | score] . [wkv; wgate]: B is the weights as rows [2 coff D][hp].
+  {
+    std::vector<float> w(static_cast<size_t>(width * hp), 0.0f);
+    run_dynamic(ex, width, [&](int64_t row, int) {
+      const View& src = row < n ? p.wkv : p.wgate;
+      load_row(src.data, p.dtype, (row % n) * src.ss, src.sd, p.hidden, w.data() + row * hp);
+    });
+    const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
+    run_dynamic(ex, (proj.count + kRowBlock - 1) / kRowBlock, [&](int64_t task, int) {
+      const kernels::WorkerScope scope(k);
+      const int64_t r0 = task * kRowBlock;
+      const int64_t m = std::min(kRowBlock, proj.count - r0);
+      std::vector<float> c(static_cast<size_t>(m * hp));
+      product(k, dp.data() + r0 * proj.ld, proj.ld, w.data(), hp, c.data(), hp, m, hp, width,
+              ones.data());
+      for (int64_t r = 0; r < m; ++r) {
+        store_row(g.dx.data, p.dtype, t.offset(g.dx, r0 + r), g.dx.sd, p.hidden, c.data() + r * hp,
+                  1.0f);
+      }
+    });
+  }
+  // [dwkv; dwgate] = dP^T . X: A is dP transposed [width][count], B the tokens [count][hp].
+  {
+    std::vector<float> xs(static_cast<size_t>(proj.count * hp), 0.0f);
+    run_dynamic(ex, proj.count, [&](int64_t r, int) {
+      load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, xs.data() + r * hp);
+    });
+    std::vector<float> dpt(static_cast<size_t>(width * proj.count));
+    run_dynamic(ex, width, [&](int64_t ch, int) {
+      for (int64_t r = 0; r < proj.count; ++r) {
+        dpt[static_cast<size_t>(ch * proj.count + r)] = dp[static_cast<size_t>(r * proj.ld + ch)];
+      }
+    });
+    const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
+    run_dynamic(ex, (width + kWeightRows - 1) / kWeightRows, [&](int64_t task, int) {
+      const kernels::WorkerScope scope(k);
+      const int64_t r0 = task * kWeightRows;
+      const int64_t m = std::min(kWeightRows, width - r0);
+      std::vector<float> c(static_cast<size_t>(m * hp));
+      product(k, dpt.data() + r0 * proj.count, proj.count, xs.data(), hp, c.data(), hp, m, hp,
+              proj.count, ones.data());
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t row = r0 + r;
+        const MutableView& dst = row < n ? g.dwkv : g.dwgate;
+        store_row(dst.data, p.dtype, (row % n) * dst.ss, dst.sd, p.hidden, c.data() + r * hp, 1.0f);
+      }
+    });
+  }
+  // dape[k] = the score gradients of the tokens at positions k mod r, summed in token order.
+  run_dynamic(ex, p.cmp_ratio, [&](int64_t kk, int) {
+    std::vector<float> sum(static_cast<size_t>(n), 0.0f);
+    for (int64_t r = 0; r < proj.count; ++r) {
+      if (t.position[r] % p.cmp_ratio != kk) continue;
+      const float* ds = dp.data() + r * proj.ld + n;
+      for (int64_t c = 0; c < n; ++c) sum[c] += ds[c];
+    }
+    store_row(g.dape.data, p.ape_dtype, kk * g.dape.ss, g.dape.sd, n, sum.data(), 1.0f);
+  });
+}
+
+}  // namespace opmesh::core
