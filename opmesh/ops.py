@@ -852,7 +852,8 @@ def compressor(
             float64 (computed in float32).
         wkv, wgate: ``[coff * D, H]``, x's dtype.
         state_cache: float32 ``[block_num, block_size, 2 * coff * D]`` updated in place, or
-            None (no history: ``start_pos`` must be 0).
+            None (no history: ``start_pos`` must be 0), which the operator receives as a state
+            cache of no blocks.
         ape: ``[cmp_ratio, coff * D]`` position biases, any floating dtype.
         cmp_ratio: tokens per entry, any positive integer.
         state_block_table: int ``[B, blocks]`` with ``cache_mode=1`` (position ``p`` in block
@@ -880,6 +881,8 @@ def compressor(
     check_scalar_types("compressor", call)
     if _on_mindspore(x, wkv, wgate, ape):
         return _ms.compressor(call)
+    if state_cache is None:
+        call["state_cache"] = x.new_empty((0, 1, 2 * wkv.shape[0]), dtype=torch.float32)
     for name in ("cu_seqlens", "seqused", "start_pos"):
         call[name] = _as_lengths(call[name], name)
     table = call["state_block_table"]

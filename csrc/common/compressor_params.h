@@ -65,11 +65,15 @@ core::CompressorParams compressor_params(const Call& c, const CompressorHost& h)
   p.seqused = h.has_used ? h.seqused.data() : nullptr;
   p.start_pos = h.has_start ? h.start_pos.data() : nullptr;
   if constexpr (requires { c.state_cache; }) {
-    if (c.state_cache.has_value()) {
-      const std::vector<int64_t> ss = sizes_of(*c.state_cache);
-      p.has_state = true;
-      p.num_blocks = ss[0];
-      p.block_size = ss[1];
+    // A state cache of no blocks is none.
+    const std::vector<int64_t> ss = sizes_of(c.state_cache);
+    p.has_state = ss[0] > 0;
+    p.num_blocks = ss[0];
+    p.block_size = ss[1];
+    if (!p.has_state && h.has_table) {
+      throw core::ArgumentError("state_block_table",
+                                "given without a state_cache (it has no "
+                                "blocks)");
     }
     p.block_table = h.has_table ? h.table.data() : nullptr;
     p.table_width = h.has_table ? (p.cache_mode == 2 ? 1 : h.table_columns) : 0;
@@ -88,7 +92,7 @@ void point_compressor(core::CompressorParams& p, const Call& c, const Tensor& cm
   p.cmp_kv = core::writable(rows_view(cmp_kv, p.packed));
   p.out_rows = sizes_of(cmp_kv)[p.packed ? 0 : 1];
   if constexpr (requires { c.state_cache; }) {
-    if (c.state_cache.has_value()) p.state = core::writable(rows_view(*c.state_cache, false));
+    if (p.has_state) p.state = core::writable(rows_view(c.state_cache, false));
   }
 }
 

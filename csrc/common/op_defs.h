@@ -8,7 +8,7 @@
 //   ARG(kind, name)            an argument without a default
 //   ARG_D(kind, name, value)   an argument with a default (a C++ value of the kind's type)
 //   KWONLY                     the arguments after it are keyword-only (the schema's `*`)
-// Kinds: Tensor, OptTensor, MutTensor and OptMutTensor (written in place), Ints and OptInts
+// Kinds: Tensor, OptTensor, MutTensor (written in place), Ints and OptInts
 // (integer tensors the kernels read on the host: lengths, block tables, slots, plans; a binding may
 // take them as host arrays), Float, OptFloat, Int, OptInt, SymInt, OptSymInt, Str, Bool.
 //
@@ -33,7 +33,6 @@ template <class TensorT, class IntsT, class SymIntT>
 struct BindingTypes {
   using Tensor = TensorT;
   using MutTensor = TensorT;
-  using OptMutTensor = std::optional<TensorT>;
   using OptTensor = std::optional<TensorT>;
   using Ints = IntsT;
   using OptInts = std::optional<IntsT>;
@@ -385,13 +384,13 @@ struct Field {
   ARG_D(OptInts, seqused, std::nullopt)       \
   ARG_D(OptInts, start_pos, std::nullopt)
 
-// compressor(x, wkv, wgate, state_cache!?, ape, cmp_ratio, *, ...) -> cmp_kv: DeepSeek-V4's
-// compressed key/value entries, the state cache updated in place.
+// compressor(x, wkv, wgate, state_cache!, ape, cmp_ratio, *, ...) -> cmp_kv: DeepSeek-V4's
+// compressed key/value entries, the state cache updated in place (one of no blocks: none).
 #define OPMESH_OP_COMPRESSOR(ARG, ARG_D, KWONLY)  \
   ARG(Tensor, x)                                  \
   ARG(Tensor, wkv)                                \
   ARG(Tensor, wgate)                              \
-  ARG(OptMutTensor, state_cache)                  \
+  ARG(MutTensor, state_cache)                     \
   ARG(Tensor, ape)                                \
   ARG(Int, cmp_ratio)                             \
   KWONLY                                          \

@@ -127,9 +127,9 @@ void validate_state(const CompressorParams& p, const std::vector<CompressorSeque
   if (p.state.sd != 1) {
     throw ArgumentError("state_cache", "its last dimension must be contiguous");
   }
-  if (p.num_blocks < 1 || p.block_size < 1) {
-    throw ArgumentError("state_cache", "expected at least one block of at least one slot, got " +
-                                           str(p.num_blocks) + " blocks of " + str(p.block_size));
+  if (p.block_size < 1) {
+    throw ArgumentError("state_cache",
+                        "expected blocks of at least one slot, got " + str(p.block_size));
   }
   if (p.block_table == nullptr) {
     throw ArgumentError("state_block_table", "required with a state_cache");

@@ -71,7 +71,7 @@ CompressorArgs check_compressor_args(const Call& c) {
   }
   TORCH_CHECK_VALUE(c.wgate.sym_sizes().equals(c.wkv.sym_sizes()), "wgate: expected shape ",
                     c.wkv.sym_sizes(), " like wkv, got ", c.wgate.sym_sizes());
-  TORCH_CHECK_VALUE(c.wkv.size(0) % c.coff == 0,
+  TORCH_CHECK_VALUE(holds((c.wkv.sym_size(0) % c.coff).sym_eq(0)),
                     "wkv: expected [coff * D, H] rows with coff = ", c.coff, ", got shape ",
                     c.wkv.sym_sizes());
   check_float(c.ape, "ape", x);
@@ -98,33 +98,17 @@ CompressorArgs check_compressor_args(const Call& c) {
   if constexpr (requires { c.state_cache; }) {
     TORCH_CHECK_VALUE(c.cache_mode == 1 || c.cache_mode == 2,
                       "cache_mode: expected 1 (continuous) or 2 (ring buffer), got ", c.cache_mode);
-    if (c.state_cache) {
-      const at::Tensor& s = *c.state_cache;
-      TORCH_CHECK_VALUE(s.device() == x.device(), "state_cache: expected a tensor on ", x.device(),
-                        " like x, got ", s.device());
-      TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "state_cache: expected float32, got ",
-                       s.scalar_type());
-      TORCH_CHECK_VALUE(s.dim() == 3 && holds(s.sym_size(2).sym_eq(width * 2)),
-                        "state_cache: expected [block_num, block_size, 2 * coff * D] = [., ., ",
-                        width * 2, "], got shape ", s.sym_sizes());
-      TORCH_CHECK_VALUE(s.stride(2) == 1, "state_cache: its last dimension must be contiguous");
-      TORCH_CHECK_VALUE(c.state_block_table.has_value(),
-                        "state_block_table: required with a state_cache");
-      check_ints(c.state_block_table, "state_block_table", x, c.cache_mode == 2 ? 1 : 2, a.batch);
-      for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{x, "x"},
-                                    {c.wkv, "wkv"},
-                                    {c.wgate, "wgate"},
-                                    {c.ape, "ape"}}) {
-        const at::MemOverlapStatus o = at::get_overlap_status(t, s);
-        TORCH_CHECK_VALUE(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial,
-                          name,
-                          ": shares memory with state_cache, which the call writes; pass "
-                          "a .clone()");
-      }
-    } else {
-      TORCH_CHECK_VALUE(!c.state_block_table.has_value(),
-                        "state_block_table: given without a state_cache");
-    }
+    const at::Tensor& s = c.state_cache;
+    TORCH_CHECK_VALUE(s.device() == x.device(), "state_cache: expected a tensor on ", x.device(),
+                      " like x, got ", s.device());
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "state_cache: expected float32, got ",
+                     s.scalar_type());
+    TORCH_CHECK_VALUE(s.dim() == 3 && holds(s.sym_size(2).sym_eq(width * 2)),
+                      "state_cache: expected [block_num, block_size, 2 * coff * D] = [., ., ",
+                      width * 2, "], got shape ", s.sym_sizes());
+    TORCH_CHECK_VALUE(holds(s.sym_stride(2).sym_eq(1)),
+                      "state_cache: its last dimension must be contiguous");
+    check_ints(c.state_block_table, "state_block_table", x, c.cache_mode == 2 ? 1 : 2, a.batch);
   }
   return a;
 }
@@ -149,9 +133,23 @@ core::CompressorParams params_of(const Call& c, const common::CompressorHost& ho
   return p;
 }
 
+// The state cache is written: no input may share its memory (as PyTorch's in-place ops).
+void check_no_overlap(const CompressorCall& c) {
+  if (c.state_cache.numel() == 0) return;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{c.x, "x"},
+                                {c.wkv, "wkv"},
+                                {c.wgate, "wgate"},
+                                {c.ape, "ape"}}) {
+    const at::MemOverlapStatus o = at::get_overlap_status(t, c.state_cache);
+    TORCH_CHECK_VALUE(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial, name,
+                      ": shares memory with state_cache, which the call writes; pass a .clone()");
+  }
+}
+
 at::Tensor compressor_cpu(const CompressorCall& c) {
   TORCH_CHECK_VALUE(c.x.device().is_cpu(), "x: expected a CPU tensor, got ", c.x.device());
   const CompressorArgs a = check_compressor_args(c);
+  check_no_overlap(c);
   at::Tensor out = at::empty_symint(cmp_kv_shape(c, a), c.x.options());
   const common::CompressorHost host = common::compressor_host(c);
   const core::CompressorParams p = params_of(c, host, out);
@@ -205,7 +203,7 @@ at::Tensor compressor_inplace_or_view(const CompressorCall& c) {
     at::AutoDispatchBelowADInplaceOrView guard;
     out = std::get<0>(tensors_of<1>(call_op(c)));
   }
-  if (c.state_cache) c.state_cache->unsafeGetTensorImpl()->bump_version();
+  c.state_cache.unsafeGetTensorImpl()->bump_version();
   return out;
 }
 
@@ -250,7 +248,7 @@ class CompressorFunction : public torch::autograd::Function<CompressorFunction> 
 };
 
 at::Tensor compressor_autograd(const CompressorCall& c) {
-  TORCH_CHECK_VALUE(!(c.state_cache && c.state_cache->requires_grad()),
+  TORCH_CHECK_VALUE(!c.state_cache.requires_grad(),
                     "state_cache: requires a gradient, but the state cache is a buffer the call "
                     "writes, with no gradient; pass a detached tensor");
   const bool needs_grad =

@@ -24,6 +24,7 @@ FUNCTIONS = {
     opmesh.sparse_flash_attention: "sparse_flash_attention",
     opmesh.sparse_flash_mla: "sparse_flash_mla",
     opmesh.sparse_flash_mla_metadata: "sparse_flash_mla_metadata",
+    opmesh.compressor: "compressor",
     opmesh.flash_attn: "flash_attn",
     opmesh.flash_attn_metadata: "flash_attn_metadata",
 }

@@ -91,6 +91,28 @@ def samples():
         ),
         "flash_attn_metadata": ((8, 2, 16), plan),
         "flash_attn_metadata_backward": ((8, 2, 16), dict(plan, backward=True)),
+        "compressor": (
+            (
+                torch.randn(2, 9, 12, generator=g),
+                torch.randn(16, 12, generator=g),
+                torch.randn(16, 12, generator=g),
+                torch.zeros(6, 4, 32),
+                torch.randn(4, 16, generator=g),
+                4,
+            ),
+            dict(state_block_table=torch.tensor([[1, 2, 3], [4, 5, 0]]), coff=2),
+        ),
+        "compressor_backward": (
+            (
+                torch.randn(2, 3, 8, generator=g),
+                torch.randn(2, 9, 12, generator=g),
+                torch.randn(16, 12, generator=g),
+                torch.randn(16, 12, generator=g),
+                torch.randn(4, 16, generator=g),
+                4,
+            ),
+            dict(coff=2, seqused=torch.tensor([9, 5])),
+        ),
         "kv_cache_write_": (
             (
                 torch.randn(3, 2, 16, generator=g),

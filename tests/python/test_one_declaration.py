@@ -72,6 +72,16 @@ EXPECTED = {
         'int ori_win_left=-1, int ori_win_right=-1, str layout_q="BSND", str layout_kv="BSND", '
         "bool has_ori_kv=True, bool has_cmp_kv=True, int? num_workers=None) -> Tensor"
     ),
+    "compressor": (
+        "(Tensor x, Tensor wkv, Tensor wgate, Tensor(a!) state_cache, Tensor ape, int cmp_ratio, "
+        "*, Tensor? state_block_table=None, Tensor? cu_seqlens=None, Tensor? seqused=None, "
+        "Tensor? start_pos=None, int coff=1, int cache_mode=1) -> Tensor"
+    ),
+    "compressor_backward": (
+        "(Tensor grad_cmp_kv, Tensor x, Tensor wkv, Tensor wgate, Tensor ape, int cmp_ratio, *, "
+        "Tensor? cu_seqlens=None, Tensor? seqused=None, Tensor? start_pos=None, int coff=1) -> "
+        "(Tensor d_x, Tensor d_wkv, Tensor d_wgate, Tensor d_ape)"
+    ),
     "kv_cache_write_": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()"
@@ -97,6 +107,8 @@ def test_every_operator_has_a_schema_read_by_python():
         "flash_attn",
         "flash_attn_backward",
         "kv_cache_write_",
+        "compressor",
+        "compressor_backward",
         "merge_attn_states",
         "lightning_indexer",
         "sparse_flash_attention",
@@ -134,6 +146,7 @@ LEFT_OUT = {"softcap"}
         (opmesh.sparse_flash_attention, "sparse_flash_attention"),
         (opmesh.sparse_flash_mla, "sparse_flash_mla"),
         (opmesh.sparse_flash_mla_metadata, "sparse_flash_mla_metadata"),
+        (opmesh.compressor, "compressor"),
         (opmesh.sparse_lightning_indexer_grad_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
         (opmesh.sparse_indexer_kl_loss, "sparse_lightning_indexer_grad_kl_loss"),
     ],
@@ -191,6 +204,7 @@ DIRECT = {
     opmesh.flash_attn_metadata: ("flash_attn_metadata", ()),
     opmesh.merge_attn_states: ("merge_attn_states", ()),
     opmesh.kv_cache_write_: ("kv_cache_write_", ()),
+    opmesh.compressor: ("compressor", ()),
 }
 
 
