@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-import opmesh
 from conftest import assert_raises_named
 from reference import compressor as reference
+
+import opmesh
 
 TOL = {torch.float32: 2e-5, torch.float64: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -171,17 +171,18 @@ def test_transformers_v4_compressors(monkeypatch):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip("this transformers has no deepseek_v4")
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
-
     from test_v4_layer import tiny_config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
     monkeypatch.setattr(v4, "apply_rotary_pos_emb", lambda x, cos, sin: x)
     config = tiny_config()
     torch.manual_seed(0)
     hidden = torch.randn(2, 37, config.hidden_size)
     positions = torch.arange(37).expand(2, -1)
-    for cls, kind, coff in ((v4.DeepseekV4CSACompressor, "compressed_sparse_attention", 2),
-                            (v4.DeepseekV4HCACompressor, "heavily_compressed_attention", 1)):  # fmt: skip
+    for cls, kind, coff in (
+        (v4.DeepseekV4CSACompressor, "compressed_sparse_attention", 2),
+        (v4.DeepseekV4HCACompressor, "heavily_compressed_attention", 1),
+    ):
         module = cls(config).eval()
         with torch.no_grad():
             for p in (module.kv_proj.weight, module.gate_proj.weight, module.position_bias):
@@ -191,8 +192,15 @@ def test_transformers_v4_compressors(monkeypatch):
             module.indexer = NoIndexer()
         with torch.no_grad():
             want = module(hidden, None, positions, None, 0)[0][:, 0]
-            got = opmesh.compressor(hidden, module.kv_proj.weight, module.gate_proj.weight, None,
-                                    module.position_bias, config.compress_rates[kind], coff=coff)  # fmt: skip
+            got = opmesh.compressor(
+                hidden,
+                module.kv_proj.weight,
+                module.gate_proj.weight,
+                None,
+                module.position_bias,
+                config.compress_rates[kind],
+                coff=coff,
+            )
         assert want.shape[1] == 37 // config.compress_rates[kind]
         torch.testing.assert_close(got[:, : want.shape[1]], want, atol=1e-5, rtol=1e-5)
 
@@ -267,8 +275,9 @@ def test_state_cache_requiring_a_gradient_is_refused():
     case = Case("grad_state", (6,), 4, 1, start=(0,))
     (x, wkv, wgate, state, ape), kwargs = make(case)
     state.requires_grad_(True)
-    assert_raises_named(ValueError, "state_cache",
-                        lambda: opmesh.compressor(x, wkv, wgate, state, ape, 4, **kwargs))  # fmt: skip
+    assert_raises_named(
+        ValueError, "state_cache", lambda: opmesh.compressor(x, wkv, wgate, state, ape, 4, **kwargs)
+    )
 
 
 # --- graph mode ----------------------------------------------------------------------------
@@ -390,8 +399,9 @@ def test_input_sharing_the_state_memory_is_refused():
     case = Case("overlap", (8,), 4, 1, hidden=12, start=(0,), block_size=8)
     (x, wkv, wgate, state, ape), kwargs = make(case)
     x = state[:1]  # x is the state cache's first block
-    assert_raises_named(ValueError, "x",
-                        lambda: opmesh.compressor(x, wkv, wgate, state, ape, 4, **kwargs))  # fmt: skip
+    assert_raises_named(
+        ValueError, "x", lambda: opmesh.compressor(x, wkv, wgate, state, ape, 4, **kwargs)
+    )
 
 
 def test_gradient_with_a_bad_shape_is_refused():
