@@ -51,6 +51,8 @@ PYBIND11_MODULE(MS_EXTENSION_NAME, m) {
   b::def_op<b::SparseFlashMlaCall>(m, "sparse_flash_mla", &b::sparse_flash_mla);
   b::def_op<b::SparseFlashMlaBackwardCall>(m, "sparse_flash_mla_backward",
                                            &b::sparse_flash_mla_backward);
+  b::def_op<b::CompressorCall>(m, "compressor", &b::compressor);
+  b::def_op<b::CompressorBackwardCall>(m, "compressor_backward", &b::compressor_backward);
   b::def_op<b::FlashAttnMetadataCall>(m, "flash_attn_metadata", &b::flash_attn_metadata);
   b::def_op<b::FlashAttnCall>(m, "flash_attn", &b::flash_attn);
   b::def_op<b::FlashAttnBackwardCall>(m, "flash_attn_backward", &b::flash_attn_backward);

@@ -130,6 +130,8 @@ py::object sparse_flash_attention(const SparseFlashAttentionCall& call);
 py::object sparse_flash_attention_backward(const SparseFlashAttentionBackwardCall& call);
 py::object sparse_flash_mla(const SparseFlashMlaCall& call);
 py::object sparse_flash_mla_backward(const SparseFlashMlaBackwardCall& call);
+py::object compressor(const CompressorCall& call);
+py::object compressor_backward(const CompressorBackwardCall& call);
 std::vector<int64_t> flash_attn_metadata(const FlashAttnMetadataCall& call);
 py::object flash_attn(const FlashAttnCall& call);
 py::object flash_attn_backward(const FlashAttnBackwardCall& call);

@@ -161,7 +161,7 @@ py::object launch(const std::string& name, const std::vector<ms::Tensor>& inputs
     runner->Run(inputs, made);
     return made;
   };
-  py::object result = call_runner<0, 2, 3, 4, 6>(outputs.size(), name, run);
+  py::object result = call_runner<0, 1, 2, 3, 4, 6>(outputs.size(), name, run);
   {
     py::gil_scoped_release released;
     std::unique_lock<std::mutex> lock(h->mutex);

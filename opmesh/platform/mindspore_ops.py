@@ -393,6 +393,70 @@ def _mla_function():
     return SparseFlashMlaFunction
 
 
+_COMPRESSOR_HOST = ("cu_seqlens", "seqused", "start_pos")
+
+
+def compressor(call):
+    """``call``: compressor's arguments by schema name. The torch shape function checks the
+    shapes on meta stand-ins; the binding writes the state cache in place and computes cmp_kv,
+    differentiable in x, wkv, wgate and ape through MindSpore's autograd, as on PyTorch."""
+    import mindspore
+
+    host, metas = {}, {}
+    for name in _COMPRESSOR_HOST:
+        host[name], metas[name] = _host(call[name], name)
+    table = call["state_block_table"]
+    rows, table_meta = _table(table, "state_block_table")
+    if table_meta is not None and table_meta.dim() == 1:
+        rows = [[v] for v in rows]  # a ring's [B] table: one block per row
+    state = call["state_cache"]
+    if state is None:
+        state = mindspore.ops.zeros((0, 1, 2 * call["wkv"].shape[0]), mindspore.float32)
+    elif not state.is_contiguous():
+        raise ValueError("state_cache: must be contiguous on MindSpore (it is written in place)")
+    options = {n: call[n] for n in ("cmp_ratio", "coff", "cache_mode")}
+    tensors = {n: call[n] for n in ("x", "wkv", "wgate", "ape")}
+    torch.ops.opmesh.compressor(
+        _meta(tensors["x"], "x"), _meta(tensors["wkv"], "wkv"), _meta(tensors["wgate"], "wgate"),
+        _meta(state, "state_cache"), _meta(tensors["ape"], "ape"),
+        state_block_table=table_meta, **metas, **options,
+    )  # fmt: skip
+    fixed = dict(host, state_block_table=rows, state_cache=state, **options)
+    return _compressor_function().apply(*tensors.values(), fixed)
+
+
+def _first(result):
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+@functools.cache
+def _compressor_function():
+    class CompressorFunction(DFunction):
+        """compressor on MindSpore tensors: the binding's forward and backward."""
+
+        @staticmethod
+        def forward(ctx, x, wkv, wgate, ape, fixed):
+            ctx.save_for_backward(x, wkv, wgate, ape)
+            ctx.fixed = fixed
+            return _first(_call("compressor", x=x, wkv=wkv, wgate=wgate, ape=ape, **fixed))
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, wkv, wgate, ape = (_concrete(t) for t in ctx.saved_tensors)
+            fixed = {
+                n: v
+                for n, v in ctx.fixed.items()
+                if n not in ("state_cache", "state_block_table", "cache_mode")
+            }
+            dx, dwkv, dwgate, dape = _call(
+                "compressor_backward", grad_cmp_kv=_concrete(grad), x=x, wkv=wkv, wgate=wgate,
+                ape=ape, **fixed,
+            )  # fmt: skip
+            return dx, dwkv, dwgate, dape, None
+
+    return CompressorFunction
+
+
 def from_torch(tensor):
     """A host-side torch result (a plan) as a MindSpore tensor."""
     import mindspore

@@ -1084,3 +1084,46 @@ def test_int_and_bool_arguments_are_taken_strictly():
         mindspore_ops._call("lightning_indexer", **dict(call, sparse_count=3, return_value=2))
     indices = mindspore_ops._call("lightning_indexer", **dict(call, sparse_count=3, return_value=1))
     assert tuple(indices[1].shape) == (1, 6, 1, 3)
+
+
+# --------------------------------------------------------------------------------- compressor
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["BSH", "TH"])
+def test_compressor_forward_state_and_backward_match_torch(packed):
+    x = randn(17, 12) if packed else randn(2, 9, 12)
+    arrays = (x, randn(16, 12, scale=0.3), randn(16, 12, scale=0.3), randn(4, 16))
+    m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
+    kw = dict(coff=2, start_pos=[3, 5], state_block_table=[[1, 2, 3, 4], [5, 6, 7, 0]])
+    if packed:
+        kw["cu_seqlens"] = [0, 8, 17]
+    state = randn(8, 4, 32)
+    m_state, t_state = ms.Tensor(state.copy()), torch.from_numpy(state.copy())
+    m_out = opmesh.compressor(m_in[0], m_in[1], m_in[2], m_state, m_in[3], 4, **kw)
+    t_out = opmesh.compressor(t_in[0], t_in[1], t_in[2], t_state, t_in[3], 4, **kw)
+    assert isinstance(m_out, ms.Tensor)
+    assert_same(m_out, t_out)
+    assert_same(m_state, t_state)  # written in place alike
+
+    # Gradients without history (start 0, no state).
+    kw = {n: v for n, v in kw.items() if n == "cu_seqlens"} | {"coff": 2, "seqused": [8, 6]}
+
+    def loss(*tensors):
+        out = opmesh.compressor(tensors[0], tensors[1], tensors[2], None, tensors[3], 4, **kw)
+        return (out * out).sum()
+
+    m_grads = ms.grad(loss, grad_position=(0, 1, 2, 3))(*m_in)
+    leaves = [t.clone().requires_grad_() for t in t_in]
+    loss(*leaves).backward()
+    for g, leaf in zip(m_grads, leaves, strict=True):
+        assert_same(g, leaf.grad)
+
+
+def test_compressor_errors_are_the_torch_bindings():
+    x, w, ape = randn(2, 9, 12), randn(16, 12), randn(4, 16)
+    msg = _same_error(lambda conv: opmesh.compressor(conv(x), conv(w), conv(w), None, conv(ape),
+                                                      4, coff=2, seqused=[10, 1]))  # fmt: skip
+    assert msg.startswith("seqused:"), msg
+    msg = _same_error(lambda conv: opmesh.compressor(conv(x), conv(w), conv(w), None, conv(ape),
+                                                      3, coff=2))  # fmt: skip
+    assert msg.startswith("ape:"), msg
