@@ -196,8 +196,7 @@ struct TokenRows {
   int64_t offset(const View& v, int64_t r) const { return batch[r] * v.sb + token[r] * v.ss; }
 };
 
-TokenRows token_rows(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
-                     Projected& proj) {
+TokenRows token_rows(const std::vector<CompressorSequence>& seqs, Projected& proj) {
   TokenRows t;
   for (const CompressorSequence& s : seqs) {
     proj.first_row.push_back(proj.count);
@@ -227,7 +226,7 @@ std::vector<float> packed_weights(const CompressorParams& p, int64_t ld, const E
 Projected project(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
                   const KernelSet& k, const Executor& ex) {
   Projected proj;
-  const TokenRows t = token_rows(p, seqs, proj);
+  const TokenRows t = token_rows(seqs, proj);
   proj.ld = round_up(row_width(p), 16);
   proj.rows.assign(static_cast<size_t>(proj.count * proj.ld), 0.0f);
   if (proj.count == 0) return proj;
@@ -452,7 +451,7 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   }
   const int64_t hp = round_up(std::max<int64_t>(p.hidden, 1), 16);
   Projected unused;
-  const TokenRows t = token_rows(p, seqs, unused);
+  const TokenRows t = token_rows(seqs, unused);
   // dx = dP [kv | score] . [wkv; wgate]: B is the weights as rows [2 coff D][hp].
   {
     std::vector<float> w(static_cast<size_t>(width * hp), 0.0f);
