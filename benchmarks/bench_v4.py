@@ -14,7 +14,13 @@ Parts (``--parts``):
   composition on the gathered keys; time, the bytes of key/value rows read per second, and
   GFLOP/s.
 
-    python benchmarks/bench_v4.py [--seq 8192 32768] [--parts layer decode]
+- ``compressor``: the compressors of a CSA layer (``coff=2``, 4:1) and an HCA layer (128:1)
+  over ``--hidden`` channels into entries of ``--dim``, bf16, forward and forward + backward,
+  against transformers' formulation in PyTorch (the two projections as matmuls, the windows
+  re-arranged, softmax, weighted sum), eager and compiled. GFLOP/s counts the projections'
+  products (2 x 2 coff D x H per token; x 3 with the backward).
+
+    python benchmarks/bench_v4.py [--seq 8192 32768] [--parts layer decode compressor]
 """
 
 from __future__ import annotations
@@ -227,6 +233,67 @@ def bench_decode(args, rows):
         print(rows[-1], flush=True)
 
 
+def compressor_composition(x, wkv, wgate, ape, ratio, coff):
+    """transformers' DeepseekV4CSACompressor / HCACompressor (before their norm and rotary
+    embedding) on whole windows: projections, the windows (and, with coff = 2, the previous
+    window's first half) laid out, softmax in float32, weighted sum."""
+    b, s, _ = x.shape
+    d = wkv.shape[0] // coff
+    n = s // ratio
+    kv = (x[:, : n * ratio] @ wkv.T).view(b, n, ratio, coff * d)
+    gate = (x[:, : n * ratio] @ wgate.T).view(b, n, ratio, coff * d) + ape.to(x.dtype)
+    if coff == 2:
+        prev_kv = torch.cat([torch.zeros_like(kv[:, :1, :, :d]), kv[:, :-1, :, :d]], dim=1)
+        prev_gate = torch.cat(
+            [torch.full_like(gate[:, :1, :, :d], float("-inf")), gate[:, :-1, :, :d]], dim=1
+        )
+        kv = torch.cat([prev_kv, kv[..., d:]], dim=2)
+        gate = torch.cat([prev_gate, gate[..., d:]], dim=2)
+    weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+    return (kv * weights).sum(dim=2)
+
+
+def bench_compressor(args, rows):
+    for kind, ratio, coff in (("CSA", 4, 2), ("HCA", 128, 1)):
+        for s in args.seq:
+            g = torch.Generator().manual_seed(2)
+            h, d = args.hidden, args.dim
+
+            def draw(*shape, scale=1.0):
+                return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+            x = draw(1, s, h)
+            wkv, wgate = draw(coff * d, h, scale=h**-0.5), draw(coff * d, h, scale=h**-0.5)
+            ape = torch.randn(ratio, coff * d, generator=g)
+            flops = 2 * 2 * coff * d * h * s
+            want = opmesh.compressor(x, wkv, wgate, None, ape, ratio, coff=coff)[:, : s // ratio]
+            got = compressor_composition(x, wkv, wgate, ape, ratio, coff)
+            err = (got.float() - want.float()).abs().max().item()
+            compiled = torch.compile(compressor_composition, dynamic=False)
+            methods = {
+                "opmesh": lambda: opmesh.compressor(x, wkv, wgate, None, ape, ratio, coff=coff),
+                "eager": partial(compressor_composition, x, wkv, wgate, ape, ratio, coff),
+                "compiled": partial(compiled, x, wkv, wgate, ape, ratio, coff),
+            }
+            add_rows(rows, kind + " compressor", s, "forward", methods, flops, args, err)
+            leaves = [t.clone().requires_grad_(True) for t in (x, wkv, wgate, ape)]
+            grad = torch.randn(want.shape, generator=g).to(torch.bfloat16)
+            grad_full = torch.zeros(1, -(-s // ratio), d, dtype=torch.bfloat16)
+            grad_full[:, : s // ratio] = grad
+            lx, lw, lg, la = leaves
+            both = {
+                "opmesh": with_backward(
+                    lambda: opmesh.compressor(lx, lw, lg, None, la, ratio, coff=coff),
+                    leaves, grad_full,
+                ),
+                "eager": with_backward(
+                    partial(compressor_composition, lx, lw, lg, la, ratio, coff), leaves, grad
+                ),
+            }  # fmt: skip
+            add_rows(rows, kind + " compressor", s, "forward + backward", both, flops * 3, args,
+                     err)  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["layer", "decode"])
@@ -239,6 +306,7 @@ def main():
     parser.add_argument("--compose-up-to", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--budget", type=float, default=3.0)
     parser.add_argument("--name", default="v4")
     args = parser.parse_args()
@@ -247,6 +315,8 @@ def main():
         bench_layer(args, rows)
     if "decode" in args.parts:
         bench_decode(args, rows)
+    if "compressor" in args.parts:
+        bench_compressor(args, rows)
     columns = ["layer", "S", "phase", "method", "ms", "GFLOPs", "extra_MB", "GB_per_s",
                "vs_best_torch", "max_abs_err"]  # fmt: skip
     notes = [

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -23,10 +24,51 @@ constexpr int64_t kWeightRows = 16;   // weight rows per weight-gradient task
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// C[m][n] = A[m][depth] . B[depth][n] in float32 words (n a multiple of 16), the depth in chunks
-// accumulated through the product's row scale (`ones`: m entries of 1).
-void product(const KernelSet& k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-             int64_t ldc, int64_t m, int64_t n, int64_t depth, const float* ones) {
+// The products' operands in a kernel set's words: float32 sets hold one float per element,
+// bf16-pair sets one word per two consecutive elements along the depth (element 2w in the low
+// half), each rounded to bf16 (exact for bf16 inputs). Depths are padded with zeros to the set's
+// alignment, and A's rows to its row alignment.
+class Words {
+ public:
+  explicit Words(const KernelSet& k) : k_(k), pairs_(k.word == kernels::Word::kBf16Pair) {}
+  int64_t depth(int64_t elements) const {
+    return round_up(pairs_ ? (elements + 1) / 2 : elements, k_.depth_align);
+  }
+  int64_t rows(int64_t m) const { return round_up(std::max<int64_t>(m, 1), k_.row_align); }
+  // Depth elements per word.
+  int64_t per_word() const { return pairs_ ? 2 : 1; }
+  // Element e along the depth of a row of words.
+  void set(uint32_t* row, int64_t e, float v) const {
+    if (!pairs_) {
+      std::memcpy(row + e, &v, sizeof(v));
+      return;
+    }
+    const uint16_t bits = float_to_bf16_bits(v);
+    std::memcpy(reinterpret_cast<char*>(row + e / 2) + 2 * (e % 2), &bits, sizeof(bits));
+  }
+  // Element (d, n) of a B operand [depth words][ld].
+  void set_b(uint32_t* b, int64_t ld, int64_t d, int64_t n, float v) const {
+    if (!pairs_) {
+      std::memcpy(b + d * ld + n, &v, sizeof(v));
+      return;
+    }
+    const uint16_t bits = float_to_bf16_bits(v);
+    std::memcpy(reinterpret_cast<char*>(b + (d / 2) * ld + n) + 2 * (d % 2), &bits, sizeof(bits));
+  }
+
+ private:
+  const KernelSet& k_;
+  bool pairs_;
+};
+
+std::vector<uint32_t> words(int64_t count) {
+  return std::vector<uint32_t>(static_cast<size_t>(count), 0u);
+}
+
+// C[m][n] = A[m][depth] . B[depth][n] in the set's words (depth in words, padded; n a multiple of
+// 16), the depth in chunks accumulated through the product's row scale (`ones`: m entries of 1).
+void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+             float* c, int64_t ldc, int64_t m, int64_t n, int64_t depth, const float* ones) {
   if (depth == 0) {
     for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
     return;
@@ -210,15 +252,22 @@ TokenRows token_rows(const std::vector<CompressorSequence>& seqs, Projected& pro
   return t;
 }
 
-// The weights as the product's operand B: [H][ld] with column n' = row n' of [wkv; wgate].
-std::vector<float> packed_weights(const CompressorParams& p, int64_t ld, const Executor& ex) {
+// Row `row` of [wkv; wgate] as floats.
+void weight_row(const CompressorParams& p, int64_t row, float* out) {
   const int64_t n = p.coff * p.dim;
-  std::vector<float> b(static_cast<size_t>(p.hidden * ld), 0.0f);
-  run_dynamic(ex, 2 * n, [&](int64_t row, int) {
-    const View& w = row < n ? p.wkv : p.wgate;
+  const View& w = row < n ? p.wkv : p.wgate;
+  load_row(w.data, p.dtype, (row % n) * w.ss, w.sd, p.hidden, out);
+}
+
+// The weights as the projection's operand B: [H along the depth][ld], column n' = row n' of
+// [wkv; wgate].
+std::vector<uint32_t> packed_weights(const CompressorParams& p, const Words& w, int64_t ld,
+                                     const Executor& ex) {
+  std::vector<uint32_t> b = words(w.depth(p.hidden) * ld);
+  run_dynamic(ex, row_width(p), [&](int64_t row, int) {
     std::vector<float> tmp(static_cast<size_t>(p.hidden));
-    load_row(w.data, p.dtype, (row % n) * w.ss, w.sd, p.hidden, tmp.data());
-    for (int64_t h = 0; h < p.hidden; ++h) b[static_cast<size_t>(h * ld + row)] = tmp[h];
+    weight_row(p, row, tmp.data());
+    for (int64_t h = 0; h < p.hidden; ++h) w.set_b(b.data(), ld, h, row, tmp[h]);
   });
   return b;
 }
@@ -230,7 +279,9 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
   proj.ld = round_up(row_width(p), 16);
   proj.rows.assign(static_cast<size_t>(proj.count * proj.ld), 0.0f);
   if (proj.count == 0) return proj;
-  const std::vector<float> b = packed_weights(p, proj.ld, ex);
+  const Words w(k);
+  const int64_t hw = w.depth(p.hidden);
+  const std::vector<uint32_t> b = packed_weights(p, w, proj.ld, ex);
   const std::vector<float> ape = widened_ape(p);
   const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
   const int64_t n = p.coff * p.dim;
@@ -238,13 +289,14 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
     const kernels::WorkerScope scope(k);
     const int64_t r0 = task * kRowBlock;
     const int64_t m = std::min(kRowBlock, proj.count - r0);
-    std::vector<float> a(static_cast<size_t>(m * std::max<int64_t>(p.hidden, 1)));
+    std::vector<uint32_t> a = words(w.rows(m) * hw);
+    std::vector<float> tmp(static_cast<size_t>(p.hidden));
     for (int64_t r = 0; r < m; ++r) {
-      load_row(p.x.data, p.dtype, t.offset(p.x, r0 + r), p.x.sd, p.hidden, a.data() + r * p.hidden);
+      load_row(p.x.data, p.dtype, t.offset(p.x, r0 + r), p.x.sd, p.hidden, tmp.data());
+      for (int64_t h = 0; h < p.hidden; ++h) w.set(a.data() + r * hw, h, tmp[h]);
     }
     float* c = proj.rows.data() + r0 * proj.ld;
-    product(k, a.data(), p.hidden, b.data(), proj.ld, c, proj.ld, m, proj.ld, p.hidden,
-            ones.data());
+    product(k, a.data(), hw, b.data(), proj.ld, c, proj.ld, m, proj.ld, hw, ones.data());
     for (int64_t r = 0; r < m; ++r) {
       const float* bias = ape.data() + (t.position[r0 + r] % p.cmp_ratio) * n;
       float* score = c + r * proj.ld + n;
@@ -355,7 +407,7 @@ std::vector<CompressorSequence> validate(const CompressorParams& p) {
 
 void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
   const std::vector<CompressorSequence> seqs = validate(p);
-  const KernelSet& k = kernels::float32_set(isa);
+  const KernelSet& k = kernels::select_set(isa, p.dtype, -1, true);
   // Padding rows first: every row of cmp_kv, then the entries over them.
   if (p.packed) {
     zero_rows(p.cmp_kv, p.dtype, 0, p.cmp_kv.ss, p.out_rows, p.dim);
@@ -403,7 +455,7 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
                               "backward needs every entry's tokens in x");
     }
   }
-  const KernelSet& k = kernels::float32_set(isa);
+  const KernelSet& k = kernels::select_set(isa, p.dtype, -1, true);
   const int64_t n = p.coff * p.dim;
   const int64_t width = row_width(p);
   // Gradients of tokens the call does not use (padding, past seqused) stay zero.
@@ -452,37 +504,54 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   const int64_t hp = round_up(std::max<int64_t>(p.hidden, 1), 16);
   Projected unused;
   const TokenRows t = token_rows(seqs, unused);
-  // dx = dP [kv | score] . [wkv; wgate]: B is the weights as rows [2 coff D][hp].
+  const Words w(k);
+  // dx = dP [kv | score] . [wkv; wgate]: B is the weights, [2 coff D along the depth][hp].
   {
-    std::vector<float> w(static_cast<size_t>(width * hp), 0.0f);
-    run_dynamic(ex, width, [&](int64_t row, int) {
-      const View& src = row < n ? p.wkv : p.wgate;
-      load_row(src.data, p.dtype, (row % n) * src.ss, src.sd, p.hidden, w.data() + row * hp);
+    const int64_t ww = w.depth(width);
+    std::vector<uint32_t> b = words(ww * hp);
+    run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
+      std::vector<float> tmp(static_cast<size_t>(p.hidden));
+      for (int64_t row = word * w.per_word(); row < std::min(width, (word + 1) * w.per_word());
+           ++row) {
+        weight_row(p, row, tmp.data());
+        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(b.data(), hp, row, h, tmp[h]);
+      }
     });
     const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
     run_dynamic(ex, (proj.count + kRowBlock - 1) / kRowBlock, [&](int64_t task, int) {
       const kernels::WorkerScope scope(k);
       const int64_t r0 = task * kRowBlock;
       const int64_t m = std::min(kRowBlock, proj.count - r0);
+      std::vector<uint32_t> a = words(w.rows(m) * ww);
+      for (int64_t r = 0; r < m; ++r) {
+        const float* src = dp.data() + (r0 + r) * proj.ld;
+        for (int64_t ch = 0; ch < width; ++ch) w.set(a.data() + r * ww, ch, src[ch]);
+      }
       std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, dp.data() + r0 * proj.ld, proj.ld, w.data(), hp, c.data(), hp, m, hp, width,
-              ones.data());
+      product(k, a.data(), ww, b.data(), hp, c.data(), hp, m, hp, ww, ones.data());
       for (int64_t r = 0; r < m; ++r) {
         store_row(g.dx.data, p.dtype, t.offset(g.dx, r0 + r), g.dx.sd, p.hidden, c.data() + r * hp,
                   1.0f);
       }
     });
   }
-  // [dwkv; dwgate] = dP^T . X: A is dP transposed [width][count], B the tokens [count][hp].
+  // [dwkv; dwgate] = dP^T . X: A is dP transposed [width][tokens along the depth], B the tokens
+  // [tokens along the depth][hp].
   {
-    std::vector<float> xs(static_cast<size_t>(proj.count * hp), 0.0f);
-    run_dynamic(ex, proj.count, [&](int64_t r, int) {
-      load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, xs.data() + r * hp);
+    const int64_t tw = w.depth(proj.count);
+    std::vector<uint32_t> xs = words(tw * hp);
+    run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
+      std::vector<float> tmp(static_cast<size_t>(p.hidden));
+      for (int64_t r = word * w.per_word(); r < std::min(proj.count, (word + 1) * w.per_word());
+           ++r) {
+        load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, tmp.data());
+        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(xs.data(), hp, r, h, tmp[h]);
+      }
     });
-    std::vector<float> dpt(static_cast<size_t>(width * proj.count));
+    std::vector<uint32_t> dpt = words(w.rows(width) * tw);
     run_dynamic(ex, width, [&](int64_t ch, int) {
       for (int64_t r = 0; r < proj.count; ++r) {
-        dpt[static_cast<size_t>(ch * proj.count + r)] = dp[static_cast<size_t>(r * proj.ld + ch)];
+        w.set(dpt.data() + ch * tw, r, dp[static_cast<size_t>(r * proj.ld + ch)]);
       }
     });
     const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
@@ -491,8 +560,7 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
       const int64_t r0 = task * kWeightRows;
       const int64_t m = std::min(kWeightRows, width - r0);
       std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, dpt.data() + r0 * proj.count, proj.count, xs.data(), hp, c.data(), hp, m, hp,
-              proj.count, ones.data());
+      product(k, dpt.data() + r0 * tw, tw, xs.data(), hp, c.data(), hp, m, hp, tw, ones.data());
       for (int64_t r = 0; r < m; ++r) {
         const int64_t row = r0 + r;
         const MutableView& dst = row < n ? g.dwkv : g.dwgate;
