@@ -253,13 +253,17 @@ def compressor_composition(x, wkv, wgate, ape, ratio, coff):
     return (kv * weights).sum(dim=2)
 
 
+def run_compressor(x, wkv, wgate, ape, ratio, coff):
+    return opmesh.compressor(x, wkv, wgate, None, ape, ratio, coff=coff)
+
+
 def bench_compressor(args, rows):
     for kind, ratio, coff in (("CSA", 4, 2), ("HCA", 128, 1)):
         for s in args.seq:
             g = torch.Generator().manual_seed(2)
             h, d = args.hidden, args.dim
 
-            def draw(*shape, scale=1.0):
+            def draw(*shape, scale=1.0, g=g):
                 return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
             x = draw(1, s, h)
@@ -271,7 +275,7 @@ def bench_compressor(args, rows):
             err = (got.float() - want.float()).abs().max().item()
             compiled = torch.compile(compressor_composition, dynamic=False)
             methods = {
-                "opmesh": lambda: opmesh.compressor(x, wkv, wgate, None, ape, ratio, coff=coff),
+                "opmesh": partial(run_compressor, x, wkv, wgate, ape, ratio, coff),
                 "eager": partial(compressor_composition, x, wkv, wgate, ape, ratio, coff),
                 "compiled": partial(compiled, x, wkv, wgate, ape, ratio, coff),
             }
@@ -283,8 +287,7 @@ def bench_compressor(args, rows):
             lx, lw, lg, la = leaves
             both = {
                 "opmesh": with_backward(
-                    lambda: opmesh.compressor(lx, lw, lg, None, la, ratio, coff=coff),
-                    leaves, grad_full,
+                    partial(run_compressor, lx, lw, lg, la, ratio, coff), leaves, grad_full
                 ),
                 "eager": with_backward(
                     partial(compressor_composition, lx, lw, lg, la, ratio, coff), leaves, grad
