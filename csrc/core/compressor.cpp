@@ -18,7 +18,7 @@ namespace {
 using kernels::KernelSet;
 using kernels::round_up;
 
-constexpr int64_t kRowBlock = 48;     // token rows per projection task
+constexpr int64_t kRowBlock = 192;    // token rows per projection task
 constexpr int64_t kDepthChunk = 256;  // depth per product call: B's panel stays in cache
 constexpr int64_t kWeightRows = 16;   // weight rows per weight-gradient task
 
@@ -264,10 +264,17 @@ void weight_row(const CompressorParams& p, int64_t row, float* out) {
 std::vector<uint32_t> packed_weights(const CompressorParams& p, const Words& w, int64_t ld,
                                      const Executor& ex) {
   std::vector<uint32_t> b = words(w.depth(p.hidden) * ld);
-  run_dynamic(ex, row_width(p), [&](int64_t row, int) {
-    std::vector<float> tmp(static_cast<size_t>(p.hidden));
-    weight_row(p, row, tmp.data());
-    for (int64_t h = 0; h < p.hidden; ++h) w.set_b(b.data(), ld, h, row, tmp[h]);
+  // 16 weight rows per task: each step along H writes one cache line of B.
+  constexpr int64_t kRows = 16;
+  const int64_t width = row_width(p);
+  run_dynamic(ex, (width + kRows - 1) / kRows, [&](int64_t task, int) {
+    const int64_t r0 = task * kRows;
+    const int64_t rows = std::min(kRows, width - r0);
+    std::vector<float> tmp(static_cast<size_t>(rows * p.hidden));
+    for (int64_t r = 0; r < rows; ++r) weight_row(p, r0 + r, tmp.data() + r * p.hidden);
+    for (int64_t h = 0; h < p.hidden; ++h) {
+      for (int64_t r = 0; r < rows; ++r) w.set_b(b.data(), ld, h, r0 + r, tmp[r * p.hidden + h]);
+    }
   });
   return b;
 }
