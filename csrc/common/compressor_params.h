@@ -7,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "compressor.h"
+#include "compressor/compressor.h"
 #include "tensor_access.h"
 
 namespace opmesh::common {

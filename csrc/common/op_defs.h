@@ -503,6 +503,18 @@ void copy_attn_shared(const From& from, To& to) {
 #undef OPMESH_DETAIL_COPY_D
 }
 
+// Copies the arguments compressor and its backward share (the lengths, ratio and coff).
+template <class To, class From>
+void copy_compressor_shared(const From& from, To& to) {
+#define OPMESH_DETAIL_COPY(kind, name) to.name = from.name;
+#define OPMESH_DETAIL_COPY_D(kind, name, value) to.name = from.name;
+  OPMESH_COMPRESSOR_LENGTHS(OPMESH_DETAIL_COPY, OPMESH_DETAIL_COPY_D)
+#undef OPMESH_DETAIL_COPY
+#undef OPMESH_DETAIL_COPY_D
+  to.cmp_ratio = from.cmp_ratio;
+  to.coff = from.coff;
+}
+
 // Copies the options and scale sparse_flash_attention and its backward share.
 template <class To, class From>
 void copy_sparse_attn_shared(const From& from, To& to) {

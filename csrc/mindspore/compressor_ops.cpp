@@ -4,7 +4,7 @@
 #include <memory>
 #include <vector>
 
-#include "compressor.h"
+#include "compressor/compressor.h"
 #include "compressor_params.h"
 #include "ms_call.h"
 

@@ -222,11 +222,7 @@ class CompressorFunction : public torch::autograd::Function<CompressorFunction> 
     }
     ctx->save_for_backward({x, wkv, wgate, ape});
     CompressorBackwardCall g;
-    g.cmp_ratio = call.cmp_ratio;
-    g.coff = call.coff;
-    g.cu_seqlens = call.cu_seqlens;
-    g.seqused = call.seqused;
-    g.start_pos = call.start_pos;
+    ops::copy_compressor_shared(call, g);
     torch::jit::Stack packed;
     push_call(packed, g);
     ctx->saved_data["backward"] = c10::ivalue::Tuple::create(std::move(packed));

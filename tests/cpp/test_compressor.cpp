@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "compressor.h"
+#include "compressor/compressor.h"
 #include "cpu_features.h"
 #include "errors.h"
 #include "thread_executor.h"

@@ -14,7 +14,7 @@
 #include "../attention/flash_attn_backward.h"
 #include "../attention/sparse_attention.h"
 #include "../attention/sparse_flash_mla.h"
-#include "../compressor.h"
+#include "../compressor/compressor.h"
 #include "../executor.h"
 #include "../indexer/indexer.h"
 #include "../indexer/indexer_kl_loss.h"

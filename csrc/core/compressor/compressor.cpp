@@ -8,9 +8,9 @@
 #include <tuple>
 #include <vector>
 
-#include "errors.h"
-#include "kernels/kernel_set.h"
-#include "kernels/row_loads.h"
+#include "../errors.h"
+#include "../kernels/kernel_set.h"
+#include "../kernels/row_loads.h"
 
 namespace opmesh::core {
 namespace {
@@ -380,6 +380,34 @@ std::vector<EntryRef> entries_of(const std::vector<CompressorSequence>& seqs) {
   return out;
 }
 
+// One entry as each_entry hands it over: its sequence, its row of cmp_kv, its slots and their
+// softmax per channel (max m, normaliser l, the entry's value out; D floats each).
+struct EntryWork {
+  const CompressorSequence& seq;
+  int64_t row;
+  const std::vector<Slot>& slots;
+  const float* m;
+  const float* l;
+  const float* out;
+};
+
+// Runs fn(EntryWork) for every entry of the call, in parallel.
+template <class Fn>
+void each_entry(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
+                const Projected& proj, const Executor& ex, Fn&& fn) {
+  const std::vector<EntryRef> entries = entries_of(seqs);
+  run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
+    const EntryRef& e = entries[static_cast<size_t>(i)];
+    const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
+    std::vector<Slot> slots;
+    entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
+    std::vector<float> buf(static_cast<size_t>(3 * p.dim));
+    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim);
+    fn(EntryWork{s, s.out_begin + e.w - s.first_entry, slots, buf.data(), buf.data() + p.dim,
+                 buf.data() + 2 * p.dim});
+  });
+}
+
 void check_sizes(const CompressorParams& p) {
   if (p.coff != 1 && p.coff != 2) {
     throw ArgumentError("coff", "expected 1 or 2 (two overlapping series), got " + str(p.coff));
@@ -424,17 +452,9 @@ void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
     }
   }
   const Projected proj = project(p, seqs, k, ex);
-  const std::vector<EntryRef> entries = entries_of(seqs);
-  run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
-    const EntryRef& e = entries[static_cast<size_t>(i)];
-    const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
-    std::vector<Slot> slots;
-    entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
-    std::vector<float> buf(static_cast<size_t>(3 * p.dim));
-    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim);
-    const int64_t row = s.out_begin + e.w - s.first_entry;
-    store_row(p.cmp_kv.data, p.dtype, s.batch * p.cmp_kv.sb + row * p.cmp_kv.ss, p.cmp_kv.sd, p.dim,
-              buf.data() + 2 * p.dim, 1.0f);
+  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
+    store_row(p.cmp_kv.data, p.dtype, e.seq.batch * p.cmp_kv.sb + e.row * p.cmp_kv.ss, p.cmp_kv.sd,
+              p.dim, e.out, 1.0f);
   });
   if (!p.has_state) return;
   // The call's tokens into the state cache, in position order (a ring keeps the latest).
@@ -473,22 +493,13 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   const Projected proj = project(p, seqs, k, ex);
   // dP: per token row, the gradients of its kv and score channels.
   std::vector<float> dp(static_cast<size_t>(proj.count * proj.ld), 0.0f);
-  const std::vector<EntryRef> entries = entries_of(seqs);
-  run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
-    const EntryRef& e = entries[static_cast<size_t>(i)];
-    const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
-    std::vector<Slot> slots;
-    entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
-    std::vector<float> buf(static_cast<size_t>(4 * p.dim));
-    float* m = buf.data();
-    float* l = m + p.dim;
-    float* out = l + p.dim;
-    float* grad = out + p.dim;
-    combine(p, slots, m, l, out);
-    const int64_t row = s.out_begin + e.w - s.first_entry;
-    load_row(g.d_cmp_kv.data, p.dtype, s.batch * g.d_cmp_kv.sb + row * g.d_cmp_kv.ss, g.d_cmp_kv.sd,
-             p.dim, grad);
-    for (const Slot& slot : slots) {
+  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
+    std::vector<float> grad_row(static_cast<size_t>(p.dim));
+    float* grad = grad_row.data();
+    const float *m = e.m, *l = e.l, *out = e.out;
+    load_row(g.d_cmp_kv.data, p.dtype, e.seq.batch * g.d_cmp_kv.sb + e.row * g.d_cmp_kv.ss,
+             g.d_cmp_kv.sd, p.dim, grad);
+    for (const Slot& slot : e.slots) {
       const float* kv = slot.row + slot.channel;
       const float* score = slot.row + n + slot.channel;
       float* dkv = dp.data() + slot.proj_row * proj.ld + slot.channel;

@@ -17,10 +17,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_features.h"
-#include "dtype.h"
-#include "executor.h"
-#include "vocabulary.h"
+#include "../cpu_features.h"
+#include "../dtype.h"
+#include "../executor.h"
+#include "../vocabulary.h"
 
 namespace opmesh::core {
 
