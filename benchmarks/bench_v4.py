@@ -322,14 +322,24 @@ def main():
         bench_compressor(args, rows)
     columns = ["layer", "S", "phase", "method", "ms", "GFLOPs", "extra_MB", "GB_per_s",
                "vs_best_torch", "max_abs_err"]  # fmt: skip
-    notes = [
-        "GFLOP/s counts the keys each row reads x 4 N1 D (x 3.5 with the backward). The "
-        "compositions gather each chunk's keys and run batched matmuls (eager, and compiled "
-        "forward); vs_best_torch divides the fastest composition's time by opmesh's.",
-        "extra_MB is the peak resident memory a call adds, its output included (S x 64 x 512 "
-        "bf16: 512 MB at S = 8192); opmesh's kernels add O(tile) beyond it. Decode with 64 "
-        "query heads on one key head is compute-bound (GB_per_s: the key/value rows read).",
-    ]
+    notes = []
+    if "layer" in args.parts or "decode" in args.parts:
+        notes += [
+            "GFLOP/s counts the keys each row reads x 4 N1 D (x 3.5 with the backward). The "
+            "compositions gather each chunk's keys and run batched matmuls (eager, and compiled "
+            "forward); vs_best_torch divides the fastest composition's time by opmesh's.",
+            "extra_MB is the peak resident memory a call adds, its output included (S x 64 x 512 "
+            "bf16: 512 MB at S = 8192); opmesh's kernels add O(tile) beyond it. Decode with 64 "
+            "query heads on one key head is compute-bound (GB_per_s: the key/value rows read).",
+        ]
+    if "compressor" in args.parts:
+        notes.append(
+            "Compressor rows: GFLOP/s counts the projections' products (2 x 2 coff D x H per "
+            "token, x 3 with the backward; opmesh's backward recomputes the projections, a "
+            "fourth product). The composition is transformers' formulation on whole windows in "
+            "bf16; max_abs_err is the largest difference between the two outputs (opmesh "
+            "accumulates in float32 and rounds once)."
+        )
     print(write_results(args.name, rows, columns, notes))
 
 

@@ -20,7 +20,7 @@ using kernels::round_up;
 
 constexpr int64_t kRowBlock = 192;    // token rows per projection task
 constexpr int64_t kDepthChunk = 256;  // depth per product call: B's panel stays in cache
-constexpr int64_t kWeightRows = 16;   // weight rows per weight-gradient task
+constexpr int64_t kWeightRows = 192;  // weight rows per weight-gradient task
 
 std::string str(int64_t v) { return std::to_string(v); }
 
