@@ -408,6 +408,86 @@ void each_entry(const CompressorParams& p, const std::vector<CompressorSequence>
   });
 }
 
+// The products of the backward after dP (the gradients of each token's kv and score
+// channels): x's and the weights' gradients.
+struct Gradients {
+  const CompressorParams& p;
+  const KernelSet& k;
+  Words w;
+  const TokenRows& t;
+  const std::vector<float>& dp;
+  int64_t ld;     // dP's row stride
+  int64_t count;  // tokens
+  int64_t hp;     // H padded to 16
+
+  // dx = dP [kv | score] . [wkv; wgate]: B is the weights, [2 coff D along the depth][hp].
+  void inputs(const CompressorGrads& g, const Executor& ex) const {
+    const int64_t width = row_width(p);
+    const int64_t ww = w.depth(width);
+    std::vector<uint32_t> b = words(ww * hp);
+    run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
+      std::vector<float> tmp(static_cast<size_t>(p.hidden));
+      for (int64_t row = word * w.per_word(); row < std::min(width, (word + 1) * w.per_word());
+           ++row) {
+        weight_row(p, row, tmp.data());
+        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(b.data(), hp, row, h, tmp[h]);
+      }
+    });
+    const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
+    run_dynamic(ex, (count + kRowBlock - 1) / kRowBlock, [&](int64_t task, int) {
+      const kernels::WorkerScope scope(k);
+      const int64_t r0 = task * kRowBlock;
+      const int64_t m = std::min(kRowBlock, count - r0);
+      std::vector<uint32_t> a = words(w.rows(m) * ww);
+      for (int64_t r = 0; r < m; ++r) {
+        const float* src = dp.data() + (r0 + r) * ld;
+        for (int64_t ch = 0; ch < width; ++ch) w.set(a.data() + r * ww, ch, src[ch]);
+      }
+      std::vector<float> c(static_cast<size_t>(m * hp));
+      product(k, a.data(), ww, b.data(), hp, c.data(), hp, m, hp, ww, ones.data());
+      for (int64_t r = 0; r < m; ++r) {
+        store_row(g.dx.data, p.dtype, t.offset(g.dx, r0 + r), g.dx.sd, p.hidden, c.data() + r * hp,
+                  1.0f);
+      }
+    });
+  }
+
+  // [dwkv; dwgate] = dP^T . X: A is dP transposed [width][tokens along the depth], B the tokens
+  // [tokens along the depth][hp].
+  void weights(const CompressorGrads& g, const Executor& ex) const {
+    const int64_t width = row_width(p);
+    const int64_t n = p.coff * p.dim;
+    const int64_t tw = w.depth(count);
+    std::vector<uint32_t> xs = words(tw * hp);
+    run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
+      std::vector<float> tmp(static_cast<size_t>(p.hidden));
+      for (int64_t r = word * w.per_word(); r < std::min(count, (word + 1) * w.per_word()); ++r) {
+        load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, tmp.data());
+        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(xs.data(), hp, r, h, tmp[h]);
+      }
+    });
+    std::vector<uint32_t> dpt = words(w.rows(width) * tw);
+    run_dynamic(ex, width, [&](int64_t ch, int) {
+      for (int64_t r = 0; r < count; ++r) {
+        w.set(dpt.data() + ch * tw, r, dp[static_cast<size_t>(r * ld + ch)]);
+      }
+    });
+    const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
+    run_dynamic(ex, (width + kWeightRows - 1) / kWeightRows, [&](int64_t task, int) {
+      const kernels::WorkerScope scope(k);
+      const int64_t r0 = task * kWeightRows;
+      const int64_t m = std::min(kWeightRows, width - r0);
+      std::vector<float> c(static_cast<size_t>(m * hp));
+      product(k, dpt.data() + r0 * tw, tw, xs.data(), hp, c.data(), hp, m, hp, tw, ones.data());
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t row = r0 + r;
+        const MutableView& dst = row < n ? g.dwkv : g.dwgate;
+        store_row(dst.data, p.dtype, (row % n) * dst.ss, dst.sd, p.hidden, c.data() + r * hp, 1.0f);
+      }
+    });
+  }
+};
+
 void check_sizes(const CompressorParams& p) {
   if (p.coff != 1 && p.coff != 2) {
     throw ArgumentError("coff", "expected 1 or 2 (two overlapping series), got " + str(p.coff));
@@ -484,7 +564,6 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   }
   const KernelSet& k = kernels::select_set(isa, p.dtype, -1, true);
   const int64_t n = p.coff * p.dim;
-  const int64_t width = row_width(p);
   // Gradients of tokens the call does not use (padding, past seqused) stay zero.
   const int64_t x_rows = p.packed ? p.tokens : p.seq_len;
   for (int64_t b = 0; b < (p.packed ? 1 : p.batch); ++b) {
@@ -519,73 +598,12 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
     }
     return;
   }
-  const int64_t hp = round_up(std::max<int64_t>(p.hidden, 1), 16);
   Projected unused;
   const TokenRows t = token_rows(seqs, unused);
-  const Words w(k);
-  // dx = dP [kv | score] . [wkv; wgate]: B is the weights, [2 coff D along the depth][hp].
-  {
-    const int64_t ww = w.depth(width);
-    std::vector<uint32_t> b = words(ww * hp);
-    run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
-      std::vector<float> tmp(static_cast<size_t>(p.hidden));
-      for (int64_t row = word * w.per_word(); row < std::min(width, (word + 1) * w.per_word());
-           ++row) {
-        weight_row(p, row, tmp.data());
-        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(b.data(), hp, row, h, tmp[h]);
-      }
-    });
-    const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
-    run_dynamic(ex, (proj.count + kRowBlock - 1) / kRowBlock, [&](int64_t task, int) {
-      const kernels::WorkerScope scope(k);
-      const int64_t r0 = task * kRowBlock;
-      const int64_t m = std::min(kRowBlock, proj.count - r0);
-      std::vector<uint32_t> a = words(w.rows(m) * ww);
-      for (int64_t r = 0; r < m; ++r) {
-        const float* src = dp.data() + (r0 + r) * proj.ld;
-        for (int64_t ch = 0; ch < width; ++ch) w.set(a.data() + r * ww, ch, src[ch]);
-      }
-      std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, a.data(), ww, b.data(), hp, c.data(), hp, m, hp, ww, ones.data());
-      for (int64_t r = 0; r < m; ++r) {
-        store_row(g.dx.data, p.dtype, t.offset(g.dx, r0 + r), g.dx.sd, p.hidden, c.data() + r * hp,
-                  1.0f);
-      }
-    });
-  }
-  // [dwkv; dwgate] = dP^T . X: A is dP transposed [width][tokens along the depth], B the tokens
-  // [tokens along the depth][hp].
-  {
-    const int64_t tw = w.depth(proj.count);
-    std::vector<uint32_t> xs = words(tw * hp);
-    run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
-      std::vector<float> tmp(static_cast<size_t>(p.hidden));
-      for (int64_t r = word * w.per_word(); r < std::min(proj.count, (word + 1) * w.per_word());
-           ++r) {
-        load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, tmp.data());
-        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(xs.data(), hp, r, h, tmp[h]);
-      }
-    });
-    std::vector<uint32_t> dpt = words(w.rows(width) * tw);
-    run_dynamic(ex, width, [&](int64_t ch, int) {
-      for (int64_t r = 0; r < proj.count; ++r) {
-        w.set(dpt.data() + ch * tw, r, dp[static_cast<size_t>(r * proj.ld + ch)]);
-      }
-    });
-    const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
-    run_dynamic(ex, (width + kWeightRows - 1) / kWeightRows, [&](int64_t task, int) {
-      const kernels::WorkerScope scope(k);
-      const int64_t r0 = task * kWeightRows;
-      const int64_t m = std::min(kWeightRows, width - r0);
-      std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, dpt.data() + r0 * tw, tw, xs.data(), hp, c.data(), hp, m, hp, tw, ones.data());
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t row = r0 + r;
-        const MutableView& dst = row < n ? g.dwkv : g.dwgate;
-        store_row(dst.data, p.dtype, (row % n) * dst.ss, dst.sd, p.hidden, c.data() + r * hp, 1.0f);
-      }
-    });
-  }
+  const Gradients grads{p,  k,       Words(k),   t,
+                        dp, proj.ld, proj.count, round_up(std::max<int64_t>(p.hidden, 1), 16)};
+  grads.inputs(g, ex);
+  grads.weights(g, ex);
   // dape[k] = the score gradients of the tokens at positions k mod r, summed in token order.
   run_dynamic(ex, p.cmp_ratio, [&](int64_t kk, int) {
     std::vector<float> sum(static_cast<size_t>(n), 0.0f);
