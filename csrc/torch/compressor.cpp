@@ -259,17 +259,17 @@ at::Tensor compressor_autograd(const CompressorCall& c) {
 
 }  // namespace
 
+TORCH_LIBRARY_IMPL(opmesh, Autograd, m) { impl<CompressorCall, compressor_autograd>(m); }
 TORCH_LIBRARY_IMPL(opmesh, CPU, m) {
   impl<CompressorCall, compressor_cpu>(m);
   impl<CompressorBackwardCall, compressor_backward_cpu>(m);
+}
+TORCH_LIBRARY_IMPL(opmesh, ADInplaceOrView, m) {
+  impl<CompressorCall, compressor_inplace_or_view>(m);
 }
 TORCH_LIBRARY_IMPL(opmesh, Meta, m) {
   impl<CompressorCall, compressor_meta>(m);
   impl<CompressorBackwardCall, compressor_backward_meta>(m);
 }
-TORCH_LIBRARY_IMPL(opmesh, ADInplaceOrView, m) {
-  impl<CompressorCall, compressor_inplace_or_view>(m);
-}
-TORCH_LIBRARY_IMPL(opmesh, Autograd, m) { impl<CompressorCall, compressor_autograd>(m); }
 
 }  // namespace opmesh::binding
