@@ -7,6 +7,7 @@ passed, the indexer's top-k, the sinks), and its output and gradients must equal
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -126,3 +127,72 @@ def test_every_layer_kind_equals_eager(seq):
     with torch.no_grad():
         model(ids)
     assert seen == {kind: 1 for kind in LAYERS}
+
+
+def _opmesh_compressed(module, hidden_states):
+    """A compressor module's entries computed with opmesh.compressor, then the module's own
+    normalisation and rotary embedding (stateless prefill from position 0)."""
+    coff = 2 if isinstance(module, v4.DeepseekV4CSACompressor) else 1
+    ratio = module.compress_rate
+    out = opmesh.compressor(hidden_states, module.kv_proj.weight, module.gate_proj.weight, None,
+                            module.position_bias, ratio, coff=coff)  # fmt: skip
+    n = hidden_states.shape[1] // ratio
+    compressed = module.kv_norm(out[:, :n])
+    positions = (torch.arange(n) * ratio).unsqueeze(0).expand(hidden_states.shape[0], -1)
+    cos, sin = module.rotary_emb(compressed, position_ids=positions, layer_type="compress")
+    return v4.apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin)
+
+
+def test_the_model_on_opmesh_operators_equals_eager():
+    """The tiny model with every V4 attention kernel on opmesh: the compressors' entries from
+    opmesh.compressor (the model's norm and rotary embedding after them) and the attention of
+    every layer kind from sparse_flash_mla; its output and every parameter's gradient equal the
+    eager model's."""
+    torch.manual_seed(0)
+    eager = DeepseekV4Model(tiny_config())
+    with torch.no_grad():
+        for layer in eager.layers:
+            layer.self_attn.sinks.normal_()
+    ours = copy.deepcopy(eager)
+    ours.config._attn_implementation = "v4_opmesh"
+
+    def attention(module, query, key, value, attention_mask, scaling, **kwargs):
+        call = opmesh_call(module, query, key)
+        if module.layer_type == "compressed_sparse_attention":
+            call["cmp_sparse_indices"] = indexer_choice(module, attention_mask, query.shape[2])
+        return opmesh.sparse_flash_mla(query.transpose(1, 2), **call)[0], None
+
+    AttentionInterface.register("v4_opmesh", attention)
+    AttentionMaskInterface.register("v4_opmesh", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    replaced = []
+    for layer in ours.layers:
+        compressor = getattr(layer.self_attn, "compressor", None)
+        if compressor is not None:
+            compressor.register_forward_hook(
+                lambda m, args, out: (_opmesh_compressed(m, args[0]), out[1])
+            )
+            replaced.append(type(compressor).__name__)
+    assert sorted(replaced) == ["DeepseekV4CSACompressor", "DeepseekV4HCACompressor"]
+    ids = torch.randint(0, 64, (2, 37), generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for model in (eager, ours):
+        out = model(ids).last_hidden_state
+        out.square().sum().backward()
+        outputs.append(out)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)
+    compared = 0
+    for (name, a), (_, b) in zip(eager.named_parameters(), ours.named_parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None or not b.grad.any(), name
+            continue
+        # float32 through three layers, their experts and the hyper-connections, summed in
+        # another order: to 1e-3 of each gradient's largest entry, plus 1e-5 for the gradients
+        # that are small by cancellation (a hash-routed gate's, the hyper-connections' scales);
+        # a wrong or missing gradient of an attention or compressor weight is off by about its
+        # own size, 1e-1 and more here.
+        scale = a.grad.abs().max().item()
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-3 * scale + 1e-5, rtol=0, msg=name)
+        compared += 1
+    # The compressors' weights and position biases reach their gradients through opmesh.
+    assert any("compressor.kv_proj" in n and p.grad is not None for n, p in ours.named_parameters())
+    assert compared > 20
