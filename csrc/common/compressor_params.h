@@ -5,12 +5,23 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "compressor/compressor.h"
+#include "errors.h"
 #include "tensor_access.h"
 
 namespace opmesh::common {
+
+// Whether a call struct is the forward's (it has the state cache). C++17: the MindSpore binding
+// compiles this header with its own standard.
+template <class Call, class = void>
+struct HasState : std::false_type {};
+template <class Call>
+struct HasState<Call, std::void_t<decltype(std::declval<const Call&>().state_cache)>>
+    : std::true_type {};
 
 // The call's integer arrays on the host, kept alive with the params.
 struct CompressorHost {
@@ -28,7 +39,7 @@ CompressorHost compressor_host(const Call& c) {
   h.has_cu = c.cu_seqlens.has_value();
   h.has_used = c.seqused.has_value();
   h.has_start = c.start_pos.has_value();
-  if constexpr (requires { c.state_block_table; }) {
+  if constexpr (HasState<Call>::value) {
     h.table = host_values(c.state_block_table);
     h.has_table = c.state_block_table.has_value();
     if (h.has_table) {
@@ -64,7 +75,7 @@ core::CompressorParams compressor_params(const Call& c, const CompressorHost& h)
   p.cu_seqlens = h.has_cu ? h.cu_seqlens.data() : nullptr;
   p.seqused = h.has_used ? h.seqused.data() : nullptr;
   p.start_pos = h.has_start ? h.start_pos.data() : nullptr;
-  if constexpr (requires { c.state_cache; }) {
+  if constexpr (HasState<Call>::value) {
     // A state cache of no blocks is none.
     const std::vector<int64_t> ss = sizes_of(c.state_cache);
     p.has_state = ss[0] > 0;
@@ -91,7 +102,7 @@ void point_compressor(core::CompressorParams& p, const Call& c, const Tensor& cm
   p.ape = rows_view(c.ape, true);
   p.cmp_kv = core::writable(rows_view(cmp_kv, p.packed));
   p.out_rows = sizes_of(cmp_kv)[p.packed ? 0 : 1];
-  if constexpr (requires { c.state_cache; }) {
+  if constexpr (HasState<Call>::value) {
     if (p.has_state) p.state = core::writable(rows_view(c.state_cache, false));
   }
 }

@@ -1,6 +1,7 @@
 // compressor and its backward on MindSpore tensors: the shapes were checked by the shared torch
 // shape functions in Python; the core checks the values and computes. The state cache is one of
 // the runner's inputs (contiguous, so MindSpore hands over its own memory) and written in place.
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -33,16 +34,17 @@ py::object compressor(const CompressorCall& call) {
   std::shared_ptr<common::CompressorHost> host;
   const core::CompressorParams base = base_params(call, host);
   const std::vector<OutputSpec> outs{{call.x.data_type(), cmp_kv_shape(base)}};
-  return launch("OpmeshCompressor", inputs_of(call), outs,
-                [call, base, host](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
-                  const CompressorCall c = with_inputs(call, in);
-                  core::CompressorParams p = base;
-                  common::point_compressor(p, c, out[0]);
-                  checked([&] {
-                    cpu_kernels().compressor(p, ThreadExecutor());
-                    return 0;
-                  });
-                });
+  return launch(
+      "OpmeshCompressor", inputs_of(call), outs,
+      [call, base, host](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+        const CompressorCall c = with_inputs(call, in);
+        core::CompressorParams p = base;
+        common::point_compressor(p, c, out[0]);
+        checked([&] {
+          cpu_kernels().compressor(p, ThreadExecutor());
+          return 0;
+        });
+      });
 }
 
 py::object compressor_backward(const CompressorBackwardCall& call) {
@@ -53,18 +55,19 @@ py::object compressor_backward(const CompressorBackwardCall& call) {
                                      {call.wkv.data_type(), call.wkv.shape()},
                                      {call.wgate.data_type(), call.wgate.shape()},
                                      {call.ape.data_type(), call.ape.shape()}};
-  return launch("OpmeshCompressorGrad", inputs_of(call), outs,
-                [call, base, host](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
-                  const CompressorBackwardCall c = with_inputs(call, in);
-                  core::CompressorParams p = base;
-                  common::point_compressor(p, c, c.grad_cmp_kv);
-                  const core::CompressorGrads g = common::compressor_grads(
-                      p, c.grad_cmp_kv, out[0], out[1], out[2], out[3]);
-                  checked([&] {
-                    cpu_kernels().compressor_backward(p, g, ThreadExecutor());
-                    return 0;
-                  });
-                });
+  return launch(
+      "OpmeshCompressorGrad", inputs_of(call), outs,
+      [call, base, host](const std::vector<ms::Tensor>& in, std::vector<ms::Tensor>& out) {
+        const CompressorBackwardCall c = with_inputs(call, in);
+        core::CompressorParams p = base;
+        common::point_compressor(p, c, c.grad_cmp_kv);
+        const core::CompressorGrads g =
+            common::compressor_grads(p, c.grad_cmp_kv, out[0], out[1], out[2], out[3]);
+        checked([&] {
+          cpu_kernels().compressor_backward(p, g, ThreadExecutor());
+          return 0;
+        });
+      });
 }
 
 }  // namespace opmesh::ms_binding
