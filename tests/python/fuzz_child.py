@@ -13,6 +13,7 @@ import sys
 
 import torch
 from attention_reference import flash_attn_reference
+from reference import compressor as compressor_reference
 from reference import indexer_softmax_lse
 
 import opmesh
@@ -81,6 +82,20 @@ ARGUMENTS = {
     ],
     "kv_cache_write_": ["key", "value", "key_cache", "value_cache", "slot_mapping"],
     "describe_metadata": ["metadata"],
+    "compressor": [
+        "x",
+        "wkv",
+        "wgate",
+        "state_cache",
+        "ape",
+        "cmp_ratio",
+        "state_block_table",
+        "cu_seqlens",
+        "seqused",
+        "start_pos",
+        "coff",
+        "cache_mode",
+    ],
 }[op_name]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -370,7 +385,81 @@ def describe_case():
     return (words,), {}
 
 
+# The state cache as a compressor case made it, before the call writes it.
+BEFORE = {}
+
+
+def plain(*shape, dtype=torch.float32):
+    """Random values (a NaN now and then), no stride-0 or infinite ones: the compressor's result
+    is compared with the reference's, NaN for NaN."""
+    t = torch.randn(*shape, generator=gen).to(dtype)
+    if rng.random() < 0.05 and t.numel():
+        t.view(-1)[rng.randrange(t.numel())] = math.nan
+    return t
+
+
+def compressor_case():
+    b, coff, r = pick(0, 1, 2, 3), pick(*[1, 2] * 5, 3), pick(1, 2, 3, 4, 5)
+    d, h, dtype = pick(1, 4, 7), pick(1, 5, 9), pick(*DTYPES)
+    width = (coff if coff in (1, 2) else 2) * d
+    kw = dict(coff=coff)
+    if rng.random() < 0.4:
+        lens = [rng.randint(0, 9) for _ in range(b)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        x = plain(cu[-1], h, dtype=dtype)
+        kw["cu_seqlens"] = lengths(b, 9, True) if rng.random() < 0.2 else cu
+        longest = max(lens, default=0)
+    else:
+        longest = pick(0, 1, 3, 8, 13)
+        x = plain(b, longest, h, dtype=dtype)
+    wkv = plain(width + pick(*[0] * 10, 1), h, dtype=dtype)
+    wgate = plain(width, h, dtype=pick(*[dtype] * 10, torch.float64))
+    ape = plain(pick(*[r] * 10, r + 1), width)
+    if rng.random() < 0.3:
+        kw["seqused"] = lengths(b, longest, False)
+    state = None
+    if rng.random() < 0.6:
+        mode, bs, blocks = pick(1, 2), pick(1, 2, 4, 8, 16), pick(2, 3, 8, 40)
+        state = plain(blocks, bs, 2 * width)
+
+        def block():  # block 0 (none) now and then
+            return 0 if rng.random() < 0.05 else rng.randint(1, blocks - 1)
+
+        if mode == 1:
+            cols = pick((12 + longest) // bs + 1, (12 + longest) // bs + 1, 1)
+            table = [[block() for _ in range(cols)] for _ in range(b)]
+        else:
+            table = [block() for _ in range(b)]
+        if rng.random() < 0.1 and b:
+            (table[0] if mode == 1 else table)[0] = pick(-1, blocks)
+        kw.update(state_block_table=table, cache_mode=mode, start_pos=lengths(b, 12, False))
+    elif rng.random() < 0.2:
+        kw["start_pos"] = lengths(b, 12, False)
+    BEFORE["state"] = None if state is None else state.clone()
+    return (x, wkv, wgate, state, ape, r), kw
+
+
+def check_compressor(args, kw, result):
+    x, wkv, wgate, state, ape, r = args
+    want, want_state = compressor_reference(x, wkv, wgate, BEFORE["state"], ape, r, **kw)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[x.dtype]
+    if result.shape != want.shape:
+        raise AssertionError(f"shape {tuple(result.shape)}, expected {tuple(want.shape)}")
+    if not torch.allclose(result.double(), want, atol=tol, rtol=tol, equal_nan=True):
+        raise AssertionError(f"cmp_kv off by {(result.double() - want).abs().max().item()}")
+    if state is not None and not torch.allclose(state.double(), want_state, atol=1e-4,
+                                                rtol=1e-4, equal_nan=True):  # fmt: skip
+        raise AssertionError("state_cache written wrong")
+
+
 CASES = {
+    "compressor": (
+        compressor_case,
+        lambda a, kw: opmesh.compressor(*a, **kw),
+        check_compressor,
+    ),
     "flash_attn": (flash_attn_case, lambda a, kw: opmesh.flash_attn(*a, **kw), check_flash_attn),
     "flash_attn_metadata": (
         metadata_case,

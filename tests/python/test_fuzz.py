@@ -18,7 +18,14 @@ CASES_PER_OP = 150
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-OPS = ["flash_attn", "flash_attn_metadata", "indexer", "kv_cache_write_", "describe_metadata"]
+OPS = [
+    "flash_attn",
+    "flash_attn_metadata",
+    "indexer",
+    "kv_cache_write_",
+    "describe_metadata",
+    "compressor",
+]
 
 
 @pytest.mark.parametrize("op", OPS)
