@@ -34,10 +34,12 @@ def gather_once():
 
 def _identity(x, placements):
     """What makes two DTensors the same gather: the same local data (a detached view of a key
-    is the same key), layout and target placements."""
+    is the same key), layout and target placements. The data is told by its storage, not its
+    address: every empty tensor has address 0, and on a rank whose key and value shards are
+    both empty the address would make the value's gather the key's."""
     local = x._local_tensor
     return (
-        local.data_ptr(),
+        local.untyped_storage()._cdata,
         local.storage_offset(),
         tuple(local.shape),
         local.stride(),

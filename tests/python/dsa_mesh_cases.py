@@ -206,9 +206,10 @@ def _seq_dim(layout, name):
 
 
 def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, q_lens=None,
-                   k_lens=None):  # fmt: skip
+                   k_lens=None, cached=False):  # fmt: skip
     """The DSA layer on the mesh equals the one-device layer: outputs, statistics, indices,
-    losses and gradients (full tensors, in natural order)."""
+    losses and gradients (full tensors, in natural order); ``cached``: the whole layer in one
+    ``gather_once()`` block."""
     x = _inputs(layout, b, s1, s2, q_lens, k_lens)
     dense_kw, indexer_kw, attention_kw = _lengths(layout, b, q_lens, k_lens)
     want = _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode)
@@ -234,11 +235,10 @@ def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, 
         n: opmesh.distribute_tensor(to_order(n, v), mesh, _placements(mesh, layout, scheme, n))
         for n, v in x.items()
     }
-    if order is None:
+    order_block = contextlib.nullcontext() if order is None else opmesh.head_tail_cp(order)
+    gather_block = opmesh.gather_once() if cached else contextlib.nullcontext()
+    with order_block, gather_block:
         got = _layer(dx, layout, dense_kw, indexer_kw, attention_kw, mode)
-    else:
-        with opmesh.head_tail_cp(order):
-            got = _layer(dx, layout, dense_kw, indexer_kw, attention_kw, mode)
     row_axes = set()
     q_placements = _placements(mesh, layout, scheme, "query")
     for axis, placement in enumerate(q_placements):
@@ -408,6 +408,14 @@ def dsa_cases(mesh):
         "tnd_dp_mode0": lambda: dsa_layer_case(mesh, "TND", "tnd_dp", mode=0, **dp_lens),
         "errors": lambda: case_errors(mesh),
         "one_gather_per_layer": lambda: case_one_gather_per_layer(mesh),
+        # One token over the mesh: ranks whose shards of every key are empty.
+        "bsnd_empty_shards_gather_once": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", b=2, s1=1, s2=1, cached=True
+        ),
+        "tnd_empty_shards_gather_once": lambda: dsa_layer_case(
+            mesh, "TND", "cp_shard", q_lens=[1, 1], k_lens=[1, 2], cached=True
+        ),
+        "flash_attn_empty_shards_gather_once": lambda: case_flash_attn_empty_shards(mesh),
     }
     if mesh.ndim == 2:
         dp = mesh.size(0)
@@ -446,6 +454,9 @@ CASE_NAMES = [
     "tnd_dp_mode0",
     "errors",
     "one_gather_per_layer",
+    "bsnd_empty_shards_gather_once",
+    "tnd_empty_shards_gather_once",
+    "flash_attn_empty_shards_gather_once",
 ]
 TWO_AXIS_CASES = [
     "bsnd_two_axes",
@@ -516,3 +527,29 @@ def case_one_gather_per_layer(mesh):
         "prefetch_gather: needs an active opmesh.gather_once() block",
         lambda: opmesh.prefetch_gather(dx["key"], 1),
     )
+
+
+def case_flash_attn_empty_shards(mesh):
+    """flash_attn on one token whose query, key and value are sharded over the mesh's last axis
+    (most ranks hold empty shards of all three), inside a gather_once() block: output and
+    gradients equal one device, and every rank gathers the key and the value."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    g = torch.Generator().manual_seed(5)
+    x = {n: torch.randn(2, 1, h, D, generator=g) for n, h in (("q", N1), ("k", N2), ("v", N2))}
+    up = torch.randn(2, 1, N1, D, generator=g)
+    leaves = {n: v.clone().requires_grad_() for n, v in x.items()}
+    want = opmesh.flash_attn(*leaves.values(), mask_mode=3)[0]
+    (want * up).sum().backward()
+    seq = [R] * (mesh.ndim - 1) + [Shard(1)]
+    dx = {
+        n: opmesh.distribute_tensor(v, mesh, seq).detach().requires_grad_() for n, v in x.items()
+    }
+    with CommDebugMode() as comm, opmesh.gather_once():
+        got = opmesh.flash_attn(*dx.values(), mask_mode=3)[0]
+    gathers = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    assert gathers.get("all_gather_into_tensor", 0) >= 2, f"collectives: {gathers}"
+    (got.full_tensor() * up).sum().backward()
+    _compare("flash_attn", got.full_tensor(), want)
+    for n in dx:
+        _compare(f"flash_attn d{n}", dx[n].grad.full_tensor(), leaves[n].grad)
