@@ -16,6 +16,7 @@ See docs/transformers.md.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import weakref
@@ -36,6 +37,33 @@ def register() -> None:
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
+    _install_deepseek_v4()
+
+
+def _install_deepseek_v4() -> None:
+    """DeepSeek-V4's attention builds a dense bias over its window and compressed entries
+    before it calls the attention function; under ``"opmesh"`` its modules run
+    :func:`opmesh.integrations.deepseek_v4.attention_forward` instead (any other implementation
+    keeps the model's own forward)."""
+    try:
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
+    except ImportError:  # a transformers without the model
+        return
+    cls = modeling.DeepseekV4Attention
+    if getattr(cls.forward, "_opmesh_own", None) is not None:
+        return
+    from . import deepseek_v4
+
+    own = cls.forward
+
+    @functools.wraps(own)
+    def forward(self, *args, **kwargs):
+        if getattr(self.config, "_attn_implementation", None) == NAME:
+            return deepseek_v4.attention_forward(self, *args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    forward._opmesh_own = own
+    cls.forward = forward
 
 
 def attention_mask(
@@ -91,6 +119,13 @@ def attention_forward(
     Honours the module's causality (``is_causal``), ``scaling``, ``sliding_window``, ``softcap``
     (Gemma 2), ``s_aux`` sinks (gpt-oss) and DSA ``indices`` ``[B, Sq, K]`` (DeepSeek-V3.2).
     """
+    if type(module).__name__ == "DeepseekV4Attention":
+        # Its mask carries the compressed entries' bias, which this function cannot honour.
+        raise ValueError(
+            "model: DeepSeek-V4's attention runs on opmesh through its own forward, installed "
+            "by opmesh.integrations.transformers.register(); call register() after importing "
+            "a transformers that has the model"
+        )
     if dropout and module.training:
         raise ValueError(
             f"dropout: opmesh attention has no dropout, got p={dropout} in training; set the "
