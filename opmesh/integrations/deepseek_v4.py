@@ -29,8 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .. import ops
-
-from .transformers import _plan, _visible
+from ._masks import _plan, _visible
 
 STATE = "_opmesh_compressor_state"  # {name: float32 ring [B + 1, block, 2W]} on a cache layer
 
