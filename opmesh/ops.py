@@ -882,7 +882,10 @@ def compressor(
     if _on_mindspore(x, wkv, wgate, ape):
         return _ms.compressor(call)
     if state_cache is None:
-        call["state_cache"] = x.new_empty((0, 1, 2 * wkv.shape[0]), dtype=torch.float32)
+        # A plain tensor (x.new_empty of a DTensor would be a DTensor).
+        call["state_cache"] = torch.empty(
+            (0, 1, 2 * wkv.shape[0]), dtype=torch.float32, device=x.device
+        )
     for name in ("cu_seqlens", "seqused", "start_pos"):
         call[name] = _as_lengths(call[name], name)
     table = call["state_block_table"]
