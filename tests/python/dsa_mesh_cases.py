@@ -89,10 +89,12 @@ def _lengths(layout, b, q_lens, k_lens):
     return dense, indexer, attention
 
 
-def _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, head_tail=None):
-    """One DSA layer's outputs and gradients; ``x`` holds plain tensors or DTensors."""
+def _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, cmp=None):
+    """One DSA layer's outputs and gradients; ``x`` holds plain tensors or DTensors. ``cmp``:
+    compressed keys (``cmp_ratio``, ``cmp_residual_key``) for the indexers and the KL losses,
+    whose main statistics are then the inputs' (sparse attention takes no compressed keys)."""
     out = {}
-    mask = dict(sparse_mode=mode)
+    mask = dict(sparse_mode=mode, **(cmp or {}))
     stats = opmesh.dense_lightning_indexer_softmax_lse(
         x["query_index"], x["key_index"], x["weights"], **dense_kw, **mask
     )
@@ -115,17 +117,20 @@ def _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, head_tail=None):
         scale_value=0.5, **indexer_kw, **mask,
     )  # fmt: skip
     out["indices"], out["index_values"] = indices, values
-    attn = {n: x[n].detach().clone().requires_grad_() for n in ("query", "key", "value")}
-    attn.update({n: x[n].detach().clone().requires_grad_() for n in ("query_rope", "key_rope")})
-    attn["sinks"] = x["sinks"].detach().clone().requires_grad_()
-    o, smax, ssum = opmesh.sparse_flash_attention(
-        attn["query"], attn["key"], attn["value"], indices, SCALE,
-        query_rope=attn["query_rope"], key_rope=attn["key_rope"], sinks=attn["sinks"],
-        return_softmax_lse=True, **attention_kw, **mask,
-    )  # fmt: skip
-    _backward((o * x["gout"]).sum())
-    out["attention"], out["softmax_max"], out["softmax_sum"] = o, smax, ssum
-    out.update({f"attention_grad_{n}": v.grad for n, v in attn.items()})
+    if cmp is None:
+        attn = {n: x[n].detach().clone().requires_grad_() for n in ("query", "key", "value")}
+        attn.update({n: x[n].detach().clone().requires_grad_() for n in ("query_rope", "key_rope")})
+        attn["sinks"] = x["sinks"].detach().clone().requires_grad_()
+        o, smax, ssum = opmesh.sparse_flash_attention(
+            attn["query"], attn["key"], attn["value"], indices, SCALE,
+            query_rope=attn["query_rope"], key_rope=attn["key_rope"], sinks=attn["sinks"],
+            return_softmax_lse=True, **attention_kw, **mask,
+        )  # fmt: skip
+        _backward((o * x["gout"]).sum())
+        out["attention"], out["softmax_max"], out["softmax_sum"] = o, smax, ssum
+        out.update({f"attention_grad_{n}": v.grad for n, v in attn.items()})
+    else:
+        smax, ssum = x["main_max"], x["main_sum"]
     leaves = {n: x[n].detach().clone().requires_grad_() for n in ("query_index", "key_index")}
     leaves["weights"] = x["weights"].detach().clone().requires_grad_()
     loss = opmesh.sparse_indexer_kl_loss(
@@ -206,13 +211,13 @@ def _seq_dim(layout, name):
 
 
 def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, q_lens=None,
-                   k_lens=None, cached=False):  # fmt: skip
+                   k_lens=None, cached=False, cmp=None):  # fmt: skip
     """The DSA layer on the mesh equals the one-device layer: outputs, statistics, indices,
     losses and gradients (full tensors, in natural order); ``cached``: the whole layer in one
     ``gather_once()`` block."""
     x = _inputs(layout, b, s1, s2, q_lens, k_lens)
     dense_kw, indexer_kw, attention_kw = _lengths(layout, b, q_lens, k_lens)
-    want = _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode)
+    want = _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, cmp)
     cp = mesh.size() if scheme == "cp_two_axes" else mesh.size(mesh.ndim - 1)
     keys_sharded = scheme in ("cp_shard", "cp_two_axes")
     cu = {}
@@ -238,7 +243,7 @@ def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, 
     order_block = contextlib.nullcontext() if order is None else opmesh.head_tail_cp(order)
     gather_block = opmesh.gather_once() if cached else contextlib.nullcontext()
     with order_block, gather_block:
-        got = _layer(dx, layout, dense_kw, indexer_kw, attention_kw, mode)
+        got = _layer(dx, layout, dense_kw, indexer_kw, attention_kw, mode, cmp)
     row_axes = set()
     q_placements = _placements(mesh, layout, scheme, "query")
     for axis, placement in enumerate(q_placements):
@@ -336,16 +341,6 @@ def case_errors(mesh):
         "layout_key: paged keys (PA_BSND) are not supported on a device mesh",
         lambda: opmesh.lightning_indexer(q, k, w, layout_key="PA_BSND", block_table=[[0]]),
     )
-    _expect(
-        ValueError,
-        "cmp_ratio: not supported on a device mesh",
-        lambda: opmesh.lightning_indexer(q, k, w, cmp_ratio=4),
-    )
-    _expect(
-        ValueError,
-        "cmp_residual_key: not supported on a device mesh",
-        lambda: opmesh.lightning_indexer(q, k, w, cmp_residual_key=[0, 0]),
-    )
     if mesh.ndim == 2:
         # keys sharded over another axis than the query's
         other = [Shard(1), R]
@@ -376,6 +371,9 @@ def dsa_cases(mesh):
         q_lens=_whole_sequence_lengths(t1, cp, 0.5, empty=True),
         k_lens=_whole_sequence_lengths(t2, cp, 0.4, empty=True),
     )
+    cmp_bsnd = dict(cmp_ratio=4, cmp_residual_key=[1, 3, 0])  # 17, 19 and 16 tokens
+    tnd_cmp = dict(q_lens=[9, 0, 23, 17], k_lens=[3, 1, 6, 5])
+    cmp_tnd = dict(cmp_ratio=4, cmp_residual_key=[1, 0, 0, 2])  # 13, 4, 24 and 22 tokens
     cases = {
         "bsnd_dp": lambda: dsa_layer_case(mesh, "BSND", "dp"),
         "bsnd_cp_rep": lambda: dsa_layer_case(mesh, "BSND", "cp_rep"),
@@ -416,6 +414,32 @@ def dsa_cases(mesh):
             mesh, "TND", "cp_shard", q_lens=[1, 1], k_lens=[1, 2], cached=True
         ),
         "flash_attn_empty_shards_gather_once": lambda: case_flash_attn_empty_shards(mesh),
+        # Compressed keys (DeepSeek-V4's indexer): entries of 4 (2 in head-tail) tokens.
+        "cmp_bsnd_dp": lambda: dsa_layer_case(mesh, "BSND", "dp", s2=4, cmp=cmp_bsnd),
+        "cmp_bsnd_cp_rep": lambda: dsa_layer_case(mesh, "BSND", "cp_rep", s2=4, cmp=cmp_bsnd),
+        "cmp_bsnd_cp_shard": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", s2=4, cmp=cmp_bsnd, cached=True
+        ),
+        "cmp_bsnd_cp_shard_mode0": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", mode=0, s2=4, cmp=cmp_bsnd
+        ),
+        "cmp_tnd_cp_shard": lambda: dsa_layer_case(mesh, "TND", "cp_shard", cmp=cmp_tnd, **tnd_cmp),
+        "cmp_tnd_cp_rep": lambda: dsa_layer_case(mesh, "TND", "cp_rep", cmp=cmp_tnd, **tnd_cmp),
+        "cmp_bsnd_head_tail_opmesh": lambda: dsa_layer_case(
+            mesh, "BSND", "cp_shard", "opmesh", s1=4 * cp, s2=2 * cp, cmp=dict(cmp_ratio=2)
+        ),
+        "cmp_tnd_head_tail_hyperparallel": lambda: dsa_layer_case(
+            mesh,
+            "TND",
+            "cp_shard",
+            "hyperparallel",
+            q_lens=ht_q,
+            k_lens=[2 * cp, 0, 4 * cp],
+            cmp=dict(cmp_ratio=2),
+        ),  # fmt: skip
+        "cmp_tnd_dp": lambda: dsa_layer_case(
+            mesh, "TND", "tnd_dp", cmp=dict(cmp_ratio=3), **dp_lens
+        ),
     }
     if mesh.ndim == 2:
         dp = mesh.size(0)
@@ -457,6 +481,15 @@ CASE_NAMES = [
     "bsnd_empty_shards_gather_once",
     "tnd_empty_shards_gather_once",
     "flash_attn_empty_shards_gather_once",
+    "cmp_bsnd_dp",
+    "cmp_bsnd_cp_rep",
+    "cmp_bsnd_cp_shard",
+    "cmp_bsnd_cp_shard_mode0",
+    "cmp_tnd_cp_shard",
+    "cmp_tnd_cp_rep",
+    "cmp_bsnd_head_tail_opmesh",
+    "cmp_tnd_head_tail_hyperparallel",
+    "cmp_tnd_dp",
 ]
 TWO_AXIS_CASES = [
     "bsnd_two_axes",
@@ -542,9 +575,7 @@ def case_flash_attn_empty_shards(mesh):
     want = opmesh.flash_attn(*leaves.values(), mask_mode=3)[0]
     (want * up).sum().backward()
     seq = [R] * (mesh.ndim - 1) + [Shard(1)]
-    dx = {
-        n: opmesh.distribute_tensor(v, mesh, seq).detach().requires_grad_() for n, v in x.items()
-    }
+    dx = {n: opmesh.distribute_tensor(v, mesh, seq).detach().requires_grad_() for n, v in x.items()}
     with CommDebugMode() as comm, opmesh.gather_once():
         got = opmesh.flash_attn(*dx.values(), mask_mode=3)[0]
     gathers = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}

@@ -40,7 +40,7 @@ Paged keys (``PA_BSND``) are refused on a mesh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -127,7 +127,6 @@ TABLES = {
         lengths=("actual_seq_qlen", "actual_seq_klen"),
         tensors={"query_index": _INDEXER_Q, "key_index": _INDEXER_K, "weights": _WEIGHTS},
         outputs=(("query", _STATS), ("query", _STATS)),
-        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "indexer_kl_loss": OpTable(
         params=_KL_FRONT,
@@ -137,7 +136,6 @@ TABLES = {
         lengths=("actual_seq_qlen", "actual_seq_klen"),
         tensors=_KL_TENSORS,
         outputs=(("loss",),),
-        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "dense_lightning_indexer_grad_kl_loss": OpTable(
         params=positional("dense_lightning_indexer_grad_kl_loss"),
@@ -147,7 +145,6 @@ TABLES = {
         lengths=("actual_seq_qlen", "actual_seq_klen"),
         tensors=_KL_TENSORS,
         outputs=_KL_GRADS,
-        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "sparse_indexer_kl_loss": OpTable(
         params=_SPARSE_KL_FRONT,
@@ -158,7 +155,6 @@ TABLES = {
         tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
         outputs=(("loss",),),
         indices="sparse_indices",
-        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "sparse_lightning_indexer_grad_kl_loss": OpTable(
         params=positional("sparse_lightning_indexer_grad_kl_loss"),
@@ -169,7 +165,6 @@ TABLES = {
         tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
         outputs=_KL_GRADS,
         indices="sparse_indices",
-        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "lightning_indexer": OpTable(
         params=positional("lightning_indexer"),
@@ -179,7 +174,6 @@ TABLES = {
         lengths=("actual_seq_lengths_query", "actual_seq_lengths_key"),
         tensors={"query": _INDEXER_Q, "key": _INDEXER_K, "weights": _WEIGHTS},
         outputs=(("query", _INDICES), ("query", _INDICES)),
-        single_device=("cmp_ratio", "cmp_residual_key"),
     ),
     "sparse_flash_attention": OpTable(
         params=positional("sparse_flash_attention"),
@@ -479,6 +473,7 @@ class _Piece:
     keys: object = None
     kept: object = None  # BSND: [B_local]; TND: per local query row
     total: object = None
+    residual: object = None  # compressed keys: the piece's cmp_residual_key (None: the call's)
 
 
 class _Local:
@@ -506,20 +501,27 @@ class _Local:
 
     # the pieces ------------------------------------------------------------------------------
 
-    def _bsnd_pieces(self, qlen, klen):
+    def _bsnd_pieces(self, qlen, klen, ratio, residual):
         b0, b1 = self.batch
         if self.c.strategy == "local":
 
             def local(lengths):
                 return None if lengths is None else torch.tensor(lengths[b0:b1], dtype=torch.int64)
 
-            return [_Piece(slice(None), local(qlen), local(klen))]
+            return [_Piece(slice(None), local(qlen), local(klen), residual=local(residual))]
         qlen = [self.s1] * (b1 - b0) if qlen is None else qlen[b0:b1]
         klen = [self.s2] * (b1 - b0) if klen is None else klen[b0:b1]
+        residual = None if residual is None else residual[b0:b1]
+        tokens = _original_tokens(klen, ratio, residual)
         pieces = bsnd_pieces(
-            qlen, klen, self.rows, self.right, self.cp, self.rank, self.c.order, self.s1
+            qlen, tokens, self.rows, self.right, self.cp, self.rank, self.c.order, self.s1
         )
-        return [self._bsnd_call(piece) for piece in pieces]
+        calls = []
+        for piece in pieces:
+            piece, cut = _in_entries(piece, ratio, klen)
+            calls.append(self._bsnd_call(piece))
+            calls[-1].residual = cut
+        return calls
 
     @staticmethod
     def _bsnd_call(piece):
@@ -528,7 +530,7 @@ class _Local:
             call.kept, call.total = _int64(piece.k_used), _int64(piece.k_len)
         return call
 
-    def _tnd_pieces(self, q_ends, k_ends):
+    def _tnd_pieces(self, q_ends, k_ends, ratio, residual):
         strategy = self.c.strategy
         if strategy == "local":
             return [_Piece(slice(None), _opt_tensor(q_ends), _opt_tensor(k_ends))]
@@ -542,7 +544,8 @@ class _Local:
         if strategy == "tnd_data_parallel":
             lo, hi = self._run(q_ends, k_ends)
             if hi <= lo:  # a shard without sequences runs one empty sequence
-                return [_Piece(slice(None), _int64([0]), _int64([0]))]
+                empty = None if residual is None else _int64([0])
+                return [_Piece(slice(None), _int64([0]), _int64([0]), residual=empty)]
             q_base = q_ends[lo - 1] if lo else 0
             k_base = k_ends[lo - 1] if lo else 0
             return [
@@ -550,14 +553,22 @@ class _Local:
                     slice(None),
                     _int64([q_ends[b] - q_base for b in range(lo, hi)]),
                     _int64([k_ends[b] - k_base for b in range(lo, hi)]),
+                    residual=None if residual is None else _int64(residual[lo:hi]),
                 )
             ]
         q_len = [e - s for s, e in zip([0, *q_ends[:-1]], q_ends, strict=True)]
         k_len = [e - s for s, e in zip([0, *k_ends[:-1]], k_ends, strict=True)]
+        tokens = _original_tokens(k_len, ratio, residual)
         pieces = tnd_pieces(
-            q_len, k_len, self.rows, self.right, self.cp, self.rank, self.c.order, self.t.lengths[0]
-        )
-        return [self._tnd_call(piece) for piece in pieces]
+            q_len, tokens, self.rows, self.right, self.cp, self.rank, self.c.order,
+            self.t.lengths[0],
+        )  # fmt: skip
+        calls = []
+        for piece in pieces:
+            piece, cut = _in_entries(piece, ratio, k_len)
+            calls.append(self._tnd_call(piece))
+            calls[-1].residual = cut
+        return calls
 
     @staticmethod
     def _tnd_call(piece):
@@ -610,15 +621,19 @@ class _Local:
         original = named
         named = self._natural_keys(named)
         qlen, klen = _ints(named.get(t.lengths[0])), _ints(named.get(t.lengths[1]))
+        ratio = int(named.get("cmp_ratio") or 1)
+        residual = _ints(named.get("cmp_residual_key"))
         if c.layout == "BSND":
-            pieces = self._bsnd_pieces(qlen, klen)
+            pieces = self._bsnd_pieces(qlen, klen, ratio, residual)
         else:
-            pieces = self._tnd_pieces(qlen, klen)
+            pieces = self._tnd_pieces(qlen, klen, ratio, residual)
         same_value = "value" in t.tensors and named.get("value") is named.get("key")
         outs = []
         for piece in pieces:
             call = dict(named)
             call[t.lengths[0]], call[t.lengths[1]] = piece.qlen, piece.klen
+            if piece.residual is not None:
+                call["cmp_residual_key"] = piece.residual
             whole_rows = isinstance(piece.rows, slice) and piece.rows == slice(None)
             if not whole_rows or piece.keys is not None or piece.kept is not None:
                 for name, (side, d) in self.dims.items():
@@ -692,6 +707,26 @@ class _Local:
             cu = None if self.c.layout == "BSND" else [0, *_ints(named[self.t.lengths[1]])]
             total = to_head_tail(total, d, self.cp, self.c.order, cu_seqlens=cu)
         return total
+
+
+def _original_tokens(entries, ratio, residual):
+    """Compressed keys (``cmp_ratio > 1``): each sequence's original token count, in which a
+    row's reach is found (``keys_seen``); plain keys as they are."""
+    if ratio == 1:
+        return entries
+    residual = residual or [0] * len(entries)
+    return [n * ratio + r for n, r in zip(entries, residual, strict=True)]
+
+
+def _in_entries(piece, ratio, entries):
+    """A piece found in original tokens, in compressed entries: each sequence keeps the entries
+    whose last token its rows reach, and the tokens past them are its residual (None for plain
+    keys)."""
+    if ratio == 1:
+        return piece, None
+    reach = piece.k_used
+    piece = replace(piece, k_used=[n // ratio for n in reach], k_len=list(entries))
+    return piece, _int64([n % ratio for n in reach])
 
 
 def _first_key(table, call):
