@@ -11,9 +11,10 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4Config"):
     pytest.skip("this transformers has no deepseek_v4", allow_module_level=True)
 
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling  # noqa: E402
+
 import opmesh.integrations.deepseek_v4 as opmesh_v4  # noqa: E402
 import opmesh.integrations.transformers as opmesh_hf  # noqa: E402
-from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling  # noqa: E402
 
 opmesh_hf.register()
 

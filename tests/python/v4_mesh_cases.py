@@ -76,8 +76,8 @@ def _inputs(layout, kind, b, s, q_lens=None, seed=7):
         if layout == "BSND":
             sel = _selection(b * s, entries, seed).view(b, s, N2, TOP_K)
         else:
-            sel = torch.cat([_selection(n, e, seed + i)
-                             for i, (n, e) in enumerate(zip(q_lens, entries, strict=True))])  # fmt: skip
+            pairs = enumerate(zip(q_lens, entries, strict=True))
+            sel = torch.cat([_selection(n, e, seed + i) for i, (n, e) in pairs])
         x["cmp_sparse_indices"] = sel
     if layout == "TND":
         cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
@@ -194,12 +194,17 @@ def compressor_case(mesh):
     up = torch.randn(b, -(-s // r), d, generator=g)
     leaves = [x, w["wkv"], w["wgate"], ape]
     ref = [t.clone().requires_grad_() for t in leaves]
-    want = opmesh.compressor(ref[0], ref[1], ref[2], None, ref[3], r, coff=2, seqused=[11, 9, 0, 4, 11])
+    want = opmesh.compressor(
+        ref[0], ref[1], ref[2], None, ref[3], r, coff=2, seqused=[11, 9, 0, 4, 11]
+    )
     (want * up).sum().backward()
     batch = [R] * mesh.ndim
     batch[0] = Shard(0)
     placements = [batch, [R] * mesh.ndim, [R] * mesh.ndim, [R] * mesh.ndim]
-    dist = [opmesh.distribute_tensor(t, mesh, pl).requires_grad_() for t, pl in zip(leaves, placements, strict=True)]  # fmt: skip
+    dist = [
+        opmesh.distribute_tensor(t, mesh, pl).requires_grad_()
+        for t, pl in zip(leaves, placements, strict=True)
+    ]
     with opmesh.gather_once():
         got = opmesh.compressor(dist[0], dist[1], dist[2], None, dist[3], r, coff=2,
                                 seqused=[11, 9, 0, 4, 11])  # fmt: skip
@@ -211,7 +216,9 @@ def compressor_case(mesh):
     tokens = [R] * mesh.ndim
     tokens[-1] = Shard(1)
     sharded = opmesh.distribute_tensor(x, mesh, tokens)
-    _expect(ValueError, "x: dim 1", lambda: opmesh.compressor(sharded, *dist[1:3], None, dist[3], r))
+    _expect(
+        ValueError, "x: dim 1", lambda: opmesh.compressor(sharded, *dist[1:3], None, dist[3], r)
+    )
     _expect(
         ValueError, "state_cache",
         lambda: opmesh.compressor(dist[0], *dist[1:3], torch.zeros(2, 8, 4 * d), dist[3], r,
@@ -237,6 +244,69 @@ def errors_case(mesh):
     _expect(ValueError, "cmp_kv: expected a DTensor",
             lambda: opmesh.sparse_flash_mla(q, ori_kv=kv, cmp_kv=plain, cmp_ratio=4))  # fmt: skip
     assert cmp.shape == plain.shape
+
+
+def _csa_step(x, r, cached):
+    """One CSA layer step on sequence-sharded keys: the indexer over its compressed keys, the
+    attention over the window and the picked entries, and the sparse KL loss (the attention's
+    entries and statistics as its target), forward and backward; returns the gradients."""
+    names = ("q", "ori_kv", "cmp_kv", "qi", "ki", "w")
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+    block = opmesh.gather_once() if cached else contextlib.nullcontext()
+    cmp = dict(cmp_ratio=r, cmp_residual_key=x["residual"])
+    with block:
+        picked = opmesh.lightning_indexer(
+            leaves["qi"], leaves["ki"], leaves["w"], sparse_count=TOP_K, **cmp
+        )[0]
+        out, lse = opmesh.sparse_flash_mla(
+            leaves["q"], ori_kv=leaves["ori_kv"], cmp_kv=leaves["cmp_kv"],
+            cmp_sparse_indices=picked, softmax_scale=0.3, cmp_ratio=r,
+            cmp_residual_kv=x["residual"], ori_win_left=WINDOW - 1,
+            ori_win_right=0, return_softmax_lse=True,
+        )  # fmt: skip
+        loss = opmesh.sparse_indexer_kl_loss(
+            leaves["qi"], leaves["ki"], leaves["w"], leaves["q"].detach(),
+            leaves["cmp_kv"].detach(), picked, lse.detach(), torch.ones_like(lse), 0.3, **cmp,
+        )  # fmt: skip
+        total = (out * x["gout"]).sum() + loss.sum()
+    total.full_tensor().backward()
+    return {n: v.grad for n, v in leaves.items()}
+
+
+def one_gather_per_layer_case(mesh):
+    """Inside gather_once(), a CSA layer step gathers each sharded key tensor once forward (the
+    raw keys, the compressed entries shared by the attention and the KL loss, the indexer's
+    compressed keys shared by the indexer and the KL loss) and reduce-scatters each gradient
+    once backward; without the block each op gathers its own; the gradients are the same."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    g = torch.Generator().manual_seed(13)
+    b, s, r = 2, 13, 2
+    c = s // r
+    x = dict(
+        q=torch.randn(b, s, N1, D, generator=g), ori_kv=torch.randn(b, s, N2, D, generator=g),
+        cmp_kv=torch.randn(b, c, N2, D, generator=g), qi=torch.randn(b, s, 2, 8, generator=g),
+        ki=torch.randn(b, c, 1, 8, generator=g), w=torch.randn(b, s, 2, generator=g),
+        gout=torch.randn(b, s, N1, D, generator=g),
+    )  # fmt: skip
+    seq = [R] * (mesh.ndim - 1) + [Shard(1)]
+    dx = {n: opmesh.distribute_tensor(v, mesh, seq) for n, v in x.items()}
+    dx["residual"] = [s % r] * b
+    counts, grads = {}, {}
+    for mode in ("plain", "cached"):
+        with CommDebugMode() as comm:
+            grads[mode] = _csa_step(dx, r, mode == "cached")
+        table = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        counts[mode] = (
+            table.get("all_gather_into_tensor", 0),
+            table.get("reduce_scatter_tensor", 0),
+        )
+    # Gathers: ki (indexer, KL), ori_kv (attention), cmp_kv (attention, KL). The KL loss takes
+    # detached keys: their gradients come from the indexer and the attention alone.
+    assert counts["plain"] == (5, 3), f"without the block: {counts}"
+    assert counts["cached"] == (3, 3), f"with gather_once: {counts}"
+    for name, grad in grads["plain"].items():
+        _compare(f"cached {name}.grad", grads["cached"][name].full_tensor(), grad.full_tensor())
 
 
 def v4_cases(mesh):
@@ -265,6 +335,7 @@ def v4_cases(mesh):
             )
     cases["compressor_data_parallel"] = lambda: compressor_case(mesh)
     cases["errors"] = lambda: errors_case(mesh)
+    cases["one_gather_per_layer"] = lambda: one_gather_per_layer_case(mesh)
     return cases
 
 
@@ -272,8 +343,15 @@ CASE_NAMES = [
     f"{kind}_{name}"
     for kind in ("swa", "hca", "csa")
     for name in (
-        "bsnd_dp", "bsnd_cp_rep", "bsnd_cp_shard", "tnd_cp_rep", "tnd_cp_shard", "tnd_dp",
-        "bsnd_head_tail_opmesh", "bsnd_head_tail_hyperparallel", "tnd_head_tail_opmesh",
+        "bsnd_dp",
+        "bsnd_cp_rep",
+        "bsnd_cp_shard",
+        "tnd_cp_rep",
+        "tnd_cp_shard",
+        "tnd_dp",
+        "bsnd_head_tail_opmesh",
+        "bsnd_head_tail_hyperparallel",
+        "tnd_head_tail_opmesh",
         "tnd_head_tail_hyperparallel",
     )  # fmt: skip
-] + ["compressor_data_parallel", "errors"]
+] + ["compressor_data_parallel", "errors", "one_gather_per_layer"]
