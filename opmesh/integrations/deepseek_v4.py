@@ -44,15 +44,10 @@ def attention_forward(
             f"dropout: opmesh attention has no dropout, got p={self.attention_dropout} in "
             "training; set the config's attention_dropout to 0"
         )
-    rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb
     batch, length = hidden_states.shape[:2]
-    cos, sin = position_embeddings[self.rope_layer_type]
-    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
-    q = self.q_b_proj(q_residual).view(batch, length, -1, self.head_dim).transpose(1, 2)
-    q = rotate(self.q_b_norm(q), cos, sin)  # [B, H, S, D]
-    kv = self.kv_norm(self.kv_proj(hidden_states)).view(batch, length, 1, -1).transpose(1, 2)
-    kv = rotate(kv, cos, sin)  # [B, 1, S, D]: the key is the value
+    q, kv, q_residual = project(self, hidden_states, position_embeddings)
     layer, start = _cache_layer(self, past_key_values, length)
+    kv = kv.transpose(1, 2)
     if past_key_values is not None:  # the window's cached keys, then the new ones
         kv = past_key_values.update(kv, kv, self.layer_idx)[0]
     rows = _Rows.read(attention_mask, position_ids, batch, length, kv.shape[2], self)
@@ -62,11 +57,75 @@ def attention_forward(
     )  # fmt: skip
     if self.compressor is not None:
         call |= _compressed_keys(self, hidden_states, q_residual, position_ids, layer, start, rows)
-    out = rows.attend(q.transpose(1, 2), kv.transpose(1, 2), call)  # [B, S, H, D]
-    # The value carries the rotary embedding of its position: the model undoes it on the output.
+    out = rows.attend(q, kv.transpose(1, 2), call)  # [B, S, H, D]
+    return output(self, out, position_embeddings), None
+
+
+def project(module, hidden_states, position_embeddings):
+    """A ``DeepseekV4Attention``'s queries ``[B, S, H, D]``, shared key/value rows
+    ``[B, S, 1, D]`` (both with their rotary embedding) and the query's low-rank residual, as
+    the model computes them."""
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    batch, length = hidden_states.shape[:2]
+    cos, sin = position_embeddings[module.rope_layer_type]
+    q_residual = module.q_a_norm(module.q_a_proj(hidden_states))
+    q = module.q_b_proj(q_residual).view(batch, length, -1, module.head_dim).transpose(1, 2)
+    q = rotate(module.q_b_norm(q), cos, sin)
+    kv = module.kv_norm(module.kv_proj(hidden_states)).view(batch, length, 1, -1).transpose(1, 2)
+    kv = rotate(kv, cos, sin)
+    return q.transpose(1, 2), kv.transpose(1, 2), q_residual
+
+
+def output(module, out, position_embeddings):
+    """The attention's output ``[B, S, H, D]`` through the model's output projection (the
+    value's rotary embedding undone at the query's position first, as the model does)."""
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    cos, sin = position_embeddings[module.rope_layer_type]
+    batch, length = out.shape[:2]
     out = rotate(out.transpose(1, 2), cos, -sin).transpose(1, 2)
-    grouped = self.o_a_proj(out.reshape(batch, length, self.config.o_groups, -1))
-    return self.o_b_proj(grouped.flatten(2)), None
+    grouped = module.o_a_proj(out.reshape(batch, length, module.config.o_groups, -1))
+    return module.o_b_proj(grouped.flatten(2))
+
+
+def index_queries(indexer, hidden_states, q_residual, position_ids):
+    """A CSA indexer's queries ``[B, S, Hi, Di]`` (rotary at ``position_ids``) and its weights
+    ``[B, S, Hi]`` float32 with the score's scales folded in (``relu(c x) = c relu(x)`` for
+    ``c > 0``)."""
+    rotate = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    batch, length = hidden_states.shape[:2]
+    cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids,
+                                  layer_type=indexer.rope_layer_type)  # fmt: skip
+    q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim)
+    q = rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)
+    scorer = indexer.scorer
+    weights = scorer.weights_proj(hidden_states).float()
+    return q, weights * (scorer.weights_scaling * scorer.softmax_scale)
+
+
+def compress(compressor, hidden_states, start=0, state=None, **cache):
+    """The entries a compressor module makes from ``hidden_states`` (the tokens at slots
+    ``start, start + 1, ...``): :func:`opmesh.compressor` (``coff=2`` for a CSA series), then the
+    module's normalisation and rotary embedding at each entry's first slot. Returns the new
+    entries ``[B, n, D]``. ``state`` and ``cache`` (``state_block_table``, ``cache_mode``) are the
+    compressor's state cache, needed when ``start > 0``."""
+    batch, length = hidden_states.shape[:2]
+    ratio = compressor.compress_rate
+    coff = compressor.kv_proj.weight.shape[0] // compressor.head_dim
+    start_pos = None if state is None else [start] * batch
+    out = ops.compressor(
+        hidden_states, compressor.kv_proj.weight, compressor.gate_proj.weight, state,
+        compressor.position_bias, ratio, start_pos=start_pos, coff=coff, **cache,
+    )  # fmt: skip
+    first = start // ratio
+    new = (start + length) // ratio - first
+    compressed = compressor.kv_norm(out[:, :new])
+    if new:
+        rotate = sys.modules[type(compressor).__module__].apply_rotary_pos_emb
+        positions = (torch.arange(new, device=out.device) + first) * ratio
+        cos, sin = compressor.rotary_emb(compressed, position_ids=positions.expand(batch, -1),
+                                         layer_type="compress")  # fmt: skip
+        compressed = rotate(compressed.unsqueeze(1), cos, sin).squeeze(1)
+    return compressed
 
 
 def _cache_layer(module, cache, length):
@@ -118,16 +177,7 @@ def _indexer(indexer, hidden_states, q_residual, position_ids, layer, start, row
     model's eager path."""
     with torch.no_grad():
         keys = _entries(indexer, hidden_states, layer, "indexer", 2, start)
-        batch, length = hidden_states.shape[:2]
-        rotate = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
-        cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids,
-                                      layer_type=indexer.rope_layer_type)  # fmt: skip
-        q = indexer.q_b_proj(q_residual).view(batch, length, -1, indexer.head_dim)
-        q = rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, S, Hi, Di]
-        scorer = indexer.scorer
-        # relu(c * x) = c * relu(x) for c > 0: the scores' scales go into the weights.
-        weights = scorer.weights_proj(hidden_states).float()
-        weights = weights * (scorer.weights_scaling * scorer.softmax_scale)
+        q, weights = index_queries(indexer, hidden_states, q_residual, position_ids)
         packed_keys, cu = rows.pack_entries(keys.unsqueeze(2), count)
         call = dict(
             sparse_count=min(indexer.index_topk, keys.shape[1]), cmp_ratio=indexer.compress_rate,
@@ -148,40 +198,23 @@ def _indexer(indexer, hidden_states, q_residual, position_ids, layer, start, row
 
 
 def _entries(compressor, hidden_states, layer, name, coff, start):
-    """A compressor module's entries ``[B, C, D]`` from opmesh.compressor, then the module's
-    normalisation and rotary embedding at each entry's first position. Without a cache: the
+    """A compressor module's entries ``[B, C, D]`` (:func:`compress`). Without a cache: the
     whole windows of the call. With one: every entry so far, the new ones appended to the cache
     layer's list as the eager path appends them."""
-    batch, length = hidden_states.shape[:2]
+    if layer is None:
+        return compress(compressor, hidden_states)
     ratio = compressor.compress_rate
-    state = table = start_pos = None
-    if layer is not None:
-        state = _state(layer, name, hidden_states, 2 * coff * compressor.head_dim,
-                       coff * ratio, start)  # fmt: skip
-        table = torch.arange(1, batch + 1, dtype=torch.int32)
-        start_pos = [start] * batch
-    first = start // ratio
-    if layer is not None and layer.entry_count[name] != first:
+    if layer.entry_count[name] != start // ratio:
         raise ValueError(
             f"past_key_values: the cache holds {layer.entry_count[name]} compressed entries, "
-            f"but its {start} tokens make {first}: it was filled by another attention "
+            f"but its {start} tokens make {start // ratio}: it was filled by another attention "
             "implementation or edited"
         )
-    out = ops.compressor(
-        hidden_states, compressor.kv_proj.weight, compressor.gate_proj.weight, state,
-        compressor.position_bias, ratio, state_block_table=table, start_pos=start_pos,
-        coff=coff, cache_mode=2,
-    )  # fmt: skip
-    new = (start + length) // ratio - first
-    compressed = compressor.kv_norm(out[:, :new])
-    if new:
-        rotate = sys.modules[type(compressor).__module__].apply_rotary_pos_emb
-        positions = (torch.arange(new, device=out.device) + first) * ratio
-        cos, sin = compressor.rotary_emb(compressed, position_ids=positions.expand(batch, -1),
-                                         layer_type="compress")  # fmt: skip
-        compressed = rotate(compressed.unsqueeze(1), cos, sin).squeeze(1)
-    if layer is None:
-        return compressed
+    state = _state(layer, name, hidden_states, 2 * coff * compressor.head_dim, coff * ratio,
+                   start)  # fmt: skip
+    table = torch.arange(1, hidden_states.shape[0] + 1, dtype=torch.int32)
+    compressed = compress(compressor, hidden_states, start, state, state_block_table=table,
+                          cache_mode=2)  # fmt: skip
     return layer.update_compressor_states(name, compressed)
 
 

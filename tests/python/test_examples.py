@@ -1,7 +1,7 @@
 """The training examples train: the indexer warm-up (its KL loss falls and the indexer's top-k
 recall of the main attention's mass rises, a short run as `make demo` does), DeepSeek sparse
 attention's two stages, and context parallel training under torchrun (its loss falls and follows
-one process's)."""
+one process's), and DeepSeek-V4 decoding with paged caches."""
 
 import re
 import subprocess
@@ -135,3 +135,11 @@ def test_train_context_parallel_on_two_nodes():
     difference = float(re.search(r"largest loss difference from one process: (\S+)", out)[1])
     assert last < 0.5 * first, out
     assert difference < 1e-3, out
+
+
+def test_decode_v4_with_paged_caches_equals_eager_generation():
+    """The DeepSeek-V4 decoding example: raw keys, compressed entries and the indexer's keys in
+    paged caches, the compressors' state in state caches; 32 greedy tokens of 3 sequences equal
+    transformers' eager generation (the example exits non-zero otherwise)."""
+    result = run([sys.executable, str(ROOT / "examples" / "decode_v4.py")], 300)
+    assert "equal to transformers' eager generation" in result.stdout, result.stdout
