@@ -13,6 +13,8 @@ demo: build
 	$(PY) -m opmesh mesh-demo
 	$(PY) examples/train_indexer_warmup.py --steps 40
 	$(PY) examples/train_dsa.py --steps 60 --plot dsa_training.png
+	$(PY) examples/train_dsa.py --model v4 --steps 120 --plot dsa_v4_training.png
+	$(PY) examples/decode_v4.py
 
 test: build test-cpp test-asan check-core-free-of-torch lint test-py test-packaging
 

@@ -55,6 +55,28 @@ def test_train_dsa_two_stages(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_train_dsa_v4_compressed_stages(tmp_path):
+    """The DeepSeek-V4 version, as `make demo` runs it: pretraining and the warm-up's KL over
+    compressed keys fall, the warm-up raises the indexer's top-4 recall of the attention mass
+    over entries by 0.3 and more, and the sparse model ends within 0.3 nats of the dense run."""
+    png = tmp_path / "dsa_v4.png"
+    result = run(
+        [sys.executable, str(ROOT / "examples" / "train_dsa.py"), "--model", "v4", "--steps",
+         "120", "--plot", str(png)],
+        300,
+    )  # fmt: skip
+    out = result.stdout
+    first, last = map(float, re.search(r"pretrain: task loss ([0-9.]+) -> ([0-9.]+)", out).groups())
+    assert last < 0.85 * first, out
+    kl = re.search(r"warm-up: KL per token ([0-9.]+) -> ([0-9.]+), top-4 recall ([0-9.]+)", out)
+    assert float(kl[2]) < 0.5 * float(kl[1]), out
+    before = float(re.search(r"recall before the warm-up: ([0-9.]+)", out)[1])
+    assert float(kl[3]) > before + 0.3, out
+    sparse, dense = map(float, re.search(r"entries\) ([0-9.]+), dense ([0-9.]+)", out).groups())
+    assert sparse < dense + 0.3, out
+    assert png.stat().st_size > 10_000
+
+
 def test_train_context_parallel_learns_and_matches_one_process():
     """torchrun with 2 ranks: the loss falls, and every step's loss equals that of the same model
     trained in one process on whole sequences."""
