@@ -17,7 +17,15 @@ Also reported: the layer's FLOPs per second (the indexer's visible score entries
 attention's selected entries x 2 (D + Dv) N1 forward and 2.5 times that backward, the KL loss's
 selected entries x 2 D (N1 + 3 N1 index)), and the key bytes each rank receives per step.
 
-Run: ``.venv/bin/python benchmarks/bench_dsa_mesh.py [--seq 16384] [--world 4]``.
+``--v4``: one DeepSeek-V4 CSA layer instead: ``lightning_indexer`` over compressed keys (one
+entry per 4 tokens, top-K entries), ``sparse_flash_mla`` over a window of 128 raw keys and the
+picked entries with sinks (forward and backward for q, the raw keys, the entries and the sinks),
+and the sparse KL loss over compressed keys (its target the attention's statistics); the raw
+keys, the entries and the indexer's compressed keys sharded in head-tail order like the queries.
+The compressed keys are inputs: the compressor runs data parallel, not on sharded tokens. The
+key bytes each rank receives are measured at the all-gathers.
+
+Run: ``.venv/bin/python benchmarks/bench_dsa_mesh.py [--seq 16384] [--world 4] [--v4]``.
 """
 
 from __future__ import annotations
@@ -87,24 +95,104 @@ def _step(x, args, cached=False):
     total.backward()
 
 
+RATIO, WINDOW = 4, 128  # DeepSeek-V4's CSA compression and raw-key window
+V4_KEY_SIDE = ("key_index", "ori_kv", "cmp_kv")
+
+
+def _inputs_v4(args):
+    g = torch.Generator().manual_seed(0)
+    s, c = args.seq, args.seq // RATIO
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    return dict(
+        query_index=randn(1, s, args.heads, args.dim),
+        key_index=randn(1, c, 1, args.dim),
+        weights=randn(1, s, args.heads, scale=args.heads**-0.5),
+        query=randn(1, s, args.attn_heads, args.attn_dim),
+        ori_kv=randn(1, s, 1, args.attn_dim),
+        cmp_kv=randn(1, c, 1, args.attn_dim),
+        sinks=torch.zeros(args.attn_heads),
+    )
+
+
+def _step_v4(x, args, cached=False):
+    """One training step of a V4 CSA layer on ``x`` (plain tensors or DTensors)."""
+    scale = args.attn_dim**-0.5
+    leaves = {n: v.detach().requires_grad_() for n, v in x.items()}
+    cmp = dict(cmp_ratio=RATIO)
+    block = opmesh.gather_once() if cached else contextlib.nullcontext()
+    with block:
+        if cached:
+            for name in V4_KEY_SIDE:
+                opmesh.prefetch_gather(leaves[name], 1)
+        indices, _ = opmesh.lightning_indexer(
+            leaves["query_index"], leaves["key_index"], leaves["weights"], sparse_count=args.topk,
+            **cmp,
+        )  # fmt: skip
+        out, lse = opmesh.sparse_flash_mla(
+            leaves["query"], ori_kv=leaves["ori_kv"], cmp_kv=leaves["cmp_kv"],
+            cmp_sparse_indices=indices, sinks=leaves["sinks"], softmax_scale=scale,
+            ori_win_left=WINDOW - 1, ori_win_right=0, return_softmax_lse=True, **cmp,
+        )  # fmt: skip
+        lse = lse.detach()
+        loss = opmesh.sparse_indexer_kl_loss(
+            leaves["query_index"], leaves["key_index"], leaves["weights"],
+            leaves["query"].detach(), leaves["cmp_kv"].detach(), indices, lse,
+            torch.ones_like(lse), scale, cmp_residual_key=None, **cmp,
+        )  # fmt: skip
+        total = out.float().sum() + loss.sum()
+    if isinstance(total, opmesh.platform.current().DTensor):
+        total = total.full_tensor()
+    total.backward()
+
+
+class _Received:
+    """Counts the bytes this rank receives in all-gathers (DTensor's redistribute)."""
+
+    def __init__(self, world):
+        import torch.distributed._functional_collectives as funcol
+
+        self.funcol, self.world, self.bytes = funcol, world, 0
+        self.own = funcol.all_gather_tensor
+
+        def counted(tensor, gather_dim, group, *rest, **kw):
+            self.bytes += tensor.numel() * tensor.element_size() * (self.world - 1)
+            return self.own(tensor, gather_dim, group, *rest, **kw)
+
+        funcol.all_gather_tensor = counted
+
+    def take(self):
+        out, self.bytes = self.bytes, 0
+        return out
+
+
 def _rank(rank, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     try:
         mesh = opmesh.init_device_mesh("cpu", (args.world,), mesh_dim_names=("cp",))
-        x = _inputs(args)
+        x = _inputs_v4(args) if args.v4 else _inputs(args)
+        step = _step_v4 if args.v4 else _step
         dx = {
             n: opmesh.distribute_tensor(
                 opmesh.to_head_tail(v, 1, args.world, order=args.order), mesh, [opmesh.Shard(1)]
             )
+            if n != "sinks"
+            else opmesh.distribute_tensor(v, mesh, [opmesh.Replicate()])
             for n, v in x.items()
         }
+        received = _Received(args.world)
         results = {}
         with opmesh.head_tail_cp(args.order):
             for cached in (False, True):
+                received.take()
+                step(dx, args, cached)  # one counted step
+                results[("bytes", cached)] = received.take()
                 results[cached] = _timed(
-                    lambda cached=cached: _step(dx, args, cached), args.repeats, dist.barrier
+                    lambda cached=cached: step(dx, args, cached), args.repeats, dist.barrier
                 )
         if rank == 0:
             torch.save(results, out_path)
@@ -124,6 +212,17 @@ def _flops(args):
     return indexer + attention + kl
 
 
+def _flops_v4(args):
+    s, k = args.seq, args.topk
+    entries = [(i + 1) // RATIO for i in range(s)]
+    indexer = sum(entries) * 2 * args.heads * args.dim
+    keys = sum(min(WINDOW, i + 1) + min(k, e) for i, e in enumerate(entries))
+    attention = keys * 2 * 2 * args.attn_dim * args.attn_heads * 3.5
+    selected = sum(min(k, e) for e in entries)
+    kl = selected * 2 * (args.attn_heads * args.attn_dim + 3 * args.heads * args.dim)
+    return indexer + attention + kl
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=16384, help="sequence length S")
@@ -135,13 +234,17 @@ def main():
     parser.add_argument("--attn-dim", type=int, default=128, help="main attention head dim")
     parser.add_argument("--order", default="opmesh", choices=("opmesh", "hyperparallel"))
     parser.add_argument("--repeats", type=int, default=1, help="timed steps per measurement")
+    parser.add_argument("--v4", action="store_true", help="a DeepSeek-V4 CSA layer")
     args = parser.parse_args()
+    if args.v4 and (args.seq // RATIO) % (2 * args.world):
+        parser.error(f"--v4: --seq / {RATIO} must be a multiple of {2 * args.world}")
     if args.seq % (2 * args.world):
         parser.error(f"--seq must be a multiple of {2 * args.world} (head-tail order)")
 
     torch.set_num_threads(1)
-    x = _inputs(args)
-    single = _timed(lambda: _step(x, args), args.repeats)
+    x = _inputs_v4(args) if args.v4 else _inputs(args)
+    step = _step_v4 if args.v4 else _step
+    single = _timed(lambda: step(x, args), args.repeats)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -149,9 +252,7 @@ def main():
     mp.start_processes(_rank, args=(port, args, out_path), nprocs=args.world, start_method="spawn")
     ranks = torch.load(out_path)
 
-    flops = _flops(args)
-    key_bytes = sum(x[n].numel() * x[n].element_size() for n in KEY_SIDE)
-    received = key_bytes * (args.world - 1) / args.world
+    flops = _flops_v4(args) if args.v4 else _flops(args)
     rows = [
         {
             "layout": "1 rank x 1 thread",
@@ -163,9 +264,7 @@ def main():
     ]
     for cached, label in ((False, "each op gathers"), (True, "gather_once + prefetch")):
         t = ranks[cached]
-        # Without the cache key_index and key are gathered twice (indexer and KL, attention
-        # and KL): 5 gathers of the 3 equally sized keys instead of 3.
-        per_rank = received * (1 if cached else 5 / 3)
+        per_rank = ranks[("bytes", cached)]  # measured at the all-gathers
         rows.append(
             {
                 "layout": f"{args.world} ranks x 1 thread, head-tail, {label}",
@@ -175,16 +274,23 @@ def main():
                 "key MiB received per rank": f"{per_rank / 2**20:.1f}",
             }
         )
+    layer = (
+        f"One DeepSeek-V4 CSA layer training step (entries of {RATIO} tokens, window {WINDOW}, "
+        "the compressed keys given)"
+        if args.v4
+        else "One DSA layer training step"
+    )
     notes = [
-        f"One DSA layer training step, bf16, causal, S={args.seq}, K={args.topk}; indexer "
+        f"{layer}, bf16, causal, S={args.seq}, K={args.topk}; indexer "
         f"{args.heads} heads x {args.dim}, attention {args.attn_heads} query heads / 1 key "
         f"head x {args.attn_dim}; head-tail order {args.order!r}; median of {args.repeats} "
-        "step(s) after a warm-up; each rank a process (gloo) with 1 thread.",
+        "step(s) after a warm-up; each rank a process (gloo) with 1 thread; key bytes received "
+        "per rank measured at the all-gathers of one step.",
         "",
         f"Machine cores: {os.cpu_count()}; with fewer cores than ranks the ranks share them and "
         "the speed-up is bounded by the cores, not by the ranks.",
     ]
-    name = f"dsa_mesh_{args.world}ranks"
+    name = f"dsa_mesh_{'v4_' if args.v4 else ''}{args.world}ranks"
     print(write_results(name, rows, list(rows[0]), notes))
 
 

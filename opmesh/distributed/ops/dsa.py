@@ -61,12 +61,16 @@ from ..strategies.all_gather import (
 )
 from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import (
+    CallTensors,
     OpTable,
     local_lengths,
     partial_where_replicated,
     seq_dim,
     side_of,
 )
+from ..strategies.description import int64 as _int64
+from ..strategies.description import ints as _ints
+from ..strategies.description import take_rows as _take
 
 # -- the tables ----------------------------------------------------------------------------------
 
@@ -197,19 +201,11 @@ TABLES = {
 }
 
 
-def _ints(value):
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.tolist()]
-    return [int(v) for v in value]
-
-
 # -- what preprocess decides ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
-class _MeshCall:
+class _MeshCall(CallTensors):
     """Everything the output layouts and the local call depend on (the dispatcher caches both by
     it). One object per distinct layout, kept by the DistributedOp: compared by identity, so the
     dispatcher's lookup hashes no mesh or placements."""
@@ -223,12 +219,6 @@ class _MeshCall:
     batch_axes: tuple
     strategy: str  # "local", "tnd_data_parallel" or "context_parallel"
     gathered: tuple  # key-side tensors all-gathered for context parallel
-
-    def placements(self, name):
-        return next(pl for n, pl, _ in self.tensors if n == name)
-
-    def shape(self, name):
-        return next(sh for n, _, sh in self.tensors if n == name)
 
 
 class DsaDistributedOp(DistributedOp):
@@ -516,12 +506,7 @@ class _Local:
         pieces = bsnd_pieces(
             qlen, tokens, self.rows, self.right, self.cp, self.rank, self.c.order, self.s1
         )
-        calls = []
-        for piece in pieces:
-            piece, cut = _in_entries(piece, ratio, klen)
-            calls.append(self._bsnd_call(piece))
-            calls[-1].residual = cut
-        return calls
+        return _calls_in_entries(pieces, ratio, klen, self._bsnd_call)
 
     @staticmethod
     def _bsnd_call(piece):
@@ -563,12 +548,7 @@ class _Local:
             q_len, tokens, self.rows, self.right, self.cp, self.rank, self.c.order,
             self.t.lengths[0],
         )  # fmt: skip
-        calls = []
-        for piece in pieces:
-            piece, cut = _in_entries(piece, ratio, k_len)
-            calls.append(self._tnd_call(piece))
-            calls[-1].residual = cut
-        return calls
+        return _calls_in_entries(pieces, ratio, k_len, self._tnd_call)
 
     @staticmethod
     def _tnd_call(piece):
@@ -718,6 +698,17 @@ def _original_tokens(entries, ratio, residual):
     return [n * ratio + r for n, r in zip(entries, residual, strict=True)]
 
 
+def _calls_in_entries(pieces, ratio, entries, make_call):
+    """The local calls of pieces found in original tokens (``_in_entries``), each with its
+    residual."""
+    calls = []
+    for piece in pieces:
+        piece, residual = _in_entries(piece, ratio, entries)
+        calls.append(make_call(piece))
+        calls[-1].residual = residual
+    return calls
+
+
 def _in_entries(piece, ratio, entries):
     """A piece found in original tokens, in compressed entries: each sequence keeps the entries
     whose last token its rows reach, and the tokens past them are its residual (None for plain
@@ -733,18 +724,6 @@ def _first_key(table, call):
     """The first key-side tensor of the call (its key sequence is the call's)."""
     layout = call.layout
     return next(n for n, _pl, _sh in call.tensors if side_of(table.tensors[n][layout]) == "key")
-
-
-def _take(value, d, rows):
-    if isinstance(rows, slice):
-        index = [slice(None)] * value.dim()
-        index[d] = rows
-        return value[tuple(index)]
-    return value.index_select(d, rows)
-
-
-def _int64(values):
-    return torch.tensor(values, dtype=torch.int64)
 
 
 def _opt_tensor(values):

@@ -47,7 +47,16 @@ from ..layout import Layout
 from ..strategies import rules
 from ..strategies.all_gather import bsnd_pieces, gather, join_rows, natural_order, tnd_pieces
 from ..strategies.data_parallel import whole_sequence_shards
-from ..strategies.description import local_lengths, partial_where_replicated, seq_dim, side_of
+from ..strategies.description import (
+    CallTensors,
+    local_lengths,
+    partial_where_replicated,
+    seq_dim,
+    side_of,
+)
+from ..strategies.description import int64 as _int64
+from ..strategies.description import ints as _ints
+from ..strategies.description import take_rows as _take
 
 _Q = {"BSND": ("B", "S1", "N1", "D"), "TND": ("T1", "N1", "D")}
 _KV = {"BSND": ("B", "S2", "N2", "D"), "TND": ("T2", "N2", "D")}
@@ -75,18 +84,6 @@ _KEYS = {
 }
 
 
-def _ints(value):
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.tolist()]
-    return [int(v) for v in value]
-
-
-def _int64(values):
-    return torch.tensor(values, dtype=torch.int64)
-
-
 def _named_call(op_name, args, kwargs):
     params = positional(op_name)
     if len(args) > len(params):
@@ -108,7 +105,7 @@ def _dtensors(named, names):
 
 
 @dataclass(frozen=True, eq=False)
-class _MlaCall:
+class _MlaCall(CallTensors):
     """What the output layouts and the local call depend on (compared by identity)."""
 
     layout: str
@@ -119,12 +116,6 @@ class _MlaCall:
     batch_axes: tuple
     strategy: str  # "local", "tnd_data_parallel" or "context_parallel"
     gathered: tuple
-
-    def placements(self, name):
-        return next(pl for n, pl, _ in self.tensors if n == name)
-
-    def shape(self, name):
-        return next(sh for n, _, sh in self.tensors if n == name)
 
 
 class SparseFlashMlaDistributedOp(DistributedOp):
@@ -332,13 +323,7 @@ class _MlaLocal:
     def _batch_slice(self, named):
         if self.c.layout != "BSND" or not self.c.batch_axes:
             return named
-        b0, b1 = self.q_layout.shard_range(0)
-        named = dict(named)
-        for name in ("seqused_q", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv"):
-            values = _ints(named[name])
-            if values is not None:
-                named[name] = _int64(values[b0:b1])
-        return named
+        return _per_sequence_slice(dict(named), *self.q_layout.shard_range(0))
 
     def _whole_sequences(self, named):
         layouts = {n: Layout(self.c.mesh, pl, sh) for n, pl, sh in self.c.tensors}
@@ -353,11 +338,7 @@ class _MlaLocal:
             cu = _ints(named[name])
             if cu is not None:
                 named[name] = _int64([v - cu[lo] for v in cu[lo : hi + 1]])
-        for name in ("seqused_q", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv"):
-            values = _ints(named[name])
-            if values is not None:
-                named[name] = _int64(values[lo:hi])
-        return named
+        return _per_sequence_slice(named, lo, hi)
 
     # -- context parallel ---------------------------------------------------------------------
 
@@ -487,6 +468,15 @@ class _MlaLocal:
         return self.func(q, **call)
 
 
+def _per_sequence_slice(named, lo, hi):
+    """``named`` with its per-sequence lengths cut to sequences [lo, hi)."""
+    for name in ("seqused_q", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv"):
+        values = _ints(named[name])
+        if values is not None:
+            named[name] = _int64(values[lo:hi])
+    return named
+
+
 def _spans_in(q_len, shard):
     """Per sequence of ``q_len`` query tokens, the rows [lo, hi) of it in the token shard
     ``[t0, t1)``."""
@@ -509,14 +499,6 @@ def _drop_unseen(indices, piece, key, layout):
         kept, total = kept.view(-1, 1, 1), total.view(-1, 1, 1)
     unseen = (indices.long() >= kept) & (indices.long() < total)
     return torch.where(unseen, torch.full_like(indices, -1), indices)
-
-
-def _take(value, d, rows):
-    if isinstance(rows, slice):
-        index = [slice(None)] * value.dim()
-        index[d] = rows
-        return value[tuple(index)]
-    return value.index_select(d, rows)
 
 
 # -- compressor ----------------------------------------------------------------------------------

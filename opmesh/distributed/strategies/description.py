@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ... import platform as _platform
 
 QUERY_SEQ = ("S1", "T1")
@@ -81,3 +83,36 @@ def fail_sharded(name, lay, dim, why):
     """Refuses ``name``'s sharding of ``dim`` (a ``Layout``), saying which mesh axes shard it
     and why that cannot be served."""
     raise ValueError(f"{name}: dim {dim} is sharded over mesh axes {lay.axes_text(dim)}; {why}")
+
+
+class CallTensors:
+    """For a frozen dataclass with ``tensors``, a tuple of (name, placements, global shape): the
+    lookups by name."""
+
+    def placements(self, name):
+        return next(pl for n, pl, _ in self.tensors if n == name)
+
+    def shape(self, name):
+        return next(sh for n, _, sh in self.tensors if n == name)
+
+
+def ints(value):
+    """A length argument (tensor, list or None) as a list of ints (or None)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.tolist()]
+    return [int(v) for v in value]
+
+
+def int64(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def take_rows(value, d, rows):
+    """``value``'s rows ``rows`` (a slice or an index) along dim ``d``."""
+    if isinstance(rows, slice):
+        index = [slice(None)] * value.dim()
+        index[d] = rows
+        return value[tuple(index)]
+    return value.index_select(d, rows)
