@@ -154,14 +154,19 @@ class _Received:
     def __init__(self, world):
         import torch.distributed._functional_collectives as funcol
 
-        self.funcol, self.world, self.bytes = funcol, world, 0
-        self.own = funcol.all_gather_tensor
+        self.world, self.bytes = world, 0
+        # DTensor's gathers go through one of these, by torch release.
+        for name in ("all_gather_single", "all_gather_tensor"):
+            own = getattr(funcol, name, None)
+            if own is not None:
+                setattr(funcol, name, self._counting(own))
 
-        def counted(tensor, gather_dim, group, *rest, **kw):
+    def _counting(self, own):
+        def counted(tensor, *args, **kwargs):
             self.bytes += tensor.numel() * tensor.element_size() * (self.world - 1)
-            return self.own(tensor, gather_dim, group, *rest, **kw)
+            return own(tensor, *args, **kwargs)
 
-        funcol.all_gather_tensor = counted
+        return counted
 
     def take(self):
         out, self.bytes = self.bytes, 0
