@@ -249,13 +249,6 @@ class DsaDistributedOp(DistributedOp):
             )
         named = {**t.defaults, **dict(zip(t.params, args, strict=False)), **kwargs}
         named = local_lengths(named, t.lengths)
-        for name in t.single_device:
-            value, default = named.get(name), t.defaults.get(name)
-            if (value is not None) if default is None else value != default:
-                raise ValueError(
-                    f"{name}: not supported on a device mesh yet (compressed keys run on one "
-                    f"device); got {named[name]!r}"
-                )
         layout = named[t.layout]
         if t.key_layout is not None:
             key_layout = named[t.key_layout]

@@ -27,8 +27,6 @@ class OpTable:
     outputs: tuple
     indices: str | None = None  # the selection argument (remapped per piece)
     block_size: str | None = None  # the argument giving the selection's block size
-    # Arguments no strategy serves yet: each must keep its default on a mesh.
-    single_device: tuple = ()
 
 
 def side_of(dims) -> str:
