@@ -111,6 +111,7 @@ __all__ = [
     "simd_levels",
     "active_simd_level",
     "bf16_kernels",
+    "calibrate_bf16_kernels",
     "kernel_sets",
 ]
 
@@ -133,12 +134,31 @@ def bf16_kernels() -> dict:
 
     Each entry is ``{"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float,
     "kernel_set": str}``: the level's bf16-pair kernels (``pairs``: VDPBF16PS, or AMX tiles at
-    amx_bf16) or float32 FMA, chosen by a short measurement of both on this CPU, once per process
-    and level (``source`` "measured", with the best times in ns), or fixed by the environment
-    variable ``OPMESH_BF16_KERNELS`` (``auto``, ``pairs``, ``fp32``, or per kind as
+    amx_bf16) or float32 FMA, chosen by a short measurement of both on this CPU (``source``
+    "measured", with the best times in ns), or fixed by the environment variable
+    ``OPMESH_BF16_KERNELS`` (``auto``, ``pairs``, ``fp32``, or per kind as
     ``compute=fp32,memory=pairs``); ``kernel_set`` names the set that runs. Asking measures if
-    nothing has yet."""
+    nothing has yet.
+
+    A measured choice is kept in a calibration file, one line per CPU model, level and kind
+    (``$OPMESH_CACHE_DIR/bf16_kernels.tsv``, else ``$XDG_CACHE_HOME/opmesh/`` or
+    ``~/.cache/opmesh/``; ``OPMESH_CACHE_DIR=""`` keeps none), and later processes on a CPU of the
+    same model take it from there (``source`` "calibration"): the choice stays the same from
+    process to process whatever the machine's load. :func:`calibrate_bf16_kernels` measures
+    again, longer, and rewrites it."""
     return {kind: _C._bf16_choice(kind) for kind in ("compute", "memory")}
+
+
+def calibrate_bf16_kernels(rounds: int = 8) -> dict:
+    """Measures the bf16 kernel choice of both kinds of work (see :func:`bf16_kernels`) over
+    ``rounds`` interleaved rounds (a process's own first measurement takes 2), best times, and
+    writes it to the calibration file that later processes read; the choice this process has
+    already taken stays. Returns ``{kind: {"pairs", "source", "pairs_ns", "fp32_ns", "path"}}``
+    (``path``: the file, "" when none is kept). ``python -m opmesh calibrate`` runs it; run it on
+    a quiet machine."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int):
+        raise TypeError(f"rounds: expected an int, got {type(rounds).__name__}")
+    return {kind: _C._bf16_calibrate(kind, rounds) for kind in ("compute", "memory")}
 
 
 def kernel_sets() -> dict:

@@ -1,4 +1,4 @@
-"""Command line: python -m opmesh demo, python -m opmesh mesh-demo and python -m opmesh plan."""
+"""Command line: python -m opmesh demo, mesh-demo, plan and calibrate."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def main(argv=None):
     plan.add_argument("--deterministic", action="store_true", help="fixed 1024-key splits")
     plan.add_argument("--png", help="draw the per-worker timelines to this file")
     sub.add_parser("mesh-demo", help="the indexer on a (2, 4) mesh of 8 local gloo processes")
+    calibrate = sub.add_parser(
+        "calibrate", help="measure the bf16 kernel choice and keep it for later processes"
+    )
+    calibrate.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -75,6 +79,14 @@ def _run(args):
         run_mesh_demo()
     elif args.command == "plan":
         run_plan(args)
+    elif args.command == "calibrate":
+        from . import calibrate_bf16_kernels
+
+        for kind, c in calibrate_bf16_kernels(args.rounds).items():
+            choice = "bf16 pairs" if c["pairs"] else "float32 FMA"
+            times = f"pairs {c['pairs_ns'] / 1e3:.1f} us, fp32 {c['fp32_ns'] / 1e3:.1f} us"
+            print(f"{kind}: {choice} ({c['source']}: {times})")
+        print(f"kept in: {c['path'] or 'nowhere (OPMESH_CACHE_DIR is empty)'}")
     elif args.command == "demo":
         if args.framework == "mindspore":
             from ._mindspore_demo import run_mindspore_demo  # (needs MindSpore and numpy)

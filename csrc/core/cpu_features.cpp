@@ -16,6 +16,32 @@
 
 namespace opmesh::core {
 
+std::string cpu_identity() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  unsigned int regs[12] = {};
+  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+  std::string brand;
+  if (__get_cpuid(0x80000000u, &eax, &ebx, &ecx, &edx) && eax >= 0x80000004u) {
+    for (unsigned int leaf = 0; leaf < 3; ++leaf) {
+      __get_cpuid(0x80000002u + leaf, &regs[4 * leaf], &regs[4 * leaf + 1], &regs[4 * leaf + 2],
+                  &regs[4 * leaf + 3]);
+    }
+    char text[49] = {};
+    std::memcpy(text, regs, 48);
+    brand = text;
+    const size_t first = brand.find_first_not_of(' ');
+    brand = first == std::string::npos ? std::string() : brand.substr(first);
+  }
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return brand.empty() ? "unknown" : brand;
+  const unsigned int family = ((eax >> 8) & 0xfu) + ((eax >> 20) & 0xffu);
+  const unsigned int model = ((eax >> 4) & 0xfu) | (((eax >> 16) & 0xfu) << 4);
+  return brand + " family " + std::to_string(family) + " model " + std::to_string(model) +
+         " stepping " + std::to_string(eax & 0xfu);
+#else
+  return "unknown";
+#endif
+}
+
 const char* isa_name(Isa isa) {
   static constexpr const char* kNames[] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"};
   return enum_name(isa, kNames, "unknown");

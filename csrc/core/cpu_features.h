@@ -43,4 +43,8 @@ bool isa_supported(Isa isa);
 // The best supported level, capped by OPMESH_SIMD_MAX if set.
 Isa active_isa();
 
+// This CPU's model as CPUID names it (brand string, family, model and stepping), for records
+// kept per CPU model; "unknown" where there is no CPUID.
+std::string cpu_identity();
+
 }  // namespace opmesh::core

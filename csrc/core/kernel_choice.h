@@ -5,11 +5,16 @@
 // depends on the CPU: where VDPBF16PS runs at half the FMA rate (Intel Xeons), compute-bound work
 // (prefill, the indexer) is faster on FMA while memory-bound work (decode) is faster on pairs; on
 // AMD Zen 4 pairs win both. So the choice is made per level and kind of work by a short
-// measurement of the real kernels, once per process, and can be fixed by the environment
-// variable OPMESH_BF16_KERNELS:
+// measurement of the real kernels and can be fixed by the environment variable
+// OPMESH_BF16_KERNELS:
 //   auto (default): measure;  pairs: always bf16 pairs;  fp32: always float32 FMA;
 //   or per kind, e.g. "compute=fp32,memory=pairs" (an unnamed kind is measured).
+// A measured decision is kept in a calibration file (bf16_calibration_path()) per CPU model,
+// level and kind, and every later process on a CPU of that model takes it from there, so the
+// choice does not change from process to process with the machine's load.
 #pragma once
+
+#include <string>
 
 #include "cpu_features.h"
 
@@ -24,7 +29,8 @@ const char* work_name(Work work);
 // milliseconds.
 bool bf16_pairs_faster(Work work, Isa isa);
 
-// The source of the last decision for `work`: "measured", "environment" or "not decided yet";
+// The source of the last decision for `work`: "measured", "calibration" (the file),
+// "environment" or "not decided yet";
 // and the measured times (nanoseconds, best of several runs) of pairs and fp32, 0 when not
 // measured. For diagnostics and benchmark records.
 struct Bf16Choice {
@@ -34,5 +40,14 @@ struct Bf16Choice {
   double fp32_ns = 0.0;
 };
 Bf16Choice bf16_choice(Work work, Isa isa);
+
+// Where the calibration file is: $OPMESH_CACHE_DIR/bf16_kernels.tsv (set but empty: no file),
+// else $XDG_CACHE_HOME/opmesh/..., else $HOME/.cache/opmesh/...; "" when none applies.
+std::string bf16_calibration_path();
+
+// Measures both choices over `rounds` interleaved rounds (the default decision takes 2) and
+// writes the result to the calibration file for later processes; the decision this process has
+// already taken stays. Source "measured". Throws ArgumentError("rounds") below 1.
+Bf16Choice calibrate_bf16(Work work, Isa isa, int rounds);
 
 }  // namespace opmesh::core

@@ -61,6 +61,30 @@ PyObject* bf16_choice(PyObject*, PyObject* arg) {
   }
 }
 
+// Measures "compute" or "memory" work over `rounds` rounds at the active level and writes the
+// calibration file; returns {"pairs", "source", "pairs_ns", "fp32_ns", "path"}.
+PyObject* bf16_calibrate(PyObject*, PyObject* args) {
+  const char* kind = nullptr;
+  int rounds = 0;
+  if (!PyArg_ParseTuple(args, "si", &kind, &rounds)) return nullptr;
+  const std::string k(kind);
+  if (k != "compute" && k != "memory") {
+    PyErr_Format(PyExc_ValueError, "kind: expected 'compute' or 'memory', got '%s'", kind);
+    return nullptr;
+  }
+  try {
+    namespace core = opmesh::core;
+    const core::Work work = k == "memory" ? core::Work::kMemory : core::Work::kCompute;
+    const core::Bf16Choice c = core::calibrate_bf16(work, core::active_isa(), rounds);
+    return Py_BuildValue("{s:O,s:s,s:d,s:d,s:s}", "pairs", c.pairs ? Py_True : Py_False, "source",
+                         c.source, "pairs_ns", c.pairs_ns, "fp32_ns", c.fp32_ns, "path",
+                         core::bf16_calibration_path().c_str());
+  } catch (const opmesh::core::ArgumentError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
 // [{"name", "isa", "word", "depth_align", "row_align"}] for every kernel set usable now, and
 // how the amx_bf16 level runs its tiles ("hardware", "emulated" or "none").
 PyObject* kernel_sets(PyObject*, PyObject*) {
@@ -372,6 +396,8 @@ PyMethodDef methods[] = {
     {"_plan_pieces", plan_pieces, METH_VARARGS,
      "Per-worker pieces of a plan with their modelled cost (ns)."},
     {"_kernel_sets", kernel_sets, METH_NOARGS, "(kernel sets usable now, amx tile implementation)"},
+    {"_bf16_calibrate", bf16_calibrate, METH_VARARGS,
+     "Measures the bf16 kernel choice for a kind of work and writes the calibration file."},
     {"_bf16_choice", bf16_choice, METH_O,
      "Which kernels bf16 inputs use for 'compute' or 'memory' work."},
     {"_set_worker_timing", set_worker_timing, METH_O,

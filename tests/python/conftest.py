@@ -1,10 +1,14 @@
 import os
 import re
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The bf16 kernel calibration file of this session's processes (spawned mesh ranks included):
+# its own folder, not the user's.
+os.environ.setdefault("OPMESH_CACHE_DIR", tempfile.mkdtemp(prefix="opmesh-test-cache-"))
 
 import opmesh  # noqa: E402
 

@@ -263,7 +263,7 @@ def test_bf16_kernels_are_chosen_by_measurement_or_environment(monkeypatch):
     assert set(choice) == {"compute", "memory"}
     for kind in choice.values():
         if "avx512_bf16" in opmesh.simd_levels():
-            assert kind["source"] == "measured"
+            assert kind["source"] in ("measured", "calibration")  # the file: an earlier process
             assert kind["pairs_ns"] > 0 and kind["fp32_ns"] > 0
             assert kind["pairs"] == (kind["pairs_ns"] <= kind["fp32_ns"])
         else:

@@ -1,10 +1,17 @@
 #include "../kernel_choice.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -110,6 +117,103 @@ double time_problem(Work work, Isa isa, bool pairs, int runs) {
   return best;
 }
 
+// Interleaved best-of timings of both kernel choices over `rounds` rounds, so a frequency change
+// or a neighbour's load hits both alike.
+Bf16Choice measure(Work work, Isa isa, int rounds) {
+  double pairs_ns = 1e30, fp32_ns = 1e30;
+  for (int round = 0; round < rounds; ++round) {
+    pairs_ns = std::min(pairs_ns, time_problem(work, isa, true, 2));
+    fp32_ns = std::min(fp32_ns, time_problem(work, isa, false, 2));
+  }
+  Bf16Choice c;
+  c.pairs = pairs_ns <= fp32_ns;
+  c.source = "measured";
+  c.pairs_ns = pairs_ns;
+  c.fp32_ns = fp32_ns;
+  return c;
+}
+
+// The calibration file keeps one decision per CPU model, level and kind of work, so that every
+// process on the machine takes the same one (a measurement under a neighbour's load could
+// otherwise decide a close case differently from one process to the next). A line:
+//   <cpu identity> \t <level> \t <kind> \t pairs|fp32 \t <pairs ns> \t <fp32 ns>
+// The level names the tile implementation at amx_bf16 (hardware and emulated tiles differ).
+std::string level_key(Isa isa) {
+  std::string key = isa_name(isa);
+  if (isa == Isa::kAmxBf16) key += std::string("/") + amx_tiles_name(amx_tiles());
+  return key;
+}
+
+std::string line_key(Work work, Isa isa) {
+  return cpu_identity() + "\t" + level_key(isa) + "\t" + work_name(work) + "\t";
+}
+
+// The lines of the file, and whether it could be read.
+std::vector<std::string> read_lines(const std::string& path) {
+  std::vector<std::string> lines;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) lines.push_back(line);
+  return lines;
+}
+
+bool read_calibration(Work work, Isa isa, Bf16Choice* out) {
+  const std::string path = bf16_calibration_path();
+  if (path.empty()) return false;
+  const std::string key = line_key(work, isa);
+  for (const std::string& line : read_lines(path)) {
+    if (line.compare(0, key.size(), key) != 0) continue;
+    std::istringstream rest(line.substr(key.size()));
+    std::string choice;
+    double pairs_ns = 0.0, fp32_ns = 0.0;
+    if (!(rest >> choice >> pairs_ns >> fp32_ns) || (choice != "pairs" && choice != "fp32")) {
+      return false;  // a damaged line: measure again (and rewrite it)
+    }
+    out->pairs = choice == "pairs";
+    out->source = "calibration";
+    out->pairs_ns = pairs_ns;
+    out->fp32_ns = fp32_ns;
+    return true;
+  }
+  return false;
+}
+
+// mkdir -p of the file's folder; false if it cannot be made.
+bool make_folders(const std::string& path) {
+  for (size_t at = path.find('/', 1); at != std::string::npos; at = path.find('/', at + 1)) {
+    const std::string folder = path.substr(0, at);
+    if (mkdir(folder.c_str(), 0755) != 0 && errno != EEXIST) return false;
+  }
+  return true;
+}
+
+// Replaces (or adds) this CPU's line for `work` and `isa`: written to a file of its own, then
+// renamed over the old one, so a reader sees the old file or the new one, never half of one.
+// Any failure (a read-only home, no HOME) leaves the file as it was: the choice still holds for
+// this process.
+void write_calibration(Work work, Isa isa, const Bf16Choice& c) {
+  const std::string path = bf16_calibration_path();
+  if (path.empty() || !make_folders(path)) return;
+  const std::string key = line_key(work, isa);
+  std::vector<std::string> lines;
+  for (std::string& line : read_lines(path)) {
+    if (line.compare(0, key.size(), key) != 0 && !line.empty()) lines.push_back(std::move(line));
+  }
+  std::ostringstream entry;
+  entry << key << (c.pairs ? "pairs" : "fp32") << '\t' << c.pairs_ns << '\t' << c.fp32_ns;
+  lines.push_back(entry.str());
+  const std::string temporary = path + "." + std::to_string(getpid()) + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::trunc);
+    for (const std::string& line : lines) out << line << '\n';
+    if (!out.good()) {
+      std::remove(temporary.c_str());
+      return;
+    }
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) std::remove(temporary.c_str());
+}
+
 struct Measured {
   std::once_flag once;
   Bf16Choice choice;
@@ -146,18 +250,41 @@ Bf16Choice bf16_choice(Work work, Isa isa) {
   }
   Measured& m = measured(work, isa);
   std::call_once(m.once, [&] {
-    // Interleaved, so a frequency change or a neighbour's load hits both alike.
-    double pairs_ns = 1e30, fp32_ns = 1e30;
-    for (int round = 0; round < 2; ++round) {
-      pairs_ns = std::min(pairs_ns, time_problem(work, isa, true, 2));
-      fp32_ns = std::min(fp32_ns, time_problem(work, isa, false, 2));
-    }
-    m.choice.pairs = pairs_ns <= fp32_ns;
-    m.choice.source = "measured";
-    m.choice.pairs_ns = pairs_ns;
-    m.choice.fp32_ns = fp32_ns;
+    if (read_calibration(work, isa, &m.choice)) return;
+    m.choice = measure(work, isa, 2);
+    write_calibration(work, isa, m.choice);
   });
   return m.choice;
+}
+
+std::string bf16_calibration_path() {
+  const char* dir = std::getenv("OPMESH_CACHE_DIR");
+  std::string folder;
+  if (dir != nullptr) {
+    folder = dir;  // set but empty: no file
+    if (folder.empty()) return "";
+  } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    folder = std::string(xdg) + "/opmesh";
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    folder = std::string(home) + "/.cache/opmesh";
+  } else {
+    return "";
+  }
+  return folder + "/bf16_kernels.tsv";
+}
+
+Bf16Choice calibrate_bf16(Work work, Isa isa, int rounds) {
+  if (rounds < 1)
+    throw ArgumentError("rounds", "expected at least 1, got " + std::to_string(rounds));
+  if (static_cast<int>(isa) < static_cast<int>(Isa::kAvx512Bf16) || !isa_supported(isa)) {
+    Bf16Choice c;
+    c.pairs = false;
+    c.source = "no bf16-pair kernels at this level";
+    return c;
+  }
+  Bf16Choice c = measure(work, isa, rounds);
+  write_calibration(work, isa, c);
+  return c;
 }
 
 }  // namespace opmesh::core
