@@ -16,6 +16,8 @@
 #include "aligned_buffer.h"
 #include "cpu_features.h"
 #include "dtype.h"
+#include "errors.h"
+#include "kernel_choice.h"
 #include "kernels/kernel_set.h"
 #include "kernels/row_loads.h"
 
@@ -174,6 +176,66 @@ TEST(KernelSets, BadTileSettingIsRefusedByName) {
     FAIL() << "expected an error";
   } catch (const std::exception& e) {
     EXPECT_EQ(std::string(e.what()).rfind("OPMESH_AMX_TILES:", 0), 0u) << e.what();
+  }
+}
+
+// Sets or unsets an environment variable for the lifetime of the object, restoring it after.
+class EnvVar {
+ public:
+  EnvVar(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value == nullptr) {
+      unsetenv(name);
+    } else {
+      setenv(name, value, 1);
+    }
+  }
+  ~EnvVar() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+TEST(KernelChoice, CalibrationFileFollowsTheCacheFolders) {
+  {
+    EnvVar dir("OPMESH_CACHE_DIR", "/tmp/a");
+    EXPECT_EQ(bf16_calibration_path(), "/tmp/a/bf16_kernels.tsv");
+  }
+  {
+    EnvVar dir("OPMESH_CACHE_DIR", "");
+    EXPECT_EQ(bf16_calibration_path(), "");
+  }
+  EnvVar dir("OPMESH_CACHE_DIR", nullptr);
+  {
+    EnvVar xdg("XDG_CACHE_HOME", "/tmp/x");
+    EXPECT_EQ(bf16_calibration_path(), "/tmp/x/opmesh/bf16_kernels.tsv");
+  }
+  EnvVar xdg("XDG_CACHE_HOME", nullptr);
+  {
+    EnvVar home("HOME", "/tmp/h");
+    EXPECT_EQ(bf16_calibration_path(), "/tmp/h/.cache/opmesh/bf16_kernels.tsv");
+  }
+  EnvVar home("HOME", nullptr);
+  EXPECT_EQ(bf16_calibration_path(), "");
+  EXPECT_FALSE(cpu_identity().empty());
+}
+
+TEST(KernelChoice, CalibrateRefusesNoRoundsByName) {
+  try {
+    calibrate_bf16(Work::kCompute, active_isa(), 0);
+    FAIL() << "expected ArgumentError";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("rounds:", 0), 0u) << e.what();
   }
 }
 
