@@ -32,6 +32,7 @@ from .. import ops
 from ._masks import _plan, _visible
 
 STATE = "_opmesh_compressor_state"  # {name: float32 ring [B + 1, block, 2W]} on a cache layer
+KEYS = "_opmesh_keys"  # the layer's keys as opmesh last left them
 
 
 def attention_forward(
@@ -50,6 +51,8 @@ def attention_forward(
     kv = kv.transpose(1, 2)
     if past_key_values is not None:  # the window's cached keys, then the new ones
         kv = past_key_values.update(kv, kv, self.layer_idx)[0]
+        if layer is not None:
+            layer.__dict__[KEYS] = layer.keys  # what a later call checks the cache against
     rows = _Rows.read(attention_mask, position_ids, batch, length, kv.shape[2], self)
     call = dict(
         ori_mask_mode=4, ori_win_left=self.sliding_window - 1, ori_win_right=0,
@@ -139,7 +142,14 @@ def _cache_layer(module, cache, length):
             f"past_key_values: DeepSeek-V4's {module.layer_type} layers need the model's own "
             f"cache layers (a DynamicCache of its config), got {type(layer).__name__}"
         )
-    return layer, getattr(layer, "cumulative_length", 0)
+    start = getattr(layer, "cumulative_length", 0)
+    if module.compressor is not None and start and layer.__dict__.get(KEYS) is not layer.keys:
+        raise ValueError(
+            "past_key_values: the cache was changed since opmesh last wrote it (reordered or "
+            "cropped, as beam search and assisted decoding do, or filled by another "
+            "implementation); the compressor state opmesh keeps beside it cannot follow"
+        )
+    return layer, start
 
 
 def _compressed_keys(module, hidden_states, q_residual, position_ids, layer, start, rows):
