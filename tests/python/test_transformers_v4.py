@@ -193,9 +193,8 @@ def test_what_the_path_cannot_honour_is_refused_by_name():
         assert_raises_named(
             ValueError, "past_key_values", lambda: model(ids[:, 10:], past_key_values=cache)
         )
-    with (
-        torch.no_grad()
-    ):  # beam search reorders the cache, which the compressor state cannot follow
+    # Beam search reorders the cache, which the compressor state cannot follow.
+    with torch.no_grad():
         assert_raises_named(
             ValueError, "past_key_values",
             lambda: model.generate(ids, max_new_tokens=4, num_beams=2, pad_token_id=0),
