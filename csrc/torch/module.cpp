@@ -35,20 +35,26 @@ PyObject* active_simd_level(PyObject*, PyObject*) {
   }
 }
 
+// The kind of work a Python string names ("compute" or "memory"); false with a ValueError set.
+bool parse_work(const char* kind, opmesh::core::Work* work) {
+  const std::string k(kind);
+  if (k != "compute" && k != "memory") {
+    PyErr_Format(PyExc_ValueError, "kind: expected 'compute' or 'memory', got '%s'", kind);
+    return false;
+  }
+  *work = k == "memory" ? opmesh::core::Work::kMemory : opmesh::core::Work::kCompute;
+  return true;
+}
+
 // {"pairs": bool, "source": str, "pairs_ns": float, "fp32_ns": float, "kernel_set": str} for
 // "compute" or "memory" work on bf16 inputs at the active level.
 PyObject* bf16_choice(PyObject*, PyObject* arg) {
   const char* kind = PyUnicode_AsUTF8(arg);
-  if (kind == nullptr) return nullptr;
-  const std::string k(kind);
-  if (k != "compute" && k != "memory") {
-    PyErr_Format(PyExc_ValueError, "kind: expected 'compute' or 'memory', got '%s'", kind);
-    return nullptr;
-  }
+  opmesh::core::Work work;
+  if (kind == nullptr || !parse_work(kind, &work)) return nullptr;
   try {
     namespace core = opmesh::core;
     const core::Isa isa = core::active_isa();
-    const core::Work work = k == "memory" ? core::Work::kMemory : core::Work::kCompute;
     const core::Bf16Choice c = core::bf16_choice(work, isa);
     const core::kernels::KernelSet& set =
         core::kernels::select_set(isa, core::DType::kBFloat16, -1, work == core::Work::kCompute);
@@ -66,15 +72,10 @@ PyObject* bf16_choice(PyObject*, PyObject* arg) {
 PyObject* bf16_calibrate(PyObject*, PyObject* args) {
   const char* kind = nullptr;
   int rounds = 0;
-  if (!PyArg_ParseTuple(args, "si", &kind, &rounds)) return nullptr;
-  const std::string k(kind);
-  if (k != "compute" && k != "memory") {
-    PyErr_Format(PyExc_ValueError, "kind: expected 'compute' or 'memory', got '%s'", kind);
-    return nullptr;
-  }
+  opmesh::core::Work work;
+  if (!PyArg_ParseTuple(args, "si", &kind, &rounds) || !parse_work(kind, &work)) return nullptr;
   try {
     namespace core = opmesh::core;
-    const core::Work work = k == "memory" ? core::Work::kMemory : core::Work::kCompute;
     const core::Bf16Choice c = core::calibrate_bf16(work, core::active_isa(), rounds);
     return Py_BuildValue("{s:O,s:s,s:d,s:d,s:s}", "pairs", c.pairs ? Py_True : Py_False, "source",
                          c.source, "pairs_ns", c.pairs_ns, "fp32_ns", c.fp32_ns, "path",

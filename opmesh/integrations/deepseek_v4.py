@@ -53,7 +53,7 @@ def attention_forward(
         kv = past_key_values.update(kv, kv, self.layer_idx)[0]
         if layer is not None:
             layer.__dict__[KEYS] = layer.keys  # what a later call checks the cache against
-    rows = _Rows.read(attention_mask, position_ids, batch, length, kv.shape[2], self)
+    rows = _Rows.read(attention_mask, position_ids, batch, length, self)
     call = dict(
         ori_mask_mode=4, ori_win_left=self.sliding_window - 1, ori_win_right=0,
         softmax_scale=self.scaling, sinks=self.sinks,
@@ -270,7 +270,7 @@ class _Rows:
         self.row = row  # [sequences] the batch row of each sequence
 
     @classmethod
-    def read(cls, mask, position_ids, batch, length, kv_len, module) -> _Rows:
+    def read(cls, mask, position_ids, batch, length, module) -> _Rows:
         positions = position_ids.expand(batch, length)
         plan = None
         if mask is not None:

@@ -182,21 +182,20 @@ def _dp_lengths(cp):
     return out
 
 
-def compressor_case(mesh):
+def compressor_case(mesh, b=5):
     """The compressor data parallel: x sharded on the batch over the first axis (a one-axis mesh:
     its axis), entries and gradients of x and the shared weights equal one device; sharded
     tokens and a state cache are refused by name."""
     g = torch.Generator().manual_seed(11)
-    b, s, h, d, r = 5, 11, 24, 8, 4
+    s, h, d, r = 11, 24, 8, 4
+    used = [11, 9, 0, 4, 11][:b]
     x = torch.randn(b, s, h, generator=g)
     w = {n: torch.randn(2 * d, h, generator=g) / 4 for n in ("wkv", "wgate")}
     ape = torch.randn(r, 2 * d, generator=g)
     up = torch.randn(b, -(-s // r), d, generator=g)
     leaves = [x, w["wkv"], w["wgate"], ape]
     ref = [t.clone().requires_grad_() for t in leaves]
-    want = opmesh.compressor(
-        ref[0], ref[1], ref[2], None, ref[3], r, coff=2, seqused=[11, 9, 0, 4, 11]
-    )
+    want = opmesh.compressor(ref[0], ref[1], ref[2], None, ref[3], r, coff=2, seqused=used)
     (want * up).sum().backward()
     batch = [R] * mesh.ndim
     batch[0] = Shard(0)
@@ -207,7 +206,7 @@ def compressor_case(mesh):
     ]
     with opmesh.gather_once():
         got = opmesh.compressor(dist[0], dist[1], dist[2], None, dist[3], r, coff=2,
-                                seqused=[11, 9, 0, 4, 11])  # fmt: skip
+                                seqused=used)  # fmt: skip
     dup = opmesh.distribute_tensor(up, mesh, batch)
     (got * dup).sum().full_tensor().backward()
     _compare("compressor", got.full_tensor(), want)
@@ -333,7 +332,12 @@ def v4_cases(mesh):
             cases[f"{kind}_tnd_head_tail_{order}"] = lambda k=kind, o=order: layer_case(
                 mesh, "TND", "cp_shard", k, o, **ht
             )
+    for kind in ("swa", "csa"):  # two tokens over the mesh: ranks with empty shards of all
+        cases[f"{kind}_empty_shards"] = lambda k=kind: layer_case(
+            mesh, "BSND", "cp_shard", k, b=2, s=2
+        )
     cases["compressor_data_parallel"] = lambda: compressor_case(mesh)
+    cases["compressor_empty_batch_shards"] = lambda: compressor_case(mesh, b=1)
     cases["errors"] = lambda: errors_case(mesh)
     cases["one_gather_per_layer"] = lambda: one_gather_per_layer_case(mesh)
     return cases
@@ -354,4 +358,11 @@ CASE_NAMES = [
         "tnd_head_tail_opmesh",
         "tnd_head_tail_hyperparallel",
     )  # fmt: skip
-] + ["compressor_data_parallel", "errors", "one_gather_per_layer"]
+] + [
+    "swa_empty_shards",
+    "csa_empty_shards",
+    "compressor_data_parallel",
+    "compressor_empty_batch_shards",
+    "errors",
+    "one_gather_per_layer",
+]

@@ -214,6 +214,17 @@ void write_calibration(Work work, Isa isa, const Bf16Choice& c) {
   if (std::rename(temporary.c_str(), path.c_str()) != 0) std::remove(temporary.c_str());
 }
 
+bool has_pair_kernels(Isa isa) {
+  return static_cast<int>(isa) >= static_cast<int>(Isa::kAvx512Bf16) && isa_supported(isa);
+}
+
+Bf16Choice without_pair_kernels() {
+  Bf16Choice c;
+  c.pairs = false;
+  c.source = "no bf16-pair kernels at this level";
+  return c;
+}
+
 struct Measured {
   std::once_flag once;
   Bf16Choice choice;
@@ -242,12 +253,7 @@ Bf16Choice bf16_choice(Work work, Isa isa) {
     c.source = "environment";
     return c;
   }
-  if (static_cast<int>(isa) < static_cast<int>(Isa::kAvx512Bf16) || !isa_supported(isa)) {
-    Bf16Choice c;
-    c.pairs = false;
-    c.source = "no bf16-pair kernels at this level";
-    return c;
-  }
+  if (!has_pair_kernels(isa)) return without_pair_kernels();
   Measured& m = measured(work, isa);
   std::call_once(m.once, [&] {
     if (read_calibration(work, isa, &m.choice)) return;
@@ -276,12 +282,7 @@ std::string bf16_calibration_path() {
 Bf16Choice calibrate_bf16(Work work, Isa isa, int rounds) {
   if (rounds < 1)
     throw ArgumentError("rounds", "expected at least 1, got " + std::to_string(rounds));
-  if (static_cast<int>(isa) < static_cast<int>(Isa::kAvx512Bf16) || !isa_supported(isa)) {
-    Bf16Choice c;
-    c.pairs = false;
-    c.source = "no bf16-pair kernels at this level";
-    return c;
-  }
+  if (!has_pair_kernels(isa)) return without_pair_kernels();
   Bf16Choice c = measure(work, isa, rounds);
   write_calibration(work, isa, c);
   return c;

@@ -63,8 +63,8 @@ from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import (
     CallTensors,
     OpTable,
+    grad_placements,
     local_lengths,
-    partial_where_replicated,
     seq_dim,
     side_of,
 )
@@ -322,20 +322,10 @@ class DsaDistributedOp(DistributedOp):
             side = dims[name][0]
             if name in gathered:
                 x = gather(p, x, mesh, seq_axes)
-            local[name] = p.to_local(x, self._grad_placements(p, x, side, call))
+            local[name] = p.to_local(x, grad_placements(p, x, side, call))
         if same_value:
             local["value"] = local["key"]
         return (), local, call
-
-    @staticmethod
-    def _grad_placements(p, x, side, call):
-        """Each rank's gradient of a tensor replicated over an axis that splits the query rows
-        is a partial sum there (key-side: the context-parallel axes; shared: those and the
-        batch's)."""
-        if side == "query" or not (call.seq_axes or (side == "shared" and call.batch_axes)):
-            return None
-        axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
-        return partial_where_replicated(p, x, axes)
 
     def _check(self, layout, layouts, named, order):
         """The layout rules (strategies/rules.py) and the family's own: a band with

@@ -49,8 +49,8 @@ from ..strategies.all_gather import bsnd_pieces, gather, join_rows, natural_orde
 from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import (
     CallTensors,
+    grad_placements,
     local_lengths,
-    partial_where_replicated,
     seq_dim,
     side_of,
 )
@@ -186,7 +186,7 @@ class SparseFlashMlaDistributedOp(DistributedOp):
             if name in gathered:
                 x = gather(p, x, call.mesh, seq_axes)
             side = side_of(dims[name])
-            local[name] = p.to_local(x, _grad_placements(p, x, side, call))
+            local[name] = p.to_local(x, grad_placements(p, x, side, call))
         return (), local, call
 
     def infer_layout(self, cache_values):
@@ -198,15 +198,6 @@ class SparseFlashMlaDistributedOp(DistributedOp):
 
     def get_expand_impl(self, func, infer_result, cache_values):
         return _MlaLocal(func, cache_values)
-
-
-def _grad_placements(p, x, side, call):
-    """A key tensor replicated over an axis that splits the query rows gets a partial gradient
-    there; a shared one (the sinks, the compressor's weights) over the batch's axes too."""
-    if side == "query":
-        return None
-    axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
-    return partial_where_replicated(p, x, axes) if axes else None
 
 
 def _query_output(c, first, dims_by_layout):
@@ -546,7 +537,7 @@ class CompressorDistributedOp(DistributedOp):
         )  # fmt: skip
         local = dict(named)
         for name, x in tensors.items():
-            local[name] = p.to_local(x, _grad_placements(p, x, side_of(dims[name]), call))
+            local[name] = p.to_local(x, grad_placements(p, x, side_of(dims[name]), call))
         if sharding.batch_axes and named["seqused"] is not None:
             b0, b1 = layouts["x"].shard_range(0)
             local["seqused"] = _int64(_ints(named["seqused"])[b0:b1])

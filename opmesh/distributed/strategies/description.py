@@ -77,6 +77,17 @@ def partial_where_replicated(p, x, axes):
     )
 
 
+def grad_placements(p, x, side, call):
+    """The placements ``x``'s local gradient is declared with (None: ``x``'s own): a key-side
+    tensor replicated over an axis that splits the query rows (``call.seq_axes``) gets a partial
+    gradient there; a shared one (sinks, weights) over the batch's axes (``call.batch_axes``)
+    too."""
+    if side == "query" or not (call.seq_axes or (side == "shared" and call.batch_axes)):
+        return None
+    axes = set(call.seq_axes) | (set(call.batch_axes) if side == "shared" else set())
+    return partial_where_replicated(p, x, axes)
+
+
 def fail_sharded(name, lay, dim, why):
     """Refuses ``name``'s sharding of ``dim`` (a ``Layout``), saying which mesh axes shard it
     and why that cannot be served."""
