@@ -19,10 +19,26 @@ using kernels::KernelSet;
 using kernels::round_up;
 
 constexpr int64_t kRowBlock = 192;    // token rows per projection task
-constexpr int64_t kDepthChunk = 256;  // depth per product call: B's panel stays in cache
+constexpr int64_t kDepthChunk = 512;  // depth per product call: B's panel stays in cache
 constexpr int64_t kWeightRows = 192;  // weight rows per weight-gradient task
+constexpr int64_t kPanel = 64;        // B's columns per panel: one row block of the products
 
 std::string str(int64_t v) { return std::to_string(v); }
+
+// A B operand [depth words][ld columns] (ld a multiple of 16) stored in column panels of
+// kPanel: each panel's [depth][its width] is contiguous, so a product reads it in order from
+// cache, where a full-width B's rows lie ld words apart.
+struct Panels {
+  int64_t depth = 0;
+  int64_t ld = 0;
+  int64_t count() const { return (ld + kPanel - 1) / kPanel; }
+  int64_t width(int64_t j) const { return std::min(kPanel, ld - j * kPanel); }
+  int64_t start(int64_t j) const { return j * kPanel * depth; }
+  int64_t at(int64_t d, int64_t n) const {
+    const int64_t j = n / kPanel;
+    return start(j) + d * width(j) + n % kPanel;
+  }
+};
 
 // The products' operands in a kernel set's words: float32 sets hold one float per element,
 // bf16-pair sets one word per two consecutive elements along the depth (element 2w in the low
@@ -46,14 +62,38 @@ class Words {
     const uint16_t bits = float_to_bf16_bits(v);
     std::memcpy(reinterpret_cast<char*>(row + e / 2) + 2 * (e % 2), &bits, sizeof(bits));
   }
-  // Element (d, n) of a B operand [depth words][ld].
-  void set_b(uint32_t* b, int64_t ld, int64_t d, int64_t n, float v) const {
+  // Depth element d of B's columns [0, n) from n floats.
+  void set_b_row(uint32_t* b, const Panels& panels, int64_t d, const float* src, int64_t n) const {
+    for (int64_t j = 0; j * kPanel < n; ++j) {
+      const int64_t cols = std::min(kPanel, n - j * kPanel);
+      uint32_t* dst = b + panels.at(pairs_ ? d / 2 : d, j * kPanel);
+      const float* from = src + j * kPanel;
+      if (!pairs_) {
+        std::memcpy(dst, from, static_cast<size_t>(cols) * sizeof(float));
+        continue;
+      }
+      uint16_t* half = reinterpret_cast<uint16_t*>(dst) + d % 2;
+      for (int64_t c = 0; c < cols; ++c) half[2 * c] = float_to_bf16_bits(from[c]);
+    }
+  }
+  // A row of A from n floats: its words (the depth's padding is left as it is).
+  void set_row(uint32_t* row, const float* src, int64_t n) const {
     if (!pairs_) {
-      std::memcpy(b + d * ld + n, &v, sizeof(v));
+      std::memcpy(row, src, static_cast<size_t>(n) * sizeof(float));
       return;
     }
-    const uint16_t bits = float_to_bf16_bits(v);
-    std::memcpy(reinterpret_cast<char*>(b + (d / 2) * ld + n) + 2 * (d % 2), &bits, sizeof(bits));
+    // Consecutive bf16 elements are a row's pairs.
+    k_.rows.store_bf16(src, 1.0f, n, reinterpret_cast<uint16_t*>(row));
+  }
+  // A row of A from n elements of a view at `offset` (tmp: n floats of scratch).
+  void load_row(const View& v, DType dtype, int64_t offset, int64_t n, float* tmp,
+                uint32_t* row) const {
+    if (pairs_ && dtype == DType::kBFloat16) {  // already the set's rounding: the bits as they are
+      load_row_bf16_pairs(v.data, offset, v.sd, n, row);
+      return;
+    }
+    core::load_row(v.data, dtype, offset, v.sd, n, tmp);
+    set_row(row, tmp, n);
   }
 
  private:
@@ -65,17 +105,22 @@ std::vector<uint32_t> words(int64_t count) {
   return std::vector<uint32_t>(static_cast<size_t>(count), 0u);
 }
 
-// C[m][n] = A[m][depth] . B[depth][n] in the set's words (depth in words, padded; n a multiple of
-// 16), the depth in chunks accumulated through the product's row scale (`ones`: m entries of 1).
-void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-             float* c, int64_t ldc, int64_t m, int64_t n, int64_t depth, const float* ones) {
-  if (depth == 0) {
-    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
+// C[m][ld] = A[m][depth] . B[depth][ld] in the set's words (B in panels, depth in words,
+// padded), the depth in chunks accumulated through the product's row scale (`ones`: m entries
+// of 1): each chunk of A stays in cache while the panels' chunks pass.
+void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b,
+             const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones) {
+  if (panels.depth == 0) {
+    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + panels.ld, 0.0f);
     return;
   }
-  for (int64_t d0 = 0; d0 < depth; d0 += kDepthChunk) {
-    const int64_t dn = std::min(kDepthChunk, depth - d0);
-    k.gemm({a + d0, lda, b + d0 * ldb, ldb, c, ldc, m, n, dn, d0 == 0 ? nullptr : ones, 1.0f});
+  for (int64_t d0 = 0; d0 < panels.depth; d0 += kDepthChunk) {
+    const int64_t dn = std::min(kDepthChunk, panels.depth - d0);
+    for (int64_t j = 0; j < panels.count(); ++j) {
+      const int64_t w = panels.width(j);
+      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + j * kPanel, ldc, m, w, dn,
+              d0 == 0 ? nullptr : ones, 1.0f});
+    }
   }
 }
 
@@ -259,21 +304,29 @@ void weight_row(const CompressorParams& p, int64_t row, float* out) {
   load_row(w.data, p.dtype, (row % n) * w.ss, w.sd, p.hidden, out);
 }
 
-// The weights as the projection's operand B: [H along the depth][ld], column n' = row n' of
-// [wkv; wgate].
-std::vector<uint32_t> packed_weights(const CompressorParams& p, const Words& w, int64_t ld,
-                                     const Executor& ex) {
-  std::vector<uint32_t> b = words(w.depth(p.hidden) * ld);
-  // 16 weight rows per task: each step along H writes one cache line of B.
+// The weights as the projection's operand B: [H along the depth][ld] in panels, column n' = row
+// n' of [wkv; wgate].
+std::vector<uint32_t> packed_weights(const CompressorParams& p, const Words& w,
+                                     const Panels& panels, const Executor& ex) {
+  std::vector<uint32_t> b = words(panels.depth * panels.ld);
+  // 16 weight rows per task, each as A's words: column n' of B is row n' as A would hold it, so
+  // each word along the depth goes to one cache line of B.
   constexpr int64_t kRows = 16;
   const int64_t width = row_width(p);
+  const int64_t n = p.coff * p.dim;
   run_dynamic(ex, (width + kRows - 1) / kRows, [&](int64_t task, int) {
     const int64_t r0 = task * kRows;
     const int64_t rows = std::min(kRows, width - r0);
-    std::vector<float> tmp(static_cast<size_t>(rows * p.hidden));
-    for (int64_t r = 0; r < rows; ++r) weight_row(p, r0 + r, tmp.data() + r * p.hidden);
-    for (int64_t h = 0; h < p.hidden; ++h) {
-      for (int64_t r = 0; r < rows; ++r) w.set_b(b.data(), ld, h, r0 + r, tmp[r * p.hidden + h]);
+    std::vector<uint32_t> tmp(static_cast<size_t>(rows * panels.depth), 0u);
+    std::vector<float> scratch(static_cast<size_t>(p.hidden));
+    for (int64_t r = 0; r < rows; ++r) {
+      const View& src = r0 + r < n ? p.wkv : p.wgate;
+      w.load_row(src, p.dtype, ((r0 + r) % n) * src.ss, p.hidden, scratch.data(),
+                 tmp.data() + r * panels.depth);
+    }
+    for (int64_t d = 0; d < panels.depth; ++d) {
+      uint32_t* dst = b.data() + panels.at(d, r0);
+      for (int64_t r = 0; r < rows; ++r) dst[r] = tmp[static_cast<size_t>(r * panels.depth + d)];
     }
   });
   return b;
@@ -288,7 +341,8 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
   if (proj.count == 0) return proj;
   const Words w(k);
   const int64_t hw = w.depth(p.hidden);
-  const std::vector<uint32_t> b = packed_weights(p, w, proj.ld, ex);
+  const Panels panels{hw, proj.ld};
+  const std::vector<uint32_t> b = packed_weights(p, w, panels, ex);
   const std::vector<float> ape = widened_ape(p);
   const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
   const int64_t n = p.coff * p.dim;
@@ -299,11 +353,10 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
     std::vector<uint32_t> a = words(w.rows(m) * hw);
     std::vector<float> tmp(static_cast<size_t>(p.hidden));
     for (int64_t r = 0; r < m; ++r) {
-      load_row(p.x.data, p.dtype, t.offset(p.x, r0 + r), p.x.sd, p.hidden, tmp.data());
-      for (int64_t h = 0; h < p.hidden; ++h) w.set(a.data() + r * hw, h, tmp[h]);
+      w.load_row(p.x, p.dtype, t.offset(p.x, r0 + r), p.hidden, tmp.data(), a.data() + r * hw);
     }
     float* c = proj.rows.data() + r0 * proj.ld;
-    product(k, a.data(), hw, b.data(), proj.ld, c, proj.ld, m, proj.ld, hw, ones.data());
+    product(k, a.data(), hw, b.data(), panels, c, proj.ld, m, ones.data());
     for (int64_t r = 0; r < m; ++r) {
       const float* bias = ape.data() + (t.position[r0 + r] % p.cmp_ratio) * n;
       float* score = c + r * proj.ld + n;
@@ -340,28 +393,45 @@ void entry_slots(const CompressorParams& p, const CompressorSequence& s, int64_t
   for (int64_t j = 0; j < r; ++j) add(w * r + j, channel);
 }
 
-// The softmax over an entry's slots per channel: max m, normaliser l and the entry out.
-void combine(const CompressorParams& p, const std::vector<Slot>& slots, float* m, float* l,
-             float* out) {
+// The softmax over an entry's slots per channel: the entry's value out (D floats) and each
+// slot's weights (weights[i][c] for slot i, rows of dp floats, dp = D padded to 16; scratch
+// holds dp floats).
+void combine(const KernelSet& k, const CompressorParams& p, const std::vector<Slot>& slots,
+             int64_t dp, float* scratch, float* weights, float* out) {
   const int64_t d = p.dim;
   const int64_t n = p.coff * p.dim;
+  const int64_t count = static_cast<int64_t>(slots.size());
+  float* m = scratch;
   std::fill(m, m + d, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + d, 0.0f);
-  std::fill(out, out + d, 0.0f);
   for (const Slot& s : slots) {
     const float* score = s.row + n + s.channel;
     for (int64_t c = 0; c < d; ++c) m[c] = std::max(m[c], score[c]);
   }
-  for (const Slot& s : slots) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float* score = slots[static_cast<size_t>(i)].row + n + slots[static_cast<size_t>(i)].channel;
+    float* w = weights + i * dp;
+    for (int64_t c = 0; c < d; ++c) w[c] = score[c] - m[c];
+    std::fill(w + d, w + dp, -std::numeric_limits<float>::infinity());
+  }
+  // exp of the (non-positive) differences in the set's vectors, shifted by nothing.
+  std::fill(m, m + std::max<int64_t>(count, 1), 0.0f);
+  k.exp_rows(weights, count, dp, m);
+  float* l = scratch;
+  std::fill(l, l + d, 0.0f);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* w = weights + i * dp;
+    for (int64_t c = 0; c < d; ++c) l[c] += w[c];
+  }
+  std::fill(out, out + d, 0.0f);
+  for (int64_t i = 0; i < count; ++i) {
+    const Slot& s = slots[static_cast<size_t>(i)];
+    float* w = weights + i * dp;
     const float* kv = s.row + s.channel;
-    const float* score = s.row + n + s.channel;
     for (int64_t c = 0; c < d; ++c) {
-      const float e = std::exp(score[c] - m[c]);
-      l[c] += e;
-      out[c] += e * kv[c];
+      w[c] /= l[c];
+      out[c] += w[c] * kv[c];
     }
   }
-  for (int64_t c = 0; c < d; ++c) out[c] /= l[c];
 }
 
 // Every entry of the call: (sequence, entry index).
@@ -380,31 +450,36 @@ std::vector<EntryRef> entries_of(const std::vector<CompressorSequence>& seqs) {
   return out;
 }
 
-// One entry as each_entry hands it over: its sequence, its row of cmp_kv, its slots and their
-// softmax per channel (max m, normaliser l, the entry's value out; D floats each).
+// One entry as each_entry hands it over: its sequence, its row of cmp_kv, its slots, each
+// slot's softmax weights per channel (rows of `ld` floats) and the entry's value out (D floats).
 struct EntryWork {
   const CompressorSequence& seq;
   int64_t row;
   const std::vector<Slot>& slots;
-  const float* m;
-  const float* l;
+  const float* weights;
+  int64_t ld;
   const float* out;
 };
 
 // Runs fn(EntryWork) for every entry of the call, in parallel.
 template <class Fn>
-void each_entry(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
-                const Projected& proj, const Executor& ex, Fn&& fn) {
+void each_entry(const KernelSet& k, const CompressorParams& p,
+                const std::vector<CompressorSequence>& seqs, const Projected& proj,
+                const Executor& ex, Fn&& fn) {
   const std::vector<EntryRef> entries = entries_of(seqs);
+  const int64_t dp = round_up(std::max<int64_t>(p.dim, 1), 16);
   run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
+    const kernels::WorkerScope scope(k);
     const EntryRef& e = entries[static_cast<size_t>(i)];
     const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
     std::vector<Slot> slots;
     entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
-    std::vector<float> buf(static_cast<size_t>(3 * p.dim));
-    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim);
-    fn(EntryWork{s, s.out_begin + e.w - s.first_entry, slots, buf.data(), buf.data() + p.dim,
-                 buf.data() + 2 * p.dim});
+    const int64_t scratch = std::max<int64_t>(dp, static_cast<int64_t>(slots.size()));
+    std::vector<float> buf(static_cast<size_t>(scratch + (slots.size() + 1) * dp));
+    float* weights = buf.data() + scratch;
+    float* out = weights + slots.size() * dp;
+    combine(k, p, slots, dp, buf.data(), weights, out);
+    fn(EntryWork{s, s.out_begin + e.w - s.first_entry, slots, weights, dp, out});
   });
 }
 
@@ -424,13 +499,14 @@ struct Gradients {
   void inputs(const CompressorGrads& g, const Executor& ex) const {
     const int64_t width = row_width(p);
     const int64_t ww = w.depth(width);
+    const Panels panels{ww, hp};
     std::vector<uint32_t> b = words(ww * hp);
     run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
       std::vector<float> tmp(static_cast<size_t>(p.hidden));
       for (int64_t row = word * w.per_word(); row < std::min(width, (word + 1) * w.per_word());
            ++row) {
         weight_row(p, row, tmp.data());
-        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(b.data(), hp, row, h, tmp[h]);
+        w.set_b_row(b.data(), panels, row, tmp.data(), p.hidden);
       }
     });
     const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
@@ -439,12 +515,9 @@ struct Gradients {
       const int64_t r0 = task * kRowBlock;
       const int64_t m = std::min(kRowBlock, count - r0);
       std::vector<uint32_t> a = words(w.rows(m) * ww);
-      for (int64_t r = 0; r < m; ++r) {
-        const float* src = dp.data() + (r0 + r) * ld;
-        for (int64_t ch = 0; ch < width; ++ch) w.set(a.data() + r * ww, ch, src[ch]);
-      }
+      for (int64_t r = 0; r < m; ++r) w.set_row(a.data() + r * ww, dp.data() + (r0 + r) * ld, width);
       std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, a.data(), ww, b.data(), hp, c.data(), hp, m, hp, ww, ones.data());
+      product(k, a.data(), ww, b.data(), panels, c.data(), hp, m, ones.data());
       for (int64_t r = 0; r < m; ++r) {
         store_row(g.dx.data, p.dtype, t.offset(g.dx, r0 + r), g.dx.sd, p.hidden, c.data() + r * hp,
                   1.0f);
@@ -458,18 +531,24 @@ struct Gradients {
     const int64_t width = row_width(p);
     const int64_t n = p.coff * p.dim;
     const int64_t tw = w.depth(count);
+    const Panels panels{tw, hp};
     std::vector<uint32_t> xs = words(tw * hp);
     run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
       std::vector<float> tmp(static_cast<size_t>(p.hidden));
       for (int64_t r = word * w.per_word(); r < std::min(count, (word + 1) * w.per_word()); ++r) {
         load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, tmp.data());
-        for (int64_t h = 0; h < p.hidden; ++h) w.set_b(xs.data(), hp, r, h, tmp[h]);
+        w.set_b_row(xs.data(), panels, r, tmp.data(), p.hidden);
       }
     });
     std::vector<uint32_t> dpt = words(w.rows(width) * tw);
-    run_dynamic(ex, width, [&](int64_t ch, int) {
+    // 16 channels per task: each token's read is one cache line of dP.
+    constexpr int64_t kChannels = 16;
+    run_dynamic(ex, (width + kChannels - 1) / kChannels, [&](int64_t task, int) {
+      const int64_t c0 = task * kChannels;
+      const int64_t cn = std::min(kChannels, width - c0);
       for (int64_t r = 0; r < count; ++r) {
-        w.set(dpt.data() + ch * tw, r, dp[static_cast<size_t>(r * ld + ch)]);
+        const float* src = dp.data() + r * ld + c0;
+        for (int64_t c = 0; c < cn; ++c) w.set(dpt.data() + (c0 + c) * tw, r, src[c]);
       }
     });
     const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
@@ -478,7 +557,7 @@ struct Gradients {
       const int64_t r0 = task * kWeightRows;
       const int64_t m = std::min(kWeightRows, width - r0);
       std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, dpt.data() + r0 * tw, tw, xs.data(), hp, c.data(), hp, m, hp, tw, ones.data());
+      product(k, dpt.data() + r0 * tw, tw, xs.data(), panels, c.data(), hp, m, ones.data());
       for (int64_t r = 0; r < m; ++r) {
         const int64_t row = r0 + r;
         const MutableView& dst = row < n ? g.dwkv : g.dwgate;
@@ -532,7 +611,7 @@ void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
     }
   }
   const Projected proj = project(p, seqs, k, ex);
-  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
+  each_entry(k, p, seqs, proj, ex, [&](const EntryWork& e) {
     store_row(p.cmp_kv.data, p.dtype, e.seq.batch * p.cmp_kv.sb + e.row * p.cmp_kv.ss, p.cmp_kv.sd,
               p.dim, e.out, 1.0f);
   });
@@ -572,21 +651,20 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   const Projected proj = project(p, seqs, k, ex);
   // dP: per token row, the gradients of its kv and score channels.
   std::vector<float> dp(static_cast<size_t>(proj.count * proj.ld), 0.0f);
-  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
+  each_entry(k, p, seqs, proj, ex, [&](const EntryWork& e) {
     std::vector<float> grad_row(static_cast<size_t>(p.dim));
     float* grad = grad_row.data();
-    const float *m = e.m, *l = e.l, *out = e.out;
     load_row(g.d_cmp_kv.data, p.dtype, e.seq.batch * g.d_cmp_kv.sb + e.row * g.d_cmp_kv.ss,
              g.d_cmp_kv.sd, p.dim, grad);
-    for (const Slot& slot : e.slots) {
+    for (size_t i = 0; i < e.slots.size(); ++i) {
+      const Slot& slot = e.slots[i];
+      const float* a = e.weights + static_cast<int64_t>(i) * e.ld;
       const float* kv = slot.row + slot.channel;
-      const float* score = slot.row + n + slot.channel;
       float* dkv = dp.data() + slot.proj_row * proj.ld + slot.channel;
       float* dscore = dkv + n;
       for (int64_t c = 0; c < p.dim; ++c) {
-        const float a = std::exp(score[c] - m[c]) / l[c];
-        dkv[c] = grad[c] * a;
-        dscore[c] = grad[c] * a * (kv[c] - out[c]);
+        dkv[c] = grad[c] * a[c];
+        dscore[c] = grad[c] * a[c] * (kv[c] - e.out[c]);
       }
     }
   });
