@@ -6,7 +6,10 @@
 #include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <new>
+#include <optional>
+#include <utility>
 
 #include "errors.h"
 
@@ -42,5 +45,22 @@ inline bool holds(const c10::SymBool& condition) {
 
 // Head counts and head dims decide the kernel: they are specialised (guarded) when symbolic.
 inline int64_t concrete(const c10::SymInt& size) { return size.guard_int(__FILE__, __LINE__); }
+
+// Each tensor given (an optional one when present) on the device of `like`, named `like_name`:
+// "NAME: expected a tensor on DEVICE like LIKE_NAME, got ...".
+template <class Tensor>
+void check_same_device(
+    const Tensor& like, const char* like_name,
+    std::initializer_list<std::pair<const Tensor*, const char*>> tensors,
+    std::initializer_list<std::pair<const std::optional<Tensor>*, const char*>> optional = {}) {
+  const auto check = [&](const Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device() == like.device(), name, ": expected a tensor on ", like.device(),
+                      " like ", like_name, ", got ", t.device());
+  };
+  for (const auto& [t, name] : tensors) check(*t, name);
+  for (const auto& [t, name] : optional) {
+    if (t->has_value()) check(**t, name);
+  }
+}
 
 }  // namespace opmesh::binding

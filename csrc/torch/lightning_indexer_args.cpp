@@ -3,29 +3,32 @@
 
 #include <ATen/ATen.h>
 
+#include "checks.h"
 #include "dtypes.h"
 #include "indexer/lightning_indexer.h"
 
 namespace opmesh::binding {
+void check_heads(const at::Tensor& q, const at::Tensor& k, int64_t n1, int64_t n2, int64_t d,
+                 bool no_heads) {
+  TORCH_CHECK_VALUE(no_heads || (n1 >= 1 && n1 <= core::kMaxHeads), "query: N1 must be in [1, ",
+                    core::kMaxHeads, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(no_heads || (n2 >= 1 && n1 % n2 == 0), "key: key heads N2=", n2,
+                    " must divide the query heads N1=", n1);
+  TORCH_CHECK_VALUE(d >= 1 && d <= core::kMaxHeadDim, "query: head dim D must be in [1, ",
+                    core::kMaxHeadDim, "], got shape ", q.sym_sizes());
+  TORCH_CHECK_VALUE(concrete(k.sym_size(-1)) == d, "key: head dim ", k.sym_size(-1),
+                    " differs from query's ", d);
+}
+
 LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a) {
   const at::Tensor& q = a.query;
   const at::Tensor& k = a.key;
   const at::Tensor& w = a.weights;
-  TORCH_CHECK_VALUE(k.device() == q.device(), "key: expected a tensor on ", q.device(),
-                    " like query, got ", k.device());
-  TORCH_CHECK_VALUE(w.device() == q.device(), "weights: expected a tensor on ", q.device(),
-                    " like query, got ", w.device());
-  const std::pair<const std::optional<at::Tensor>*, const char*> ints[] = {
-      {&a.actual_seq_lengths_query, "actual_seq_lengths_query"},
-      {&a.actual_seq_lengths_key, "actual_seq_lengths_key"},
-      {&a.block_table, "block_table"},
-      {&a.cmp_residual_key, "cmp_residual_key"}};
-  for (const auto& [t, name] : ints) {
-    if (t->has_value()) {
-      TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
-                        " like query, got ", (*t)->device());
-    }
-  }
+  check_same_device(q, "query", {{&k, "key"}, {&w, "weights"}},
+                    {{&a.actual_seq_lengths_query, "actual_seq_lengths_query"},
+                     {&a.actual_seq_lengths_key, "actual_seq_lengths_key"},
+                     {&a.block_table, "block_table"},
+                     {&a.cmp_residual_key, "cmp_residual_key"}});
   to_core_dtype(q.scalar_type(), "query");
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "key: expected dtype ", q.scalar_type(),
                    " like query, got ", k.scalar_type());
@@ -61,14 +64,7 @@ LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& a)
   r.n2 = concrete(k.sym_size(2 + koff));
   r.d = concrete(q.sym_size(3 + qoff));
   r.no_heads = r.n1 == 0 && r.n2 == 0;
-  TORCH_CHECK_VALUE(r.no_heads || (r.n1 >= 1 && r.n1 <= core::kMaxHeads),
-                    "query: N1 must be in [1, ", core::kMaxHeads, "], got shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(r.no_heads || (r.n2 >= 1 && r.n1 % r.n2 == 0), "key: key heads N2=", r.n2,
-                    " must divide the query heads N1=", r.n1);
-  TORCH_CHECK_VALUE(r.d >= 1 && r.d <= core::kMaxHeadDim, "query: head dim D must be in [1, ",
-                    core::kMaxHeadDim, "], got shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(concrete(k.sym_size(3 + koff)) == r.d, "key: head dim ", k.sym_size(3 + koff),
-                    " differs from query's ", r.d);
+  check_heads(q, k, r.n1, r.n2, r.d, r.no_heads);
   for (int64_t dim = 0; dim < w.dim(); ++dim) {
     TORCH_CHECK_VALUE(holds(w.sym_size(dim) == q.sym_size(dim)), "weights: expected shape ",
                       q.sym_sizes().slice(0, w.dim()), " (query without D), got ", w.sym_sizes());

@@ -29,6 +29,11 @@ struct LightningIndexerArgs {
 
 LightningIndexerArgs check_lightning_indexer_args(const LightningIndexerCall& call);
 
+// Query heads n1 in [1, kMaxHeads] and key heads n2 dividing them (unless there are none of
+// either), head dim d in [1, kMaxHeadDim], the key's (its last size) equal to it.
+void check_heads(const at::Tensor& q, const at::Tensor& k, int64_t n1, int64_t n2, int64_t d,
+                 bool no_heads);
+
 // Uninitialised outputs: sparse_indices int32 [B, S1, N2, K] / [T1, N2, K], and sparse_values
 // float32 of the same shape when return_value, else an empty tensor.
 std::tuple<at::Tensor, at::Tensor> lightning_indexer_outputs(const LightningIndexerCall& call,

@@ -133,16 +133,13 @@ PyObject* last_worker_times(PyObject*, PyObject*) {
 
 namespace attn = opmesh::core::attention;
 
-// Decodes the int32 words of a metadata tensor passed as a bytes-like object; with `extra`, a
-// second, required argument is returned there.
-bool decode(PyObject* args, attn::metadata::Decoded& out, PyObject** extra = nullptr) {
-  Py_buffer buffer;
-  const bool parsed =
-      extra ? PyArg_ParseTuple(args, "y*O", &buffer, extra) : PyArg_ParseTuple(args, "y*", &buffer);
-  if (!parsed) return false;
+// Decodes the int32 words of a bytes-like buffer with read(words, count) into out, releasing
+// the buffer; a core ArgumentError becomes ValueError (false returned).
+template <class Read, class Out>
+bool read_words(Py_buffer& buffer, Read read, Out& out) {
   try {
-    out = attn::metadata::read(static_cast<const int32_t*>(buffer.buf),
-                               static_cast<int64_t>(buffer.len / sizeof(int32_t)));
+    out = read(static_cast<const int32_t*>(buffer.buf),
+               static_cast<int64_t>(buffer.len / sizeof(int32_t)));
   } catch (const opmesh::core::ArgumentError& e) {
     PyBuffer_Release(&buffer);
     PyErr_SetString(PyExc_ValueError, e.what());
@@ -150,6 +147,16 @@ bool decode(PyObject* args, attn::metadata::Decoded& out, PyObject** extra = nul
   }
   PyBuffer_Release(&buffer);
   return true;
+}
+
+// Decodes the int32 words of a metadata tensor passed as a bytes-like object; with `extra`, a
+// second, required argument is returned there.
+bool decode(PyObject* args, attn::metadata::Decoded& out, PyObject** extra = nullptr) {
+  Py_buffer buffer;
+  const bool parsed =
+      extra ? PyArg_ParseTuple(args, "y*O", &buffer, extra) : PyArg_ParseTuple(args, "y*", &buffer);
+  if (!parsed) return false;
+  return read_words(buffer, attn::metadata::read, out);
 }
 
 bool set_item(PyObject* dict, const char* key, PyObject* value) {
@@ -319,39 +326,30 @@ PyObject* plan_pieces(PyObject*, PyObject* args) {
   return out;
 }
 
-PyObject* metadata_words(PyObject*, PyObject* arg) {
+// The words of a plan format for the worker count `arg` (size_words: the format's).
+PyObject* plan_words_for(PyObject* arg, int64_t (*size_words)(int64_t)) {
   const long long workers = PyLong_AsLongLong(arg);
   if (workers == -1 && PyErr_Occurred()) return nullptr;
   if (workers < 1 || workers > (1 << 16)) {
     PyErr_Format(PyExc_ValueError, "num_workers: must be in [1, 65536], got %lld", workers);
     return nullptr;
   }
-  return PyLong_FromLongLong(attn::metadata::size_words(workers));
+  return PyLong_FromLongLong(size_words(workers));
+}
+
+PyObject* metadata_words(PyObject*, PyObject* arg) {
+  return plan_words_for(arg, attn::metadata::size_words);
 }
 
 PyObject* mla_metadata_words(PyObject*, PyObject* arg) {
-  const long long workers = PyLong_AsLongLong(arg);
-  if (workers == -1 && PyErr_Occurred()) return nullptr;
-  if (workers < 1 || workers > (1 << 16)) {
-    PyErr_Format(PyExc_ValueError, "num_workers: must be in [1, 65536], got %lld", workers);
-    return nullptr;
-  }
-  return PyLong_FromLongLong(opmesh::core::mla_plan::size_words(workers));
+  return plan_words_for(arg, opmesh::core::mla_plan::size_words);
 }
 
 PyObject* describe_mla_metadata(PyObject*, PyObject* args) {
   Py_buffer buffer;
   if (!PyArg_ParseTuple(args, "y*", &buffer)) return nullptr;
   opmesh::core::mla_plan::Plan plan;
-  try {
-    plan = opmesh::core::mla_plan::read(static_cast<const int32_t*>(buffer.buf),
-                                        static_cast<int64_t>(buffer.len / sizeof(int32_t)));
-  } catch (const opmesh::core::ArgumentError& e) {
-    PyBuffer_Release(&buffer);
-    PyErr_SetString(PyExc_ValueError, e.what());
-    return nullptr;
-  }
-  PyBuffer_Release(&buffer);
+  if (!read_words(buffer, opmesh::core::mla_plan::read, plan)) return nullptr;
   PyObject* workers = PyList_New(0);
   if (workers == nullptr) return nullptr;
   for (const auto& st : plan.workers) {

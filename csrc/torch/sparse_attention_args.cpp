@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "checks.h"
 #include "dtypes.h"
 #include "indexer_checks.h"
 #include "lightning_indexer_args.h"
@@ -28,25 +29,13 @@ void check_devices_and_dtypes(const Call& c) {
   const at::Tensor& k = c.key;
   const at::Tensor& v = c.value;
   const at::Tensor& idx = c.sparse_indices;
-  const std::pair<const at::Tensor*, const char*> tensors[] = {
-      {&k, "key"}, {&v, "value"}, {&idx, "sparse_indices"}};
-  for (const auto& [t, name] : tensors) {
-    TORCH_CHECK_VALUE(t->device() == q.device(), name, ": expected a tensor on ", q.device(),
-                      " like query, got ", t->device());
-  }
-  const std::pair<const std::optional<at::Tensor>*, const char*> optional[] = {
-      {&c.query_rope, "query_rope"},
-      {&c.key_rope, "key_rope"},
-      {&c.sinks, "sinks"},
-      {&c.block_table, "block_table"},
-      {&c.actual_seq_lengths_query, "actual_seq_lengths_query"},
-      {&c.actual_seq_lengths_kv, "actual_seq_lengths_kv"}};
-  for (const auto& [t, name] : optional) {
-    if (t->has_value()) {
-      TORCH_CHECK_VALUE((*t)->device() == q.device(), name, ": expected a tensor on ", q.device(),
-                        " like query, got ", (*t)->device());
-    }
-  }
+  check_same_device(q, "query", {{&k, "key"}, {&v, "value"}, {&idx, "sparse_indices"}},
+                    {{&c.query_rope, "query_rope"},
+                     {&c.key_rope, "key_rope"},
+                     {&c.sinks, "sinks"},
+                     {&c.block_table, "block_table"},
+                     {&c.actual_seq_lengths_query, "actual_seq_lengths_query"},
+                     {&c.actual_seq_lengths_kv, "actual_seq_lengths_kv"}});
   to_core_dtype(q.scalar_type(), "query");
   for (const auto& [t, name] : {std::pair{&k, "key"}, {&v, "value"}}) {
     TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, ": expected dtype ",
@@ -145,14 +134,7 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
   a.n2 = concrete(k.sym_size(-2));
   a.dv = concrete(v.sym_size(-1));
   a.no_heads = a.n1 == 0 && a.n2 == 0;
-  TORCH_CHECK_VALUE(a.no_heads || (a.n1 >= 1 && a.n1 <= core::kMaxHeads),
-                    "query: N1 must be in [1, ", core::kMaxHeads, "], got shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(a.no_heads || (a.n2 >= 1 && a.n1 % a.n2 == 0), "key: key heads N2=", a.n2,
-                    " must divide the query heads N1=", a.n1);
-  TORCH_CHECK_VALUE(a.d >= 1 && a.d <= core::kMaxHeadDim, "query: head dim D must be in [1, ",
-                    core::kMaxHeadDim, "], got shape ", q.sym_sizes());
-  TORCH_CHECK_VALUE(concrete(k.sym_size(-1)) == a.d, "key: head dim ", k.sym_size(-1),
-                    " differs from query's ", a.d);
+  check_heads(q, k, a.n1, a.n2, a.d, a.no_heads);
   TORCH_CHECK_VALUE(concrete(v.sym_size(-2)) == a.n2, "value: expected ", a.n2,
                     " heads like key, got shape ", v.sym_sizes());
   TORCH_CHECK_VALUE(a.dv >= 1 && a.dv <= core::kMaxHeadDim, "value: head dim must be in [1, ",

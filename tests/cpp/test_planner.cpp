@@ -170,7 +170,7 @@ TEST(Metadata, RoundTripsAndRefusesOtherCalls) {
   EXPECT_THROW(metadata::verify(d, c, {moved.data(), cu.data(), nullptr, nullptr}), ArgumentError);
   const int32_t used[3] = {17, 0, 400};
   EXPECT_THROW(metadata::verify(d, c, {cu.data(), cu.data(), used, nullptr}), ArgumentError);
-  words[metadata::kFieldVersion] = 99;
+  words[plan_words::kVersionWord] = 99;
   EXPECT_THROW(metadata::read(words.data(), static_cast<int64_t>(words.size())), ArgumentError);
   EXPECT_THROW(metadata::read(words.data(), 10), ArgumentError);
 }

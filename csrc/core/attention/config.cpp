@@ -130,26 +130,24 @@ std::vector<Sequence> resolve_sequences(const PlanConfig& c, const LengthArrays&
   for (int64_t b = 0; b < batch; ++b) seqs[b].batch = b;
   const bool q_tnd = c.layout_q == Layout::kTND;
   const bool kv_tnd = c.layout_kv == Layout::kTND;
-  if (q_tnd) {
-    if (l.cu_seqlens_q == nullptr) throw ArgumentError("cu_seqlens_q", "is required for TND");
-    lengths_from_cumulative(l.cu_seqlens_q, batch, "cu_seqlens_q", true, seqs);
-  } else {
-    if (l.cu_seqlens_q != nullptr) {
-      throw ArgumentError("cu_seqlens_q", "is only accepted with layout_q TND");
+  // One side's lengths: from its cumulative lengths (TND, required there, refused elsewhere) or
+  // its max_seqlen.
+  const auto side = [&](bool tnd, const int32_t* cu, const char* cu_name, const char* layout,
+                        bool query, int64_t max) {
+    if (tnd) {
+      if (cu == nullptr) throw ArgumentError(cu_name, "is required for TND");
+      lengths_from_cumulative(cu, batch, cu_name, query, seqs);
+      return;
     }
-    for (auto& s : seqs) s.q_len = c.max_seqlen_q;
-  }
-  if (kv_tnd) {
-    if (l.cu_seqlens_kv == nullptr) throw ArgumentError("cu_seqlens_kv", "is required for TND");
-    lengths_from_cumulative(l.cu_seqlens_kv, batch, "cu_seqlens_kv", false, seqs);
-  } else {
-    if (l.cu_seqlens_kv != nullptr) {
-      throw ArgumentError("cu_seqlens_kv", "is only accepted with layout_kv TND");
+    if (cu != nullptr) {
+      throw ArgumentError(cu_name, std::string("is only accepted with ") + layout + " TND");
     }
-    if (c.layout_kv == Layout::kPagedBBND && l.seqused_kv == nullptr && batch > 0) {
-      throw ArgumentError("seqused_kv", "is required with the paged layout PA_BBND");
-    }
-    for (auto& s : seqs) s.k_len = c.max_seqlen_kv;
+    for (auto& s : seqs) (query ? s.q_len : s.k_len) = max;
+  };
+  side(q_tnd, l.cu_seqlens_q, "cu_seqlens_q", "layout_q", true, c.max_seqlen_q);
+  side(kv_tnd, l.cu_seqlens_kv, "cu_seqlens_kv", "layout_kv", false, c.max_seqlen_kv);
+  if (c.layout_kv == Layout::kPagedBBND && l.seqused_kv == nullptr && batch > 0) {
+    throw ArgumentError("seqused_kv", "is required with the paged layout PA_BBND");
   }
   if (l.seqused_q) {
     apply_used(l.seqused_q, batch, q_tnd ? -1 : c.max_seqlen_q, "seqused_q", "max_seqlen_q", true,

@@ -215,16 +215,7 @@ class Backward {
         }
       }
     }
-    const int64_t keys = std::min(tiles * kTile, seq.k_len - first);
-    for (int64_t n = 0; n < keys; ++n) {
-      const int64_t key = seq.k_begin + first + n;
-      const MutableView& gk = p_.dk;
-      const MutableView& gv = p_.dv;
-      store_row(k_, gk.data, p_.dtype, u.b * gk.sb + key * gk.ss + u.h * gk.sn, gk.sd, d_,
-                dk + n * dp_, 1.0f);
-      store_row(k_, gv.data, p_.dtype, u.b * gv.sb + key * gv.ss + u.h * gv.sn, gv.sd, dv_,
-                dv + n * dvp_, 1.0f);
-    }
+    store_key_rows(u, first, std::min(tiles * kTile, seq.k_len - first), dk, dv);
   }
 
   // D_i = dO_i . O_i (minus the lse's gradient) for query tile u.t of query head u.h, computed
@@ -405,6 +396,18 @@ class Backward {
   // Floats of one chunk's dQ^T accumulator ([group][tile][d][64] over the longest sequence).
   int64_t chunk_floats() const { return group_ * max_query_tiles() * d_ * kTile; }
 
+  // fn(k0, nk) for each key block of chunk u.t of `chunks` that some query row of the unit sees.
+  template <class Fn>
+  void for_each_key_block(const Unit& u, int64_t chunks, Fn&& fn) const {
+    const Sequence& seq = seqs_[u.b];
+    const auto [first, last] = chunk_blocks(u, chunks);
+    for (int64_t k0 = first * kBlockKeys; k0 < std::min(seq.k_len, last * kBlockKeys);
+         k0 += kBlockKeys) {
+      const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
+      if (sees_keys(seq, 0, seq.q_len, k0, nk)) fn(k0, nk);
+    }
+  }
+
   // Unit u, chunk u.t of `chunks`. A whole unit accumulates dQ^T in the scratch and stores it;
   // a chunk accumulates into `chunk_dq` (its own, over the tiles chunk_tiles names) for
   // store_chunks_dq to sum.
@@ -412,11 +415,7 @@ class Backward {
     const Sequence& seq = seqs_[u.b];
     const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
     const DqTiles dq_all = own_dq(u, chunks, fs.dq.data(), chunk_dq);
-    const auto [first, last] = chunk_blocks(u, chunks);
-    for (int64_t k0 = first * kBlockKeys; k0 < std::min(seq.k_len, last * kBlockKeys);
-         k0 += kBlockKeys) {
-      const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
-      if (!sees_keys(seq, 0, seq.q_len, k0, nk)) continue;
+    for_each_key_block(u, chunks, [&](int64_t k0, int64_t nk) {
       fused_pack_keys(fs, u.b, u.h, k0, nk);
       std::fill(fs.dk.data(), fs.dk.data() + nk * dp_, 0.0f);
       std::fill(fs.dv.data(), fs.dv.data() + nk * dvp_, 0.0f);
@@ -455,7 +454,7 @@ class Backward {
         }
       }
       store_key_rows(u, k0, nk, fs.dk.data(), fs.dv.data());
-    }
+    });
     if (chunks == 1) store_transposed_dq(u, &dq_all, 1, fs.row.data());
   }
 
@@ -532,15 +531,9 @@ class Backward {
 
   // The fused unit on pairs, as fused_unit.
   void pair_fused_unit(PairScratch& ps, const Unit& u, int64_t chunks, float* chunk_dq) const {
-    const Sequence& seq = seqs_[u.b];
     const DqTiles dq = own_dq(u, chunks, ps.dq.data(), chunk_dq);
-    const auto [first, last] = chunk_blocks(u, chunks);
-    for (int64_t k0 = first * kBlockKeys; k0 < std::min(seq.k_len, last * kBlockKeys);
-         k0 += kBlockKeys) {
-      const int64_t nk = std::min(kBlockKeys, seq.k_len - k0);
-      if (!sees_keys(seq, 0, seq.q_len, k0, nk)) continue;
-      pair_key_block(ps, u, k0, nk, dq);
-    }
+    for_each_key_block(u, chunks,
+                       [&](int64_t k0, int64_t nk) { pair_key_block(ps, u, k0, nk, dq); });
     if (chunks == 1) store_transposed_dq(u, &dq, 1, ps.row.data());
   }
 

@@ -27,6 +27,19 @@ void put_position(int32_t* w, const Position& p) {
 
 Position get_position(const int32_t* w) { return {w[0], w[1], w[2], w[3]}; }
 
+// The configuration's sizes and window, each in its header field.
+struct SizeField {
+  Field field;
+  int64_t PlanConfig::* member;
+};
+constexpr SizeField kSizeFields[] = {
+    {kFieldNumHeadsQ, &PlanConfig::num_heads_q},     {kFieldNumHeadsKv, &PlanConfig::num_heads_kv},
+    {kFieldHeadDim, &PlanConfig::head_dim},          {kFieldHeadDimV, &PlanConfig::head_dim_v},
+    {kFieldBatchSize, &PlanConfig::batch_size},      {kFieldMaxSeqlenQ, &PlanConfig::max_seqlen_q},
+    {kFieldMaxSeqlenKv, &PlanConfig::max_seqlen_kv}, {kFieldWinLeft, &PlanConfig::win_left},
+    {kFieldWinRight, &PlanConfig::win_right},
+};
+
 [[noreturn]] void corrupt(const std::string& what) {
   throw ArgumentError("metadata",
                       "is not a flash_attn_metadata result of this version (" + what + ")");
@@ -49,10 +62,7 @@ void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
   const int64_t total = size_words(c.num_workers);
   std::memset(out, 0, static_cast<size_t>(total) * sizeof(int32_t));
   int32_t* h = out;
-  h[kFieldMagic] = kMagic;
-  h[kFieldVersion] = kVersion;
-  h[kFieldTotalWords] = static_cast<int32_t>(total);
-  h[kFieldNumWorkers] = static_cast<int32_t>(c.num_workers);
+  plan_words::put_header(h, kMagic, kVersion, total, c.num_workers);
   h[kFieldNumCombines] = static_cast<int32_t>(plan.combines.size());
   h[kFieldNumSlots] = static_cast<int32_t>(plan.num_slots);
   const Geometry g = geometry(c);
@@ -62,16 +72,8 @@ void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
   h[kFieldKeyTile] = static_cast<int32_t>(kKeyTile);
   h[kFieldChunkTiles] = static_cast<int32_t>(plan.chunk_tiles);
   h[kFieldDeterministic] = c.deterministic ? 1 : 0;
-  h[kFieldNumHeadsQ] = static_cast<int32_t>(c.num_heads_q);
-  h[kFieldNumHeadsKv] = static_cast<int32_t>(c.num_heads_kv);
-  h[kFieldHeadDim] = static_cast<int32_t>(c.head_dim);
-  h[kFieldHeadDimV] = static_cast<int32_t>(c.head_dim_v);
-  h[kFieldBatchSize] = static_cast<int32_t>(c.batch_size);
-  h[kFieldMaxSeqlenQ] = static_cast<int32_t>(c.max_seqlen_q);
-  h[kFieldMaxSeqlenKv] = static_cast<int32_t>(c.max_seqlen_kv);
+  for (const SizeField& f : kSizeFields) h[f.field] = static_cast<int32_t>(c.*f.member);
   h[kFieldMaskMode] = static_cast<int32_t>(c.mask_mode);
-  h[kFieldWinLeft] = static_cast<int32_t>(c.win_left);
-  h[kFieldWinRight] = static_cast<int32_t>(c.win_right);
   h[kFieldLayoutQ] = static_cast<int32_t>(c.layout_q);
   h[kFieldLayoutKv] = static_cast<int32_t>(c.layout_kv);
   h[kFieldLayoutOut] = static_cast<int32_t>(c.layout_out);
@@ -128,41 +130,24 @@ void write(const PlanConfig& c, const LengthArrays& l, int32_t* out) {
 }
 
 Decoded read(const int32_t* words, int64_t size) {
-  if (size < kHeaderWords) corrupt("shorter than the header");
   const int32_t* h = words;
-  if (h[kFieldMagic] != kMagic) corrupt("bad magic number");
-  if (h[kFieldVersion] != kVersion) {
-    corrupt("version " + std::to_string(h[kFieldVersion]) + ", expected " +
-            std::to_string(kVersion));
-  }
-  const int64_t workers = h[kFieldNumWorkers];
-  if (workers < 1 || workers > (1 << 16) || h[kFieldTotalWords] != size ||
-      size_words(workers) != size) {
-    corrupt("sizes do not agree");
-  }
   Decoded d;
   PlanConfig& c = d.config;
-  c.num_heads_q = h[kFieldNumHeadsQ];
-  c.num_heads_kv = h[kFieldNumHeadsKv];
-  c.head_dim = h[kFieldHeadDim];
-  c.head_dim_v = h[kFieldHeadDimV];
-  c.batch_size = h[kFieldBatchSize];
-  c.max_seqlen_q = h[kFieldMaxSeqlenQ];
-  c.max_seqlen_kv = h[kFieldMaxSeqlenKv];
-  c.mask_mode = static_cast<MaskMode>(h[kFieldMaskMode]);
-  c.win_left = h[kFieldWinLeft];
-  c.win_right = h[kFieldWinRight];
-  c.layout_q = static_cast<Layout>(h[kFieldLayoutQ]);
-  c.layout_kv = static_cast<Layout>(h[kFieldLayoutKv]);
-  c.layout_out = static_cast<Layout>(h[kFieldLayoutOut]);
-  c.num_workers = workers;
-  c.deterministic = h[kFieldDeterministic] != 0;
+  c.num_workers =
+      plan_words::header_workers(words, size, kHeaderWords, kMagic, kVersion, size_words, corrupt);
+  // The codes first, then the fields.
   if (h[kFieldDirection] != 0 && h[kFieldDirection] != 1) corrupt("unknown direction");
-  c.backward = h[kFieldDirection] == 1;
   if (h[kFieldLayoutQ] < 0 || h[kFieldLayoutQ] > 3 || h[kFieldLayoutKv] < 0 ||
       h[kFieldLayoutKv] > 3 || h[kFieldLayoutOut] < 0 || h[kFieldLayoutOut] > 3) {
     corrupt("unknown layout code");
   }
+  c.backward = h[kFieldDirection] == 1;
+  c.deterministic = h[kFieldDeterministic] != 0;
+  for (const SizeField& f : kSizeFields) c.*f.member = h[f.field];
+  c.mask_mode = static_cast<MaskMode>(h[kFieldMaskMode]);
+  c.layout_q = static_cast<Layout>(h[kFieldLayoutQ]);
+  c.layout_kv = static_cast<Layout>(h[kFieldLayoutKv]);
+  c.layout_out = static_cast<Layout>(h[kFieldLayoutOut]);
   try {
     validate_config(c);
   } catch (const ArgumentError& e) {
@@ -189,7 +174,7 @@ Decoded read(const int32_t* words, int64_t size) {
     p.num_tasks = h[kFieldNumTasks];
     int32_t next_key = 0, next_query = 0;
     const int32_t* w = words + kHeaderWords;
-    for (int64_t i = 0; i < workers; ++i, w += kWorkerWords) {
+    for (int64_t i = 0; i < c.num_workers; ++i, w += kWorkerWords) {
       // Ranges tile both unit lists in order: anything else is not a plan of this format.
       if (w[0] != next_key || w[1] < w[0] || w[2] != next_query || w[3] < w[2]) {
         corrupt("backward ranges do not tile the units");
@@ -214,7 +199,7 @@ Decoded read(const int32_t* words, int64_t size) {
   p.chunk_tiles = h[kFieldChunkTiles];
   if (p.chunk_tiles != (c.deterministic ? kDeterministicChunkTiles : 0)) corrupt("chunk size");
   const int64_t combines = h[kFieldNumCombines];
-  if (combines < 0 || combines > workers) corrupt("combine count");
+  if (combines < 0 || combines > c.num_workers) corrupt("combine count");
   p.num_slots = h[kFieldNumSlots];
   if (p.num_slots < 0) corrupt("slot count");
   p.num_tasks = h[kFieldNumTasks];
@@ -226,10 +211,10 @@ Decoded read(const int32_t* words, int64_t size) {
                           h[kFieldLengthHashes + 3 * i + 2]};
   }
   const int32_t* w = words + kHeaderWords;
-  for (int64_t i = 0; i < workers; ++i, w += kWorkerWords) {
+  for (int64_t i = 0; i < c.num_workers; ++i, w += kWorkerWords) {
     p.workers.push_back({get_position(w), get_position(w + 4), w[8], w[9], bits_float(w[10])});
   }
-  const int32_t* cw = words + kHeaderWords + workers * kWorkerWords;
+  const int32_t* cw = words + kHeaderWords + c.num_workers * kWorkerWords;
   for (int64_t i = 0; i < combines; ++i, cw += kCombineWords) {
     p.combines.push_back({cw[0], cw[1], cw[2], cw[3], cw[4]});
   }

@@ -24,12 +24,9 @@ namespace opmesh::core::attention::metadata {
 inline constexpr int32_t kMagic = 0x414d4f46;  // "FOMA" read as little-endian bytes
 inline constexpr int32_t kVersion = 2;
 
+// The header's words after the four every plan starts with (plan_words.h).
 enum Field : int {
-  kFieldMagic = 0,
-  kFieldVersion,
-  kFieldTotalWords,
-  kFieldNumWorkers,
-  kFieldNumCombines,
+  kFieldNumCombines = plan_words::kHeaderStart,
   kFieldNumSlots,
   kFieldGroup,
   kFieldPositions,

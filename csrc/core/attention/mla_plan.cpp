@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "../errors.h"
 
@@ -13,12 +14,9 @@ using plan_words::float_bits;
 
 std::string str(int64_t v) { return std::to_string(v); }
 
+// The header's words after the four every plan starts with (plan_words.h).
 enum Field : int {
-  kFieldMagic = 0,
-  kFieldVersion,
-  kFieldTotalWords,
-  kFieldNumWorkers,
-  kFieldHeadsQ,
+  kFieldHeadsQ = plan_words::kHeaderStart,
   kFieldHeadsKv,
   kFieldHeadDim,
   kFieldBatch,
@@ -72,15 +70,20 @@ constexpr Named kNamed[] = {
     {"ori_win_right", kFieldWinRight, &Config::ori_win_right},
 };
 
+// The sizes a configuration and the params both hold: (the configuration's, the params').
+using Params = SparseFlashMlaParams;
+constexpr std::pair<int64_t Config::*, int64_t Params::*> kSameSizes[] = {
+    {&Config::num_heads_q, &Params::heads_q}, {&Config::num_heads_kv, &Params::heads_kv},
+    {&Config::head_dim, &Params::head_dim},   {&Config::batch_size, &Params::batch},
+    {&Config::cmp_ratio, &Params::cmp_ratio},
+};
+
 // The params a configuration describes (sizes, masks, lengths; no tensors).
 SparseFlashMlaParams params_of(const Config& c, const Arrays& a) {
   SparseFlashMlaParams p;
+  for (const auto& [config, params] : kSameSizes) p.*params = c.*config;
   p.layout_q = c.layout_q;
   p.layout_kv = c.layout_kv;
-  p.batch = c.batch_size;
-  p.heads_q = c.num_heads_q;
-  p.heads_kv = c.num_heads_kv;
-  p.head_dim = c.head_dim;
   p.cu_seqlens_q = a.data[kCuQ];
   p.seqused_q = a.data[kUsedQ];
   const auto total = [&](Array cu) { return a.data[cu] != nullptr ? a.data[cu][c.batch_size] : 0; };
@@ -99,7 +102,6 @@ SparseFlashMlaParams params_of(const Config& c, const Arrays& a) {
   p.ori.win_left = c.ori_win_left;
   p.ori.win_right = c.ori_win_right;
   p.cmp.mask_mode = static_cast<MaskMode>(c.cmp_mask_mode);
-  p.cmp_ratio = c.cmp_ratio;
   p.cmp_residuals = a.data[kResiduals];
   return p;
 }
@@ -266,10 +268,7 @@ void write(const Plan& plan, int32_t* out) {
   const Config& c = plan.config;
   const int64_t workers = static_cast<int64_t>(plan.workers.size());
   std::fill(out, out + size_words(workers), 0);
-  out[kFieldMagic] = kMagic;
-  out[kFieldVersion] = kVersion;
-  out[kFieldTotalWords] = static_cast<int32_t>(size_words(workers));
-  out[kFieldNumWorkers] = static_cast<int32_t>(workers);
+  plan_words::put_header(out, kMagic, kVersion, size_words(workers), workers);
   for (const Named& n : kNamed) out[n.field] = static_cast<int32_t>(c.*n.member);
   out[kFieldLayoutQ] = static_cast<int32_t>(c.layout_q);
   out[kFieldLayoutKv] = static_cast<int32_t>(c.layout_kv);
@@ -299,13 +298,8 @@ Plan read(const int32_t* words, int64_t size) {
   const auto corrupt = [](const std::string& what) {
     throw ArgumentError("metadata", "is not a sparse_flash_mla_metadata plan: " + what);
   };
-  if (size < kHeaderWords) corrupt(str(size) + " words");
-  if (words[kFieldMagic] != kMagic) corrupt("wrong magic word");
-  if (words[kFieldVersion] != kVersion) corrupt("version " + str(words[kFieldVersion]));
-  const int64_t workers = words[kFieldNumWorkers];
-  if (workers < 1 || words[kFieldTotalWords] != size || size_words(workers) != size) {
-    corrupt("its size does not match its worker count");
-  }
+  const int64_t workers =
+      plan_words::header_workers(words, size, kHeaderWords, kMagic, kVersion, size_words, corrupt);
   Plan plan;
   Config& c = plan.config;
   for (const Named& n : kNamed) c.*n.member = words[n.field];
@@ -331,10 +325,7 @@ Plan read(const int32_t* words, int64_t size) {
 
 Config config_of(const SparseFlashMlaParams& p, const MlaSequences& seqs) {
   Config c;
-  c.num_heads_q = p.heads_q;
-  c.num_heads_kv = p.heads_kv;
-  c.head_dim = p.head_dim;
-  c.batch_size = p.batch;
+  for (const auto& [config, params] : kSameSizes) c.*config = p.*params;
   c.max_seqlen_q = p.layout_q == Layout::kTND ? longest_query(seqs.ori) : p.seq_q;
   const auto max_of = [&](const MlaKeys& k, const std::vector<Sequence>& s) -> int64_t {
     if (!k.present) return 0;
@@ -344,7 +335,6 @@ Config config_of(const SparseFlashMlaParams& p, const MlaSequences& seqs) {
   c.max_seqlen_cmp_kv = max_of(p.cmp, seqs.cmp);
   c.ori_topk = p.ori.indices.data != nullptr ? p.ori.topk : 0;
   c.cmp_topk = p.cmp.indices.data != nullptr ? p.cmp.topk : 0;
-  c.cmp_ratio = p.cmp_ratio;
   c.ori_mask_mode = static_cast<int64_t>(p.ori.mask_mode);
   c.cmp_mask_mode = static_cast<int64_t>(p.cmp.mask_mode);
   c.ori_win_left = p.ori.win_left;

@@ -408,7 +408,8 @@ void combine(const KernelSet& k, const CompressorParams& p, const std::vector<Sl
     for (int64_t c = 0; c < d; ++c) m[c] = std::max(m[c], score[c]);
   }
   for (int64_t i = 0; i < count; ++i) {
-    const float* score = slots[static_cast<size_t>(i)].row + n + slots[static_cast<size_t>(i)].channel;
+    const float* score =
+        slots[static_cast<size_t>(i)].row + n + slots[static_cast<size_t>(i)].channel;
     float* w = weights + i * dp;
     for (int64_t c = 0; c < d; ++c) w[c] = score[c] - m[c];
     std::fill(w + d, w + dp, -std::numeric_limits<float>::infinity());
@@ -515,7 +516,8 @@ struct Gradients {
       const int64_t r0 = task * kRowBlock;
       const int64_t m = std::min(kRowBlock, count - r0);
       std::vector<uint32_t> a = words(w.rows(m) * ww);
-      for (int64_t r = 0; r < m; ++r) w.set_row(a.data() + r * ww, dp.data() + (r0 + r) * ld, width);
+      for (int64_t r = 0; r < m; ++r)
+        w.set_row(a.data() + r * ww, dp.data() + (r0 + r) * ld, width);
       std::vector<float> c(static_cast<size_t>(m * hp));
       product(k, a.data(), ww, b.data(), panels, c.data(), hp, m, ones.data());
       for (int64_t r = 0; r < m; ++r) {

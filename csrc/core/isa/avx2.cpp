@@ -14,10 +14,11 @@
 namespace opmesh::core::kernels::avx2 {
 namespace {
 
+// acc[r] += A[r][d] * B[d][0..16) over the depth: kRows rows of A (lda apart) against 16 columns
+// of B (ldb apart), the GEMM's and the score tile's shared inner loop.
 template <int kRows>
-void block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
-           int64_t ldc, const float* row_scale, float alpha) {
-  __m256 acc[kRows][2];
+inline void accumulate(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth,
+                       __m256 (&acc)[kRows][2]) {
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < depth; ++d) {
     const __m256 b0 = _mm256_loadu_ps(b + d * ldb);
@@ -28,6 +29,13 @@ void block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t dep
       acc[r][1] = _mm256_fmadd_ps(ab, b1, acc[r][1]);
     }
   }
+}
+
+template <int kRows>
+void block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
+           int64_t ldc, const float* row_scale, float alpha) {
+  __m256 acc[kRows][2];
+  accumulate<kRows>(a, lda, b, ldb, depth, acc);
   const __m256 scale = _mm256_set1_ps(alpha);
   for (int r = 0; r < kRows; ++r) {
     float* out = c + r * ldc;
@@ -130,17 +138,7 @@ template <int kRows>
 inline void score_block(const float* q, int64_t depth, const float* k, const float* w, int w_stride,
                         float* scores) {
   __m256 acc[kRows][kCols];
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < depth; ++d) {
-    const __m256 k0 = _mm256_loadu_ps(k + d * kTile);
-    const __m256 k1 = _mm256_loadu_ps(k + d * kTile + 8);
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 qb = _mm256_broadcast_ss(q + r * depth + d);
-      acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
-    }
-  }
+  accumulate<kRows>(q, depth, k, kTile, depth, acc);
   const __m256 zero = _mm256_setzero_ps();  // max(zero, acc): a NaN dot product stays NaN
   for (int r = 0; r < kRows; ++r) {
     const __m256 wb = _mm256_broadcast_ss(w + r * w_stride);

@@ -5,10 +5,9 @@
 #include <cstring>
 #include <limits>
 
-#include "avx512_gemm.h"
 #include "avx512_policies.h"
+#include "avx512_products.h"
 #include "avx512_softmax.h"
-#include "avx512_tile.h"
 #include "row_ops.h"
 #include "sets.h"
 

@@ -1,4 +1,4 @@
-// Word policies of the AVX-512 micro-kernels (avx512_tile.h, avx512_gemm.h): a 4-byte word type,
+// Word policies of the AVX-512 micro-kernels (avx512_products.h): a 4-byte word type,
 // its 16-lane register, and the multiply-accumulate. Float32Policy needs AVX-512F; Bf16PairPolicy
 // (a pair of bf16 values per word, VDPBF16PS) exists only in translation units built with
 // AVX-512 BF16.

@@ -61,6 +61,10 @@ from ..strategies.all_gather import (
 )
 from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import (
+    GROUP_STATS_DIMS,
+    KEY_DIMS,
+    QUERY_DIMS,
+    SELECTION_DIMS,
     CallTensors,
     OpTable,
     grad_placements,
@@ -74,26 +78,22 @@ from ..strategies.description import take_rows as _take
 
 # -- the tables ----------------------------------------------------------------------------------
 
-_INDEXER_Q = {"BSND": ("B", "S1", "N1", "D"), "TND": ("T1", "N1", "D")}
-_INDEXER_K = {"BSND": ("B", "S2", "N2", "D"), "TND": ("T2", "N2", "D")}
 _WEIGHTS = {"BSND": ("B", "S1", "N1"), "TND": ("T1", "N1")}
 _STATS = {"BSND": ("B", "N2", "S1"), "TND": ("N2", "T1")}
-_MAIN_STATS = {"BSND": ("B", "N2", "S1", "G"), "TND": ("N2", "T1", "G")}
-_INDICES = {"BSND": ("B", "S1", "N2", "K"), "TND": ("T1", "N2", "K")}
 _ROPE_Q = {"BSND": ("B", "S1", "N1", "Dr"), "TND": ("T1", "N1", "Dr")}
 _ROPE_K = {"BSND": ("B", "S2", "N2", "Dr"), "TND": ("T2", "N2", "Dr")}
 _VALUE = {"BSND": ("B", "S2", "N2", "Dv"), "TND": ("T2", "N2", "Dv")}
 
 _KL_TENSORS = {
-    "query_index": _INDEXER_Q,
-    "key_index": _INDEXER_K,
+    "query_index": QUERY_DIMS,
+    "key_index": KEY_DIMS,
     "weights": _WEIGHTS,
-    "query": _INDEXER_Q,
-    "key": _INDEXER_K,
+    "query": QUERY_DIMS,
+    "key": KEY_DIMS,
     "query_rope": _ROPE_Q,
     "key_rope": _ROPE_K,
-    "softmax_max": _MAIN_STATS,
-    "softmax_sum": _MAIN_STATS,
+    "softmax_max": GROUP_STATS_DIMS,
+    "softmax_sum": GROUP_STATS_DIMS,
     "softmax_max_index": _STATS,
     "softmax_sum_index": _STATS,
 }
@@ -129,7 +129,7 @@ TABLES = {
         layout="layout",
         key_layout=None,
         lengths=("actual_seq_qlen", "actual_seq_klen"),
-        tensors={"query_index": _INDEXER_Q, "key_index": _INDEXER_K, "weights": _WEIGHTS},
+        tensors={"query_index": QUERY_DIMS, "key_index": KEY_DIMS, "weights": _WEIGHTS},
         outputs=(("query", _STATS), ("query", _STATS)),
     ),
     "indexer_kl_loss": OpTable(
@@ -156,7 +156,7 @@ TABLES = {
         layout="layout",
         key_layout=None,
         lengths=("actual_seq_qlen", "actual_seq_klen"),
-        tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
+        tensors={**_KL_TENSORS, "sparse_indices": SELECTION_DIMS},
         outputs=(("loss",),),
         indices="sparse_indices",
     ),
@@ -166,7 +166,7 @@ TABLES = {
         layout="layout",
         key_layout=None,
         lengths=("actual_seq_qlen", "actual_seq_klen"),
-        tensors={**_KL_TENSORS, "sparse_indices": _INDICES},
+        tensors={**_KL_TENSORS, "sparse_indices": SELECTION_DIMS},
         outputs=_KL_GRADS,
         indices="sparse_indices",
     ),
@@ -176,8 +176,8 @@ TABLES = {
         layout="layout_query",
         key_layout="layout_key",
         lengths=("actual_seq_lengths_query", "actual_seq_lengths_key"),
-        tensors={"query": _INDEXER_Q, "key": _INDEXER_K, "weights": _WEIGHTS},
-        outputs=(("query", _INDICES), ("query", _INDICES)),
+        tensors={"query": QUERY_DIMS, "key": KEY_DIMS, "weights": _WEIGHTS},
+        outputs=(("query", SELECTION_DIMS), ("query", SELECTION_DIMS)),
     ),
     "sparse_flash_attention": OpTable(
         params=positional("sparse_flash_attention"),
@@ -186,15 +186,15 @@ TABLES = {
         key_layout="layout_kv",
         lengths=("actual_seq_lengths_query", "actual_seq_lengths_kv"),
         tensors={
-            "query": _INDEXER_Q,
-            "key": _INDEXER_K,
+            "query": QUERY_DIMS,
+            "key": KEY_DIMS,
             "value": _VALUE,
-            "sparse_indices": _INDICES,
+            "sparse_indices": SELECTION_DIMS,
             "query_rope": _ROPE_Q,
             "key_rope": _ROPE_K,
             "sinks": {"BSND": ("N1",), "TND": ("N1",)},
         },
-        outputs=(("query", _INDEXER_Q), ("query", _MAIN_STATS), ("query", _MAIN_STATS)),
+        outputs=(("query", QUERY_DIMS), ("query", GROUP_STATS_DIMS), ("query", GROUP_STATS_DIMS)),
         indices="sparse_indices",
         block_size="sparse_block_size",
     ),

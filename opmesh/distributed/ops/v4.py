@@ -44,31 +44,29 @@ from ..._schema import defaults, positional
 from ..context_parallel import chunk_pair, head_tail_order, keys_seen
 from ..distributed_op import DistributedOp
 from ..layout import Layout
+from ..strategies import description as desc
 from ..strategies import rules
 from ..strategies.all_gather import bsnd_pieces, gather, join_rows, natural_order, tnd_pieces
 from ..strategies.data_parallel import whole_sequence_shards
 from ..strategies.description import (
+    GROUP_STATS_DIMS,
+    KEY_DIMS,
+    QUERY_DIMS,
+    SELECTION_DIMS,
     CallTensors,
     grad_placements,
     local_lengths,
     seq_dim,
     side_of,
 )
-from ..strategies.description import int64 as _int64
-from ..strategies.description import ints as _ints
-from ..strategies.description import take_rows as _take
 
-_Q = {"BSND": ("B", "S1", "N1", "D"), "TND": ("T1", "N1", "D")}
-_KV = {"BSND": ("B", "S2", "N2", "D"), "TND": ("T2", "N2", "D")}
-_SELECTION = {"BSND": ("B", "S1", "N2", "K"), "TND": ("T1", "N2", "K")}
 _TOPK = {"BSND": ("B", "S1", "N2"), "TND": ("T1", "N2")}
-_LSE = {"BSND": ("B", "N2", "S1", "G"), "TND": ("N2", "T1", "G")}
 MLA_TENSORS = {
-    "q": _Q,
-    "ori_kv": _KV,
-    "cmp_kv": _KV,
-    "ori_sparse_indices": _SELECTION,
-    "cmp_sparse_indices": _SELECTION,
+    "q": QUERY_DIMS,
+    "ori_kv": KEY_DIMS,
+    "cmp_kv": KEY_DIMS,
+    "ori_sparse_indices": SELECTION_DIMS,
+    "cmp_sparse_indices": SELECTION_DIMS,
     "ori_topk_length": _TOPK,
     "cmp_topk_length": _TOPK,
     "sinks": {"BSND": ("N1",), "TND": ("N1",)},
@@ -191,7 +189,7 @@ class SparseFlashMlaDistributedOp(DistributedOp):
 
     def infer_layout(self, cache_values):
         c = cache_values
-        return (_query_output(c, "q", _Q), _query_output(c, "q", _LSE)), None
+        return (_query_output(c, "q", QUERY_DIMS), _query_output(c, "q", GROUP_STATS_DIMS)), None
 
     def wrap_outputs(self, outputs, out_layouts):
         return _wrap_query_outputs(outputs, out_layouts)
@@ -260,14 +258,14 @@ def _whole_sequences(named, layouts, axes):
     if axes != 1:
         return None
     q = layouts["q"]
-    cu_q = _ints(named["cu_seqlens_q"])
+    cu_q = desc.ints(named["cu_seqlens_q"])
     runs = None
     for key, (_, cu_name, _) in _KEYS.items():
         if key not in layouts:
             continue
         if not layouts[key].tensor_map[0]:
             return None
-        found = whole_sequence_shards(cu_q, _ints(named[cu_name]), q, layouts[key])
+        found = whole_sequence_shards(cu_q, desc.ints(named[cu_name]), q, layouts[key])
         if found is None or (runs is not None and found != runs):
             return None
         runs = found
@@ -326,9 +324,9 @@ class _MlaLocal:
         lo, hi = runs[self.rank]
         named = dict(named)
         for name in ("cu_seqlens_q", "cu_seqlens_ori_kv", "cu_seqlens_cmp_kv"):
-            cu = _ints(named[name])
+            cu = desc.ints(named[name])
             if cu is not None:
-                named[name] = _int64([v - cu[lo] for v in cu[lo : hi + 1]])
+                named[name] = desc.int64([v - cu[lo] for v in cu[lo : hi + 1]])
         return _per_sequence_slice(named, lo, hi)
 
     # -- context parallel ---------------------------------------------------------------------
@@ -339,7 +337,7 @@ class _MlaLocal:
         named = dict(named)
         for name in self.c.gathered:
             d = 1 if self.c.layout == "BSND" else 0
-            cu = _ints(named[_KEYS[name][1]]) if self.c.layout == "TND" else None
+            cu = desc.ints(named[_KEYS[name][1]]) if self.c.layout == "TND" else None
             named[name] = natural_order(named[name], d, self.cp, self.c.order, cu_seqlens=cu)
         return named
 
@@ -352,23 +350,23 @@ class _MlaLocal:
             b0, b1 = self.q_layout.shard_range(0)
 
             def lengths(name, tensor):
-                values = _ints(named[name])
+                values = desc.ints(named[name])
                 return [c.shape(tensor)[1]] * (b1 - b0) if values is None else values[b0:b1]
 
-            residual = _ints(named["cmp_residual_kv"])
+            residual = desc.ints(named["cmp_residual_kv"])
             residual = [0] * (b1 - b0) if residual is None else residual[b0:b1]
         else:
 
             def lengths(name, tensor):
-                values = _ints(named[name])
+                values = desc.ints(named[name])
                 if values is not None:
                     return values
-                cu = _ints(named["cu_seqlens_q" if tensor == "q" else _KEYS[tensor][1]])
+                cu = desc.ints(named["cu_seqlens_q" if tensor == "q" else _KEYS[tensor][1]])
                 return [e - s for s, e in zip(cu, cu[1:], strict=False)]
 
-            residual = _ints(named["cmp_residual_kv"])
+            residual = desc.ints(named["cmp_residual_kv"])
             if residual is None:
-                residual = [0] * (len(_ints(named["cu_seqlens_q"])) - 1)
+                residual = [0] * (len(desc.ints(named["cu_seqlens_q"])) - 1)
         q_len = lengths("seqused_q", "q")
         ori = lengths("seqused_ori_kv", "ori_kv") if "ori_kv" in present else None
         cmp = lengths("seqused_cmp_kv", "cmp_kv") if "cmp_kv" in present else None
@@ -431,28 +429,28 @@ class _MlaLocal:
             q_used, lengths, kept, total = self._cut(named, q_len, ori, cmp, residual, spans)
             lengths["cu_seqlens_q"] = [0, *torch.tensor(q_used).cumsum(0).tolist()]
             # The sequence of each local row, for the selections' remap.
-            owner = torch.repeat_interleave(torch.arange(len(q_used)), _int64(q_used))
-            kept = {n: _int64(v)[owner] for n, v in kept.items()}
-            total = {n: _int64(v)[owner] for n, v in total.items()}
+            owner = torch.repeat_interleave(torch.arange(len(q_used)), desc.int64(q_used))
+            kept = {n: desc.int64(v)[owner] for n, v in kept.items()}
+            total = {n: desc.int64(v)[owner] for n, v in total.items()}
             pieces.append(_MlaPiece(piece.rows, lengths, kept, total))
         return pieces
 
     def _run(self, q, named, piece):
         call = dict(named)
         for name, values in piece.lengths.items():
-            call[name] = _int64(values)
+            call[name] = desc.int64(values)
         q_dim = self.q_seq
         rows = piece.rows
         whole = isinstance(rows, slice) and rows == slice(None)
         if not whole:
-            q = _take(q, q_dim, rows)
+            q = desc.take_rows(q, q_dim, rows)
         for key, (selection, _, _) in _KEYS.items():
             for name in (selection, selection.replace("sparse_indices", "topk_length")):
                 value = call.get(name)
                 if value is None:
                     continue
                 if not whole:
-                    value = _take(value, q_dim, rows)
+                    value = desc.take_rows(value, q_dim, rows)
                 if name == selection and key in piece.kept:
                     value = _drop_unseen(value, piece, key, self.c.layout)
                 call[name] = value
@@ -462,9 +460,9 @@ class _MlaLocal:
 def _per_sequence_slice(named, lo, hi):
     """``named`` with its per-sequence lengths cut to sequences [lo, hi)."""
     for name in ("seqused_q", "seqused_ori_kv", "seqused_cmp_kv", "cmp_residual_kv"):
-        values = _ints(named[name])
+        values = desc.ints(named[name])
         if values is not None:
-            named[name] = _int64(values[lo:hi])
+            named[name] = desc.int64(values[lo:hi])
     return named
 
 
@@ -485,7 +483,7 @@ def _drop_unseen(indices, piece, key, layout):
     can see them); entries past all its keys stay, for the operator to refuse."""
     kept, total = piece.kept[key], piece.total[key]
     if layout == "BSND":
-        kept, total = _int64(kept).view(-1, 1, 1, 1), _int64(total).view(-1, 1, 1, 1)
+        kept, total = desc.int64(kept).view(-1, 1, 1, 1), desc.int64(total).view(-1, 1, 1, 1)
     else:
         kept, total = kept.view(-1, 1, 1), total.view(-1, 1, 1)
     unseen = (indices.long() >= kept) & (indices.long() < total)
@@ -540,7 +538,7 @@ class CompressorDistributedOp(DistributedOp):
             local[name] = p.to_local(x, grad_placements(p, x, side_of(dims[name]), call))
         if sharding.batch_axes and named["seqused"] is not None:
             b0, b1 = layouts["x"].shard_range(0)
-            local["seqused"] = _int64(_ints(named["seqused"])[b0:b1])
+            local["seqused"] = desc.int64(desc.ints(named["seqused"])[b0:b1])
         return (), local, call
 
     def infer_layout(self, cache_values):

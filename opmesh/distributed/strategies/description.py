@@ -11,6 +11,13 @@ from ... import platform as _platform
 QUERY_SEQ = ("S1", "T1")
 KEY_SEQ = ("S2", "T2")
 
+# Named dims per layout that the attention family's tensors share: queries, keys, a selection
+# of K keys per query row and key head, and per-row statistics of the G query heads of a group.
+QUERY_DIMS = {"BSND": ("B", "S1", "N1", "D"), "TND": ("T1", "N1", "D")}
+KEY_DIMS = {"BSND": ("B", "S2", "N2", "D"), "TND": ("T2", "N2", "D")}
+SELECTION_DIMS = {"BSND": ("B", "S1", "N2", "K"), "TND": ("T1", "N2", "K")}
+GROUP_STATS_DIMS = {"BSND": ("B", "N2", "S1", "G"), "TND": ("N2", "T1", "G")}
+
 
 @dataclass(frozen=True)
 class OpTable:
