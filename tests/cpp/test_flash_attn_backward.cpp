@@ -449,6 +449,43 @@ TEST(FlashAttnBackward, FusedChunksMatchDoubleGradients) {
   }
 }
 
+// Long sequences, planned only (no data): the schedule auto takes where the accumulators are large.
+// One causal 16384-token sequence, D = 128, 4 query heads per key head, BSND: a whole pair's dQ
+// accumulator is 32 MiB.
+TEST(FlashAttnBackward, LongSequencesKeepTheFusedSchedule) {
+  const BackwardMode scope("auto");
+  auto plan_of = [](int64_t seq, int64_t heads_kv) {
+    PlanConfig c;
+    c.num_heads_q = 4 * heads_kv;
+    c.num_heads_kv = heads_kv;
+    c.head_dim = c.head_dim_v = 128;
+    c.batch_size = 1;
+    c.max_seqlen_q = c.max_seqlen_kv = seq;
+    c.mask_mode = MaskMode::kCausal;
+    c.num_workers = 2;
+    return plan_backward(c, resolve_sequences(c, LengthArrays{}));
+  };
+  // 8 pairs: whole pairs, 32 MiB each (within 64 MiB).
+  BackwardPlan p = plan_of(16384, 8);
+  EXPECT_TRUE(p.fused);
+  EXPECT_EQ(p.num_key_units, 8);
+  // 2 pairs (Ulysses' share of 32/8 heads on 4 ranks): 4 chunks each would hold 2 x 80 MiB of
+  // parts (the chunks cover 256, 192, 128 and 64 query tiles), 3 would hold 2 x 64.5 MiB; 2 hold
+  // 2 x 48 MiB, within 128 MiB.
+  p = plan_of(16384, 2);
+  EXPECT_TRUE(p.fused);
+  EXPECT_EQ(p.num_key_units, 2 * 2);
+  // 8 pairs of 32768 tokens: a 64 MiB accumulator each, still fused.
+  p = plan_of(32768, 8);
+  EXPECT_TRUE(p.fused);
+  EXPECT_EQ(p.num_key_units, 8);
+  // 8 pairs of 65536 tokens (128 MiB each): the two passes.
+  EXPECT_FALSE(plan_of(65536, 8).fused);
+  // 1 pair of 65536 tokens: even 2 chunks' parts (over 1024 and 512 query tiles, 192 MiB) pass
+  // 128 MiB: the two passes.
+  EXPECT_FALSE(plan_of(65536, 1).fused);
+}
+
 // softcap (the scores' derivative through tanh) and ALiBi, alone and together, on both schedules
 // and every level; bf16 on the pair kernels too.
 TEST(FlashAttnBackward, SoftcapAndAlibi) {

@@ -34,12 +34,15 @@ constexpr int64_t kBlockKeys = kKeyBlock * kTile;
 // (sequence, key head) pairs would leave threads idle, so their keys are cut into chunks.
 constexpr int64_t kFusedMinUnits = 8;
 // The fused schedule's float32 dQ accumulator (one key head's query heads over the longest
-// sequence) per worker thread is kept within this; longer sequences run the two passes.
-constexpr int64_t kFusedMaxBytes = int64_t{32} << 20;
+// sequence) per worker thread is kept within this; longer sequences run the two passes. A thread
+// holds one while it runs a unit, so together they never exceed the call's own dQ in float32
+// (units x accumulator), whatever the thread count.
+constexpr int64_t kFusedMaxBytes = int64_t{64} << 20;
 // With fewer than kFusedMinUnits units the fused pass cuts each unit's keys into chunks, each with
-// its own dQ accumulator for the call, summed in chunk order at the end; all of them together
-// stay within this.
-constexpr int64_t kFusedChunkMaxBytes = 4 * kFusedMaxBytes;
+// its own dQ accumulator for the call over the query tiles that see its keys, summed in chunk
+// order at the end; all of them together stay within this (fewer chunks are taken where more
+// would not fit).
+constexpr int64_t kFusedChunkMaxBytes = int64_t{128} << 20;
 
 // A dQ^T accumulator of one key head's query heads over the query tiles [first, first + count):
 // [group][count][d][64] floats.
@@ -393,8 +396,19 @@ class Backward {
     return cost;
   }
 
-  // Floats of one chunk's dQ^T accumulator ([group][tile][d][64] over the longest sequence).
+  // Floats of a whole unit's dQ^T accumulator ([group][tile][d][64] over the longest sequence).
   int64_t chunk_floats() const { return group_ * max_query_tiles() * d_ * kTile; }
+
+  // Where each chunked unit's dQ^T accumulator starts in the call's buffer ([group][tile][d][64]
+  // over the query tiles that see its keys), in unit order; the last entry is the total.
+  std::vector<int64_t> chunk_offsets(const std::vector<Unit>& units, int64_t chunks) const {
+    std::vector<int64_t> offsets{0};
+    for (const Unit& u : units) {
+      const auto [first, last] = chunk_tiles(u, chunks);
+      offsets.push_back(offsets.back() + group_ * (last - first) * d_ * kTile);
+    }
+    return offsets;
+  }
 
   // fn(k0, nk) for each key block of chunk u.t of `chunks` that some query row of the unit sees.
   template <class Fn>
@@ -541,11 +555,11 @@ class Backward {
   // in order; their accumulators chunk_dq apart in `chunk_dq`): the chunks' dQ^T summed in chunk
   // order, to dq.
   void store_chunks_dq(const std::vector<Unit>& units, int64_t first, int64_t count, int64_t chunks,
-                       float* chunk_dq, int64_t stride) const {
+                       float* chunk_dq, const std::vector<int64_t>& offsets) const {
     std::vector<DqTiles> parts;
     for (int64_t i = first; i < first + count; ++i) {
       const auto [t0, t1] = chunk_tiles(units[i], chunks);
-      parts.push_back(DqTiles{chunk_dq + i * stride, t0, t1 - t0});
+      parts.push_back(DqTiles{chunk_dq + offsets[i], t0, t1 - t0});
     }
     std::vector<float> row(d_);
     store_transposed_dq(units[first], parts.data(), count, row.data());
@@ -1054,10 +1068,11 @@ namespace {
 // How the backward of a problem runs: 0 for the two passes; otherwise the fused pass, with the
 // keys of each (sequence, key head) pair cut into that many chunks. OPMESH_BACKWARD=fused or
 // two_pass decides the schedule for the process (tests run both on every case); auto (the default)
-// runs fused while a dQ accumulator stays within kFusedMaxBytes. Fewer pairs than kFusedMinUnits
-// are cut into chunks to make that many units where the keys have the blocks and the chunks'
-// accumulators fit in kFusedChunkMaxBytes; auto runs the two passes when a pair would stay whole.
-// A function of the problem alone, never of the worker count, so every plan gives the same bits.
+// runs fused while a whole pair's dQ accumulator stays within kFusedMaxBytes. Fewer pairs than
+// kFusedMinUnits are cut into chunks to make that many units where the keys have the blocks, or
+// into fewer where the chunks' accumulators would not fit in kFusedChunkMaxBytes; auto runs the
+// two passes when a pair would stay whole. A function of the problem alone, never of the worker
+// count, so every plan gives the same bits.
 int64_t fused_chunks(const Backward& run) {
   const char* env = std::getenv("OPMESH_BACKWARD");
   const bool forced = env != nullptr && std::strcmp(env, "fused") == 0;
@@ -1068,12 +1083,14 @@ int64_t fused_chunks(const Backward& run) {
   }
   const int64_t pairs = run.fused_pairs();
   const int64_t bytes = run.chunk_floats() * static_cast<int64_t>(sizeof(float));
-  if (bytes > kFusedMaxBytes) return forced ? 1 : 0;
-  if (pairs == 0 || pairs >= kFusedMinUnits) return 1;
+  if (pairs == 0 || pairs >= kFusedMinUnits) return forced || bytes <= kFusedMaxBytes ? 1 : 0;
+  // Few pairs: as many chunks as wanted (up to a chunk per key block) whose accumulators fit
+  // together, else fewer.
   const int64_t wanted = (kFusedMinUnits + pairs - 1) / pairs;
-  const int64_t fit = kFusedChunkMaxBytes / (pairs * std::max<int64_t>(bytes, 1));
-  const int64_t chunks = std::min({wanted, run.max_key_blocks(), fit});
-  if (chunks >= 2) return chunks;
+  for (int64_t chunks = std::min(wanted, run.max_key_blocks()); chunks >= 2; --chunks) {
+    const std::vector<int64_t> offsets = run.chunk_offsets(run.fused_units(chunks), chunks);
+    if (offsets.back() * static_cast<int64_t>(sizeof(float)) <= kFusedChunkMaxBytes) return chunks;
+  }
   return forced ? 1 : 0;
 }
 
@@ -1157,9 +1174,11 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
   // Chunked fused units accumulate dQ^T in accumulators of the call, one per unit, in unit order;
   // a pair's chunks are consecutive units.
   AlignedBuffer<float> chunk_dq;
-  if (chunks > 1) chunk_dq.grow_uninitialized(fused.size() * run.chunk_floats());
+  const std::vector<int64_t> chunk_offsets =
+      chunks > 1 ? run.chunk_offsets(fused, chunks) : std::vector<int64_t>{0};
+  if (chunks > 1) chunk_dq.grow_uninitialized(chunk_offsets.back());
   auto chunk_dq_of = [&](int64_t i) {
-    return chunks > 1 ? chunk_dq.data() + i * run.chunk_floats() : nullptr;
+    return chunks > 1 ? chunk_dq.data() + chunk_offsets[i] : nullptr;
   };
   std::vector<std::unique_ptr<Backward::Scratch>> scratch(threads);
   auto scratch_of = [&](int thread) -> Backward::Scratch& {
@@ -1233,7 +1252,7 @@ void flash_attn_backward(const FlashAttnBackwardParams& p, const std::vector<Seq
     starts.push_back(static_cast<int64_t>(fused.size()));
     run_dynamic(executor, static_cast<int64_t>(starts.size()) - 1, [&](int64_t j, int) {
       run.store_chunks_dq(fused, starts[j], starts[j + 1] - starts[j], chunks, chunk_dq.data(),
-                          run.chunk_floats());
+                          chunk_offsets);
     });
   }
   if (p.sinks != nullptr) {
