@@ -393,46 +393,28 @@ void entry_slots(const CompressorParams& p, const CompressorSequence& s, int64_t
   for (int64_t j = 0; j < r; ++j) add(w * r + j, channel);
 }
 
-// The softmax over an entry's slots per channel: the entry's value out (D floats) and each
-// slot's weights (weights[i][c] for slot i, rows of dp floats, dp = D padded to 16; scratch
-// holds dp floats).
-void combine(const KernelSet& k, const CompressorParams& p, const std::vector<Slot>& slots,
-             int64_t dp, float* scratch, float* weights, float* out) {
+// The softmax over an entry's slots per channel: max m, normaliser l and the entry out.
+void combine(const CompressorParams& p, const std::vector<Slot>& slots, float* m, float* l,
+             float* out) {
   const int64_t d = p.dim;
   const int64_t n = p.coff * p.dim;
-  const int64_t count = static_cast<int64_t>(slots.size());
-  float* m = scratch;
   std::fill(m, m + d, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + d, 0.0f);
+  std::fill(out, out + d, 0.0f);
   for (const Slot& s : slots) {
     const float* score = s.row + n + s.channel;
     for (int64_t c = 0; c < d; ++c) m[c] = std::max(m[c], score[c]);
   }
-  for (int64_t i = 0; i < count; ++i) {
-    const float* score =
-        slots[static_cast<size_t>(i)].row + n + slots[static_cast<size_t>(i)].channel;
-    float* w = weights + i * dp;
-    for (int64_t c = 0; c < d; ++c) w[c] = score[c] - m[c];
-    std::fill(w + d, w + dp, -std::numeric_limits<float>::infinity());
-  }
-  // exp of the (non-positive) differences in the set's vectors, shifted by nothing.
-  std::fill(m, m + std::max<int64_t>(count, 1), 0.0f);
-  k.exp_rows(weights, count, dp, m);
-  float* l = scratch;
-  std::fill(l, l + d, 0.0f);
-  for (int64_t i = 0; i < count; ++i) {
-    const float* w = weights + i * dp;
-    for (int64_t c = 0; c < d; ++c) l[c] += w[c];
-  }
-  std::fill(out, out + d, 0.0f);
-  for (int64_t i = 0; i < count; ++i) {
-    const Slot& s = slots[static_cast<size_t>(i)];
-    float* w = weights + i * dp;
+  for (const Slot& s : slots) {
     const float* kv = s.row + s.channel;
+    const float* score = s.row + n + s.channel;
     for (int64_t c = 0; c < d; ++c) {
-      w[c] /= l[c];
-      out[c] += w[c] * kv[c];
+      const float e = std::exp(score[c] - m[c]);
+      l[c] += e;
+      out[c] += e * kv[c];
     }
   }
+  for (int64_t c = 0; c < d; ++c) out[c] /= l[c];
 }
 
 // Every entry of the call: (sequence, entry index).
@@ -451,36 +433,31 @@ std::vector<EntryRef> entries_of(const std::vector<CompressorSequence>& seqs) {
   return out;
 }
 
-// One entry as each_entry hands it over: its sequence, its row of cmp_kv, its slots, each
-// slot's softmax weights per channel (rows of `ld` floats) and the entry's value out (D floats).
+// One entry as each_entry hands it over: its sequence, its row of cmp_kv, its slots and their
+// softmax per channel (max m, normaliser l, the entry's value out; D floats each).
 struct EntryWork {
   const CompressorSequence& seq;
   int64_t row;
   const std::vector<Slot>& slots;
-  const float* weights;
-  int64_t ld;
+  const float* m;
+  const float* l;
   const float* out;
 };
 
 // Runs fn(EntryWork) for every entry of the call, in parallel.
 template <class Fn>
-void each_entry(const KernelSet& k, const CompressorParams& p,
-                const std::vector<CompressorSequence>& seqs, const Projected& proj,
-                const Executor& ex, Fn&& fn) {
+void each_entry(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
+                const Projected& proj, const Executor& ex, Fn&& fn) {
   const std::vector<EntryRef> entries = entries_of(seqs);
-  const int64_t dp = round_up(std::max<int64_t>(p.dim, 1), 16);
   run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
-    const kernels::WorkerScope scope(k);
     const EntryRef& e = entries[static_cast<size_t>(i)];
     const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
     std::vector<Slot> slots;
     entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
-    const int64_t scratch = std::max<int64_t>(dp, static_cast<int64_t>(slots.size()));
-    std::vector<float> buf(static_cast<size_t>(scratch + (slots.size() + 1) * dp));
-    float* weights = buf.data() + scratch;
-    float* out = weights + slots.size() * dp;
-    combine(k, p, slots, dp, buf.data(), weights, out);
-    fn(EntryWork{s, s.out_begin + e.w - s.first_entry, slots, weights, dp, out});
+    std::vector<float> buf(static_cast<size_t>(3 * p.dim));
+    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim);
+    fn(EntryWork{s, s.out_begin + e.w - s.first_entry, slots, buf.data(), buf.data() + p.dim,
+                 buf.data() + 2 * p.dim});
   });
 }
 
@@ -613,7 +590,7 @@ void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
     }
   }
   const Projected proj = project(p, seqs, k, ex);
-  each_entry(k, p, seqs, proj, ex, [&](const EntryWork& e) {
+  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
     store_row(p.cmp_kv.data, p.dtype, e.seq.batch * p.cmp_kv.sb + e.row * p.cmp_kv.ss, p.cmp_kv.sd,
               p.dim, e.out, 1.0f);
   });
@@ -653,20 +630,21 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   const Projected proj = project(p, seqs, k, ex);
   // dP: per token row, the gradients of its kv and score channels.
   std::vector<float> dp(static_cast<size_t>(proj.count * proj.ld), 0.0f);
-  each_entry(k, p, seqs, proj, ex, [&](const EntryWork& e) {
+  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
     std::vector<float> grad_row(static_cast<size_t>(p.dim));
     float* grad = grad_row.data();
+    const float *m = e.m, *l = e.l, *out = e.out;
     load_row(g.d_cmp_kv.data, p.dtype, e.seq.batch * g.d_cmp_kv.sb + e.row * g.d_cmp_kv.ss,
              g.d_cmp_kv.sd, p.dim, grad);
-    for (size_t i = 0; i < e.slots.size(); ++i) {
-      const Slot& slot = e.slots[i];
-      const float* a = e.weights + static_cast<int64_t>(i) * e.ld;
+    for (const Slot& slot : e.slots) {
       const float* kv = slot.row + slot.channel;
+      const float* score = slot.row + n + slot.channel;
       float* dkv = dp.data() + slot.proj_row * proj.ld + slot.channel;
       float* dscore = dkv + n;
       for (int64_t c = 0; c < p.dim; ++c) {
-        dkv[c] = grad[c] * a[c];
-        dscore[c] = grad[c] * a[c] * (kv[c] - e.out[c]);
+        const float a = std::exp(score[c] - m[c]) / l[c];
+        dkv[c] = grad[c] * a;
+        dscore[c] = grad[c] * a * (kv[c] - out[c]);
       }
     }
   });
