@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../errors.h"
@@ -297,11 +298,17 @@ TokenRows token_rows(const std::vector<CompressorSequence>& seqs, Projected& pro
   return t;
 }
 
-// Row `row` of [wkv; wgate] as floats.
-void weight_row(const CompressorParams& p, int64_t row, float* out) {
+// Row `row` of [wkv; wgate]: its tensor and the element it starts at.
+std::pair<const View&, int64_t> weight_at(const CompressorParams& p, int64_t row) {
   const int64_t n = p.coff * p.dim;
   const View& w = row < n ? p.wkv : p.wgate;
-  load_row(w.data, p.dtype, (row % n) * w.ss, w.sd, p.hidden, out);
+  return {w, (row % n) * w.ss};
+}
+
+// Row `row` of [wkv; wgate] as floats.
+void weight_row(const CompressorParams& p, int64_t row, float* out) {
+  const auto [w, offset] = weight_at(p, row);
+  load_row(w.data, p.dtype, offset, w.sd, p.hidden, out);
 }
 
 // The weights as the projection's operand B: [H along the depth][ld] in panels, column n' = row
@@ -313,16 +320,14 @@ std::vector<uint32_t> packed_weights(const CompressorParams& p, const Words& w,
   // each word along the depth goes to one cache line of B.
   constexpr int64_t kRows = 16;
   const int64_t width = row_width(p);
-  const int64_t n = p.coff * p.dim;
   run_dynamic(ex, (width + kRows - 1) / kRows, [&](int64_t task, int) {
     const int64_t r0 = task * kRows;
     const int64_t rows = std::min(kRows, width - r0);
     std::vector<uint32_t> tmp(static_cast<size_t>(rows * panels.depth), 0u);
     std::vector<float> scratch(static_cast<size_t>(p.hidden));
     for (int64_t r = 0; r < rows; ++r) {
-      const View& src = r0 + r < n ? p.wkv : p.wgate;
-      w.load_row(src, p.dtype, ((r0 + r) % n) * src.ss, p.hidden, scratch.data(),
-                 tmp.data() + r * panels.depth);
+      const auto [src, offset] = weight_at(p, r0 + r);
+      w.load_row(src, p.dtype, offset, p.hidden, scratch.data(), tmp.data() + r * panels.depth);
     }
     for (int64_t d = 0; d < panels.depth; ++d) {
       uint32_t* dst = b.data() + panels.at(d, r0);
