@@ -353,6 +353,76 @@ TEST(KernelSets, RowsAheadAsksForEveryLineOnceInEvenShares) {
   }
 }
 
+// The key tile's transpose: every valid row's words in its column, zeros in the others, nothing
+// read past a row's words (NaN words after them) and nothing written past the tile's `words` rows.
+TEST(KernelSets, PackKeysTransposesValidRowsAndZeroFillsTheRest) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  uint32_t nan_word;
+  std::memcpy(&nan_word, &nan, 4);
+  for (const KernelSet* set : sets_under_test()) {
+    for (int64_t words : {1, 7, 8, 9, 16, 64, 67}) {
+      for (int64_t valid : {0, 1, 7, 8, 33, 63, 64}) {
+        SCOPED_TRACE(std::string(set->name) + " words " + std::to_string(words) + " valid " +
+                     std::to_string(valid));
+        const int64_t ld = words + 5;
+        std::vector<uint32_t> src(kKeyTile * ld, nan_word);
+        const char* rows[kKeyTile];
+        for (int64_t n = 0; n < kKeyTile; ++n) {
+          for (int64_t d = 0; d < words; ++d)
+            src[n * ld + d] = static_cast<uint32_t>(n * 1000 + d + 1);
+          rows[n] = reinterpret_cast<const char*>(src.data() + n * ld);
+        }
+        std::vector<uint32_t> kp((words + 1) * kKeyTile, 7u);
+        set->pack_keys(rows, valid, words, kp.data());
+        for (int64_t d = 0; d < words; ++d) {
+          for (int64_t n = 0; n < kKeyTile; ++n) {
+            const uint32_t want = n < valid ? static_cast<uint32_t>(n * 1000 + d + 1) : 0u;
+            ASSERT_EQ(kp[d * kKeyTile + n], want) << "word " << d << " key " << n;
+          }
+        }
+        for (int64_t n = 0; n < kKeyTile; ++n) ASSERT_EQ(kp[words * kKeyTile + n], 7u) << "past";
+      }
+    }
+  }
+}
+
+// The conversion and the transpose in one pass: the same words as widen, then pack_keys, for
+// every type, row length and count of valid rows, reading nothing past a row's elements.
+TEST(KernelSets, PackWidenedKeysIsWidenThenPackKeys) {
+  std::mt19937 rng(11);
+  for (const KernelSet* set : sets_under_test()) {
+    ASSERT_EQ(set->pack_widened_keys != nullptr, set->word == Word::kFloat32) << set->name;
+    if (set->pack_widened_keys == nullptr) continue;
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat64, DType::kFloat32}) {
+      const int64_t elem = dtype_size(dtype);
+      for (int64_t n : {1, 7, 8, 15, 16, 17, 64, 130}) {
+        for (int64_t valid : {0, 5, 16, 63, 64}) {
+          SCOPED_TRACE(std::string(set->name) + " " + dtype_name(dtype) + " n " +
+                       std::to_string(n) + " valid " + std::to_string(valid));
+          // Each row alone in a buffer of its exact size: a read past it is a sanitizer error.
+          std::vector<std::vector<char>> bytes(kKeyTile, std::vector<char>(n * elem));
+          const char* rows[kKeyTile];
+          for (int64_t r = 0; r < kKeyTile; ++r) {
+            for (auto& b : bytes[r]) b = static_cast<char>(rng() & 0x3F);  // finite values
+            rows[r] = bytes[r].data();
+          }
+          std::vector<float> wide(kKeyTile * n);
+          const char* wide_rows[kKeyTile];
+          for (int64_t r = 0; r < kKeyTile; ++r) {
+            load_row(rows[r], dtype, 0, 1, n, wide.data() + r * n);
+            wide_rows[r] = reinterpret_cast<const char*>(wide.data() + r * n);
+          }
+          std::vector<uint32_t> want(n * kKeyTile), got((n + 1) * kKeyTile, 9u);
+          float32_set(Isa::kScalar).pack_keys(wide_rows, valid, n, want.data());
+          set->pack_widened_keys(rows, valid, dtype, n, RowsAhead{rows, 3, n * elem}, got.data());
+          ASSERT_EQ(std::memcmp(got.data(), want.data(), 4 * want.size()), 0);
+          for (int64_t c = 0; c < kKeyTile; ++c) ASSERT_EQ(got[n * kKeyTile + c], 9u) << "past";
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelSets, WidenIsExactForEveryTypeAndLength) {
   // Every fp16 and bf16 bit pattern once (normals, subnormals, infinities, NaNs), then doubles.
   std::vector<uint16_t> halves(65536);

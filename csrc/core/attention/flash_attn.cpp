@@ -87,7 +87,8 @@ class Runner {
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * vld_),
         slot_floats_(g_.rows * (dvp_ + 2)),
-        direct_keys_(direct_keys(p, k_)) {
+        direct_keys_(direct_keys(p, k_)),
+        widens_rows_(!pairs_ && p.dtype != DType::kFloat32 && p.k.sd == 1 && p.v.sd == 1) {
     const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * elem_;
     const int64_t state_bytes =
         4 * (rows_cap_ * dw_ + 2 * rows_ * dvp_ + (direct_keys_ ? dw_ * kKeyTile : 0));
@@ -117,7 +118,6 @@ class Runner {
         : s(r.rows_cap_ * r.k_.block_tiles * kKeyTile),
           pb(r.rows_cap_ * r.k_.block_tiles * kKeyTile),
           row(std::max(r.d_, r.dv_) + 2),
-          stage(kKeyTile * r.words_),
           vis(r.g_.positions),
           st(r.direct_keys_ ? kKeyTile * 16 : 0),
           st_rows(r.direct_keys_ ? kKeyTile * 16 : 0) {
@@ -126,7 +126,6 @@ class Runner {
     AlignedBuffer<float> s;
     AlignedBuffer<uint16_t> pb;
     AlignedBuffer<float> row;
-    AlignedBuffer<float> stage;  // widened key rows before their transpose
     std::vector<KeyRange> vis;
     AlignedBuffer<float> st;          // direct keys: one tile's S^T, [64 keys][16 rows]
     AlignedBuffer<uint32_t> st_rows;  // direct keys: S^T transposed, [16 rows][64 keys]
@@ -367,7 +366,7 @@ class Runner {
     const bool keys = !reads_keys_in_place(b, j);
     const bool fast_k = p_.k.sd == 1 && (pairs_ ? d_ % 2 == 0 : p_.dtype == DType::kFloat32);
     const bool fast_v = p_.v.sd == 1 && (pairs_ || p_.dtype == DType::kFloat32);
-    // Contiguous rows of another type for the float32 kernels: widened, then as the fast path.
+    // Contiguous rows of another type for the float32 kernels: converted as they are packed.
     const bool stage_k = !fast_k && !pairs_ && p_.k.sd == 1;
     const bool stage_v = !fast_v && !pairs_ && p_.v.sd == 1;
     if (keys && !fast_k && !stage_k) std::fill(kp, kp + k_tile_words_, 0u);
@@ -381,15 +380,12 @@ class Runner {
     if (!keys) {
       // Read in place by the score product.
     } else if (stage_k) {
-      for (int64_t n = 0; n < valid; ++n) {
-        float* dst = sc.stage.data() + n * words_;
-        k_.widen(krows[n], p_.dtype, d_, dst);
-        krows[n] = reinterpret_cast<const char*>(dst);
-      }
-    }
-    if (!keys) {
-      // Read in place by the score product.
-    } else if (fast_k || stage_k) {
+      // Converted and transposed in one pass; the next tile's key rows are asked for from memory
+      // meanwhile.
+      k_.pack_widened_keys(krows, valid, p_.dtype, d_, sc.keys_ahead, kp);
+      sc.keys_ahead = {};
+      std::fill(kp + words_ * kKeyTile, kp + dw_ * kKeyTile, 0u);
+    } else if (fast_k) {
       k_.pack_keys(krows, valid, words_, kp);
       std::fill(kp + words_ * kKeyTile, kp + dw_ * kKeyTile, 0u);
     } else {
@@ -423,7 +419,10 @@ class Runner {
     } else if (fast_v) {
       for (int64_t n = 0; n < valid; ++n) std::memcpy(vp + n * vld_, vrows[n], dv_ * sizeof(float));
     } else if (stage_v) {
+      LinesAhead ahead(sc.values_ahead, valid);
+      sc.values_ahead = {};
       for (int64_t n = 0; n < valid; ++n) {
+        ahead.next();
         k_.widen(vrows[n], p_.dtype, dv_, reinterpret_cast<float*>(vp) + n * vld_);
       }
     } else {
@@ -511,7 +510,7 @@ class Runner {
     const int64_t cols = tiles * kKeyTile;
     float* s = sc.s.data();
     sc.keys_ahead = sc.values_ahead = {};
-    if (row_scores(b) || (pairs_ && !sc.tiles_reused)) plan_ahead(sc, b, h, j1);
+    if (row_scores(b) || ((pairs_ || widens_rows_) && !sc.tiles_reused)) plan_ahead(sc, b, h, j1);
     int64_t first_slot = 0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t j = j0 + i;
@@ -670,6 +669,9 @@ class Runner {
   // rows (decode), the score product reads the key rows where they lie, as the A operand (S^T = K
   // Q^T), instead of packing each key tile first; only the values are packed.
   bool direct_keys_;
+  // The float32 kernels on contiguous rows of a narrower type: pack_tile converts the rows through
+  // a staging buffer, asking for the next block's rows from memory meanwhile.
+  bool widens_rows_;
   int64_t side_heads_ = 1;  // side_by_side_heads()
 
   static int64_t largest_tile_rows(const std::vector<Sequence>& seqs, const Geometry& g) {

@@ -208,7 +208,8 @@ KernelSet amx_kernel_set(const char* name) {
           row_ops(),
           &avx512_bf16::softmax_bf16,
           /*key_scores=*/nullptr,
-          /*key_scores_rows=*/0};
+          /*key_scores_rows=*/0,
+          /*pack_widened_keys=*/nullptr};
 }
 
 }  // namespace opmesh::core::kernels

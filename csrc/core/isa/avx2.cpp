@@ -3,7 +3,9 @@
 // the 64-key tile in four column passes.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "../kernels/kernel_set.h"
@@ -53,7 +55,7 @@ void gemm(const GemmArgs& g) {
   const float* a = static_cast<const float*>(g.a);
   const float* b = static_cast<const float*>(g.b);
   for (int64_t col = 0; col < g.n; col += 16) {
-    for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+    for_each_even_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
       block<decltype(rows)::value>(a + r * g.lda, g.lda, b + col, g.ldb, g.depth,
                                    g.c + r * g.ldc + col, g.ldc,
                                    g.row_scale ? g.row_scale + r : nullptr, g.alpha);
@@ -167,13 +169,131 @@ void score_tile(const ScoreTileArgs& args) {
   }
 }
 
+// The 8 x 8 words of x[0..8) transposed in place: x[i] word j <-> x[j] word i.
+inline void transpose8(__m256i (&x)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = _mm256_castsi256_ps(x[2 * i]), b = _mm256_castsi256_ps(x[2 * i + 1]);
+    t[2 * i] = _mm256_unpacklo_ps(a, b);
+    t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int odd = 0; odd < 2; ++odd) {
+      const __m256 lo = t[4 * h + odd], hi = t[4 * h + 2 + odd];
+      u[4 * h + 2 * odd] = _mm256_shuffle_ps(lo, hi, 0x44);
+      u[4 * h + 2 * odd + 1] = _mm256_shuffle_ps(lo, hi, 0xEE);
+    }
+  }
+  // u[c] (c < 4) holds word c of rows 0..3 in its low lane and word c + 4 in its high one; u[c + 4]
+  // the same of rows 4..7: their low lanes make row c of the result, their high lanes row c + 4.
+  for (int c = 0; c < 4; ++c) {
+    x[c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+    x[c + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+  }
+}
+
+void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
+  __m256i x[8];
+  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) {
+    for (int64_t d0 = 0; d0 < words; d0 += 8) {
+      const int64_t count = std::min<int64_t>(8, words - d0);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int i = 0; i < 8; ++i) {
+        x[i] = n0 + i < valid ? _mm256_maskload_epi32(
+                                    reinterpret_cast<const int*>(rows[n0 + i] + 4 * d0), mask)
+                              : _mm256_setzero_si256();
+      }
+      transpose8(x);
+      for (int64_t c = 0; c < count; ++c) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp + (d0 + c) * kKeyTile + n0), x[c]);
+      }
+    }
+  }
+}
+
+// Up to 8 elements of a bf16 or fp16 row as float32 (exactly), zero after `count`.
+inline __m256i widen8(const char* src, int64_t count, DType dtype) {
+  __m128i h;
+  if (count == 8) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  } else {
+    alignas(16) uint16_t part[8] = {};
+    std::memcpy(part, src, 2 * count);
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+  }
+  if (dtype == DType::kFloat16) return _mm256_castps_si256(_mm256_cvtph_ps(h));
+  return _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+}
+
+// bf16 and fp16 rows: blocks of 8 rows x 8 elements widened in registers and transposed; other
+// types by the portable set (float32 rows are the plain transpose).
+void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
+                       const RowsAhead& ahead, uint32_t* kp) {
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    scalar::pack_widened_keys(rows, valid, dtype, n, ahead, kp);
+    return;
+  }
+  LinesAhead lines(ahead, (kKeyTile / 8) * ((n + 7) / 8));
+  __m256i x[8];
+  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) {
+    for (int64_t d0 = 0; d0 < n; d0 += 8) {
+      lines.next();
+      const int64_t count = std::min<int64_t>(8, n - d0);
+      for (int i = 0; i < 8; ++i) {
+        x[i] =
+            n0 + i < valid ? widen8(rows[n0 + i] + 2 * d0, count, dtype) : _mm256_setzero_si256();
+      }
+      transpose8(x);
+      for (int64_t c = 0; c < count; ++c) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp + (d0 + c) * kKeyTile + n0), x[c]);
+      }
+    }
+  }
+}
+
+// F16C's VCVTPH2PS for fp16, a 16-bit shift for bf16 (both exact), VCVTPD2PS for float64.
+void widen(const void* src, DType dtype, int64_t n, float* dst) {
+  int64_t i = 0;
+  switch (dtype) {
+    case DType::kFloat32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::kFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(dst + i,
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+      }
+      break;
+    }
+    case DType::kBFloat16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (; i + 8 <= n; i += 8) {
+        const __m256i w =
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+      }
+      break;
+    }
+    case DType::kFloat64: {
+      const double* s = static_cast<const double*>(src);
+      for (; i + 4 <= n; i += 4) _mm_storeu_ps(dst + i, _mm256_cvtpd_ps(_mm256_loadu_pd(s + i)));
+      break;
+    }
+  }
+  // The tail by the portable set.
+  const int64_t elem = dtype == DType::kFloat64 ? 8 : 2;
+  scalar::widen(static_cast<const char*>(src) + i * elem, dtype, n - i, dst + i);
+}
+
 }  // namespace
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{
-      "avx2",      Isa::kAvx2,     Word::kFloat32, 1,        1,         6,       1,
-      nullptr,     nullptr,        &gemm,          &softmax, &exp_rows, nullptr, &scalar::pack_keys,
-      &score_tile, &scalar::widen, row_ops(),      nullptr,  nullptr,   0};
+  static const KernelSet set{"avx2",  Isa::kAvx2, Word::kFloat32,    1,      1,         6,
+                             1,       nullptr,    nullptr,           &gemm,  &softmax,  &exp_rows,
+                             nullptr, &pack_keys, &score_tile,       &widen, row_ops(), nullptr,
+                             nullptr, 0,          &pack_widened_keys};
   return set;
 }
 

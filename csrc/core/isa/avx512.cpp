@@ -65,6 +65,38 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
   }
 }
 
+// bf16 and fp16 rows: blocks of 16 rows x 16 elements widened in registers and transposed; other
+// types by the portable set.
+void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
+                       const RowsAhead& ahead, uint32_t* kp) {
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    scalar::pack_widened_keys(rows, valid, dtype, n, ahead, kp);
+    return;
+  }
+  LinesAhead lines(ahead, (kKeyTile / 16) * ((n + 15) / 16));
+  __m512i in[16], out[16];
+  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 16) {
+    for (int64_t d0 = 0; d0 < n; d0 += 16) {
+      lines.next();
+      const int64_t count = std::min<int64_t>(16, n - d0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+      for (int i = 0; i < 16; ++i) {
+        if (n0 + i >= valid) {
+          in[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, rows[n0 + i] + 2 * d0);
+        in[i] = dtype == DType::kFloat16 ? _mm512_castps_si512(_mm512_cvtph_ps(h))
+                                         : _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+      }
+      transpose16(in, out);
+      for (int64_t c = 0; c < count; ++c) {
+        _mm512_storeu_si512(kp + (d0 + c) * kKeyTile + n0, out[c]);
+      }
+    }
+  }
+}
+
 // VCVTPH2PS (AVX-512F) for fp16, a 16-bit shift for bf16: both exact; VCVTPD2PS for float64.
 void widen(const void* src, DType dtype, int64_t n, float* dst) {
   int64_t i = 0;
@@ -127,7 +159,7 @@ const KernelSet& kernel_set() {
   static const KernelSet set{
       "avx512",    Isa::kAvx512, Word::kFloat32, 1,        1,         6,       1,
       nullptr,     nullptr,      &gemm,          &softmax, &exp_rows, nullptr, &pack_keys,
-      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0};
+      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0,       &pack_widened_keys};
   return set;
 }
 

@@ -352,7 +352,8 @@ const KernelSet& kernel_set() {
                              row_ops(),
                              &softmax_bf16,
                              &key_scores,
-                             8};
+                             8,
+                             nullptr};
   return set;
 }
 

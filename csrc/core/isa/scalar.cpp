@@ -106,11 +106,31 @@ void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* 
   }
 }
 
+void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
+                       const RowsAhead& ahead, uint32_t* kp) {
+  LinesAhead lines(ahead, kKeyTile);
+  const int64_t elem = dtype_size(dtype);
+  constexpr int64_t kChunk = 64;
+  float chunk[kChunk];
+  for (int64_t r = 0; r < kKeyTile; ++r) {
+    lines.next();
+    for (int64_t d0 = 0; d0 < n; d0 += kChunk) {
+      const int64_t count = std::min(kChunk, n - d0);
+      if (r < valid) {
+        widen(rows[r] + d0 * elem, dtype, count, chunk);
+      } else {
+        std::fill(chunk, chunk + count, 0.0f);
+      }
+      for (int64_t d = 0; d < count; ++d) std::memcpy(kp + (d0 + d) * kKeyTile + r, chunk + d, 4);
+    }
+  }
+}
+
 const KernelSet& kernel_set() {
   static const KernelSet set{
       "scalar",    Isa::kScalar, Word::kFloat32, 1,        1,         1,       1,
       nullptr,     nullptr,      &gemm,          &softmax, &exp_rows, nullptr, &pack_keys,
-      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0};
+      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0,       &pack_widened_keys};
   return set;
 }
 

@@ -13,6 +13,8 @@ namespace scalar {
 const KernelSet& kernel_set();
 void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp);
 void widen(const void* src, DType dtype, int64_t n, float* dst);
+void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
+                       const RowsAhead& ahead, uint32_t* kp);
 }  // namespace scalar
 
 #if defined(__x86_64__)

@@ -179,6 +179,14 @@ struct KernelSet {
   void (*key_scores)(const KeyScoresArgs& args);
   int64_t key_scores_rows;
 
+  // Key-tile packing of rows of `n` elements of `dtype` (unit stride) as float32 words, each
+  // element converted as widen does: kp[d][r] = float(rows[r][d]) for the first `valid` of
+  // kKeyTile rows, 0 for the others. The conversion and the transpose in one pass, with no
+  // staging copy. `ahead`: rows asked for from memory meanwhile (rows_ahead.h), empty for none.
+  // Set for float32 sets only.
+  void (*pack_widened_keys)(const char* const* rows, int64_t valid, DType dtype, int64_t n,
+                            const RowsAhead& ahead, uint32_t* kp);
+
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
 };

@@ -25,4 +25,20 @@ inline void for_each_row_block(int begin, int end, F&& f) {
   visit_remainder<kRows - 1>(end - row, row, f);
 }
 
+// Visits rows [begin, end) in the fewest blocks of at most kRows rows, their heights as even as
+// possible (8 rows: 4 + 4, not 6 + 2): a block of a few rows has too few independent
+// accumulators to hide the product's latency.
+template <int kRows, class F>
+inline void for_each_even_row_block(int begin, int end, F&& f) {
+  const int m = end - begin;
+  if (m <= 0) return;
+  const int blocks = (m + kRows - 1) / kRows;
+  int row = begin;
+  for (int i = 0; i < blocks; ++i) {
+    const int n = m / blocks + (i < m % blocks ? 1 : 0);
+    visit_remainder<kRows>(n, row, f);
+    row += n;
+  }
+}
+
 }  // namespace opmesh::core::kernels
