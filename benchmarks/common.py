@@ -84,7 +84,14 @@ def machine_info():
         "bf16_kernels": {kind: f"{c['kernel_set']} ({c['source']})" for kind, c in kernels.items()},
         "kernel_sets": [s["name"] for s in sets["sets"]],
         "amx_tiles": sets["amx_tiles"],
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)},
     }
+
+
+# Environment variables that hold a run below the machine's instruction sets: opmesh's kernel
+# level, ATen's vector kernels, oneDNN's and MKL's (torch.mm, SDPA). A tier the machine exceeds is
+# measured with all of them set (docs/benchmarks.md).
+ISA_CAPS = ("OPMESH_SIMD_MAX", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 RELEVANT_FLAGS = (
@@ -143,6 +150,9 @@ def write_results(name, rows, columns, notes=()):
         f"{info['bf16_kernels']['compute']}, memory {info['bf16_kernels']['memory']}",
         "",
     ]
+    if info["isa_caps"]:
+        caps = ", ".join(f"{k}={v}" for k, v in info["isa_caps"].items())
+        lines += [f"Instruction sets capped for this run: {caps}", ""]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:

@@ -49,14 +49,12 @@ struct Scratch {
         weights(rows * groups),
         scores(rows * kKeyTile),
         row(2 * words),
-        stage(kKeyTile * words),
         stats(3 * rows) {}
   AlignedBuffer<uint32_t> query;  // [groups][rows][depth] words
   AlignedBuffer<uint32_t> key;    // [depth][kKeyTile] words
   AlignedBuffer<float> weights;   // [rows][groups]
   AlignedBuffer<float> scores;    // [rows][kKeyTile]
   AlignedBuffer<float> row;       // one converted key row
-  AlignedBuffer<float> stage;     // widened key rows before their transpose
   std::vector<SoftmaxStats> stats;
 };
 

@@ -101,7 +101,6 @@ class TopKRun {
           weights(r.rows_ * r.groups_),
           scores(r.rows_ * kKeyTile),
           row(r.packer_.row_words()),
-          stage(r.packer_.stage_words()),
           best(r.rows_ * r.cap_),
           count(r.rows_),
           floor(r.rows_),
@@ -111,7 +110,6 @@ class TopKRun {
     AlignedBuffer<float> weights;   // [rows][groups]
     AlignedBuffer<float> scores;    // [rows][kKeyTile]
     AlignedBuffer<float> row;
-    AlignedBuffer<float> stage;
     AlignedBuffer<uint64_t> best;  // [rows][cap] candidates of each row
     std::vector<int64_t> count;    // candidates held per row
     std::vector<uint64_t> floor;   // per row: a candidate must rank above it to be kept

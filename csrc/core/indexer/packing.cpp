@@ -58,7 +58,7 @@ int64_t Packer::key_offset(const Sequence& seq, int64_t g, int64_t j) const {
 // Contiguous rows go through the kernel set's transpose: as they are when already in the word
 // type (float32, or bf16 pairs of an even D), else widened first.
 void Packer::pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, uint32_t* dst,
-                       float* stage, uint32_t* row) const {
+                       uint32_t* row) const {
   const View& ks = o_.key;
   if (ks.sd == 1 && (!bf16_pairs_ || o_.head_dim % 2 == 0)) {
     const bool direct = bf16_pairs_ || o_.qk_dtype == DType::kFloat32;
@@ -69,14 +69,11 @@ void Packer::pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count
           return static_cast<const char*>(o_.key.data) + key_offset(seq, g, key) * elem_;
         },
         rows);
-    for (int64_t j = 0; j < count; ++j) {
-      if (!direct) {
-        float* staged = stage + j * words_;
-        set_.widen(rows[j], o_.qk_dtype, o_.head_dim, staged);
-        rows[j] = reinterpret_cast<const char*>(staged);
-      }
+    if (direct) {
+      set_.pack_keys(rows, count, words_, dst);
+    } else {
+      set_.pack_widened_keys(rows, count, o_.qk_dtype, o_.head_dim, {}, dst);
     }
-    set_.pack_keys(rows, count, words_, dst);
     std::fill(dst + words_ * kKeyTile, dst + depth_ * kKeyTile, 0u);
     return;
   }

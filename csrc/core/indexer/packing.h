@@ -58,9 +58,8 @@ class Packer {
   int64_t words() const { return words_; }  // packed words per row
   int64_t depth() const { return depth_; }  // words_ padded to the set's depth_align
 
-  // Words of scratch pack_keys needs for `row` and `stage`.
+  // Words of scratch pack_keys needs for `row`.
   int64_t row_words() const { return 2 * words_; }
-  int64_t stage_words() const { return kernels::kKeyTile * words_; }
 
   // Query rows [p0, p0 + rows) of every query head of key head g into
   // query[h][r][depth] (row_capacity rows per head), their weights into weights[r][groups].
@@ -69,7 +68,7 @@ class Packer {
 
   // Keys [j0, j0 + count) of key head g transposed into dst[depth][kKeyTile], the rest zero.
   void pack_keys(const Sequence& seq, int64_t g, int64_t j0, int64_t count, uint32_t* dst,
-                 float* stage, uint32_t* row) const;
+                 uint32_t* row) const;
 
   // The scores of key tile [j0, j0 + kKeyTile) of key head g for rows [begin, end) of a unit
   // whose queries sc.query.data holds (row_capacity rows per head): the tile's keys packed into
@@ -79,7 +78,7 @@ class Packer {
   void score_rows(Scratch& sc, const Sequence& seq, int64_t g, int64_t j0, int64_t row_capacity,
                   int begin, int end) const {
     pack_keys(seq, g, j0, std::min<int64_t>(kernels::kKeyTile, seq.k_len - j0), sc.key.data(),
-              sc.stage.data(), reinterpret_cast<uint32_t*>(sc.row.data()));
+              reinterpret_cast<uint32_t*>(sc.row.data()));
     std::fill(sc.scores.data() + begin * kernels::kKeyTile,
               sc.scores.data() + end * kernels::kKeyTile, 0.0f);
     set_.score_tile({sc.query.data(), row_capacity, sc.key.data(), sc.weights.data(),

@@ -160,7 +160,7 @@ void score_tile(const ScoreTileArgs& args) {
     const float* qh = query + h * args.row_capacity * depth;
     for (int pass = 0; pass < kTile / (8 * kCols); ++pass) {
       const int col = pass * 8 * kCols;
-      for_each_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
+      for_each_even_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
         score_block<decltype(rows)::value>(qh + r * depth, depth, key + col,
                                            args.weights + r * args.groups + h, args.groups,
                                            args.scores + r * kTile + col);

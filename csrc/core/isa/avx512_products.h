@@ -59,7 +59,7 @@ struct Avx512Gemm {
   static void columns(const GemmArgs& g, int64_t col) {
     const Word* a = static_cast<const Word*>(g.a);
     const Word* b = static_cast<const Word*>(g.b) + col;
-    for_each_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+    for_each_even_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
       block<decltype(rows)::value, kCols>(a + r * g.lda, g.lda, b, g.ldb, g.depth,
                                           g.c + r * g.ldc + col, g.ldc,
                                           g.row_scale ? g.row_scale + r : nullptr, g.alpha);
@@ -131,7 +131,7 @@ struct Avx512Tile {
     const int64_t depth = args.depth;
     for (int h = 0; h < args.groups; ++h) {
       const Word* qh = query + h * args.row_capacity * depth;
-      for_each_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
+      for_each_even_row_block<6>(args.row_begin, args.row_end, [&](auto rows, int r) {
         block<decltype(rows)::value>(qh + r * depth, depth, key, args.weights + r * args.groups + h,
                                      args.groups, args.scores + r * kTile);
       });
