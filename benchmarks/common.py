@@ -89,9 +89,14 @@ def machine_info():
 
 
 # Environment variables that hold a run below the machine's instruction sets: opmesh's kernel
-# level, ATen's vector kernels, oneDNN's and MKL's (torch.mm, SDPA). A tier the machine exceeds is
-# measured with all of them set (docs/benchmarks.md).
-ISA_CAPS = ("OPMESH_SIMD_MAX", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# level, ATen's vector kernels, oneDNN's and MKL's (torch.mm, SDPA). Results of a run with any of
+# them set name them in their header (README: Performance, the AVX2 tier).
+ISA_CAPS = (
+    "OPMESH_SIMD_MAX",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 
 
 RELEVANT_FLAGS = (
