@@ -549,8 +549,10 @@ class Runner {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(
         static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
     if (row_scores(b)) {
-      k_.key_scores(
-          {sc.u->q.data(), dw_, keys, p_.k.ss / 2, s, ld, rows, dw_, score_alpha_, sc.keys_ahead});
+      // The keys' pair words per row: the query's words on pairs, half its float32 elements else.
+      const int64_t depth = pairs_ ? dw_ : d_ / 2;
+      k_.key_scores({sc.u->q.data(), dw_, keys, p_.k.ss / 2, s, ld, rows, depth, score_alpha_,
+                     sc.keys_ahead});
       sc.keys_ahead = {};
       return;
     }
@@ -690,7 +692,11 @@ class Runner {
     // their tiles together read whole rows; reading them in place beats packing them (measured on
     // decode, 32/8 heads). One rule for every stride keeps a unit's bits the same whatever the
     // layout and the plan.
-    return k.word == kernels::Word::kBf16Pair && p.dtype == DType::kBFloat16 &&
+    // A float32 set reads them in place only through key_scores, which then takes every decode
+    // (key_scores_rows >= 16), and widens them in registers.
+    const bool in_place =
+        k.word == kernels::Word::kBf16Pair || (k.key_scores != nullptr && k.key_scores_rows >= 16);
+    return in_place && p.dtype == DType::kBFloat16 &&
            p.config.head_dim % (2 * k.depth_align) == 0 && p.k.sd == 1 && words &&
            (!paged || p.block_size % kKeyTile == 0);
   }

@@ -252,6 +252,67 @@ void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int6
   }
 }
 
+// Lane r of the result: the sum of a[r]'s 8 lanes (a horizontal-add tree, 7 operations for 8
+// sums).
+inline __m256 sum_lanes8(const __m256 (&a)[8]) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// kRows float32 query rows (from row r0) against 8 bf16 key rows: each key's 8 elements at a time
+// widened in registers and multiplied into one accumulator per row, whose lanes are summed per
+// key; the 8 keys' sums are transposed into the rows' scores. Fewer than 8 rows take kKeys keys
+// at once, so that 8 independent accumulators hide the multiply-add's latency.
+template <int kRows>
+void key_block(const KeyScoresArgs& a, int64_t r0, int64_t n0, LinesAhead& ahead) {
+  constexpr int kKeys = kRows >= 8 ? 1 : kRows >= 4 ? 8 / kRows : 2;
+  const float* q = reinterpret_cast<const float*>(a.query) + r0 * a.ldq;
+  const int64_t elements = 2 * a.depth;
+  const int64_t full = elements / 8 * 8;
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(elements - full)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i sums[8];
+  for (int n = 0; n < 8; n += kKeys) {
+    const char* key[kKeys];
+    for (int i = 0; i < kKeys; ++i) {
+      ahead.next();
+      key[i] = reinterpret_cast<const char*>(a.keys + (n0 + n + i) * a.ldk);
+    }
+    __m256 acc[kKeys][8];
+    for (int i = 0; i < kKeys; ++i)
+      for (int r = 0; r < 8; ++r) acc[i][r] = _mm256_setzero_ps();
+    auto step = [&](int64_t e, int64_t count, auto&& load_query) {
+      for (int i = 0; i < kKeys; ++i) {
+        const __m256 k = _mm256_castsi256_ps(widen8(key[i] + 2 * e, count, DType::kBFloat16));
+        for (int r = 0; r < kRows; ++r) {
+          acc[i][r] = _mm256_fmadd_ps(load_query(q + r * a.ldq + e), k, acc[i][r]);
+        }
+      }
+    };
+    for (int64_t e = 0; e < full; e += 8)
+      step(e, 8, [](const float* x) { return _mm256_loadu_ps(x); });
+    if (full < elements) {
+      step(full, elements - full, [&](const float* x) { return _mm256_maskload_ps(x, tail); });
+    }
+    for (int i = 0; i < kKeys; ++i) {
+      sums[n + i] = _mm256_castps_si256(_mm256_mul_ps(_mm256_set1_ps(a.alpha), sum_lanes8(acc[i])));
+    }
+  }
+  transpose8(sums);  // sums[r]: row r's scores of the 8 keys
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(a.s + (r0 + r) * a.lds + n0, _mm256_castsi256_ps(sums[r]));
+  }
+}
+
+void key_scores(const KeyScoresArgs& a) {
+  const int blocks = (static_cast<int>(a.rows) + 7) / 8;
+  LinesAhead ahead(a.ahead, blocks * kKeyTile);
+  for_each_even_row_block<8>(0, static_cast<int>(a.rows), [&](auto rows, int r) {
+    for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) key_block<decltype(rows)::value>(a, r, n0, ahead);
+  });
+}
+
 // F16C's VCVTPH2PS for fp16, a 16-bit shift for bf16 (both exact), VCVTPD2PS for float64.
 void widen(const void* src, DType dtype, int64_t n, float* dst) {
   int64_t i = 0;
@@ -290,10 +351,10 @@ void widen(const void* src, DType dtype, int64_t n, float* dst) {
 }  // namespace
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{"avx2",  Isa::kAvx2, Word::kFloat32,    1,      1,         6,
-                             1,       nullptr,    nullptr,           &gemm,  &softmax,  &exp_rows,
-                             nullptr, &pack_keys, &score_tile,       &widen, row_ops(), nullptr,
-                             nullptr, 0,          &pack_widened_keys};
+  static const KernelSet set{
+      "avx2",      Isa::kAvx2, Word::kFloat32, 1,        1,           6,       1,
+      nullptr,     nullptr,    &gemm,          &softmax, &exp_rows,   nullptr, &pack_keys,
+      &score_tile, &widen,     row_ops(),      nullptr,  &key_scores, 16,      &pack_widened_keys};
   return set;
 }
 

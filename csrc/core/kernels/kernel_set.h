@@ -41,7 +41,9 @@ struct GemmArgs {
 // Scores of a few query rows against kKeyTile key rows read where they lie (decode):
 //   s[r][n] = alpha * sum_w query[r][w] . key_n[w]   for r < rows, n < kKeyTile,
 // key n at keys + n * ldk words, `depth` words per row (no padding needed: words past depth are
-// not read). `ahead`: rows the caller reads next, asked for from memory between the products
+// not read). The key rows are bf16 pairs; so is the query on a bf16-pair set, while a float32
+// set takes float32 query rows of 2 * depth elements (ldq floats apart) and widens the keys in
+// registers. `ahead`: rows the caller reads next, asked for from memory between the products
 // (rows_ahead.h); empty for none.
 struct KeyScoresArgs {
   const uint32_t* query;  // [rows][ldq] words
@@ -172,10 +174,10 @@ struct KernelSet {
   void (*softmax_bf16)(float* s, int64_t rows, int64_t cols, float scale, float* m, float* l,
                        float* correction, uint16_t* p16);
 
-  // Decode's scores from key rows in place, one dot product per (row, key) along the depth; null
-  // where the set has none (flash attention then runs its GEMM on the keys as rows and
-  // transposes). Set for bf16-pair sets only; `key_scores_rows` is the most rows it beats that
-  // GEMM for (measured).
+  // Decode's scores from bf16 key rows in place, one dot product per (row, key) along the depth;
+  // null where the set has none (flash attention then runs its GEMM on the keys as rows and
+  // transposes, on a pair set, or packs the keys). `key_scores_rows` is the most rows it beats
+  // that GEMM for (measured); a float32 set, which has no such GEMM, takes every decode's 16.
   void (*key_scores)(const KeyScoresArgs& args);
   int64_t key_scores_rows;
 
