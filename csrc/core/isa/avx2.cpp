@@ -11,6 +11,7 @@
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_blocks.h"
 #include "row_ops.h"
+#include "row_packing.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::avx2 {
@@ -169,47 +170,31 @@ void score_tile(const ScoreTileArgs& args) {
   }
 }
 
-// The 8 x 8 words of x[0..8) transposed in place: x[i] word j <-> x[j] word i.
-inline void transpose8(__m256i (&x)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 a = _mm256_castsi256_ps(x[2 * i]), b = _mm256_castsi256_ps(x[2 * i + 1]);
-    t[2 * i] = _mm256_unpacklo_ps(a, b);
-    t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
-  }
-  for (int h = 0; h < 2; ++h) {
-    for (int odd = 0; odd < 2; ++odd) {
-      const __m256 lo = t[4 * h + odd], hi = t[4 * h + 2 + odd];
-      u[4 * h + 2 * odd] = _mm256_shuffle_ps(lo, hi, 0x44);
-      u[4 * h + 2 * odd + 1] = _mm256_shuffle_ps(lo, hi, 0xEE);
-    }
-  }
-  // u[c] (c < 4) holds word c of rows 0..3 in its low lane and word c + 4 in its high one; u[c + 4]
-  // the same of rows 4..7: their low lanes make row c of the result, their high lanes row c + 4.
-  for (int c = 0; c < 4; ++c) {
-    x[c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
-    x[c + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
-  }
+// The 4 x 4 words of a[0..4) transposed within each 128-bit lane: a[i] word j <-> a[j] word i.
+inline void transpose4_in_lanes(__m256* a) {
+  const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(a[0], a[1]));
+  const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(a[0], a[1]));
+  const __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(a[2], a[3]));
+  const __m256d t3 = _mm256_castps_pd(_mm256_unpackhi_ps(a[2], a[3]));
+  a[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
+  a[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+  a[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+  a[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
 }
 
-void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
-  __m256i x[8];
-  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) {
-    for (int64_t d0 = 0; d0 < words; d0 += 8) {
-      const int64_t count = std::min<int64_t>(8, words - d0);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      for (int i = 0; i < 8; ++i) {
-        x[i] = n0 + i < valid ? _mm256_maskload_epi32(
-                                    reinterpret_cast<const int*>(rows[n0 + i] + 4 * d0), mask)
-                              : _mm256_setzero_si256();
-      }
-      transpose8(x);
-      for (int64_t c = 0; c < count; ++c) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp + (d0 + c) * kKeyTile + n0), x[c]);
-      }
-    }
+// The 8 x 8 words of x[0..8) transposed in place (x[i] word j <-> x[j] word i): rows i and i + 4
+// exchange halves, so that a[i] holds words 0..3 of both and a[i + 4] words 4..7; then 4 x 4
+// transposes within the lanes leave column c (c < 4) in a[c] and column c + 4 in a[c + 4].
+inline void transpose8(__m256i (&x)[8]) {
+  __m256 a[8];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 lo = _mm256_castsi256_ps(x[i]), hi = _mm256_castsi256_ps(x[i + 4]);
+    a[i] = _mm256_permute2f128_ps(lo, hi, 0x20);
+    a[i + 4] = _mm256_permute2f128_ps(lo, hi, 0x31);
   }
+  transpose4_in_lanes(a);
+  transpose4_in_lanes(a + 4);
+  for (int i = 0; i < 8; ++i) x[i] = _mm256_castps_si256(a[i]);
 }
 
 // Up to 8 elements of a bf16 or fp16 row as float32 (exactly), zero after `count`.
@@ -226,31 +211,24 @@ inline __m256i widen8(const char* src, int64_t count, DType dtype) {
   return _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
 }
 
-// bf16 and fp16 rows: blocks of 8 rows x 8 elements widened in registers and transposed; other
-// types by the portable set (float32 rows are the plain transpose).
-void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
-                       const RowsAhead& ahead, uint32_t* kp) {
-  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
-    scalar::pack_widened_keys(rows, valid, dtype, n, ahead, kp);
-    return;
+// The words of a float32 set in ymm registers (row_packing.h).
+struct Avx2Words {
+  static constexpr int kLanes = 8;
+  using Int = __m256i;
+  static Int zero() { return _mm256_setzero_si256(); }
+  static Int load_words(const char* p, int64_t count) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), mask);
   }
-  LinesAhead lines(ahead, (kKeyTile / 8) * ((n + 7) / 8));
-  __m256i x[8];
-  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) {
-    for (int64_t d0 = 0; d0 < n; d0 += 8) {
-      lines.next();
-      const int64_t count = std::min<int64_t>(8, n - d0);
-      for (int i = 0; i < 8; ++i) {
-        x[i] =
-            n0 + i < valid ? widen8(rows[n0 + i] + 2 * d0, count, dtype) : _mm256_setzero_si256();
-      }
-      transpose8(x);
-      for (int64_t c = 0; c < count; ++c) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(kp + (d0 + c) * kKeyTile + n0), x[c]);
-      }
-    }
+  static Int widen(const char* p, int64_t count, DType dtype) { return widen8(p, count, dtype); }
+  static void store(uint32_t* p, Int x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+  static void transpose(Int (&x)[kLanes]) { transpose8(x); }
+  static void narrow_f64(const double* src, float* dst) {
+    _mm_storeu_ps(dst, _mm256_cvtpd_ps(_mm256_loadu_pd(src)));
   }
-}
+};
+using Packing = RowPacking<Avx2Words>;
 
 // Lane r of the result: the sum of a[r]'s 8 lanes (a horizontal-add tree, 7 operations for 8
 // sums).
@@ -313,48 +291,30 @@ void key_scores(const KeyScoresArgs& a) {
   });
 }
 
-// F16C's VCVTPH2PS for fp16, a 16-bit shift for bf16 (both exact), VCVTPD2PS for float64.
-void widen(const void* src, DType dtype, int64_t n, float* dst) {
-  int64_t i = 0;
-  switch (dtype) {
-    case DType::kFloat32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case DType::kFloat16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (; i + 8 <= n; i += 8) {
-        _mm256_storeu_ps(dst + i,
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-      }
-      break;
-    }
-    case DType::kBFloat16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (; i + 8 <= n; i += 8) {
-        const __m256i w =
-            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-      }
-      break;
-    }
-    case DType::kFloat64: {
-      const double* s = static_cast<const double*>(src);
-      for (; i + 4 <= n; i += 4) _mm_storeu_ps(dst + i, _mm256_cvtpd_ps(_mm256_loadu_pd(s + i)));
-      break;
-    }
-  }
-  // The tail by the portable set.
-  const int64_t elem = dtype == DType::kFloat64 ? 8 : 2;
-  scalar::widen(static_cast<const char*>(src) + i * elem, dtype, n - i, dst + i);
-}
-
 }  // namespace
 
 const KernelSet& kernel_set() {
-  static const KernelSet set{
-      "avx2",      Isa::kAvx2, Word::kFloat32, 1,        1,           6,       1,
-      nullptr,     nullptr,    &gemm,          &softmax, &exp_rows,   nullptr, &pack_keys,
-      &score_tile, &widen,     row_ops(),      nullptr,  &key_scores, 16,      &pack_widened_keys};
+  static const KernelSet set{"avx2",
+                             Isa::kAvx2,
+                             Word::kFloat32,
+                             1,
+                             1,
+                             6,
+                             1,
+                             nullptr,
+                             nullptr,
+                             &gemm,
+                             &softmax,
+                             &exp_rows,
+                             nullptr,
+                             &Packing::pack_keys,
+                             &score_tile,
+                             &Packing::widen,
+                             row_ops(),
+                             nullptr,
+                             &key_scores,
+                             16,
+                             &Packing::pack_widened_keys};
   return set;
 }
 

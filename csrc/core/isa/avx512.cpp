@@ -9,6 +9,7 @@
 #include "avx512_products.h"
 #include "avx512_softmax.h"
 #include "row_ops.h"
+#include "row_packing.h"
 #include "sets.h"
 
 namespace opmesh::core::kernels::avx512 {
@@ -45,92 +46,46 @@ inline void transpose16(const __m512i in[16], __m512i out[16]) {
   }
 }
 
+// The words of a float32 set in zmm registers (row_packing.h).
+struct Avx512Words {
+  static constexpr int kLanes = 16;
+  using Int = __m512i;
+  static Int zero() { return _mm512_setzero_si512(); }
+  static __mmask16 first(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+  static Int load_words(const char* p, int64_t count) {
+    return _mm512_maskz_loadu_epi32(first(count), p);
+  }
+  // VCVTPH2PS for fp16, a 16-bit shift for bf16: both exact.
+  static Int widen(const char* p, int64_t count, DType dtype) {
+    const __m256i h = _mm256_maskz_loadu_epi16(first(count), p);
+    return dtype == DType::kFloat16 ? _mm512_castps_si512(_mm512_cvtph_ps(h))
+                                    : _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+  }
+  static void store(uint32_t* p, Int x) { _mm512_storeu_si512(p, x); }
+  static void transpose(Int (&x)[kLanes]) {
+    Int out[kLanes];
+    transpose16(x, out);
+    std::copy(out, out + kLanes, x);
+  }
+  static void narrow_f64(const double* src, float* dst) {
+    _mm256_storeu_ps(dst, _mm512_cvtpd_ps(_mm512_loadu_pd(src)));
+  }
+};
+using Packing = RowPacking<Avx512Words>;
+
+void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
+                       const RowsAhead& ahead, uint32_t* kp) {
+  Packing::pack_widened_keys(rows, valid, dtype, n, ahead, kp);
+}
+
 }  // namespace
 
 void pack_keys(const char* const* rows, int64_t valid, int64_t words, uint32_t* kp) {
-  __m512i in[16], out[16];
-  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 16) {
-    for (int64_t d0 = 0; d0 < words; d0 += 16) {
-      const int64_t count = std::min<int64_t>(16, words - d0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-      for (int i = 0; i < 16; ++i) {
-        in[i] = n0 + i < valid ? _mm512_maskz_loadu_epi32(mask, rows[n0 + i] + 4 * d0)
-                               : _mm512_setzero_si512();
-      }
-      transpose16(in, out);
-      for (int64_t c = 0; c < count; ++c) {
-        _mm512_storeu_si512(kp + (d0 + c) * kKeyTile + n0, out[c]);
-      }
-    }
-  }
+  Packing::pack_keys(rows, valid, words, kp);
 }
 
-// bf16 and fp16 rows: blocks of 16 rows x 16 elements widened in registers and transposed; other
-// types by the portable set.
-void pack_widened_keys(const char* const* rows, int64_t valid, DType dtype, int64_t n,
-                       const RowsAhead& ahead, uint32_t* kp) {
-  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
-    scalar::pack_widened_keys(rows, valid, dtype, n, ahead, kp);
-    return;
-  }
-  LinesAhead lines(ahead, (kKeyTile / 16) * ((n + 15) / 16));
-  __m512i in[16], out[16];
-  for (int64_t n0 = 0; n0 < kKeyTile; n0 += 16) {
-    for (int64_t d0 = 0; d0 < n; d0 += 16) {
-      lines.next();
-      const int64_t count = std::min<int64_t>(16, n - d0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
-      for (int i = 0; i < 16; ++i) {
-        if (n0 + i >= valid) {
-          in[i] = _mm512_setzero_si512();
-          continue;
-        }
-        const __m256i h = _mm256_maskz_loadu_epi16(mask, rows[n0 + i] + 2 * d0);
-        in[i] = dtype == DType::kFloat16 ? _mm512_castps_si512(_mm512_cvtph_ps(h))
-                                         : _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-      }
-      transpose16(in, out);
-      for (int64_t c = 0; c < count; ++c) {
-        _mm512_storeu_si512(kp + (d0 + c) * kKeyTile + n0, out[c]);
-      }
-    }
-  }
-}
-
-// VCVTPH2PS (AVX-512F) for fp16, a 16-bit shift for bf16: both exact; VCVTPD2PS for float64.
 void widen(const void* src, DType dtype, int64_t n, float* dst) {
-  int64_t i = 0;
-  switch (dtype) {
-    case DType::kFloat32:
-      std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case DType::kFloat16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (; i + 16 <= n; i += 16) {
-        _mm512_storeu_ps(
-            dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
-      }
-      break;
-    }
-    case DType::kBFloat16: {
-      const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (; i + 16 <= n; i += 16) {
-        const __m512i w =
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-      }
-      break;
-    }
-    case DType::kFloat64: {
-      const double* s = static_cast<const double*>(src);
-      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm512_cvtpd_ps(_mm512_loadu_pd(s + i)));
-      break;
-    }
-  }
-  // The tail by the portable set (built without AVX-512 flags, like every inline helper the
-  // sets could otherwise share across translation units of different flags).
-  const size_t elem = dtype == DType::kFloat64 ? 8 : 2;
-  scalar::widen(static_cast<const char*>(src) + i * elem, dtype, n - i, dst + i);
+  Packing::widen(src, dtype, n, dst);
 }
 
 void softmax(float* s, int64_t rows, int64_t cols, float* m, float* l, float* correction) {
