@@ -671,8 +671,8 @@ class Runner {
   // rows (decode), the score product reads the key rows where they lie, as the A operand (S^T = K
   // Q^T), instead of packing each key tile first; only the values are packed.
   bool direct_keys_;
-  // The float32 kernels on contiguous rows of a narrower type: pack_tile converts the rows through
-  // a staging buffer, asking for the next block's rows from memory meanwhile.
+  // The float32 kernels on contiguous rows of a narrower type: pack_tile converts the rows as it
+  // packs them, asking for the next block's rows from memory meanwhile.
   bool widens_rows_;
   int64_t side_heads_ = 1;  // side_by_side_heads()
 

@@ -1,6 +1,6 @@
-// Register-blocking helper shared by the micro-kernels: visits rows [begin, end) in blocks of
-// kRows, then one smaller block for the remainder, passing the block height as a compile-time
-// constant so each height gets its own fully unrolled code.
+// Register-blocking helper shared by the micro-kernels: visits rows [begin, end) in blocks of at
+// most kRows, passing each block's height as a compile-time constant so each height gets its own
+// fully unrolled code.
 #pragma once
 
 #include <type_traits>
@@ -16,13 +16,6 @@ inline void visit_remainder(int count, int row, F& f) {
       visit_remainder<kRows - 1>(count, row, f);
     }
   }
-}
-
-template <int kRows, class F>
-inline void for_each_row_block(int begin, int end, F&& f) {
-  int row = begin;
-  for (; row + kRows <= end; row += kRows) f(std::integral_constant<int, kRows>{}, row);
-  visit_remainder<kRows - 1>(end - row, row, f);
 }
 
 // Visits rows [begin, end) in the fewest blocks of at most kRows rows, their heights as even as
