@@ -421,6 +421,27 @@ TEST(SparseKlLoss, MatchesTheFormulaOnSubsetsOnEveryWorkerCount) {
   }
 }
 
+// The second pass takes the index scores' signs kept by the first, or recomputes them when they
+// do not fit the budget: the same bits either way, on every kernel set and selection.
+TEST(SparseKlLoss, KeptAndRecomputedSignsGiveTheSameBits) {
+  Problem x = make(7);
+  statistics(x);
+  auto choose = [](int64_t t, int64_t n, int64_t j) { return (t * 5 + j * 3 + n) % 7 < 4; };
+  for (int64_t heads : {kN2i, int64_t{1}}) {
+    const Indices ix = make_indices(x, heads, choose);
+    for (Isa isa : supported_isas()) {
+      SCOPED_TRACE(isa_name(isa));
+      Output kept, recomputed;
+      sparse_lightning_indexer_grad_kl_loss(sparse_params(x, kept, ix), ThreadExecutor(3), isa);
+      SparseKlLossParams p = sparse_params(x, recomputed, ix);
+      p.sign_budget_bytes = 0;
+      sparse_lightning_indexer_grad_kl_loss(p, ThreadExecutor(3), isa);
+      expect_same(kept, recomputed);
+      EXPECT_TRUE(std::any_of(kept.dki.begin(), kept.dki.end(), [](float v) { return v != 0.0f; }));
+    }
+  }
+}
+
 TEST(SparseKlLoss, ErrorsNameTheArgument) {
   Problem x = make(7);
   statistics(x);

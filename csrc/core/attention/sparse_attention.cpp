@@ -118,7 +118,7 @@ class Forward {
   // and statistics, or with `slot` the unnormalised partial result (m, l, o) there.
   void row(Scratch& sc, const Sequence& s, int64_t i, int64_t g, int64_t k0 = 0, int64_t k1 = -1,
            float* slot = nullptr) const {
-    keys_.select(s, i, g, sc.keys);
+    keys_.select(s, i, g, nullptr, sc.keys);
     const int64_t size = static_cast<int64_t>(sc.keys.size());
     const int64_t end = k1 < 0 ? size : std::min(k1, size);
     std::fill(sc.m.begin(), sc.m.end(), -kInf);
@@ -127,7 +127,10 @@ class Forward {
     if (k0 < end) pack_queries(sc, s, i, g);
     for (int64_t c0 = k0; c0 < end; c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, end - c0);
-      pack(sc, sc.keys.data() + c0, n);
+      const int64_t next = std::min<int64_t>(kKeyTile, std::max<int64_t>(end - c0 - n, 0));
+      sparse::ChunkAhead ahead(keys_, sc.keys.data() + c0 + n, next, dtype_size(p_.dtype),
+                               p_.head_dim, p_.rope_dim, p_.value_dim, n);
+      pack(sc, sc.keys.data() + c0, n, ahead);
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
@@ -216,10 +219,12 @@ class Forward {
 
   // Keys and values of n selected keys as bf16 pairs: keys packed [dw][64], values with keys
   // 2l and 2l + 1 interleaved element by element.
-  void pack_pairs(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
+  void pack_pairs(Scratch& sc, const sparse::KeyRef* keys, int64_t n,
+                  sparse::ChunkAhead& ahead) const {
     const char* rows[kKeyTile];
     uint32_t* stage = reinterpret_cast<uint32_t*>(sc.stage.data());
     for (int64_t c = 0; c < n; ++c) {
+      ahead.next();
       const sparse::KeySource& src = keys_.source(keys[c].source);
       uint32_t* words = stage + c * dw_;
       std::fill(words, words + dw_, 0u);
@@ -254,10 +259,11 @@ class Forward {
   }
 
   // Keys and values of n selected keys: keys transposed into kp, values as rows of vp.
-  void pack(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
-    if (pairs_) return pack_pairs(sc, keys, n);
+  void pack(Scratch& sc, const sparse::KeyRef* keys, int64_t n, sparse::ChunkAhead& ahead) const {
+    if (pairs_) return pack_pairs(sc, keys, n, ahead);
     const char* rows[kKeyTile];
     for (int64_t c = 0; c < n; ++c) {
+      ahead.next();
       const sparse::KeySource& src = keys_.source(keys[c].source);
       float* dst = sc.stage.data() + c * dqk_;
       sparse::load(k_, src.key.data, p_.dtype, keys[c].key, src.key.sd, p_.head_dim, dst);

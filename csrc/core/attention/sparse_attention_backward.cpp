@@ -148,12 +148,12 @@ class Backward {
       }
       if (p_.sinks != nullptr) sink_share_[row + r] = -std::exp(p_.sinks[h] - lse[r]) * delta[r];
     }
-    keys_.select(s, i, g, sc.keys);
+    keys_.select(s, i, g, nullptr, sc.keys);
     float* dq = sc.acc.data();
     std::fill(dq, dq + g_ * dq16_, 0.0f);
     for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
-      probabilities(sc, sc.keys.data() + c0, n, lse, delta, true);
+      probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta, true);
       // dq += scale dS K
       if (pairs_) {
         k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
@@ -180,20 +180,18 @@ class Backward {
                 int64_t j1) const {
     const int64_t n_keys = j1 - j0;
     std::vector<float> dk(n_keys * dq16_, 0.0f), dv(n_keys * dv16_, 0.0f);
+    const sparse::KeyWindow window{k, j0, j1};
     for (int64_t i = 0; i < s.q_len; ++i) {
       if (!keys_.may_select(s, i, k, j0, j1)) continue;
-      keys_.select(s, i, g, sc.keys);
-      sc.hits.clear();
-      for (const sparse::KeyRef& ref : sc.keys) {
-        if (ref.source == k && ref.j >= j0 && ref.j < j1) sc.hits.push_back(ref);
-      }
+      keys_.select(s, i, g, &window, sc.hits);
       if (sc.hits.empty()) continue;
       load_token(sc, s, i, g, true);
       const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t n = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
         const sparse::KeyRef* hits = sc.hits.data() + c0;
-        probabilities(sc, hits, n, lse_.data() + row, delta_.data() + row, false);
+        probabilities(sc, hits, n, next_chunk(sc.hits, c0 + n), lse_.data() + row,
+                      delta_.data() + row, false);
         // dV rows += P^T dout; dK rows += scale dS^T Q.
         const float* tv = sc.acc.data();
         const float* tk = pairs_ ? sc.acc2.data() : sc.acc.data();
@@ -327,14 +325,27 @@ class Backward {
     std::fill(d + a.n + b.n, d + width, 0.0f);
   }
 
-  // For n keys of one chunk: their rows and transposes (with `key_pairs` on bf16 pairs, the keys
+  // Up to a tile of keys from `from` of a row's selection (none past its end).
+  struct Chunk {
+    const sparse::KeyRef* keys;
+    int64_t n;
+  };
+  static Chunk next_chunk(const std::vector<sparse::KeyRef>& keys, size_t from) {
+    const int64_t left = from < keys.size() ? static_cast<int64_t>(keys.size() - from) : 0;
+    return {keys.data() + std::min(from, keys.size()), std::min(kKeyTile, left)};
+  }
+
+  // For n keys of one chunk (with the next chunk asked for while they load): their rows and transposes (with `key_pairs` on bf16 pairs, the keys
   // as key pairs too), P = exp(scale q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp
   // (columns past n are 0).
-  void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const float* lse,
-                     const float* delta, bool key_pairs) const {
+  void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
+                     const float* lse, const float* delta, bool key_pairs) const {
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
+    sparse::ChunkAhead ahead(keys_, next.keys, next.n, dtype_size(p_.dtype), p_.head_dim,
+                             p_.rope_dim, p_.value_dim, n);
     for (int64_t c = 0; c < n; ++c) {
+      ahead.next();
       load_key(sc, c, keys[c]);
       krows[c] = reinterpret_cast<const char*>(sc.krow.data() + c * dw_);
       vrows[c] = reinterpret_cast<const char*>(sc.vrow.data() + c * dwv_);

@@ -81,6 +81,19 @@ struct KeyRef {
   int64_t value;
 };
 
+// Keys [j0, j1) of source k: the part of each row's selection one key block of the backward
+// takes.
+struct KeyWindow {
+  int source;
+  int64_t j0, j1;
+
+  // The visible range vis of source k cut to the window (empty for another source).
+  KeyRange cut(int k, const KeyRange& vis) const {
+    if (k != source) return {0, 0};
+    return {std::max(vis.begin, j0), std::min(vis.end, j1)};
+  }
+};
+
 // Which keys each query row attends to, and where their gradients go: what sparse_flash_attention
 // (one key tensor, sparse_indices) and sparse_flash_mla (a window of ori_kv and cmp_kv's entries)
 // tell the shared forward and backward.
@@ -91,8 +104,10 @@ class KeySelector {
   virtual const KeySource& source(int k) const = 0;
   // Source k's sequences, indexed like the query sequences (by Sequence::batch).
   virtual const std::vector<Sequence>& key_sequences(int k) const = 0;
-  // The keys row (s, i) selects for key head g, in selection order, no key twice.
-  virtual void select(const Sequence& s, int64_t i, int64_t g, std::vector<KeyRef>& out) const = 0;
+  // The keys row (s, i) selects for key head g, in selection order, no key twice; with a
+  // window, only those of its source within its positions (in the same order).
+  virtual void select(const Sequence& s, int64_t i, int64_t g, const KeyWindow* window,
+                      std::vector<KeyRef>& out) const = 0;
   // False only when row (s, i) selects none of keys [j0, j1) of source k.
   virtual bool may_select(const Sequence& s, int64_t i, int k, int64_t j0, int64_t j1) const = 0;
   // Writes key j's gradients (key part dqk floats: key | rope; value part dv floats) of source
@@ -144,9 +159,11 @@ class IndexedKeys final : public KeySelector {
   const KeySource& source(int) const override { return source_; }
   const std::vector<Sequence>& key_sequences(int) const override { return seqs_; }
 
-  void select(const Sequence& s, int64_t i, int64_t g, std::vector<KeyRef>& out) const override {
+  void select(const Sequence& s, int64_t i, int64_t g, const KeyWindow* window,
+              std::vector<KeyRef>& out) const override {
     out.clear();
-    const KeyRange vis = visible_keys(mask_, s, i);
+    KeyRange vis = visible_keys(mask_, s, i);
+    if (window != nullptr) vis = window->cut(0, vis);
     if (vis.end <= vis.begin) return;
     const View& st = p_.indices;
     const int64_t n = p_.index_heads == 1 ? 0 : g;
@@ -187,6 +204,42 @@ class IndexedKeys final : public KeySelector {
   Mask mask_;
   const SparseAttentionGrads* grads_;
   KeySource source_;
+};
+
+// The next chunk of a row's selected keys asked for from memory while the current chunk's rows
+// load, a few lines per loaded row (`steps` of them): the selection gathers rows from anywhere in
+// the key tensors, a pattern the hardware prefetchers do not follow. Rows read with a stride are
+// not asked for.
+class ChunkAhead {
+ public:
+  ChunkAhead(const KeySelector& keys, const KeyRef* next, int64_t n, int64_t elem_bytes,
+             int64_t key_dim, int64_t rope_dim, int64_t value_dim, int64_t steps) {
+    int64_t counts[3] = {0, 0, 0};
+    for (int64_t c = 0; c < n; ++c) {
+      const KeySource& src = keys.source(next[c].source);
+      add(src.key, next[c].key, elem_bytes, counts[0], rows_[0]);
+      if (rope_dim > 0) add(src.rope, next[c].rope, elem_bytes, counts[1], rows_[1]);
+      add(src.value, next[c].value, elem_bytes, counts[2], rows_[2]);
+    }
+    const int64_t dims[3] = {key_dim, rope_dim, value_dim};
+    for (int t = 0; t < 3; ++t) {
+      lines_[t] = kernels::LinesAhead({rows_[t], counts[t], dims[t] * elem_bytes}, steps);
+    }
+  }
+
+  void next() {
+    for (kernels::LinesAhead& l : lines_) l.next();
+  }
+
+ private:
+  static void add(const View& v, int64_t offset, int64_t elem_bytes, int64_t& count,
+                  const char** rows) {
+    if (v.sd != 1) return;
+    rows[count++] = static_cast<const char*>(v.data) + offset * elem_bytes;
+  }
+
+  const char* rows_[3][kernels::kKeyTile];  // key, rope and value rows
+  kernels::LinesAhead lines_[3];
 };
 
 // The shared kernels. `p` gives the query side, the heads, dims, scale, sinks and outputs (its

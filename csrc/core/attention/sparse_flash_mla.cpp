@@ -254,14 +254,15 @@ class MlaKeySelector final : public sparse::KeySelector {
     return k == 0 ? seqs_.ori : seqs_.cmp;
   }
 
-  void select(const Sequence& s, int64_t i, int64_t g,
+  void select(const Sequence& s, int64_t i, int64_t g, const sparse::KeyWindow* window,
               std::vector<sparse::KeyRef>& out) const override {
     out.clear();
     for (int k = 0; k < 2; ++k) {
       const MlaKeys& side = *sides_[k];
       if (!side.present) continue;
       const Sequence& ks = key_sequences(k)[s.batch];
-      const KeyRange vis = visible_keys(masks_[k], ks, i);
+      KeyRange vis = visible_keys(masks_[k], ks, i);
+      if (window != nullptr) vis = window->cut(k, vis);
       if (vis.end <= vis.begin) continue;
       auto add = [&](int64_t j) {
         const int64_t at = sparse::key_row_offset(side.kv, p_.layout_kv, ks, j, g, side.block_table,

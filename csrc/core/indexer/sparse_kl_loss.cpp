@@ -59,10 +59,13 @@ class SparseKl {
         dip_(round_up(p_.index_dim, 16)),
         dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)),
         diw_(round_up((p_.index_dim + 1) / 2, ki_.depth_align)),
-        head_pairs_(ipairs_ ? round_up(ig_, kKeyTile) : 0) {
+        head_pairs_(ipairs_ ? round_up(ig_, kKeyTile) : 0),
+        sign_width_((ig_ + 7) / 8) {
     const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
     active_.assign(rows * p_.index_heads_k, 0);
     d_index_.assign(rows * p_.index_heads_k * sp_.sparse_count, 0.0f);
+    const int64_t sign_bytes = rows * p_.index_heads_k * sp_.sparse_count * sign_width_;
+    if (sign_bytes <= sp_.sign_budget_bytes) signs_.assign(sign_bytes, 0);
   }
 
   const std::vector<Sequence>& sequences() const { return seqs_; }
@@ -116,7 +119,8 @@ class SparseKl {
     std::vector<float> row_keys;  // [padded][dip] the row's selected index key rows
     std::vector<int32_t> keys, entries;
     std::vector<float> key_grad;  // pass 2: [keys][dip]
-    std::vector<int32_t> hits;
+    std::vector<int32_t> hits, hit_entries;
+    std::vector<uint8_t> sign_rows;  // [sign bytes][keys] signs of a row's keys, byte-major
     std::vector<float> hit_d;
     // bf16 inputs on pair kernels: the main score product's operands as bf16 pairs.
     AlignedBuffer<uint32_t> qp;      // [N1 (+16 readable)][dmw] main query rows (query | rope)
@@ -184,11 +188,13 @@ class SparseKl {
       const float* d = d_index_.data() + drow * sp_.sparse_count;
       sc.hits.clear();
       sc.hit_d.clear();
+      sc.hit_entries.clear();
       for (int64_t e = 0; e < sp_.sparse_count; ++e) {
         const int64_t v = idx[e * sp_.indices.sd];
         if (v >= lo && v < hi) {
           sc.hits.push_back(static_cast<int32_t>(v));
           sc.hit_d.push_back(d[e]);
+          sc.hit_entries.push_back(static_cast<int32_t>(e));
         }
       }
       if (sc.hits.empty()) continue;
@@ -197,14 +203,19 @@ class SparseKl {
       const float* w = sc.w.data() + g * ig_;
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
-        // Index scores [ig][64], the coefficients dI w [S > 0] in the same layout, then
-        // d_key_index rows += coef^T x query rows.
-        float* st = sc.acc.data();
-        index_product(sc, s, g, sc.hits.data() + c0, m, st, kKeyTile, nullptr);
+        // The coefficients dI w [S > 0] [ig][64] (from the kept signs, or from the index scores
+        // recomputed in the same layout), then d_key_index rows += coef^T x query rows.
         std::fill(sc.hit_d.begin() + c0 + m, sc.hit_d.begin() + c0 + kKeyTile, 0.0f);
         float* coef = sc.coef.data();
-        for (int64_t h = 0; h < ig_; ++h) {
-          k_.rows.masked_scale(st + h * kKeyTile, sc.hit_d.data() + c0, w[h], coef + h * kKeyTile);
+        if (!signs_.empty()) {
+          kept_coefficients(sc, drow, c0, m, w, coef);
+        } else {
+          float* st = sc.acc.data();
+          index_product(sc, s, g, sc.hits.data() + c0, m, st, kKeyTile, nullptr);
+          for (int64_t h = 0; h < ig_; ++h) {
+            k_.rows.masked_scale(st + h * kKeyTile, sc.hit_d.data() + c0, w[h],
+                                 coef + h * kKeyTile);
+          }
         }
         float* tmp = sc.acc.data();
         if (ipairs_) {
@@ -228,6 +239,30 @@ class SparseKl {
   }
 
  private:
+  // Pass 2: coef[h][c] = dI w[h] [S_h > 0] of the chunk's m hits from c0 (row drow) from the
+  // kept signs, as masked_scale forms it from the scores; columns past m are 0.
+  void kept_coefficients(Scratch& sc, int64_t drow, size_t c0, int64_t m, const float* w,
+                         float* coef) const {
+    // The hits' sign bytes, byte b of every hit in row b.
+    const uint8_t* row = signs_.data() + drow * sp_.sparse_count * sign_width_;
+    sc.sign_rows.resize(sign_width_ * kKeyTile);
+    for (int64_t c = 0; c < m; ++c) {
+      const uint8_t* bits = row + sc.hit_entries[c0 + c] * sign_width_;
+      for (int64_t b = 0; b < sign_width_; ++b) sc.sign_rows[b * kKeyTile + c] = bits[b];
+    }
+    const float* d = sc.hit_d.data() + c0;
+    for (int64_t h = 0; h < ig_; ++h) {
+      const uint8_t* bytes = sc.sign_rows.data() + (h / 8) * kKeyTile;
+      const int shift = static_cast<int>(h % 8);
+      const float wh = w[h];
+      float* out = coef + h * kKeyTile;
+      for (int64_t c = 0; c < m; ++c) {
+        out[c] = d[c] * (((bytes[c] >> shift) & 1) != 0 ? wh : 0.0f);
+      }
+      std::fill(out + m, out + kKeyTile, 0.0f);
+    }
+  }
+
   // The token's output row: BSND b * S1 + i, TND q_begin + i.
   int64_t token(const Sequence& s, int64_t i) const {
     return p_.layout == Layout::kTND ? s.q_begin + i : s.batch * p_.seq_q + i;
@@ -328,10 +363,12 @@ class SparseKl {
   // stride ld, 64 columns); on pairs, with key_pairs also the rows as key pairs there
   // ([32][dip]).
   void index_product(Scratch& sc, const Sequence& s, int64_t g, const int32_t* keys, int64_t m,
-                     float* out, int64_t ld, uint32_t* key_pairs) const {
+                     float* out, int64_t ld, uint32_t* key_pairs,
+                     kernels::LinesAhead ahead = {}) const {
     const char* rows[kKeyTile];
     if (!ipairs_) {
       for (int64_t c = 0; c < m; ++c) {
+        ahead.next();
         float* k = sc.irow.data() + c * dip_;
         load_index_key(s, keys[c], g, k);
         rows[c] = reinterpret_cast<const char*>(k);
@@ -342,6 +379,7 @@ class SparseKl {
       return;
     }
     for (int64_t c = 0; c < kKeyTile; ++c) {
+      ahead.next();
       uint32_t* words = sc.istage.data() + c * diw_;
       std::fill(words, words + diw_, 0u);
       if (c < m) {
@@ -414,6 +452,23 @@ class SparseKl {
     std::fill(k + p_.index_dim, k + dip_, 0.0f);
   }
 
+  // Prefetch hints for operand o's rows (head g) of the next chunk of the row's selected keys,
+  // those from `from` (at most a tile), spread over `steps` loads of this chunk: the selection
+  // gathers rows the hardware prefetchers do not see coming. `rows` holds their addresses.
+  kernels::LinesAhead next_rows(const KlOperand& o, int64_t dim, const Scratch& sc,
+                                const Sequence& s, size_t from, int64_t g, int64_t steps,
+                                const char** rows) const {
+    const int64_t n = from < sc.keys.size()
+                          ? std::min<int64_t>(kKeyTile, static_cast<int64_t>(sc.keys.size() - from))
+                          : 0;
+    if (o.sd != 1 || dim == 0 || n == 0) return {};
+    const int64_t bytes = dtype_size(o.dtype);
+    for (int64_t c = 0; c < n; ++c) {
+      rows[c] = static_cast<const char*>(o.data) + key_row(o, s, sc.keys[from + c], g) * bytes;
+    }
+    return kernels::LinesAhead({rows, n, dim * bytes}, steps);
+  }
+
   // n bf16 elements of operand o at element `offset`, as they are.
   static void copy_bf16(const KlOperand& o, int64_t offset, int64_t n, uint16_t* dst) {
     sparse::copy_bf16(o.data, offset, o.sd, n, dst);
@@ -431,7 +486,13 @@ class SparseKl {
   // on bf16 pairs, into sc.s.
   void pair_scores(Scratch& sc, const Sequence& s, int64_t kh, int64_t c0, int64_t m) const {
     const char* rows[kKeyTile];
+    const char* next[2][kKeyTile];
+    kernels::LinesAhead ahead[2] = {
+        next_rows(p_.key, p_.head_dim, sc, s, c0 + m, kh, m, next[0]),
+        next_rows(p_.key_rope, p_.rope_dim, sc, s, c0 + m, kh, m, next[1])};
     for (int64_t c = 0; c < m; ++c) {
+      ahead[0].next();
+      ahead[1].next();
       const int64_t j = sc.keys[c0 + c];
       uint32_t* words = sc.kstage.data() + c * dmw_;
       std::fill(words, words + dmw_, 0u);
@@ -454,7 +515,13 @@ class SparseKl {
         finish_target(sc, kh, c0, m);
         continue;
       }
+      const char* next[2][kKeyTile];
+      kernels::LinesAhead ahead[2] = {
+          next_rows(p_.key, p_.head_dim, sc, s, c0 + m, kh, m, next[0]),
+          next_rows(p_.key_rope, p_.rope_dim, sc, s, c0 + m, kh, m, next[1])};
       for (int64_t c = 0; c < m; ++c) {
+        ahead[0].next();
+        ahead[1].next();
         const int64_t j = sc.keys[c0 + c];
         float* k = sc.krow.data() + c * dmp_;
         load(p_.key, key_row(p_.key, s, j, kh), p_.head_dim, k);
@@ -515,12 +582,16 @@ class SparseKl {
     const float* w = sc.w.data() + g * ig_;
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const int64_t m = std::min(kKeyTile, nk - c0);
+      const char* next[kKeyTile];
+      kernels::LinesAhead ahead =
+          next_rows(p_.key_index, p_.index_dim, sc, s, c0 + m, g, kKeyTile, next);
       if (ipairs_) {
         index_product(sc, s, g, sc.keys.data() + c0, m, sc.sidx.data() + c0, padded,
-                      sc.key_pairs.data() + c0 * dip_);
+                      sc.key_pairs.data() + c0 * dip_, ahead);
       } else {
         const char* rows[kKeyTile];
         for (int64_t c = 0; c < m; ++c) {
+          ahead.next();
           float* k = sc.row_keys.data() + (c0 + c) * dip_;
           load_index_key(s, sc.keys[c0 + c], g, k);
           rows[c] = reinterpret_cast<const char*>(k);
@@ -557,6 +628,7 @@ class SparseKl {
       sc.dsc[c] = d;
       kept[sc.entries[c]] = d;
     }
+    if (!signs_.empty()) keep_signs(sc, drow, nk, padded);
     if (!std::isfinite(top)) loss += std::numeric_limits<double>::quiet_NaN();
     active_[drow] = 1;
     // d_weights[h] = sum dI relu(S_h); d_query_index[h] = w_h sum dI [S_h > 0] ki: per chunk
@@ -594,6 +666,31 @@ class SparseKl {
     return loss;
   }
 
+  // The signs of the group's index scores (sc.sidx) of the row's nk selected keys, at their
+  // entries of row drow.
+  void keep_signs(Scratch& sc, int64_t drow, int64_t nk, int64_t padded) {
+    // Byte b of key c holds heads 8b..8b+7: built a byte row at a time over the keys, then
+    // copied to the keys' entries.
+    sc.sign_rows.resize(sign_width_ * padded);
+    const float* scores = sc.sidx.data();
+    for (int64_t b = 0; b < sign_width_; ++b) {
+      uint8_t* bytes = sc.sign_rows.data() + b * padded;
+      std::fill(bytes, bytes + nk, uint8_t{0});
+      for (int64_t h = 8 * b; h < std::min(ig_, 8 * b + 8); ++h) {
+        const float* row = scores + h * padded;
+        const int shift = static_cast<int>(h - 8 * b);
+        for (int64_t c = 0; c < nk; ++c) {
+          bytes[c] = static_cast<uint8_t>(bytes[c] | (static_cast<uint8_t>(row[c] > 0.0f) << shift));
+        }
+      }
+    }
+    uint8_t* out = signs_.data() + drow * sp_.sparse_count * sign_width_;
+    for (int64_t c = 0; c < nk; ++c) {
+      uint8_t* bits = out + sc.entries[c] * sign_width_;
+      for (int64_t b = 0; b < sign_width_; ++b) bits[b] = sc.sign_rows[b * padded + c];
+    }
+  }
+
   // Writes d_query_index (sc.acc) and d_weights (sc.dw) of group g of token i.
   void store_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
     const KlGradient& dq = p_.d_query_index;
@@ -622,7 +719,10 @@ class SparseKl {
   int64_t dmw_;                  // pair words per main row, padded to kb_'s depth_align
   int64_t diw_;                  // pair words per index row, padded to ki_'s depth_align
   int64_t head_pairs_;           // rows of qih: ig rounded up to whole blocks of 64 heads
+  int64_t sign_width_;           // bytes of one entry's signs: a bit per head of a group
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
+  // [rows][N2index][K][sign_width_]: bit h of entry e is index score h > 0 (empty: recomputed)
+  std::vector<uint8_t> signs_;
   std::vector<float> d_index_;   // [rows][N2index][K]: dI per selection entry
 };
 

@@ -12,7 +12,8 @@
 //   row: O(N1index x K) floats per worker), then the row's loss, dI, d_weights and
 //   d_query_index. dI is kept per selection entry (one float per entry of sparse_indices);
 // - per block of keys owned by one worker: d_key_index of each key, summed over the tokens that
-//   selected it in token order, from the kept dI and recomputed index scores.
+//   selected it in token order, from the kept dI and the index scores' signs (kept by the first
+//   pass within a memory budget, else recomputed).
 // No S1 x S2 buffer; the loss is summed in a fixed order in double.
 #pragma once
 
@@ -33,6 +34,10 @@ struct SparseKlLossParams {
   View indices;
   int64_t index_heads = 1;
   int64_t sparse_count = 0;
+  // The second pass needs the sign of each index score (head h of a group, selection entry e).
+  // The first pass keeps them (ceil(G_index / 8) bytes per entry of sparse_indices) when they fit
+  // in this many bytes; otherwise the second pass recomputes the scores. Both give the same bits.
+  int64_t sign_budget_bytes = int64_t{1} << 30;
 };
 
 // Throws ArgumentError naming the first argument that is wrong, sparse_indices' values included

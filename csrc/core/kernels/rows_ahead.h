@@ -22,6 +22,7 @@ struct RowsAhead {
 // The cache lines of a RowsAhead, an even share of them per call of next() over `steps` calls.
 class LinesAhead {
  public:
+  LinesAhead() = default;  // asks for nothing
   LinesAhead(const RowsAhead& ahead, int64_t steps) : a_(ahead) {
     if (a_.count > 0 && steps > 0) {
       const int64_t lines = a_.count * ((a_.bytes + 2 * kLine - 2) / kLine);  // an upper bound
