@@ -335,9 +335,9 @@ class Backward {
     return {keys.data() + std::min(from, keys.size()), std::min(kKeyTile, left)};
   }
 
-  // For n keys of one chunk (with the next chunk asked for while they load): their rows and transposes (with `key_pairs` on bf16 pairs, the keys
-  // as key pairs too), P = exp(scale q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp
-  // (columns past n are 0).
+  // For n keys of one chunk (with the next chunk asked for while they load): their rows and
+  // transposes (with `key_pairs` on bf16 pairs, the keys as key pairs too), P = exp(scale q.k -
+  // lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0).
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
                      const float* lse, const float* delta, bool key_pairs) const {
     const char* krows[kKeyTile];

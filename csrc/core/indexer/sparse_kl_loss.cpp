@@ -469,6 +469,22 @@ class SparseKl {
     return kernels::LinesAhead({rows, n, dim * bytes}, steps);
   }
 
+  // Calls load(c, j) for the chunk's m selected keys j (from c0), asking for the main key and
+  // rope rows (key head kh) of the next chunk meanwhile.
+  template <class Load>
+  void each_chunk_key(const Scratch& sc, const Sequence& s, int64_t kh, int64_t c0, int64_t m,
+                      Load load) const {
+    const char* rows[2][kKeyTile];
+    kernels::LinesAhead ahead[2] = {
+        next_rows(p_.key, p_.head_dim, sc, s, c0 + m, kh, m, rows[0]),
+        next_rows(p_.key_rope, p_.rope_dim, sc, s, c0 + m, kh, m, rows[1])};
+    for (int64_t c = 0; c < m; ++c) {
+      ahead[0].next();
+      ahead[1].next();
+      load(c, sc.keys[c0 + c]);
+    }
+  }
+
   // n bf16 elements of operand o at element `offset`, as they are.
   static void copy_bf16(const KlOperand& o, int64_t offset, int64_t n, uint16_t* dst) {
     sparse::copy_bf16(o.data, offset, o.sd, n, dst);
@@ -486,21 +502,14 @@ class SparseKl {
   // on bf16 pairs, into sc.s.
   void pair_scores(Scratch& sc, const Sequence& s, int64_t kh, int64_t c0, int64_t m) const {
     const char* rows[kKeyTile];
-    const char* next[2][kKeyTile];
-    kernels::LinesAhead ahead[2] = {
-        next_rows(p_.key, p_.head_dim, sc, s, c0 + m, kh, m, next[0]),
-        next_rows(p_.key_rope, p_.rope_dim, sc, s, c0 + m, kh, m, next[1])};
-    for (int64_t c = 0; c < m; ++c) {
-      ahead[0].next();
-      ahead[1].next();
-      const int64_t j = sc.keys[c0 + c];
+    each_chunk_key(sc, s, kh, c0, m, [&](int64_t c, int64_t j) {
       uint32_t* words = sc.kstage.data() + c * dmw_;
       std::fill(words, words + dmw_, 0u);
       joined_bf16(
           p_.key, p_.key_rope, [&](const View& v) { return key_row(v, s, j, kh); },
           reinterpret_cast<uint16_t*>(words));
       rows[c] = reinterpret_cast<const char*>(words);
-    }
+    });
     kb_.pack_keys(rows, m, dmw_, sc.ktp.data());
     kb_.gemm({sc.qp.data() + kh * g_ * dmw_, dmw_, sc.ktp.data(), kKeyTile, sc.s.data(), kKeyTile,
               g_, kKeyTile, dmw_, nullptr, p_.scale});
@@ -515,14 +524,7 @@ class SparseKl {
         finish_target(sc, kh, c0, m);
         continue;
       }
-      const char* next[2][kKeyTile];
-      kernels::LinesAhead ahead[2] = {
-          next_rows(p_.key, p_.head_dim, sc, s, c0 + m, kh, m, next[0]),
-          next_rows(p_.key_rope, p_.rope_dim, sc, s, c0 + m, kh, m, next[1])};
-      for (int64_t c = 0; c < m; ++c) {
-        ahead[0].next();
-        ahead[1].next();
-        const int64_t j = sc.keys[c0 + c];
+      each_chunk_key(sc, s, kh, c0, m, [&](int64_t c, int64_t j) {
         float* k = sc.krow.data() + c * dmp_;
         load(p_.key, key_row(p_.key, s, j, kh), p_.head_dim, k);
         if (p_.rope_dim > 0) {
@@ -530,7 +532,7 @@ class SparseKl {
         }
         std::fill(k + dm_, k + dmp_, 0.0f);
         rows[c] = reinterpret_cast<const char*>(k);
-      }
+      });
       k_.pack_keys(rows, m, dmp_, sc.kt.data());
       float* sv = sc.s.data();
       k_.gemm({sc.q.data() + kh * g_ * dmp_, dmp_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_,
@@ -680,7 +682,8 @@ class SparseKl {
         const float* row = scores + h * padded;
         const int shift = static_cast<int>(h - 8 * b);
         for (int64_t c = 0; c < nk; ++c) {
-          bytes[c] = static_cast<uint8_t>(bytes[c] | (static_cast<uint8_t>(row[c] > 0.0f) << shift));
+          bytes[c] =
+              static_cast<uint8_t>(bytes[c] | (static_cast<uint8_t>(row[c] > 0.0f) << shift));
         }
       }
     }
@@ -723,7 +726,7 @@ class SparseKl {
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
   // [rows][N2index][K][sign_width_]: bit h of entry e is index score h > 0 (empty: recomputed)
   std::vector<uint8_t> signs_;
-  std::vector<float> d_index_;   // [rows][N2index][K]: dI per selection entry
+  std::vector<float> d_index_;  // [rows][N2index][K]: dI per selection entry
 };
 
 }  // namespace
