@@ -520,6 +520,38 @@ TEST(KernelSets, ExpRowsShiftedEqualsShiftAndMaskThenExp) {
   }
 }
 
+// first_above against the plain loop: every length around the vector and block widths, the
+// first score through at every place (or none), NaN scores and a NaN limit (everything through).
+TEST(KernelSets, FirstAboveFindsTheFirstScoreTheCutOffLetsThrough) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto want = [](const std::vector<float>& s, int64_t n, float limit) {
+    for (int64_t c = 0; c < n; ++c) {
+      if (!(s[c] <= limit)) return c;
+    }
+    return n;
+  };
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> u(-4.0f, 1.0f);
+    for (const int64_t n : {0, 1, 7, 16, 31, 32, 33, 63, 64, 65, 100}) {
+      SCOPED_TRACE(n);
+      for (int64_t through = -1; through < n; ++through) {
+        std::vector<float> s(n + 8, 9.0f);  // past n: would pass
+        for (int64_t c = 0; c < n; ++c) s[c] = u(rng);
+        const float limit = 1.0f;
+        if (through >= 0) s[through] = (through % 3 == 0) ? nan : 1.5f;
+        if (through > 0) s[through - 1] = limit;  // equal to the limit: held back
+        EXPECT_EQ(set->rows.first_above(s.data(), n, limit), want(s, n, limit)) << through;
+      }
+      std::vector<float> s(n, -1.0f);
+      EXPECT_EQ(set->rows.first_above(s.data(), n, nan), int64_t{0});  // the first, or n = 0
+      EXPECT_EQ(set->rows.first_above(s.data(), n, -std::numeric_limits<float>::infinity()),
+                want(s, n, -std::numeric_limits<float>::infinity()));
+    }
+  }
+}
+
 // The bf16 row operations: rounding to nearest even (ties, NaN, infinities) as dtype.h rounds,
 // interleaving, and the score modifications (softcap, ALiBi, the softcap's derivative) against
 // double precision.

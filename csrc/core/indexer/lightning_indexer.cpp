@@ -51,13 +51,72 @@ inline float score_of(uint64_t c) {
   return out;
 }
 
+// Sorts c[0..n) in descending order through tmp (n entries): least significant byte first, each
+// pass stable, a pass skipped where every word has the same byte (the high bits of positions).
+void sort_descending(uint64_t* c, int64_t n, uint64_t* tmp) {
+  if (n < 64) {
+    std::sort(c, c + n, std::greater<uint64_t>());
+    return;
+  }
+  uint64_t* from = c;
+  uint64_t* to = tmp;
+  for (int shift = 0; shift < 64; shift += 8) {
+    int64_t count[256] = {};
+    for (int64_t i = 0; i < n; ++i) ++count[255 - ((from[i] >> shift) & 0xff)];
+    if (count[255 - ((from[0] >> shift) & 0xff)] == n) continue;
+    int64_t at = 0;
+    for (int64_t& b : count) {
+      const int64_t size = b;
+      b = at;
+      at += size;
+    }
+    for (int64_t i = 0; i < n; ++i) to[count[255 - ((from[i] >> shift) & 0xff)]++] = from[i];
+    std::swap(from, to);
+  }
+  if (from != c) std::copy(from, from + n, c);
+}
+
+// Moves the k largest of the n distinct words c[0..n) (1 <= k <= n) to the front, in their
+// order, and returns the smallest of them. tmp: n entries. The k-th largest is found a byte at a
+// time from the most significant: each pass counts one byte of the words still in question and
+// keeps those in the bucket the k-th largest falls in. Counting and copying without branches on
+// the data, it runs several times faster than a partition around pivots.
+uint64_t keep_best(uint64_t* c, int64_t n, int64_t k, uint64_t* tmp) {
+  const uint64_t* from = c;
+  int64_t m = n;     // words still in question
+  int64_t need = k;  // the k-th largest's rank among them (1: the largest)
+  for (int shift = 56; shift >= 0 && m > 1; shift -= 8) {
+    int64_t count[256] = {};
+    for (int64_t i = 0; i < m; ++i) ++count[(from[i] >> shift) & 0xff];
+    uint64_t bucket = 255;
+    while (count[bucket] < need) need -= count[bucket--];
+    int64_t kept = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const uint64_t x = from[i];
+      tmp[kept] = x;
+      kept += ((x >> shift) & 0xff) == bucket ? 1 : 0;
+    }
+    from = tmp;
+    m = kept;
+  }
+  const uint64_t kth = from[0];  // distinct words: one is left
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t x = c[i];
+    c[kept] = x;
+    kept += x >= kth ? 1 : 0;
+  }
+  return kth;
+}
+
 // Keeps the best k of n candidates at the front of c, in descending order; returns how many.
-int64_t select_sorted(uint64_t* c, int64_t n, int64_t k) {
+// tmp: n entries.
+int64_t select_sorted(uint64_t* c, int64_t n, int64_t k, uint64_t* tmp) {
   if (n > k) {
-    std::nth_element(c, c + k - 1, c + n, std::greater<uint64_t>());
+    keep_best(c, n, k, tmp);
     n = k;
   }
-  std::sort(c, c + n, std::greater<uint64_t>());
+  sort_descending(c, n, tmp);
   return n;
 }
 
@@ -83,7 +142,7 @@ class TopKRun {
       : p_(p),
         groups_(p.heads_q / p.heads_k),
         k_(p.sparse_count),
-        cap_(2 * p.sparse_count + kKeyTile),
+        cap_(p.sparse_count + p.sparse_count / 2 + kKeyTile),
         set_(kernels::select_set(isa, p.qk_dtype, p.bf16_pairs, true)),
         operands_(operands(p)),
         packer_(operands_, set_),
@@ -102,6 +161,7 @@ class TopKRun {
           scores(r.rows_ * kKeyTile),
           row(r.packer_.row_words()),
           best(r.rows_ * r.cap_),
+          sort(r.cap_),
           count(r.rows_),
           floor(r.rows_),
           limit(r.rows_) {}
@@ -111,6 +171,7 @@ class TopKRun {
     AlignedBuffer<float> scores;    // [rows][kKeyTile]
     AlignedBuffer<float> row;
     AlignedBuffer<uint64_t> best;  // [rows][cap] candidates of each row
+    AlignedBuffer<uint64_t> sort;  // [cap] the final sort's other buffer
     std::vector<int64_t> count;    // candidates held per row
     std::vector<uint64_t> floor;   // per row: a candidate must rank above it to be kept
     std::vector<float> limit;      // per row: floor's score (NaN: no floor yet)
@@ -150,7 +211,7 @@ class TopKRun {
     }
     for (int r = 0; r < u.rows; ++r) {
       uint64_t* best = sc.best.data() + r * cap_;
-      const int64_t n = select_sorted(best, sc.count[r], k_);
+      const int64_t n = select_sorted(best, sc.count[r], k_, sc.sort.data());
       if (u.chunks == 1) {
         write(u, r, best, n);
       } else {
@@ -163,7 +224,8 @@ class TopKRun {
 
   // Merges the chunks' candidates of a split unit.
   void merge(const Unit& u, std::vector<uint64_t>& buffer) {
-    buffer.resize(static_cast<size_t>(u.chunks) * k_);
+    buffer.resize(2 * static_cast<size_t>(u.chunks) * k_);
+    uint64_t* tmp = buffer.data() + static_cast<size_t>(u.chunks) * k_;
     for (int r = 0; r < u.rows; ++r) {
       int64_t n = 0;
       for (int32_t c = 0; c < u.chunks; ++c) {
@@ -172,7 +234,7 @@ class TopKRun {
         std::copy(src, src + slot_counts_[slot], buffer.data() + n);
         n += slot_counts_[slot];
       }
-      write(u, r, buffer.data(), select_sorted(buffer.data(), n, k_));
+      write(u, r, buffer.data(), select_sorted(buffer.data(), n, k_, tmp));
     }
   }
 
@@ -252,21 +314,23 @@ class TopKRun {
   // Offers the visible scores [lo, hi) of one tile row to row r's candidates. Keys arrive in
   // increasing position, so a score equal to the row's K-th best loses its tie: a plain float
   // comparison with that score (`limit`, NaN while everything is taken) rejects most keys before
-  // their candidate word is formed.
+  // their candidate word is formed, a vector of scores at a time (first_above).
   void absorb(Scratch& sc, int r, const float* s, int64_t j0, int64_t lo, int64_t hi) const {
     uint64_t* best = sc.best.data() + r * cap_;
     int64_t n = sc.count[r];
     uint64_t floor = sc.floor[r];
     float limit = sc.limit[r];
     for (int64_t c = lo; c < hi; ++c) {
-      if (s[c] <= limit) continue;
+      if (limit == limit) {  // a cut-off (not NaN): on to the first score through it
+        c += set_.rows.first_above(s + c, hi - c, limit);
+        if (c >= hi) break;
+      }
       const uint64_t cand = candidate(s[c], j0 + c);
       if (cand <= floor) continue;
       best[n++] = cand;
       if (n == cap_) {
-        std::nth_element(best, best + k_ - 1, best + n, std::greater<uint64_t>());
+        floor = keep_best(best, n, k_, sc.sort.data());
         n = k_;
-        floor = best[k_ - 1];
         limit = score_of(floor);
       }
     }

@@ -5,6 +5,7 @@
 // a newer instruction set is shared with the paths older CPUs take.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -221,13 +222,30 @@ void store_bf16(const float* src, float scale, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bf16_bits(src[i] * scale));
 }
 
+int64_t first_above(const float* s, int64_t n, float limit) {
+  // Whole blocks in the vector width: the first entry through as the least of their indices.
+  constexpr int64_t kBlock = 32;
+  int64_t c = 0;
+  for (; c + kBlock <= n; c += kBlock) {
+    int64_t first = kBlock;
+#pragma omp simd reduction(min : first)
+    for (int64_t k = 0; k < kBlock; ++k) first = std::min(first, !(s[c + k] <= limit) ? k : kBlock);
+    if (first < kBlock) return c + first;
+  }
+  for (; c < n; ++c) {
+    if (!(s[c] <= limit)) return c;
+  }
+  return n;
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
   return RowOps{&shift_and_mask,  &probability_gradient, &add_into,
                 &relu_axpy,       &split_coefficients,   &target_gradient,
                 &masked_scale,    &entropy_terms,        &row_dots,
                 &pair_rows,       &score_mods,           &multiply_into,
-                &interleave_bf16, &bf16_residual,        &store_bf16};
+                &interleave_bf16, &bf16_residual,        &store_bf16,
+                &first_above};
 }
 
 }  // namespace

@@ -116,6 +116,9 @@ struct RowOps {
   // dst[i] = bf16(src[i] scale) (round to nearest even, NaN quietened) for n entries: a row of
   // float32 results stored as bf16, the same bits as the portable conversion (dtype.h).
   void (*store_bf16)(const float* src, float scale, int64_t n, uint16_t* dst);
+  // The first c < n for which s[c] <= limit fails (s[c] NaN, or any c when limit is NaN), else n:
+  // where a running top-K selection's cut-off test lets a score through.
+  int64_t (*first_above)(const float* s, int64_t n, float limit);
 };
 
 struct KernelSet {
