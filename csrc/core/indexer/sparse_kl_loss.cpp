@@ -63,9 +63,12 @@ class SparseKl {
         sign_width_((ig_ + 7) / 8) {
     const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
     active_.assign(rows * p_.index_heads_k, 0);
-    d_index_.assign(rows * p_.index_heads_k * sp_.sparse_count, 0.0f);
+    // Both are written by the first pass for every entry the second reads (a selected, visible
+    // entry of an active row), so neither is zero-filled first.
+    d_index_.grow_uninitialized(rows * p_.index_heads_k * sp_.sparse_count);
     const int64_t sign_bytes = rows * p_.index_heads_k * sp_.sparse_count * sign_width_;
-    if (sign_bytes <= sp_.sign_budget_bytes) signs_.assign(sign_bytes, 0);
+    keep_signs_ = sign_bytes <= sp_.sign_budget_bytes;
+    if (keep_signs_) signs_.grow_uninitialized(sign_bytes);
   }
 
   const std::vector<Sequence>& sequences() const { return seqs_; }
@@ -207,7 +210,7 @@ class SparseKl {
         // recomputed in the same layout), then d_key_index rows += coef^T x query rows.
         std::fill(sc.hit_d.begin() + c0 + m, sc.hit_d.begin() + c0 + kKeyTile, 0.0f);
         float* coef = sc.coef.data();
-        if (!signs_.empty()) {
+        if (keep_signs_) {
           kept_coefficients(sc, drow, c0, m, w, coef);
         } else {
           float* st = sc.acc.data();
@@ -630,7 +633,7 @@ class SparseKl {
       sc.dsc[c] = d;
       kept[sc.entries[c]] = d;
     }
-    if (!signs_.empty()) keep_signs(sc, drow, nk, padded);
+    if (keep_signs_) keep_signs(sc, drow, nk, padded);
     if (!std::isfinite(top)) loss += std::numeric_limits<double>::quiet_NaN();
     active_[drow] = 1;
     // d_weights[h] = sum dI relu(S_h); d_query_index[h] = w_h sum dI [S_h > 0] ki: per chunk
@@ -724,9 +727,10 @@ class SparseKl {
   int64_t head_pairs_;           // rows of qih: ig rounded up to whole blocks of 64 heads
   int64_t sign_width_;           // bytes of one entry's signs: a bit per head of a group
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
-  // [rows][N2index][K][sign_width_]: bit h of entry e is index score h > 0 (empty: recomputed)
-  std::vector<uint8_t> signs_;
-  std::vector<float> d_index_;  // [rows][N2index][K]: dI per selection entry
+  bool keep_signs_;              // the first pass keeps the signs (within the budget)
+  // [rows][N2index][K][sign_width_]: bit h of entry e is index score h > 0
+  AlignedBuffer<uint8_t> signs_;
+  AlignedBuffer<float> d_index_;  // [rows][N2index][K]: dI per selection entry
 };
 
 }  // namespace
