@@ -209,7 +209,7 @@ class IndexedKeys final : public KeySelector {
 // The next chunk of a row's selected keys asked for from memory while the current chunk's rows
 // load, a few lines per loaded row (`steps` of them): the selection gathers rows from anywhere in
 // the key tensors, a pattern the hardware prefetchers do not follow. Rows read with a stride are
-// not asked for.
+// not asked for, and a shared key/value row once.
 class ChunkAhead {
  public:
   ChunkAhead(const KeySelector& keys, const KeyRef* next, int64_t n, int64_t elem_bytes,
@@ -219,7 +219,8 @@ class ChunkAhead {
       const KeySource& src = keys.source(next[c].source);
       add(src.key, next[c].key, elem_bytes, counts[0], rows_[0]);
       if (rope_dim > 0) add(src.rope, next[c].rope, elem_bytes, counts[1], rows_[1]);
-      add(src.value, next[c].value, elem_bytes, counts[2], rows_[2]);
+      const bool shared = src.value.data == src.key.data && next[c].value == next[c].key;
+      if (!shared) add(src.value, next[c].value, elem_bytes, counts[2], rows_[2]);
     }
     const int64_t dims[3] = {key_dim, rope_dim, value_dim};
     for (int t = 0; t < 3; ++t) {
