@@ -50,6 +50,33 @@ inline std::vector<KeyTask> key_tasks(const std::vector<Sequence>& seqs, int64_t
   return tasks;
 }
 
+// Like key_tasks, but each (sequence, head)'s keys are cut into at most `parts` blocks of about
+// equal weight: weights(s, g) gives one non-negative weight per key of s (the work it brings),
+// and a block holds at least `min_block` keys (the last one the rest).
+template <class Weights>
+std::vector<KeyTask> weighted_key_tasks(const std::vector<Sequence>& seqs, int64_t heads,
+                                        int64_t parts, int64_t min_block, Weights weights) {
+  std::vector<KeyTask> tasks;
+  for (const Sequence& s : seqs) {
+    for (int64_t g = 0; g < heads; ++g) {
+      const std::vector<int64_t> w = weights(s, g);
+      int64_t total = 0;
+      for (int64_t x : w) total += x;
+      int64_t j0 = 0, sum = 0, cuts = 0;
+      for (int64_t j = 0; j < s.k_len; ++j) {
+        sum += w[j];
+        const bool share = cuts + 1 < parts && (cuts + 1) * total <= sum * parts;
+        if (j + 1 == s.k_len || (share && j + 1 - j0 >= min_block)) {
+          tasks.push_back({static_cast<int32_t>(s.batch), g, j0, j + 1});
+          j0 = j + 1;
+          ++cuts;
+        }
+      }
+    }
+  }
+  return tasks;
+}
+
 // One Scratch per worker, made from the run on the worker's first task.
 template <class Scratch, class Run>
 class ScratchPool {

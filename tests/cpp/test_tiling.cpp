@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "indexer/tiling.h"
+#include "work_split.h"
 
 namespace opmesh::core::indexer {
 namespace {
@@ -47,6 +48,51 @@ TEST(Tiling, MasksWithAnExplicitDiagonal) {
   slice.diagonal = -10;  // every row before its first key: nothing visible
   EXPECT_EQ(visible_keys(causal, slice, 3).end, 0);
   EXPECT_EQ(visible_keys(Mask{}, slice, 3).end, 8);
+}
+
+// Weighted key blocks: contiguous, covering every key, at most `parts` per (sequence, head), at
+// least min_block keys (but the last), and cut at equal shares of the weights.
+TEST(WorkSplit, WeightedKeyTasksShareTheWeights) {
+  std::vector<Sequence> seqs(2);
+  seqs[0].k_len = 1000;
+  seqs[1].k_len = 37;
+  seqs[1].batch = 1;
+  auto weights = [](const Sequence& s, int64_t g) {
+    std::vector<int64_t> w(s.k_len);
+    for (int64_t j = 0; j < s.k_len; ++j) w[j] = j < s.k_len / 4 ? 10 + g : 1;  // early keys heavy
+    return w;
+  };
+  for (const int64_t parts : {1, 2, 4, 7}) {
+    SCOPED_TRACE(parts);
+    const std::vector<KeyTask> tasks = weighted_key_tasks(seqs, 2, parts, 16, weights);
+    for (const Sequence& s : seqs) {
+      for (int64_t g = 0; g < 2; ++g) {
+        const std::vector<int64_t> w = weights(s, g);
+        int64_t total = 0;
+        for (int64_t x : w) total += x;
+        int64_t next = 0, blocks = 0, before = 0;
+        for (const KeyTask& t : tasks) {
+          if (t.b != s.batch || t.g != g) continue;
+          EXPECT_EQ(t.j0, next);
+          EXPECT_GT(t.j1, t.j0);
+          if (t.j1 != s.k_len) {
+            EXPECT_GE(t.j1 - t.j0, 16);
+            // Cut at the first key where the weight reaches the next share (or min_block later).
+            int64_t sum = before;
+            for (int64_t j = t.j0; j < t.j1; ++j) sum += w[j];
+            EXPECT_GE(sum * parts, (blocks + 1) * total);
+            if (t.j1 - t.j0 > 16) EXPECT_LT((sum - w[t.j1 - 1]) * parts, (blocks + 1) * total);
+          }
+          for (int64_t j = t.j0; j < t.j1; ++j) before += w[j];
+          next = t.j1;
+          ++blocks;
+        }
+        EXPECT_EQ(next, s.k_len);
+        EXPECT_LE(blocks, parts);
+        if (s.k_len >= 16 * parts) EXPECT_EQ(blocks, parts);
+      }
+    }
+  }
 }
 
 }  // namespace
