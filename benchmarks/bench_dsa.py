@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_extra_bytes, time_call, write_results  # noqa: E402
+from common import interleaved, peak_extra_bytes, time_call, write_results  # noqa: E402
 
 import opmesh  # noqa: E402
 
@@ -239,7 +239,9 @@ def bench_attention(args, rows):
             3.5 * dense_flops,
         ),
     }
-    timed = {m: time_call(fn, budget_s=args.budget) for m, (fn, _) in methods.items()}
+    # Timed in turn, three rounds (common.interleaved): the machine's drift stays out of the ratios.
+    medians = interleaved([fn for fn, _ in methods.values()], budget_s=args.budget, min_repeats=1)
+    timed = dict(zip(methods, medians, strict=True))
     for method, (_, flops) in methods.items():
         seconds = timed[method]
         base = (
@@ -319,7 +321,8 @@ def bench_kl(args, rows):
     for method, fn in methods.items():
         got = float(fn()[3 if method == "opmesh fused" else 0])
         assert abs(got - want) <= 1e-2 * abs(want), (method, got, want)  # the same loss
-    timed = {m: time_call(fn, budget_s=args.budget) for m, fn in methods.items()}
+    medians = interleaved(list(methods.values()), budget_s=args.budget, min_repeats=1)
+    timed = dict(zip(methods, medians, strict=True))
     memory = {m: peak_extra_bytes(fn) for m, fn in methods.items()}
     for method in methods:
         seconds = timed[method]

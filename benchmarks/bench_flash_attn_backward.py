@@ -26,7 +26,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flash_attn import sdpa_loop, varlen_inputs, varlen_lengths  # noqa: E402
-from common import interleaved, peak_extra_bytes, write_results  # noqa: E402
+from common import (  # noqa: E402
+    NOT_ON_THIS_TIER,
+    as_on_this_tier,
+    held_to_avx2,
+    interleaved,
+    peak_extra_bytes,
+    write_results,
+)
 
 import opmesh  # noqa: E402
 
@@ -68,11 +75,18 @@ def measure(rows, name, label, flops, methods, budget):
     rows with ratios to the best of the others."""
     # Timed in turn over three rounds (one call each at least): this shared machine drifts by
     # 10-30 % within a minute, and the ratios should not carry that drift.
-    medians = interleaved(list(methods.values()), budget_s=budget, min_repeats=1)
+    # torch.mm of the tier's matmul dtype (float32 on AVX2, else the inputs'), timed in turn with
+    # the methods: the "% of mm" column.
+    mm_dtype = torch.float32 if held_to_avx2() else DTYPES[name]
+    a, b = (torch.randn(4096, 4096).to(mm_dtype) for _ in range(2))
+    *medians, mm_time = interleaved(
+        [*methods.values(), partial(torch.mm, a, b)], budget_s=budget, min_repeats=1
+    )
+    mm = 2 * 4096**3 / mm_time / 1e9
     times = dict(zip(methods, medians, strict=True))
     memory = {m: peak_extra_bytes(fn) for m, fn in methods.items()}
     ours = next(iter(methods))
-    best = min(t for m, t in times.items() if m != ours)
+    best = min(t for m, t in times.items() if m != ours and NOT_ON_THIS_TIER not in m)
     for method, t in times.items():
         rows.append(
             {
@@ -82,6 +96,8 @@ def measure(rows, name, label, flops, methods, budget):
                 "ms": f"{t * 1e3:.1f}",
                 "GFLOP/s": f"{flops / t / 1e9:.1f}",
                 "vs best SDPA": f"{best / t:.2f}x",
+                "% of mm": f"{100 * flops / t / 1e9 / mm:.0f}%",
+                "mm GFLOP/s": f"{mm:.0f}",
                 "peak extra MiB": f"{memory[method] / 2**20:.1f}",
             }
         )
@@ -117,8 +133,17 @@ def main():
                 14 * NQ * D * seq * (seq + 1) // 2,
                 {
                     "opmesh": partial(step_opmesh, q, k, v, dout),
-                    "sdpa (enable_gqa)": partial(step_sdpa, q, k, v, dout, False),
-                    "sdpa (repeated kv)": partial(step_sdpa, q, k, v, dout, True),
+                    "sdpa (enable_gqa)": as_on_this_tier(partial(step_sdpa, q, k, v, dout, False)),
+                    "sdpa (repeated kv)": as_on_this_tier(partial(step_sdpa, q, k, v, dout, True)),
+                    **(
+                        {
+                            "sdpa (enable_gqa)" + NOT_ON_THIS_TIER: partial(
+                                step_sdpa, q, k, v, dout, False
+                            )
+                        }
+                        if held_to_avx2() and dtype == torch.bfloat16
+                        else {}
+                    ),
                 },
                 args.budget,
             )
@@ -133,7 +158,7 @@ def main():
             sum(14 * NQ * D * n * (n + 1) // 2 for n in lengths),
             {
                 "opmesh": partial(step_opmesh_varlen, q, k, v, dout, cu),
-                "sdpa loop": partial(step_sdpa_varlen, q, k, v, dout, cu, lengths),
+                "sdpa loop": as_on_this_tier(partial(step_sdpa_varlen, q, k, v, dout, cu, lengths)),
             },
             args.budget,
         )
@@ -141,7 +166,17 @@ def main():
         write_results(
             "flash_attn_backward",
             rows,
-            ["dtype", "case", "method", "ms", "GFLOP/s", "vs best SDPA", "peak extra MiB"],
+            [
+                "dtype",
+                "case",
+                "method",
+                "ms",
+                "GFLOP/s",
+                "vs best SDPA",
+                "% of mm",
+                "mm GFLOP/s",
+                "peak extra MiB",
+            ],
             [
                 f"Causal, {NQ} query / {NKV} key heads, D = {D}: forward + backward of q, k, v. "
                 "Dense: B = 1. Varlen: TND, heavy-tailed lengths, against one SDPA call per "
@@ -149,6 +184,7 @@ def main():
                 "",
                 "`.venv/bin/python benchmarks/bench_flash_attn_backward.py`",
             ],
+            tier_baselines=True,
         )
     )
 

@@ -99,6 +99,36 @@ ISA_CAPS = (
 )
 
 
+def held_to_avx2():
+    """Whether this run is held to the AVX2 tier (ATEN_CPU_CAPABILITY=avx2 or lower)."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")
+
+
+def as_on_this_tier(fn):
+    """fn as torch runs it on a machine of this run's tier. Held to AVX2, torch sends no bf16
+    GEMM to oneDNN: it does so only on CPUs with AVX-512BW/VL/DQ or AVX-NE-CONVERT (ATen's
+    mkldnn_bf16_device_check, which reads the hardware, not ATEN_CPU_CAPABILITY), so an
+    AVX2-only machine runs ATen's own bf16 GEMM. Turning oneDNN off takes the same branch."""
+    if not held_to_avx2():
+        return fn
+
+    def run(*args, **kwargs):
+        # (Not torch.backends.mkldnn.flags, which also sets oneDNN's TF32 switch and warns.)
+        before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.backends.mkldnn.enabled = before
+
+    return run
+
+
+# The label of a bf16 SDPA baseline left on oneDNN's AVX-512 BF16 kernels in a run held to AVX2:
+# shown for comparison, not counted as the tier's SDPA.
+NOT_ON_THIS_TIER = " [oneDNN AVX-512 BF16, not on an AVX2 machine]"
+
+
 RELEVANT_FLAGS = (
     "avx2",
     "fma",
@@ -135,10 +165,11 @@ def _cpu_model():
     return platform.machine()
 
 
-def write_results(name, rows, columns, notes=()):
+def write_results(name, rows, columns, notes=(), tier_baselines=False):
     """Writes rows (list of dicts) as markdown and JSON under benchmarks/results/. With the
     environment variable OPMESH_RESULTS_SUFFIX set, the files are NAME_SUFFIX.* so that results
-    from another machine sit beside the others instead of replacing them."""
+    from another machine sit beside the others instead of replacing them. tier_baselines: the
+    PyTorch baselines ran through as_on_this_tier (the header says so)."""
     suffix = os.environ.get("OPMESH_RESULTS_SUFFIX")
     if suffix:
         name = f"{name}_{suffix}"
@@ -158,6 +189,14 @@ def write_results(name, rows, columns, notes=()):
     if info["isa_caps"]:
         caps = ", ".join(f"{k}={v}" for k, v in info["isa_caps"].items())
         lines += [f"Instruction sets capped for this run: {caps}", ""]
+    if tier_baselines and held_to_avx2():
+        lines += [
+            "Held to AVX2, the PyTorch baselines run as on an AVX2-only machine: torch sends "
+            "bf16 GEMMs to oneDNN only on CPUs with AVX-512BW or AVX-NE-CONVERT, so here they "
+            f"run ATen's own bf16 GEMM (oneDNN off). Rows marked{NOT_ON_THIS_TIER} keep "
+            "oneDNN's AVX-512 BF16 kernels, for comparison; ratios leave them out.",
+            "",
+        ]
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:

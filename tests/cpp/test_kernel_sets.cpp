@@ -552,6 +552,43 @@ TEST(KernelSets, FirstAboveFindsTheFirstScoreTheCutOffLetsThrough) {
   }
 }
 
+// sign_scale from bits against masked_scale from the scores those bits record: the same bits
+// for every shift, with negative, zero, infinite and NaN gradients and weights of both signs.
+TEST(KernelSets, SignScaleGivesMaskedScalesBitsFromKeptSigns) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(17);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    std::vector<uint8_t> bytes(kKeyTile);
+    for (auto& x : bytes) x = static_cast<uint8_t>(rng());
+    std::vector<float> d(kKeyTile);
+    for (auto& x : d) x = u(rng);
+    d[3] = -0.0f;
+    d[4] = 0.0f;
+    d[5] = inf;
+    d[6] = -inf;
+    d[7] = nan;
+    for (const float w : {0.75f, -1.5f, 0.0f, inf}) {
+      for (int shift = 0; shift < 8; ++shift) {
+        std::vector<float> s(kKeyTile), want(kKeyTile, 7.0f), got(kKeyTile, 7.0f);
+        for (int64_t c = 0; c < kKeyTile; ++c) {
+          s[c] = ((bytes[c] >> shift) & 1) != 0 ? 0.5f : (c % 2 == 0 ? -0.5f : 0.0f);
+        }
+        set->rows.masked_scale(s.data(), d.data(), w, want.data());
+        set->rows.sign_scale(bytes.data(), shift, d.data(), w, got.data());
+        for (int64_t c = 0; c < kKeyTile; ++c) {
+          uint32_t a = 0, b = 0;
+          std::memcpy(&a, &want[c], 4);
+          std::memcpy(&b, &got[c], 4);
+          EXPECT_EQ(a, b) << "w " << w << " shift " << shift << " entry " << c;
+        }
+      }
+    }
+  }
+}
+
 // The bf16 row operations: rounding to nearest even (ties, NaN, infinities) as dtype.h rounds,
 // interleaving, and the score modifications (softcap, ALiBi, the softcap's derivative) against
 // double precision.

@@ -265,21 +265,15 @@ class SparseKl {
                          float* coef) const {
     // The hits' sign bytes, byte b of every hit in row b.
     const uint8_t* row = signs_.data() + drow * sp_.sparse_count * sign_width_;
-    sc.sign_rows.resize(sign_width_ * kKeyTile);
+    sc.sign_rows.assign(sign_width_ * kKeyTile, 0);  // columns past m: no sign, coefficient 0
     for (int64_t c = 0; c < m; ++c) {
       const uint8_t* bits = row + sc.hit_entries[c0 + c] * sign_width_;
       for (int64_t b = 0; b < sign_width_; ++b) sc.sign_rows[b * kKeyTile + c] = bits[b];
     }
-    const float* d = sc.hit_d.data() + c0;
+    const float* d = sc.hit_d.data() + c0;  // 0 past m
     for (int64_t h = 0; h < ig_; ++h) {
-      const uint8_t* bytes = sc.sign_rows.data() + (h / 8) * kKeyTile;
-      const int shift = static_cast<int>(h % 8);
-      const float wh = w[h];
-      float* out = coef + h * kKeyTile;
-      for (int64_t c = 0; c < m; ++c) {
-        out[c] = d[c] * (((bytes[c] >> shift) & 1) != 0 ? wh : 0.0f);
-      }
-      std::fill(out + m, out + kKeyTile, 0.0f);
+      k_.rows.sign_scale(sc.sign_rows.data() + (h / 8) * kKeyTile, static_cast<int>(h % 8), d,
+                         w[h], coef + h * kKeyTile);
     }
   }
 

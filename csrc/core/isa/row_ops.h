@@ -83,6 +83,15 @@ void masked_scale(const float* s, const float* d, float w, float* out) {
   }
 }
 
+// out[c] = d[c] (bit `shift` of bytes[c] set ? w : 0).
+void sign_scale(const uint8_t* bytes, int shift, const float* d, float w, float* out) {
+#pragma omp simd
+  for (int64_t c = 0; c < kRowWidth; ++c) {
+    const float on = ((static_cast<uint32_t>(bytes[c]) >> shift) & 1u) != 0 ? w : 0.0f;
+    out[c] = d[c] * on;
+  }
+}
+
 // Per row r of a [rows][64] tile: z[r] += sum p, plogp[r] += sum p log p (p > 0).
 void entropy_terms(const float* p, int64_t rows, double* z, double* plogp) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -242,7 +251,7 @@ int64_t first_above(const float* s, int64_t n, float limit) {
 constexpr RowOps row_ops() {
   return RowOps{&shift_and_mask,  &probability_gradient, &add_into,
                 &relu_axpy,       &split_coefficients,   &target_gradient,
-                &masked_scale,    &entropy_terms,        &row_dots,
+                &masked_scale,    &sign_scale,           &entropy_terms,        &row_dots,
                 &pair_rows,       &score_mods,           &multiply_into,
                 &interleave_bf16, &bf16_residual,        &store_bf16,
                 &first_above};

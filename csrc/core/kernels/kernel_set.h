@@ -94,6 +94,9 @@ struct RowOps {
   void (*target_gradient)(float* d, const float* p, float inv, float keep);
   // out = [s > 0] d w.
   void (*masked_scale)(const float* s, const float* d, float w, float* out);
+  // out[c] = d[c] (bit `shift` of bytes[c] set ? w : 0): masked_scale's coefficients, the same
+  // bits, from signs kept as bits (the sparse KL loss's second pass).
+  void (*sign_scale)(const uint8_t* bytes, int shift, const float* d, float w, float* out);
   // Per row of a [rows][kKeyTile] tile: z += sum p, plogp += sum p log p over p > 0.
   void (*entropy_terms)(const float* p, int64_t rows, double* z, double* plogp);
   // out[r] += sum_c a[r][c] b[r][c] over a [rows][kKeyTile] pair of tiles.
