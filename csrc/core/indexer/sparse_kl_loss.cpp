@@ -272,8 +272,8 @@ class SparseKl {
     }
     const float* d = sc.hit_d.data() + c0;  // 0 past m
     for (int64_t h = 0; h < ig_; ++h) {
-      k_.rows.sign_scale(sc.sign_rows.data() + (h / 8) * kKeyTile, static_cast<int>(h % 8), d,
-                         w[h], coef + h * kKeyTile);
+      k_.rows.sign_scale(sc.sign_rows.data() + (h / 8) * kKeyTile, static_cast<int>(h % 8), d, w[h],
+                         coef + h * kKeyTile);
     }
   }
 

@@ -249,11 +249,14 @@ int64_t first_above(const float* s, int64_t n, float limit) {
 
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
-  return RowOps{&shift_and_mask,  &probability_gradient, &add_into,
-                &relu_axpy,       &split_coefficients,   &target_gradient,
-                &masked_scale,    &sign_scale,           &entropy_terms,        &row_dots,
-                &pair_rows,       &score_mods,           &multiply_into,
-                &interleave_bf16, &bf16_residual,        &store_bf16,
+  return RowOps{&shift_and_mask,     &probability_gradient,
+                &add_into,           &relu_axpy,
+                &split_coefficients, &target_gradient,
+                &masked_scale,       &sign_scale,
+                &entropy_terms,      &row_dots,
+                &pair_rows,          &score_mods,
+                &multiply_into,      &interleave_bf16,
+                &bf16_residual,      &store_bf16,
                 &first_above};
 }
 
