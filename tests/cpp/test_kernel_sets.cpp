@@ -316,6 +316,98 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
   if (tested == 0) GTEST_SKIP() << "no kernel set here has key_scores";
 }
 
+// Decode's P.V on value rows in place (the sets that have it): every row count up to 8, one
+// tile and a block of six, the last rows missing (null: zeros), value rows a stride apart with
+// NaN between them (not to be read), with and without the rescaling of the output. Against
+// float64, and bit for bit against the set's pair GEMM on the same values interleaved as key
+// pairs (the packed path it replaces).
+TEST(KernelSets, ValueRowsEqualThePairGemmOnPackedValues) {
+  const uint16_t nan16 = 0x7FC1;
+  int tested = 0;
+  for (const KernelSet* set : sets_under_test()) {
+    if (set->value_rows == nullptr) continue;
+    ASSERT_EQ(set->word, Word::kBf16Pair) << set->name;
+    for (int64_t rows = 1; rows <= 8; ++rows) {
+      for (int64_t count : {kKeyTile, 6 * kKeyTile}) {
+        for (int64_t dv : {32, 128}) {
+          for (const bool rescale : {false, true}) {
+            SCOPED_TRACE(std::string(set->name) + " rows " + std::to_string(rows) + " count " +
+                         std::to_string(count) + " dv " + std::to_string(dv) +
+                         (rescale ? " rescaled" : ""));
+            std::mt19937 rng(static_cast<unsigned>(rows * 100 + count + dv + rescale));
+            const int64_t present = count - 13;  // the last 13 rows past the keys
+            const int64_t ldv = dv + 40;
+            std::vector<uint16_t> pool(count * ldv, nan16);
+            std::vector<const uint16_t*> values(count, nullptr);
+            std::vector<float> v(count * dv, 0.0f);
+            for (int64_t n = 0; n < present; ++n) {
+              for (int64_t e = 0; e < dv; ++e) {
+                v[n * dv + e] = bf16_value(rng);
+                pool[n * ldv + e] = float_to_bf16_bits(v[n * dv + e]);
+              }
+              values[n] = pool.data() + n * ldv;
+            }
+            // P as bf16 pairs along the keys, zero where the keys are missing.
+            std::vector<float> pr(rows * count, 0.0f);
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t n = 0; n < present; ++n) pr[r * count + n] = std::abs(bf16_value(rng));
+            const int64_t ldp = count / 2 + 5;
+            AlignedBuffer<uint32_t> p(rows * ldp);
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t i = 0; i < count / 2; ++i) {
+                p.data()[r * ldp + i] =
+                    float_to_bf16_bits(pr[r * count + 2 * i]) |
+                    (static_cast<uint32_t>(float_to_bf16_bits(pr[r * count + 2 * i + 1])) << 16);
+              }
+            }
+            const int64_t ldo = dv + 16;
+            std::vector<float> scale(rows), o0(rows * ldo);
+            for (auto& x : scale) x = 0.25f + 0.5f * std::abs(bf16_value(rng));
+            for (auto& x : o0) x = bf16_value(rng);
+            std::vector<float> got(o0), packed_gemm(o0);
+            // The packed path: value rows interleaved as key pairs, then the set's GEMM.
+            const int64_t ldvp = dv + 16;
+            AlignedBuffer<uint32_t> vp(count / 2 * ldvp);
+            std::fill(vp.data(), vp.data() + count / 2 * ldvp, 0u);
+            for (int64_t i = 0; i < count / 2; ++i) {
+              if (values[2 * i] == nullptr) continue;
+              set->rows.interleave_bf16(values[2 * i], values[2 * i + 1], dv, vp.data() + i * ldvp);
+            }
+            {
+              const Scope scope(*set);
+              set->gemm({p.data(), ldp, vp.data(), ldvp, packed_gemm.data(), ldo, rows, dv,
+                         count / 2, rescale ? scale.data() : nullptr, 1.0f});
+              const char* ahead[1] = {reinterpret_cast<const char*>(pool.data())};
+              set->value_rows({p.data(), ldp, values.data(), count, dv, got.data(), ldo,
+                               rescale ? scale.data() : nullptr, rows,
+                               RowsAhead{ahead, 1, 2 * dv}});
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t e = 0; e < ldo; ++e) {
+                uint32_t a = 0, b = 0;
+                std::memcpy(&a, &got[r * ldo + e], 4);
+                std::memcpy(&b, &packed_gemm[r * ldo + e], 4);
+                ASSERT_EQ(a, b) << "row " << r << " column " << e;
+                if (e >= dv) {
+                  ASSERT_EQ(got[r * ldo + e], o0[r * ldo + e]) << "wrote past dv";
+                  continue;
+                }
+                double want = rescale ? double(scale[r]) * o0[r * ldo + e] : 0.0;
+                for (int64_t n = 0; n < count; ++n)
+                  want += double(pr[r * count + n]) * v[n * dv + e];
+                ASSERT_NEAR(got[r * ldo + e], want, 1e-5 * (1 + std::abs(want)))
+                    << "row " << r << " column " << e;
+              }
+            }
+            ++tested;
+          }
+        }
+      }
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "no kernel set here has value_rows";
+}
+
 TEST(KernelSets, RowsAheadAsksForEveryLineOnceInEvenShares) {
   std::vector<char> pool(256 * 1024);
   const uintptr_t base = (reinterpret_cast<uintptr_t>(pool.data()) + 63) & ~uintptr_t{63};

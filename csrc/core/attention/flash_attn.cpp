@@ -88,6 +88,8 @@ class Runner {
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * vld_),
         slot_floats_(g_.rows * (dvp_ + 2)),
         direct_keys_(direct_keys(p, k_)),
+        direct_values_(direct_keys_ && pairs_ && k_.value_rows != nullptr && p.v.sd == 1 &&
+                       dv_ % 32 == 0),
         widens_rows_(!pairs_ && p.dtype != DType::kFloat32 && p.k.sd == 1 && p.v.sd == 1) {
     const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * elem_;
     const int64_t state_bytes =
@@ -125,6 +127,7 @@ class Runner {
     }
     AlignedBuffer<float> s;
     AlignedBuffer<uint16_t> pb;
+    std::vector<const uint16_t*> value_rows;  // value_product: the block's value rows
     AlignedBuffer<float> row;
     std::vector<KeyRange> vis;
     AlignedBuffer<float> st;          // direct keys: one tile's S^T, [64 keys][16 rows]
@@ -511,10 +514,12 @@ class Runner {
     float* s = sc.s.data();
     sc.keys_ahead = sc.values_ahead = {};
     if (row_scores(b) || ((pairs_ || widens_rows_) && !sc.tiles_reused)) plan_ahead(sc, b, h, j1);
+    const bool values_in_place = reads_values_in_place(b, j0, j1);
     int64_t first_slot = 0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t j = j0 + i;
-      const int64_t slot = ensure_tile(sc, b, h, j);
+      // (With the keys and the values read in place there is nothing to pack.)
+      const int64_t slot = values_in_place ? 0 : ensure_tile(sc, b, h, j);
       if (i == 0) first_slot = slot;
       float* si = s + i * kKeyTile;
       if (reads_keys_in_place(b, j)) {
@@ -532,11 +537,35 @@ class Runner {
     if (pairs_) {
       k_.softmax_bf16(s, rows, cols, raw_scores_ ? p_.softmax_scale : 1.0f, cur.m, cur.l, corr,
                       sc.pb.data());
-      k_.gemm({sc.pb.data(), cols / 2, vp, vld_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
+      if (values_in_place) {
+        value_product(sc, b, h, j0, j1, rows, cur.o, corr);
+      } else {
+        k_.gemm({sc.pb.data(), cols / 2, vp, vld_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
+      }
     } else {
       k_.softmax(s, rows, cols, cur.m, cur.l, corr);
       k_.gemm({s, cols, vp, vld_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
     }
+  }
+
+  // o = corr o + P V over key tiles [j0, j1) of (b, h) from the value rows where they lie (rows
+  // past the sequence's keys read as zeros, as the packed tiles hold them); the next block's
+  // value rows are asked for from memory meanwhile.
+  void value_product(Scratch& sc, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t rows,
+                     float* o, const float* corr) const {
+    const int64_t cols = (j1 - j0) * kKeyTile;
+    sc.value_rows.assign(cols, nullptr);
+    const char* lines[kKeyTile];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
+      tile_rows(p_.v, b, h, j, valid, lines);
+      for (int64_t n = 0; n < valid; ++n) {
+        sc.value_rows[(j - j0) * kKeyTile + n] = reinterpret_cast<const uint16_t*>(lines[n]);
+      }
+    }
+    k_.value_rows({reinterpret_cast<const uint32_t*>(sc.pb.data()), cols / 2, sc.value_rows.data(),
+                   cols, dv_, o, dvp_, corr, rows, sc.values_ahead});
+    sc.values_ahead = {};
   }
 
   // The scores of key tile j of (b, h) from the key rows where they lie (rows with stride ld in
@@ -671,6 +700,10 @@ class Runner {
   // rows (decode), the score product reads the key rows where they lie, as the A operand (S^T = K
   // Q^T), instead of packing each key tile first; only the values are packed.
   bool direct_keys_;
+  // bf16 values of unit stride, whole 32-column blocks, on a set with value_rows: where decode
+  // reads its keys in place through key_scores, its P.V reads the value rows in place too
+  // (reads_values_in_place), instead of packing them as key pairs first.
+  bool direct_values_;
   // The float32 kernels on contiguous rows of a narrower type: pack_tile converts the rows as it
   // packs them, asking for the next block's rows from memory meanwhile.
   bool widens_rows_;
@@ -708,6 +741,17 @@ class Runner {
   bool row_scores(int64_t b) const {
     return decode_rows(b) && k_.key_scores != nullptr &&
            seqs_[b].q_len * g_.group <= k_.key_scores_rows;
+  }
+
+  // Whether the P.V of key tiles [j0, j1) of sequence b reads the value rows in place
+  // (value_rows): a decode sequence whose block's scores come from key_scores on keys in place.
+  // The same bits as the packed path, so the choice may differ between blocks.
+  bool reads_values_in_place(int64_t b, int64_t j0, int64_t j1) const {
+    if (!direct_values_ || !row_scores(b)) return false;
+    for (int64_t j = j0; j < j1; ++j) {
+      if (!reads_keys_in_place(b, j)) return false;
+    }
+    return true;
   }
 
   // Whether key tile j of sequence b is read in place: a decode sequence whose tile has all its

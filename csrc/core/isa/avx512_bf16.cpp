@@ -308,6 +308,63 @@ void key_scores(const KeyScoresArgs& a) {
   }
 }
 
+// value_rows for kRows rows, 32 value columns at a time: the two rows of a key pair loaded as
+// they lie and interleaved in registers (VPUNPCKLWD / VPUNPCKHWD, within each 128-bit lane), so
+// that lane 4L + k of the low accumulator sums column 8L + k and of the high one column 8L + 4 + k;
+// one permutation per 16 columns puts them back in order before the store.
+template <int kRows>
+void value_rows_for(const ValueRowsArgs& a) {
+  alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19,
+                                                     4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[16] = {8,  9,  10, 11, 24, 25, 26, 27,
+                                                      12, 13, 14, 15, 28, 29, 30, 31};
+  const int64_t pairs = a.count / 2;
+  const __m512i first = _mm512_load_si512(kFirst);
+  const __m512i second = _mm512_load_si512(kSecond);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  LinesAhead ahead(a.ahead, (a.dv / 32) * pairs);
+  for (int64_t e0 = 0; e0 < a.dv; e0 += 32) {
+    __m512 lo[kRows], hi[kRows];
+    for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+      ahead.next();
+      const uint16_t* v0 = a.values[2 * i];
+      const uint16_t* v1 = a.values[2 * i + 1];
+      const __m512i x0 = v0 != nullptr ? _mm512_loadu_si512(v0 + e0) : _mm512_setzero_si512();
+      const __m512i x1 = v1 != nullptr ? _mm512_loadu_si512(v1 + e0) : _mm512_setzero_si512();
+      const __m512bh pl = Bf16PairPolicy::as_bh(_mm512_unpacklo_epi16(x0, x1));
+      const __m512bh ph = Bf16PairPolicy::as_bh(_mm512_unpackhi_epi16(x0, x1));
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh pr = Bf16PairPolicy::broadcast(a.p[r * a.ldp + i]);
+        lo[r] = _mm512_dpbf16_ps(lo[r], pr, pl);
+        hi[r] = _mm512_dpbf16_ps(hi[r], pr, ph);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float* out = a.o + r * a.ldo + e0;
+      const __m512 sums[2] = {_mm512_permutex2var_ps(lo[r], first, hi[r]),
+                              _mm512_permutex2var_ps(lo[r], second, hi[r])};
+      for (int j = 0; j < 2; ++j) {
+        // As the pair GEMM stores a block (alpha 1): sums + row_scale * o in one rounding.
+        if (a.row_scale != nullptr) {
+          const __m512 old =
+              _mm512_mul_ps(_mm512_set1_ps(a.row_scale[r]), _mm512_loadu_ps(out + 16 * j));
+          _mm512_storeu_ps(out + 16 * j, _mm512_fmadd_ps(one, sums[j], old));
+        } else {
+          _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(one, sums[j]));
+        }
+      }
+    }
+  }
+}
+
+void value_rows(const ValueRowsArgs& a) {
+  static constexpr void (*kByRows[8])(const ValueRowsArgs&) = {
+      &value_rows_for<1>, &value_rows_for<2>, &value_rows_for<3>, &value_rows_for<4>,
+      &value_rows_for<5>, &value_rows_for<6>, &value_rows_for<7>, &value_rows_for<8>};
+  kByRows[std::clamp<int64_t>(a.rows, 1, 8) - 1](a);
+}
+
 }  // namespace
 
 void to_bf16(const float* src, uint16_t* dst, int64_t n) {
@@ -353,7 +410,8 @@ const KernelSet& kernel_set() {
                              &softmax_bf16,
                              &key_scores,
                              8,
-                             nullptr};
+                             nullptr,
+                             &value_rows};
   return set;
 }
 

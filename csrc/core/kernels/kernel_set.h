@@ -58,6 +58,27 @@ struct KeyScoresArgs {
   RowsAhead ahead = {};
 };
 
+// Decode's P.V from bf16 value rows read where they lie, with no packing:
+//   o[r][e] = row_scale[r] o[r][e] + sum_i p[r][i] . (v[2i][e], v[2i + 1][e])
+// for r < rows (at most 8), e < dv (a multiple of 32): p is [rows][ldp] words, P as bf16 pairs
+// along the block's keys (softmax_bf16's probabilities); values[n] is the block's value row n
+// (dv bf16 elements), null for a row past the keys (read as zeros); count (even) rows. Each
+// output sums the same pair products in the same order as the pair GEMM on the values packed as
+// key pairs (interleave_bf16), so the bits are the same. row_scale null: o = the sums.
+// `ahead`: rows the caller reads next, asked for from memory between the products.
+struct ValueRowsArgs {
+  const uint32_t* p;
+  int64_t ldp;
+  const uint16_t* const* values;
+  int64_t count;
+  int64_t dv;
+  float* o;
+  int64_t ldo;
+  const float* row_scale;
+  int64_t rows;
+  RowsAhead ahead = {};
+};
+
 // The indexer's tile: one packed key tile against the packed query rows of a task.
 //   scores[r][j] += sum_h weights[r][h] * relu(dot(q[h][r], k[:, j]))
 // for rows [row_begin, row_end); other rows of `scores` are left alone.
@@ -194,6 +215,10 @@ struct KernelSet {
   // Set for float32 sets only.
   void (*pack_widened_keys)(const char* const* rows, int64_t valid, DType dtype, int64_t n,
                             const RowsAhead& ahead, uint32_t* kp);
+
+  // Decode's P.V on bf16 value rows in place (ValueRowsArgs), beside key_scores; null where the
+  // set has none (flash attention then packs the value tiles as key pairs for its GEMM).
+  void (*value_rows)(const ValueRowsArgs& args) = nullptr;
 
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
