@@ -698,7 +698,8 @@ class Runner {
   int64_t slot_floats_;
   // bf16 keys, each row a whole number of depth tiles of pairs: for sequences of at most 16 query
   // rows (decode), the score product reads the key rows where they lie, as the A operand (S^T = K
-  // Q^T), instead of packing each key tile first; only the values are packed.
+  // Q^T), instead of packing each key tile first; only the values are packed (unless
+  // direct_values_).
   bool direct_keys_;
   // bf16 values of unit stride, whole 32-column blocks, on a set with value_rows: where decode
   // reads its keys in place through key_scores, its P.V reads the value rows in place too

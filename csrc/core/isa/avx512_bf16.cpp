@@ -321,7 +321,6 @@ void value_rows_for(const ValueRowsArgs& a) {
   const int64_t pairs = a.count / 2;
   const __m512i first = _mm512_load_si512(kFirst);
   const __m512i second = _mm512_load_si512(kSecond);
-  const __m512 one = _mm512_set1_ps(1.0f);
   LinesAhead ahead(a.ahead, (a.dv / 32) * pairs);
   for (int64_t e0 = 0; e0 < a.dv; e0 += 32) {
     __m512 lo[kRows], hi[kRows];
@@ -345,14 +344,13 @@ void value_rows_for(const ValueRowsArgs& a) {
       const __m512 sums[2] = {_mm512_permutex2var_ps(lo[r], first, hi[r]),
                               _mm512_permutex2var_ps(lo[r], second, hi[r])};
       for (int j = 0; j < 2; ++j) {
-        // As the pair GEMM stores a block (alpha 1): sums + row_scale * o in one rounding.
+        // As the pair GEMM stores a block with alpha 1: sums (+ row_scale * o).
+        __m512 v = sums[j];
         if (a.row_scale != nullptr) {
-          const __m512 old =
-              _mm512_mul_ps(_mm512_set1_ps(a.row_scale[r]), _mm512_loadu_ps(out + 16 * j));
-          _mm512_storeu_ps(out + 16 * j, _mm512_fmadd_ps(one, sums[j], old));
-        } else {
-          _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(one, sums[j]));
+          v = _mm512_add_ps(
+              v, _mm512_mul_ps(_mm512_set1_ps(a.row_scale[r]), _mm512_loadu_ps(out + 16 * j)));
         }
+        _mm512_storeu_ps(out + 16 * j, v);
       }
     }
   }
