@@ -17,8 +17,13 @@ in one run: tokens per second of a prefill, of greedy generation and of one trai
   "eager" is the model's own path, which builds a dense bias over the window and the compressed
   entries. transformers has no SDPA path for this model.
 
+* Serving (``--serve``): transformers' continuous batching (``generate_batch``) on the
+  Llama-shaped model, "paged|opmesh" against "paged|sdpa": R concurrent requests with prompts of
+  P / 2 to 3 P / 2 tokens, 32 new tokens each; tokens per second counts the new tokens.
+
     python benchmarks/bench_transformers.py [--seq 4096 8192] [--dsa-seq 8192] [--v4-seq 8192]
         [--models llama dsa deepseek_v4] [--skip-eager]
+    python benchmarks/bench_transformers.py --serve [--requests 16 64] [--prompt 512]
 """
 
 from __future__ import annotations
@@ -139,8 +144,14 @@ def main():
     parser.add_argument("--v4-seq", type=int, default=8192, help="DeepSeek-V4 prefill length")
     parser.add_argument("--models", nargs="+", default=["llama", "dsa", "deepseek_v4"],
                         choices=["llama", "dsa", "deepseek_v4"])  # fmt: skip
+    parser.add_argument("--serve", action="store_true", help="continuous batching only")
+    parser.add_argument("--requests", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt", type=int, default=512, help="mean prompt length (--serve)")
     args = parser.parse_args()
     opmesh_hf.register()
+    if args.serve:
+        serve(args)
+        return
     impls = ["opmesh", "sdpa"] + ([] if args.skip_eager else ["eager"])
     torch.manual_seed(0)
     rows = []
@@ -206,6 +217,53 @@ def v4_rows(args, impls):
         rows.append(row(name, what, length, rates(model, run, impls, count, args.budget)))
         print(rows[-1], flush=True)
     return rows
+
+
+def serve(args):
+    """generate_batch's new tokens per second under paged|opmesh and paged|sdpa."""
+    model = llama()
+    impls = ["paged|opmesh", "paged|sdpa"]
+    rows = []
+    for count in args.requests:
+        generator = torch.Generator().manual_seed(count)
+        lengths = torch.randint(args.prompt // 2, 3 * args.prompt // 2 + 1, (count,),
+                                generator=generator)  # fmt: skip
+        inputs = [tokens(1, int(n), seed=i)[0].tolist() for i, n in enumerate(lengths)]
+        page = 64
+        blocks = sum(-(-(len(ids) + args.new_tokens) // page) for ids in inputs) + count
+        config = transformers.ContinuousBatchingConfig(
+            page_size=page, num_blocks=blocks, max_batch_tokens=2048
+        )
+        greedy = transformers.GenerationConfig(
+            max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+
+        def run(inputs=inputs, config=config, greedy=greedy):
+            with torch.no_grad():
+                model.generate_batch(
+                    inputs, generation_config=greedy, continuous_batching_config=config,
+                    progress_bar=False,
+                )  # fmt: skip
+
+        got = rates(model, run, impls, count * args.new_tokens, args.budget)
+        rows.append({
+            "requests": count, "prompt tokens": int(lengths.sum()), "new tokens": args.new_tokens,
+            "opmesh tok/s": f"{got['paged|opmesh']:.1f}",
+            "sdpa tok/s": f"{got['paged|sdpa']:.1f}",
+            "opmesh / sdpa": f"{got['paged|opmesh'] / got['paged|sdpa']:.2f}x",
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    columns = ["requests", "prompt tokens", "new tokens", "opmesh tok/s",
+               "sdpa tok/s", "opmesh / sdpa"]  # fmt: skip
+    notes = [
+        "transformers' continuous batching (generate_batch) on the Llama-shaped model (bf16, "
+        f"hidden 1024, 8/2 heads of dim 128, 4 layers): every request at once, prompts of "
+        f"{args.prompt // 2} to {3 * args.prompt // 2} tokens, {args.new_tokens} new tokens "
+        "each, greedy; pages of 64 tokens, at most 2048 tokens per batch.",
+        "Tokens per second counts the new tokens over the whole run (prefills included); the "
+        "two implementations timed in turn.",
+    ]
+    print(write_results("transformers_serve", rows, columns, notes))
 
 
 def row(model, step, length, rates):

@@ -24,6 +24,7 @@ import torch
 
 from .. import ops
 from ._masks import _plan, _visible
+from ._paged import PAGED_NAME, paged_attention_forward
 
 NAME = "opmesh"
 
@@ -36,6 +37,7 @@ def register() -> None:
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
+    AttentionInterface.register(PAGED_NAME, paged_attention_forward)
     _install_deepseek_v4()
 
 
