@@ -1,4 +1,4 @@
-"""Command line: python -m opmesh demo, mesh-demo, plan and calibrate."""
+"""Command line: python -m opmesh demo, mesh-demo, plan, calibrate and serve."""
 
 from __future__ import annotations
 
@@ -55,6 +55,19 @@ def main(argv=None):
         "calibrate", help="measure the bf16 kernel choice and keep it for later processes"
     )
     calibrate.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (transformers serve) with continuous batching on opmesh",
+    )
+    serve.add_argument("model", help="a model directory (or hub id) transformers can load")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    serve.add_argument("--dtype", default="auto", help="auto (the weights'), bfloat16, float32")
+    serve.add_argument("--num-blocks", type=int, help="paged cache pages of 256 tokens")
+    serve.add_argument("--max-batch-tokens", type=int, help="tokens per batch at most")
+    serve.add_argument(
+        "--max-memory-percent", type=float, help="share of free memory for the cache (0-1)"
+    )
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -75,7 +88,15 @@ def _version():
 
 
 def _run(args):
-    if args.command == "mesh-demo":
+    if args.command == "serve":
+        from .integrations.serving import serve
+
+        serve(
+            args.model, host=args.host, port=args.port, dtype=args.dtype,
+            num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
+            max_memory_percent=args.max_memory_percent,
+        )  # fmt: skip
+    elif args.command == "mesh-demo":
         run_mesh_demo()
     elif args.command == "plan":
         run_plan(args)
