@@ -582,6 +582,7 @@ def sparse_flash_attention(
     attention_mode: int = 0,
     return_softmax_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Attention of each query token over the keys its ``sparse_indices`` select.
 
@@ -590,6 +591,7 @@ def sparse_flash_attention(
     indices ``i >= 0`` (``-1`` is skipped), intersected with the keys the token sees::
 
         s[j] = scale_value * (query[t, h] . key[j, g] + query_rope[t, h] . key_rope[j, g])
+        s[j] = softcap * tanh(s[j] / softcap)   (softcap > 0 only)
         out[t, h] = sum_{j in S} exp(s[j] - m) value[j, g] / (l + exp(sinks[h] - m))
         m = max_{j in S} s[j],  l = sum_{j in S} exp(s[j] - m)
 
@@ -614,6 +616,8 @@ def sparse_flash_attention(
         sparse_mode, pre_tokens, next_tokens: the mask, as for :func:`lightning_indexer`.
         return_softmax_lse: also return the statistics.
         sinks: optional ``[N1]`` per-head sink logits (a key with no value in every row).
+        softcap: logit soft-capping (as Gemma 2 and :func:`flash_attn`): a finite value
+            ``>= 0``; None or 0 leaves the scores as they are.
 
     Returns:
         ``(attention_out, softmax_max, softmax_sum)``: attention_out in query's layout with
@@ -626,6 +630,8 @@ def sparse_flash_attention(
     """
     call = dict(locals())
     check_scalar_types("sparse_flash_attention", call)
+    if softcap is None or softcap == 0.0:
+        del call["softcap"]  # the schema's default (see flash_attn)
     if _on_mindspore(query, key, value):
         return _ms.sparse_flash_attention(call)
     call["actual_seq_lengths_query"] = _as_lengths(

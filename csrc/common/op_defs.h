@@ -243,7 +243,8 @@ struct Field {
   ARG_D(Int, sparse_mode, 3)                               \
   ARG_D(Int, pre_tokens, ::opmesh::ops::kUnboundedTokens)  \
   ARG_D(Int, next_tokens, ::opmesh::ops::kUnboundedTokens) \
-  ARG_D(Int, attention_mode, 0)
+  ARG_D(Int, attention_mode, 0)                            \
+  ARG_D(Float, softcap, 0.0)
 
 // sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, ...)
 //   -> (attention_out, softmax_max, softmax_sum)

@@ -138,7 +138,7 @@ def attention_forward(
     sinks = None if s_aux is None else s_aux.float()
     mask = None if attention_mask is None else _visible(attention_mask)
     if indices is not None:
-        return _sparse(query, key, value, mask, indices, scaling, sinks, causal), None
+        return _sparse(query, key, value, mask, indices, scaling, sinks, causal, softcap), None
     mode, left, right = _mask_mode(causal, sliding_window)
     common = dict(
         softmax_scale=scaling, sinks=sinks, softcap=softcap or None, mask_mode=mode,
@@ -160,13 +160,7 @@ def attention_forward(
     if plan is None:
         # Any other mask, and every mask in a compiled graph (reading it into sequences needs
         # the host): each query attends to the keys its mask row shows, as sparse attention.
-        if softcap:
-            raise ValueError(
-                "softcap: opmesh attention takes a softcap with no mask or a mask of padded or "
-                "packed sequences, outside torch.compile; this mask needs sparse attention, "
-                "which has no softcap"
-            )
-        return _sparse(query, key, value, mask, None, scaling, sinks, False), None
+        return _sparse(query, key, value, mask, None, scaling, sinks, False, softcap), None
     q = query.transpose(1, 2)[plan.q_batch, plan.q_pos]
     k = key.transpose(1, 2)[plan.k_batch, plan.k_pos]
     v = value.transpose(1, 2)[plan.k_batch, plan.k_pos]
@@ -193,7 +187,7 @@ def _shown(mask: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.where(seen & (selected >= 0), selected, -1)
 
 
-def _sparse(query, key, value, mask, indices, scaling, sinks, causal) -> torch.Tensor:
+def _sparse(query, key, value, mask, indices, scaling, sinks, causal, softcap=None):
     """Each query over the keys its ``indices [B, Sq, K]`` select (one selection for every
     head; None: every key), restricted to the keys the mask shows it."""
     batch, _, q_len, _ = query.shape
@@ -215,6 +209,7 @@ def _sparse(query, key, value, mask, indices, scaling, sinks, causal) -> torch.T
         query.shape[-1] ** -0.5 if scaling is None else scaling,
         sparse_mode=mode,
         sinks=sinks,
+        softcap=softcap or None,
     )
     return out
 

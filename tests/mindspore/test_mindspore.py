@@ -223,12 +223,18 @@ def sparse_case(layout_query, layout_kv, rope):
 
 
 @pytest.mark.parametrize(
-    "layouts, rope",
-    [(("BSND", "BSND"), True), (("TND", "TND"), False), (("BSND", "PA_BSND"), False)],
-    ids=["bsnd-rope", "tnd", "paged"],
+    "layouts, rope, softcap",
+    [
+        (("BSND", "BSND"), True, None),
+        (("BSND", "BSND"), True, 0.5),
+        (("TND", "TND"), False, None),
+        (("BSND", "PA_BSND"), False, None),
+    ],
+    ids=["bsnd-rope", "bsnd-rope-softcap", "tnd", "paged"],
 )
-def test_sparse_flash_attention_forward_and_backward_match_torch(layouts, rope):
+def test_sparse_flash_attention_forward_and_backward_match_torch(layouts, rope, softcap):
     arrays, idx, kw = sparse_case(*layouts, rope)
+    kw["softcap"] = softcap
     m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
     m_sinks, t_sinks = both(randn(4))
     m_idx, t_idx = ms.Tensor(idx), torch.from_numpy(idx)

@@ -365,6 +365,7 @@ def sparse_flash_attention(
     pre_tokens=UNBOUNDED,
     next_tokens=UNBOUNDED,
     sinks=None,
+    softcap=None,
     **_,
 ):
     """Reference for ``sparse_flash_attention`` in float64 torch ops (differentiable, so its
@@ -438,6 +439,8 @@ def sparse_flash_attention(
                 if qr is not None:
                     s = s + kr[sel, g].double() @ qr[q0 + i, h].double()
                 s = s * scale_value
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
                 m = s.max()
                 e = torch.exp(s - m)
                 denom = e.sum()

@@ -190,6 +190,33 @@ def test_negative_and_zero_scale_on_every_kernel_path(scale, simd_level):
         check_forward(CASES[2], dtype, scale=scale)
 
 
+# Softcaps that bind (scores beyond them) and one that barely does; on a case with rope, blocks,
+# sinks and GQA, and on paged keys.
+@pytest.mark.parametrize("softcap", [0.3, 2.0, 50.0])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], CASES[7]], ids=lambda c: c.name)
+def test_softcap(case, softcap):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_forward(case, dtype, scale=1.0, softcap=softcap)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: c.name)
+def test_softcap_on_every_kernel_path(case, simd_level):
+    check_forward(case, torch.float32, scale=1.0, softcap=0.5)
+    check_forward(case, torch.bfloat16, scale=1.0, softcap=0.5)
+    ours, ref = gradients(case, torch.bfloat16, softcap=0.5)
+    for name in ours:
+        tol = BACKWARD_TOL[torch.bfloat16]
+        torch.testing.assert_close(ours[name].grad.double(), ref[name].grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5]], ids=lambda c: c.name)
+def test_softcap_gradients(case):
+    ours, ref = gradients(case, torch.float32, softcap=0.4)
+    for name in ours:
+        torch.testing.assert_close(ours[name].grad.double(), ref[name].grad, atol=2e-4,
+                                   rtol=2e-4, msg=name)  # fmt: skip
+
+
 def gradients(case, dtype, **extra):
     """The op's and the reference's gradients for the same upstream gradient."""
     q, k, v, idx, kwargs = make_inputs(case, dtype, seed=3)
@@ -417,6 +444,9 @@ def test_bad_arguments_name_themselves():
         (ValueError, "scale_value", lambda: run(scale=float("nan"))),
         (ValueError, "block_table", lambda: run(block_table=[[0]])),
         (ValueError, "sparse_mode", lambda: run(sparse_mode=4)),
+        (ValueError, "softcap", lambda: run(softcap=-1.0)),
+        (ValueError, "softcap", lambda: run(softcap=float("inf"))),
+        (ValueError, "softcap", lambda: run(softcap=float("nan"))),
     ]
     for exc, name, fn in cases:
         assert_raises_named(exc, name, fn)

@@ -222,10 +222,56 @@ def test_what_the_kernels_cannot_take_is_refused_by_name():
     bias = torch.zeros(1, 1, 6, 6)
     bias[..., 0] = 0.5
     assert_raises_named(ValueError, "attention_mask", lambda: model(ids, attention_mask=bias))
-    gemma = build("gemma2")
-    gemma.set_attn_implementation("opmesh")
-    both_ways = torch.ones(1, 1, 6, 6, dtype=torch.bool)
-    assert_raises_named(ValueError, "softcap", lambda: gemma(ids, attention_mask=both_ways))
+
+
+def sharpened(model, factor=200.0):
+    """The model with its query projections scaled up: a random model's scores are about 0.03,
+    where a softcap of 5 changes nothing; scaled, they reach the cap."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("q_proj.weight"):
+                p.mul_(factor)
+    return model
+
+
+def test_a_softcap_with_any_other_mask_matches_eager():
+    """Gemma 2's softcap on the sparse path (a mask that is no causal pattern), with scores
+    large enough for the cap to bind."""
+    model = sharpened(build("gemma2"))
+    ids, _ = batch(rows=2, length=10)
+    prefix = torch.ones(10, 10, dtype=torch.bool).tril()
+    prefix[:4, :4] = True
+    # Additive, as eager attention takes it (it adds a boolean mask as 0 / 1).
+    custom = torch.zeros(2, 1, 10, 10).masked_fill(~prefix, torch.finfo(torch.float32).min)
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids, attention_mask=custom).logits
+
+    close(run(model, "opmesh", logits), run(model, "eager", logits), 2e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt_oss", "gemma2"])
+def test_compiled_generation_with_a_static_cache_matches_eager(name):
+    """generate() with a static cache compiles the decoding forward (fullgraph), whose masks go
+    to the sparse path: windows, sinks and the softcap there, token for token as eager."""
+    model = sharpened(build(name), 30.0)
+    ids, mask = batch()
+    compiled = transformers.CompileConfig(fullgraph=True, dynamic=False)
+    compiled._compile_all_devices = True  # transformers compiles on accelerators only otherwise
+
+    def generate(m, compile_config=None):
+        with torch.no_grad():
+            return m.generate(
+                ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                cache_implementation="static", compile_config=compile_config,
+            )  # fmt: skip
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ours = run(model, "opmesh", lambda m: generate(m, compiled))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert torch.equal(ours, run(model, "eager", generate))
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -48,6 +48,10 @@ void validate(const SparseAttentionParams& p) {
     throw ArgumentError("sparse_block_size", "must be >= 1, got " + str(p.sparse_block_size));
   }
   if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
+  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
+    throw ArgumentError(
+        "softcap", "must be finite and >= 0 (0: no capping), got " + std::to_string(p.softcap));
+  }
   check_grouped_heads(p.heads_q, p.heads_k);
   if (p.index_heads != 1 && p.index_heads != p.heads_k) {
     throw ArgumentError("sparse_indices", "key-head dim must be 1 or N2=" + str(p.heads_k) +
@@ -79,7 +83,7 @@ class Forward {
         keys_(keys),
         k_(kernels::select_set(isa, p.dtype, -1, true)),
         pairs_(k_.word == kernels::Word::kBf16Pair),
-        raw_scores_(pairs_ && p.scale > 0.0f),
+        raw_scores_(pairs_ && p.scale > 0.0f && p.softcap == 0.0f),
         g_(geo_.groups()),
         dqk_(p.head_dim + p.rope_dim),
         words_(pairs_ ? (dqk_ + 1) / 2 : dqk_),
@@ -135,8 +139,11 @@ class Forward {
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
                raw_scores_ ? 1.0f : p_.scale});
-      for (int64_t r = 0; r < g_; ++r)
+      for (int64_t r = 0; r < g_; ++r) {
+        if (p_.softcap > 0.0f)
+          k_.rows.score_mods(sv + r * kKeyTile, p_.softcap, 0.0f, 0, 0, nullptr);
         std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
+      }
       if (pairs_) {
         k_.softmax_bf16(sv, g_, kKeyTile, raw_scores_ ? p_.scale : 1.0f, sc.m.data(), sc.l.data(),
                         sc.corr.data(), sc.pb.data());
@@ -310,7 +317,7 @@ class Forward {
   const sparse::KeySelector& keys_;
   const kernels::KernelSet& k_;  // float32 kernels, or bf16 pairs for bf16 inputs
   bool pairs_;
-  bool raw_scores_;  // bf16 pairs and a positive scale: scores unscaled, the scale in the exp
+  bool raw_scores_;  // bf16 pairs, a positive scale, no softcap: the scale in the exp
   int64_t g_;        // query heads per key head: the rows of one product
   int64_t dqk_;      // D + Dr
   int64_t words_;    // words per query/key row: dqk_, or its pairs

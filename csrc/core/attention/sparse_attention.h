@@ -1,6 +1,7 @@
 // sparse_flash_attention: attention of each query token over the keys its sparse_indices select
 // (blocks of sparse_block_size keys, intersected with the mask), forward and backward:
 //   s[t, h, j] = scale * (q[t, h] . k[j, g] + q_rope[t, h] . k_rope[j, g]),  g = h / (N1 / N2)
+//   (with softcap > 0: s <- softcap tanh(s / softcap))
 //   out[t, h]  = sum_j p[t, h, j] v[j, g],  p = softmax over the selected j (and the sink)
 // Work and memory: O(tile) per worker, no S1 x S2 buffer; the results, gradients included, are
 // the same bits for any executor.
@@ -29,6 +30,8 @@ struct SparseAttentionParams : QueryKeyLayout {
   int64_t sparse_count = 0;  // K, entries per selection row
   int64_t sparse_block_size = 1;
   float scale = 1.0f;
+  // Logit soft-capping: s <- softcap tanh(s / softcap) on the scaled scores (0: none).
+  float softcap = 0.0f;
 
   DType dtype = DType::kFloat32;  // query, key, value, the ropes and the output
   // Views (vocabulary.h; TND: sb unused; paged keys {block, slot, n, d}).

@@ -88,6 +88,7 @@ class Backward {
           oh(b.head_pairs_ * b.dv16_),
           s(b.rows_ * kKeyTile),
           dp(b.rows_ * kKeyTile),
+          cap(b.p_.softcap > 0.0f ? b.rows_ * kKeyTile : 0),
           pt(kKeyTile * std::max<int64_t>(b.g_, kKeyTile)),
           dst(kKeyTile * std::max<int64_t>(b.g_, kKeyTile)),
           ds16(b.pairs_ ? b.rows_ * kKeyTile : 0),
@@ -108,6 +109,7 @@ class Backward {
     AlignedBuffer<uint32_t> oh;     // [head pairs][dv16] output gradients as head pairs (pairs)
     AlignedBuffer<float> s;         // [rows][64] scores, then probabilities
     AlignedBuffer<float> dp;        // [rows][64] dP, then dS
+    AlignedBuffer<float> cap;       // [rows][64] the softcap's derivative (softcap only)
     AlignedBuffer<uint32_t> pt;     // [64][G] P transposed (float32), [64][64] head pairs (pairs)
     AlignedBuffer<uint32_t> dst;    // [64][G] dS transposed, the same
     AlignedBuffer<uint16_t> ds16;   // [rows][64] dS in bf16, as key pairs (pairs)
@@ -337,7 +339,8 @@ class Backward {
 
   // For n keys of one chunk (with the next chunk asked for while they load): their rows and
   // transposes (with `key_pairs` on bf16 pairs, the keys as key pairs too), P = exp(scale q.k -
-  // lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0).
+  // lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0); with a softcap,
+  // P of the capped scores and dS times the cap's derivative.
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
                      const float* lse, const float* delta, bool key_pairs) const {
     const char* krows[kKeyTile];
@@ -368,7 +371,12 @@ class Backward {
     float* dp = sc.dp.data();
     k_.gemm({sc.q.data(), dw_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
              p_.scale});
+    const bool capped = p_.softcap > 0.0f;
     for (int64_t r = 0; r < g_; ++r) {
+      // The softcap, and its derivative 1 - tanh^2 for dS.
+      if (capped) {
+        k_.rows.score_mods(sv + r * kKeyTile, p_.softcap, 0.0f, 0, 0, sc.cap.data() + r * kKeyTile);
+      }
       std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
     }
     k_.exp_rows(sv, g_, kKeyTile, lse);
@@ -378,6 +386,7 @@ class Backward {
       for (int64_t c = 0; c < kKeyTile; ++c) {
         dp[r * kKeyTile + c] = sv[r * kKeyTile + c] * (dp[r * kKeyTile + c] - delta[r]);
       }
+      if (capped) k_.rows.multiply_into(dp + r * kKeyTile, sc.cap.data() + r * kKeyTile);
     }
   }
 
