@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-installed
 CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=ON
 
-.PHONY: demo test test-mindspore build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
+.PHONY: demo test test-mindspore test-torch-next build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
 
 demo: build
 	$(PY) -m opmesh demo
@@ -76,6 +76,24 @@ test-mindspore: system-deps $(MS_STAMP)
 	$(MS_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
 	  -C build-dir=build/mindspore-env -C cmake.define.OPMESH_MINDSPORE=ON -e .
 	OPMESH_MINDSPORE_CACHE=$(CURDIR)/build/mindspore-cache $(MS_VENV)/bin/python -m pytest -q tests/mindspore
+
+# The Python suite against the newest torch these machines reach (2.14: pip takes a CUDA build,
+# which runs on the CPU) in its own environment (.venv-torch-next), the extension built there
+# from the same sources into its own build directory.
+NEXT_VENV := .venv-torch-next
+NEXT_TORCH := torch==2.14.1
+NEXT_STAMP := $(NEXT_VENV)/.deps-installed
+$(NEXT_STAMP): requirements.txt
+	$(PYTHON) -m venv $(NEXT_VENV)
+	sed '/^torch==/d' requirements.txt > $(NEXT_VENV)/requirements.txt
+	$(NEXT_VENV)/bin/pip install -q --disable-pip-version-check $(NEXT_TORCH) \
+	  -r $(NEXT_VENV)/requirements.txt
+	touch $@
+
+test-torch-next: system-deps $(NEXT_STAMP)
+	$(NEXT_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+	  -C build-dir=build/torch-next -e .
+	TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-cache-next $(NEXT_VENV)/bin/python -m pytest -q tests/python
 
 # pip install . and pip wheel . in a fresh virtual environment that has only torch.
 test-packaging: system-deps
