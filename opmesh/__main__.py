@@ -63,7 +63,7 @@ def main(argv=None):
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     serve.add_argument("--dtype", default="auto", help="auto (the weights'), bfloat16, float32")
-    serve.add_argument("--num-blocks", type=int, help="paged cache pages of 256 tokens")
+    serve.add_argument("--num-blocks", type=int, help="cache blocks of 256 tokens (every layer)")
     serve.add_argument("--max-batch-tokens", type=int, help="tokens per batch at most")
     serve.add_argument(
         "--max-memory-percent", type=float, help="share of free memory for the cache (0-1)"
@@ -71,7 +71,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         _run(args)
-    except (ValueError, TypeError, RuntimeError) as error:
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as error:
         # A bad argument reported in one line, as argparse reports its own.
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         for name, flag in OPTION_OF_ARGUMENT.items():  # name the option the user typed
@@ -91,11 +91,16 @@ def _run(args):
     if args.command == "serve":
         from .integrations.serving import serve
 
-        serve(
-            args.model, host=args.host, port=args.port, dtype=args.dtype,
-            num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-            max_memory_percent=args.max_memory_percent,
-        )  # fmt: skip
+        try:
+            serve(
+                args.model, host=args.host, port=args.port, dtype=args.dtype,
+                num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
+                max_memory_percent=args.max_memory_percent,
+            )  # fmt: skip
+        except (OSError, ValueError) as error:  # the model did not load
+            if str(error).startswith("model:"):
+                raise
+            raise ValueError(f"model: cannot serve {args.model!r}: {error}") from error
     elif args.command == "mesh-demo":
         run_mesh_demo()
     elif args.command == "plan":

@@ -247,3 +247,13 @@ def test_the_command_line_serves_and_stops_cleanly(model_dir, stop):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_model_that_does_not_load_is_named():
+    done = subprocess.run(
+        [sys.executable, "-m", "opmesh", "serve", "/nonexistent/model", "--port", str(free_port())],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "python -m opmesh serve: error: model: cannot serve '/nonexistent/model'" in done.stderr
