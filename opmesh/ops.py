@@ -580,9 +580,9 @@ def sparse_flash_attention(
     pre_tokens: int = UNBOUNDED,
     next_tokens: int = UNBOUNDED,
     attention_mode: int = 0,
+    softcap: float | None = None,
     return_softmax_lse: bool = False,
     sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Attention of each query token over the keys its ``sparse_indices`` select.
 
@@ -614,10 +614,10 @@ def sparse_flash_attention(
         query_rope, key_rope: optional ``[.., N1, Dr]`` / ``[.., N2, Dr]`` in query's and key's
             layouts, added to the score's dot product; both or neither.
         sparse_mode, pre_tokens, next_tokens: the mask, as for :func:`lightning_indexer`.
-        return_softmax_lse: also return the statistics.
-        sinks: optional ``[N1]`` per-head sink logits (a key with no value in every row).
         softcap: logit soft-capping (as Gemma 2 and :func:`flash_attn`): a finite value
             ``>= 0``; None or 0 leaves the scores as they are.
+        return_softmax_lse: also return the statistics.
+        sinks: optional ``[N1]`` per-head sink logits (a key with no value in every row).
 
     Returns:
         ``(attention_out, softmax_max, softmax_sum)``: attention_out in query's layout with
