@@ -211,12 +211,14 @@ def _seq_dim(layout, name):
 
 
 def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, q_lens=None,
-                   k_lens=None, cached=False, cmp=None):  # fmt: skip
+                   k_lens=None, cached=False, cmp=None, softcap=None):  # fmt: skip
     """The DSA layer on the mesh equals the one-device layer: outputs, statistics, indices,
     losses and gradients (full tensors, in natural order); ``cached``: the whole layer in one
     ``gather_once()`` block."""
     x = _inputs(layout, b, s1, s2, q_lens, k_lens)
     dense_kw, indexer_kw, attention_kw = _lengths(layout, b, q_lens, k_lens)
+    if softcap is not None:
+        attention_kw["softcap"] = softcap
     want = _layer(x, layout, dense_kw, indexer_kw, attention_kw, mode, cmp)
     cp = mesh.size() if scheme == "cp_two_axes" else mesh.size(mesh.ndim - 1)
     keys_sharded = scheme in ("cp_shard", "cp_two_axes")
@@ -382,6 +384,9 @@ def dsa_cases(mesh):
             mesh, "BSND", "cp_shard", q_lens=[13, 9, 2], k_lens=[17, 12, 6]
         ),
         "bsnd_cp_shard_mode0": lambda: dsa_layer_case(mesh, "BSND", "cp_shard", mode=0),
+        # A softcap that binds (scores beyond 0.7), on sequences that do not divide the mesh.
+        "bsnd_cp_shard_softcap": lambda: dsa_layer_case(mesh, "BSND", "cp_shard", softcap=0.7),
+        "tnd_cp_rep_softcap": lambda: dsa_layer_case(mesh, "TND", "cp_rep", softcap=0.7, **varlen),
         "bsnd_head_tail_opmesh_shard": lambda: dsa_layer_case(
             mesh, "BSND", "cp_shard", "opmesh", s1=4 * cp, s2=6 * cp
         ),
@@ -466,6 +471,8 @@ CASE_NAMES = [
     "bsnd_cp_shard",
     "bsnd_cp_shard_lengths",
     "bsnd_cp_shard_mode0",
+    "bsnd_cp_shard_softcap",
+    "tnd_cp_rep_softcap",
     "bsnd_head_tail_opmesh_shard",
     "bsnd_head_tail_hyperparallel_shard",
     "bsnd_head_tail_hyperparallel_rep",
