@@ -155,25 +155,29 @@ def serve(
             non_blocking=True,  # uvicorn in a thread; this thread takes the signals
         )
     if block:
-        _serve_until_stopped(server)
+        _serve_until_stopped(server, f"{host}:{port}")
     return server
 
 
-def _serve_until_stopped(server) -> None:
+def _serve_until_stopped(server, address: str) -> None:
     """Waits for SIGINT or SIGTERM, then lets uvicorn finish its requests and stops it, the
-    batching thread and the model (a clean exit, status 0)."""
+    batching thread and the model (a clean exit, status 0). A server that stops by itself
+    (uvicorn could not listen) raises."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    interrupted = False
     try:
         while server._thread.is_alive():
             server._thread.join(0.5)
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     finally:
         signal.signal(signal.SIGTERM, previous)
         server.server.should_exit = True
         server._thread.join(timeout=30)
         server.kill_server()
+    if not interrupted:
+        raise RuntimeError(f"port: the server on {address} stopped by itself (is it in use?)")

@@ -257,3 +257,18 @@ def test_a_model_that_does_not_load_is_named():
     )  # fmt: skip
     assert done.returncode == 2
     assert "python -m opmesh serve: error: model: cannot serve '/nonexistent/model'" in done.stderr
+
+
+def test_a_port_in_use_is_named(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "opmesh", "serve", model_dir, "--port", str(port),
+             "--num-blocks", "32"],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+    assert done.returncode == 2
+    assert f"python -m opmesh serve: error: port: the server on 127.0.0.1:{port}" in done.stderr
