@@ -1008,6 +1008,8 @@ def flash_attn(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     metadata: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     mask_mode: int = 0,
@@ -1054,6 +1056,11 @@ def flash_attn(
             or 0 leaves the scores as they are.
         alibi_slopes: float32 ``[Nq]`` or ``[B, Nq]`` (per sequence for TND), flash-attn's ALiBi
             bias; the slopes get no gradient (a slopes tensor that requires one is refused).
+        k_scale, v_scale: float32 row scales of a quantized cache (k and v int8 or
+            ``float8_e4m3fn``, as :func:`kv_cache_write_` writes them), shaped as k and v without
+            their head dim (paged: ``[num_blocks, block_size, Nkv]``); element ``e`` of a row
+            reads as ``k[..., e] * k_scale[...]``. Each key tile is dequantized to q's dtype as
+            it is read; decode only (no backward: a q that requires a gradient is refused).
         metadata: a :func:`flash_attn_metadata` plan for exactly these arguments; None plans here.
         softmax_scale: default ``1 / sqrt(D)``.
         max_seqlen_q, max_seqlen_kv: fixed by the shape for BSND/BNSD (a given value must agree);
@@ -1167,6 +1174,9 @@ def kv_cache_write_(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: LengthsLike,
+    *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes this step's keys and values into a paged cache, in place.
 
@@ -1182,17 +1192,34 @@ def kv_cache_write_(
     Both caches' version counters advance, as for PyTorch's in-place ops, and under
     ``torch.compile`` the op is functionalized and written back in place (docs/graph_mode.md).
 
+    A quantized cache (both caches int8 or ``float8_e4m3fn``, with ``key_scale`` and
+    ``value_scale``) stores each (token, head) row as bytes and one float32 scale: ``scale =
+    max|x| / 127`` (int8) or ``/ 448`` (fp8), each element the nearest value of ``x / scale``
+    (ties to even); a row of zeros has scale 0, a row holding a NaN or an infinity a NaN scale
+    (it reads back as NaN). :func:`flash_attn` reads it back with ``k_scale`` / ``v_scale``.
+
     Args:
-        key: ``[T, Nkv, D]``; value: ``[T, Nkv, Dv]``; same dtype as the caches.
+        key: ``[T, Nkv, D]``; value: ``[T, Nkv, Dv]``; the caches' dtype, or any floating dtype
+            for a quantized cache.
         key_cache: ``[num_blocks, block_size, Nkv, D]`` (``PA_BBND``), mutated.
         value_cache: ``[num_blocks, block_size, Nkv, Dv]``, mutated.
         slot_mapping: int32/int64 ``[T]`` (a list is accepted).
+        key_scale, value_scale: float32 ``[num_blocks, block_size, Nkv]``, mutated; required
+            with a quantized cache, refused otherwise.
 
     On MindSpore tensors the caches must be contiguous (docs/mindspore.md).
     """
     if _on_mindspore(key, value, key_cache, value_cache):
-        _ms.kv_cache_write_(key, value, key_cache, value_cache, slot_mapping)
+        _ms.kv_cache_write_(
+            key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale
+        )
         return
     torch.ops.opmesh.kv_cache_write_(
-        key, value, key_cache, value_cache, _as_lengths(slot_mapping, "slot_mapping")
+        key,
+        value,
+        key_cache,
+        value_cache,
+        _as_lengths(slot_mapping, "slot_mapping"),
+        key_scale=key_scale,
+        value_scale=value_scale,
     )

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kv_cache.h"
@@ -21,6 +22,8 @@ core::KvCacheWriteParams kv_cache_params(const Call& c, const std::vector<int64_
   p.dim_k = ks[2];
   p.dim_v = sizes_of(c.value)[2];
   p.elem_bytes = element_size_of(c.key);
+  p.format = TensorAccess<std::decay_t<decltype(c.key)>>::cache_format(c.key_cache);
+  if (p.format != core::CacheFormat::kPlain) p.dtype = dtype_of(c.key, "key");
   p.num_blocks = cs[0];
   p.block_size = cs[1];
   p.slots = slots.data();
@@ -34,6 +37,8 @@ void point_kv_cache(core::KvCacheWriteParams& p, const Call& c) {
   p.value = layout_view(c.value, -1);
   p.key_cache = mutable_layout_view(c.key_cache, 0);
   p.value_cache = mutable_layout_view(c.value_cache, 0);
+  if (c.key_scale.has_value()) p.key_scale = mutable_layout_view(*c.key_scale, 0);
+  if (c.value_scale.has_value()) p.value_scale = mutable_layout_view(*c.value_scale, 0);
 }
 
 }  // namespace opmesh::common

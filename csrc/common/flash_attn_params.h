@@ -50,6 +50,20 @@ core::View attention_view(const Tensor& t, attn::Layout layout) {
   return v;
 }
 
+// The view of a quantized cache's scales, shaped as k without its last (head-dim) axis: the
+// scale of k's row at (b, s, n) lies at sb b + ss s + sn n floats (sd unused).
+template <class Tensor>
+core::View scale_view(const Tensor& t, attn::Layout layout) {
+  const AttentionAxes a = attention_axes(layout);
+  const std::vector<int64_t> st = TensorAccess<Tensor>::strides(t);
+  core::View v;
+  v.data = data_of(t);
+  v.sb = a.b >= 0 ? st[a.b] : 0;
+  v.ss = st[a.s];
+  v.sn = st[a.n];
+  return v;
+}
+
 // The same view of an output the kernel writes.
 template <class Tensor>
 core::MutableView mutable_attention_view(const Tensor& t, attn::Layout layout) {
@@ -151,6 +165,11 @@ attn::FlashAttnParams flash_attn_params(const Call& c, const attn::PlanConfig& c
     p.block_size = shapes.block_size;
   }
   point_score_mods(p, c);
+  if (c.k_scale.has_value()) {
+    p.kv_format = TensorAccess<Tensor>::cache_format(c.k);
+    p.k_scale = scale_view(*c.k_scale, config.layout_kv);
+    p.v_scale = scale_view(*c.v_scale, config.layout_kv);
+  }
   p.out = mutable_attention_view(out, shapes.q_tnd ? attn::Layout::kTND : config.layout_out);
   if (lse != nullptr) {
     const LseStrides ls = lse_strides(*lse, shapes.q_tnd);

@@ -8,7 +8,7 @@
 //   ARG(kind, name)            an argument without a default
 //   ARG_D(kind, name, value)   an argument with a default (a C++ value of the kind's type)
 //   KWONLY                     the arguments after it are keyword-only (the schema's `*`)
-// Kinds: Tensor, OptTensor, MutTensor (written in place), Ints and OptInts
+// Kinds: Tensor, OptTensor, MutTensor and OptMutTensor (written in place), Ints and OptInts
 // (integer tensors the kernels read on the host: lengths, block tables, slots, plans; a binding may
 // take them as host arrays), Float, OptFloat, Int, OptInt, SymInt, OptSymInt, Str, Bool.
 //
@@ -33,6 +33,7 @@ template <class TensorT, class IntsT, class SymIntT>
 struct BindingTypes {
   using Tensor = TensorT;
   using MutTensor = TensorT;
+  using OptMutTensor = std::optional<TensorT>;
   using OptTensor = std::optional<TensorT>;
   using Ints = IntsT;
   using OptInts = std::optional<IntsT>;
@@ -89,7 +90,8 @@ struct Field {
   ARG_D(Float, softcap, 0.0)               \
   ARG_D(OptTensor, alibi_slopes, std::nullopt)
 
-// flash_attn(q, k, v, *, ...) -> (attn_out, softmax_lse)
+// flash_attn(q, k, v, *, ...) -> (attn_out, softmax_lse); k_scale and v_scale: the row scales of
+// a quantized (int8 / float8_e4m3fn) k and v.
 #define OPMESH_OP_FLASH_ATTN(ARG, ARG_D, KWONLY) \
   ARG(Tensor, q)                                 \
   ARG(Tensor, k)                                 \
@@ -99,6 +101,8 @@ struct Field {
   OPMESH_ATTN_LENGTHS(ARG, ARG_D)                \
   ARG_D(OptTensor, sinks, std::nullopt)          \
   OPMESH_ATTN_SCORE_MODS(ARG, ARG_D)             \
+  ARG_D(OptTensor, k_scale, std::nullopt)        \
+  ARG_D(OptTensor, v_scale, std::nullopt)        \
   ARG_D(OptInts, metadata, std::nullopt)         \
   OPMESH_ATTN_OPTIONS(ARG, ARG_D)                \
   ARG_D(Bool, return_softmax_lse, false)
@@ -369,13 +373,17 @@ struct Field {
   ARG_D(OptInt, num_workers, std::nullopt)
 #define OPMESH_OP_SPARSE_FLASH_MLA_METADATA_RETURNS "Tensor"
 
-// kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping) -> ()
+// kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping, *, key_scale!,
+// value_scale!) -> (): the scales are written with a quantized (int8 / float8_e4m3fn) cache.
 #define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
   ARG(Tensor, key)                                   \
   ARG(Tensor, value)                                 \
   ARG(MutTensor, key_cache)                          \
   ARG(MutTensor, value_cache)                        \
-  ARG(Ints, slot_mapping)
+  ARG(Ints, slot_mapping)                            \
+  KWONLY                                             \
+  ARG_D(OptMutTensor, key_scale, std::nullopt)       \
+  ARG_D(OptMutTensor, value_scale, std::nullopt)
 #define OPMESH_OP_KV_CACHE_WRITE_RETURNS "()"
 
 // The compressor's sequences: x [T, H]'s offsets, the tokens compressed per sequence and their

@@ -7,6 +7,7 @@
 //     static std::vector<int64_t> strides(const Tensor&);   // in elements
 //     static core::DType dtype(const Tensor&, const char* argument);  // floating types only
 //     static int64_t element_size(const Tensor&);            // bytes per element
+//     static core::CacheFormat cache_format(const Tensor&);  // int8, float8_e4m3fn, else plain
 //   };
 //   template <> struct HostIntsAccess<Ints> {                // the Ints kind of op_defs.h
 //     static std::vector<int64_t> values(const Ints&);       // row by row

@@ -9,4 +9,9 @@ const char* dtype_name(DType dtype) {
   return enum_name(dtype, kNames, "unknown");
 }
 
+const char* cache_format_name(CacheFormat format) {
+  static constexpr const char* kNames[] = {"plain", "int8", "float8_e4m3fn"};
+  return enum_name(format, kNames, "unknown");
+}
+
 }  // namespace opmesh::core

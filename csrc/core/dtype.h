@@ -1,8 +1,11 @@
 // Element types the core reads, and portable scalar conversions to float.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace opmesh::core {
 
@@ -85,6 +88,80 @@ inline uint16_t float_to_fp16_bits(float f) {
   const uint32_t half = 1u << (shift - 1);
   if (rest > half || (rest == half && (h & 1u))) ++h;
   return sign | static_cast<uint16_t>(h);
+}
+
+// The element format of a key/value cache: the inputs' own type (plain), or one byte per element
+// with one float32 scale per (token, head) row: int8 (value = q * scale, |q| <= 127) or float8
+// e4m3fn (value = fp8(q) * scale, |fp8(q)| <= 448).
+enum class CacheFormat : int { kPlain = 0, kInt8 = 1, kFp8E4M3 = 2 };
+
+const char* cache_format_name(CacheFormat format);
+
+// The largest magnitude a quantized element holds: a row's scale is its largest magnitude over it.
+inline float cache_format_max(CacheFormat format) {
+  return format == CacheFormat::kInt8 ? 127.0f : 448.0f;
+}
+
+// float8 e4m3fn bits -> binary32, exact (subnormals m * 2^-9; 0x7f and 0xff are NaN; no
+// infinities). Selects only, no branch: loops of it vectorise.
+inline float fp8_e4m3_bits_to_float(uint8_t b) {
+  const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
+  const uint32_t normal_bits = ((e + 120u) << 23) | (m << 20);
+  float normal;
+  std::memcpy(&normal, &normal_bits, sizeof(normal));
+  const float magnitude = e != 0 ? normal : static_cast<float>(m) * 0x1p-9f;
+  const float signed_value = (b & 0x80u) != 0 ? -magnitude : magnitude;
+  return (b & 0x7fu) == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : signed_value;
+}
+
+// binary32 -> float8 e4m3fn bits, round to nearest even, for |f| <= 448 (the caller clamps);
+// NaN gives 0x7f.
+inline uint8_t float_to_fp8_e4m3_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return 0x7f;
+  if (abs >= 0x3c800000u) {  // >= 2^-6: a normal e4m3 value; the carry of the rounding is right
+    const uint32_t rounded = (abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
+    return static_cast<uint8_t>(sign | (rounded - (120u << 3)));
+  }
+  // Subnormal (m * 2^-9, m = 8 is the smallest normal): a * 2^9 is exact, then nearest even.
+  float a;
+  std::memcpy(&a, &abs, sizeof(a));
+  return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f)));
+}
+
+// One element of a quantized row, unscaled: the int8 value or the fp8 value as float.
+inline float quantized_to_float(uint8_t b, CacheFormat format) {
+  return format == CacheFormat::kInt8 ? static_cast<float>(static_cast<int8_t>(b))
+                                      : fp8_e4m3_bits_to_float(b);
+}
+
+// Quantizes n floats into n bytes of `format` and returns the row's scale: amax / max (amax the
+// largest magnitude), each byte the nearest (ties to even) quantized value of x / scale, clamped
+// to +-max. A row of zeros has scale 0 and zero bytes; a row with a NaN or an infinity has a NaN
+// scale (and zero bytes), so that every element reads back as NaN rather than as a finite lie.
+inline float quantize_row(const float* x, int64_t n, CacheFormat format, uint8_t* dst) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float top = cache_format_max(format);
+  if (!finite || amax == 0.0f) {
+    std::memset(dst, 0, static_cast<size_t>(n));
+    return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float scale = amax / top;
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = std::clamp(x[i] / scale, -top, top);
+    dst[i] = format == CacheFormat::kInt8
+                 ? static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)))
+                 : float_to_fp8_e4m3_bits(y);
+  }
+  return scale;
 }
 
 // Reads element `index` of a buffer of `dtype` as float.

@@ -24,6 +24,24 @@ void copy_row(const char* src, int64_t src_stride, char* dst, int64_t dst_stride
   }
 }
 
+// Row (token t, head h) of `src` ([token][head][dim] of `dtype`) quantized into the cache row at
+// element offset `dst` of `cache`, its scale at `scale_at` of `scales`.
+void quantize_into(const KvCacheWriteParams& p, const View& src, int64_t t, int64_t h, int64_t dim,
+                   const MutableView& cache, int64_t dst, const MutableView& scales,
+                   int64_t scale_at, float* row) {
+  for (int64_t e = 0; e < dim; ++e) {
+    row[e] = load_as_float(src.data, p.dtype, t * src.ss + h * src.sn + e * src.sd);
+  }
+  uint8_t* out = static_cast<uint8_t*>(cache.data) + dst;
+  if (cache.sd == 1) {
+    static_cast<float*>(scales.data)[scale_at] = quantize_row(row, dim, p.format, out);
+    return;
+  }
+  std::vector<uint8_t> bytes(static_cast<size_t>(dim));
+  static_cast<float*>(scales.data)[scale_at] = quantize_row(row, dim, p.format, bytes.data());
+  for (int64_t e = 0; e < dim; ++e) out[e * cache.sd] = bytes[e];
+}
+
 }  // namespace
 
 void check_slots(const KvCacheWriteParams& p) {
@@ -61,6 +79,28 @@ void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
   char* key_cache = static_cast<char*>(p.key_cache.data);
   char* value_cache = static_cast<char*>(p.value_cache.data);
   const int64_t b = p.elem_bytes;
+  if (p.format != CacheFormat::kPlain) {
+    if (p.tokens > 0 && p.key_scale.data == nullptr) throw ArgumentError("key_scale", "is null");
+    if (p.tokens > 0 && p.value_scale.data == nullptr) {
+      throw ArgumentError("value_scale", "is null");
+    }
+    run_dynamic(executor, p.tokens, [&](int64_t t, int) {
+      const int64_t slot = p.slots[t];
+      if (slot < 0) return;
+      const int64_t block = slot / p.block_size, offset = slot % p.block_size;
+      std::vector<float> row(static_cast<size_t>(std::max(p.dim_k, p.dim_v)));
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const auto at = [&](const auto& view) {
+          return block * view.sb + offset * view.ss + h * view.sn;
+        };
+        quantize_into(p, p.key, t, h, p.dim_k, p.key_cache, at(p.key_cache), p.key_scale,
+                      at(p.key_scale), row.data());
+        quantize_into(p, p.value, t, h, p.dim_v, p.value_cache, at(p.value_cache), p.value_scale,
+                      at(p.value_scale), row.data());
+      }
+    });
+    return;
+  }
   run_dynamic(executor, p.tokens, [&](int64_t t, int) {
     const int64_t slot = p.slots[t];
     if (slot < 0) return;

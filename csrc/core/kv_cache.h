@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "dtype.h"
 #include "executor.h"
 #include "vocabulary.h"
 
@@ -14,9 +15,15 @@ struct KvCacheWriteParams {
   int64_t heads = 0;
   int64_t dim_k = 0;
   int64_t dim_v = 0;
-  int64_t elem_bytes = 0;              // the same element type everywhere (checked by the caller)
-  View key, value;                     // [token][head][dim]: ss, sn, sd (sb 0)
+  int64_t elem_bytes = 0;  // plain: the same element type everywhere (checked by the caller)
+  View key, value;         // [token][head][dim]: ss, sn, sd (sb 0)
   MutableView key_cache, value_cache;  // [block][offset][head][dim]
+  // A quantized cache (both caches one byte per element): each (token, head) row of key and
+  // value, read as float32 from `dtype`, is quantized (quantize_row in dtype.h) into the cache and
+  // its scale written to key_scale / value_scale, float32 [block][offset][head] (sb, ss, sn).
+  CacheFormat format = CacheFormat::kPlain;
+  DType dtype = DType::kFloat32;
+  MutableView key_scale, value_scale;
   int64_t num_blocks = 0;
   int64_t block_size = 0;
   const int64_t* slots = nullptr;  // [tokens]

@@ -64,7 +64,11 @@ void require_entries(const IntList& values, int64_t count, const char* name);
 // The floating types the kernels read; a TypeError naming `argument` otherwise.
 core::DType core_dtype(const ms::Tensor& t, const char* argument);
 
-// The element type's size in bytes (floating types and int32/int64).
+// The quantized cache format of a cache tensor: int8, else plain (MindSpore's CPU tensors have no
+// float8 type this binding takes).
+core::CacheFormat cache_format(const ms::Tensor& t);
+
+// The element type's size in bytes (floating types, int8, int32 and int64).
 int64_t element_bytes(const ms::Tensor& t);
 
 // A new MindSpore tensor of `dtype` and `shape` (memory given by the runner).

@@ -176,6 +176,7 @@ struct TensorAccess<ms::Tensor> {
     return ms_binding::core_dtype(t, argument);
   }
   static int64_t element_size(const ms::Tensor& t) { return ms_binding::element_bytes(t); }
+  static core::CacheFormat cache_format(const ms::Tensor& t) { return ms_binding::cache_format(t); }
 };
 
 template <>

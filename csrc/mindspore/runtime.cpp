@@ -23,6 +23,11 @@ core::DType core_dtype(const ms::Tensor& t, const char* argument) {
   return *dtype;
 }
 
+core::CacheFormat cache_format(const ms::Tensor& t) {
+  return t.data_type() == mindspore::kNumberTypeInt8 ? core::CacheFormat::kInt8
+                                                     : core::CacheFormat::kPlain;
+}
+
 int64_t element_bytes(const ms::Tensor& t) {
   switch (t.data_type()) {
     case mindspore::kNumberTypeFloat64:
@@ -31,6 +36,8 @@ int64_t element_bytes(const ms::Tensor& t) {
     case mindspore::kNumberTypeFloat32:
     case mindspore::kNumberTypeInt32:
       return 4;
+    case mindspore::kNumberTypeInt8:
+      return 1;
     default:
       return 2;
   }

@@ -119,6 +119,11 @@ Outputs2 flash_attn_autograd(const FlashAttnCall& call) {
                           (call.q.requires_grad() || call.k.requires_grad() ||
                            call.v.requires_grad() || (call.sinks && call.sinks->requires_grad()));
   if (!needs_grad) return tensors_of<2>(call_below_autograd(call));
+  TORCH_CHECK_VALUE(!call.k_scale.has_value(),
+                    "k_scale: flash_attn has no backward through a quantized (",
+                    call.k.scalar_type(),
+                    ") cache; decode from it under torch.no_grad(), or train on a bf16 or float32 "
+                    "cache");
   const variable_list out = FlashAttnFunction::apply(call.q, call.k, call.v, call.sinks, call);
   return {out[0], out[1]};
 }

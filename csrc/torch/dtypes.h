@@ -19,4 +19,11 @@ inline core::DType to_core_dtype(at::ScalarType t, const char* argument) {
   return *dtype;
 }
 
+// The quantized cache format a dtype stores (int8, float8_e4m3fn), else plain.
+inline core::CacheFormat cache_format_of(at::ScalarType t) {
+  return t == at::kChar            ? core::CacheFormat::kInt8
+         : t == at::kFloat8_e4m3fn ? core::CacheFormat::kFp8E4M3
+                                   : core::CacheFormat::kPlain;
+}
+
 }  // namespace opmesh::binding

@@ -10,12 +10,43 @@
 #include "aten_executor.h"
 #include "cache_params.h"
 #include "checks.h"
+#include "dtypes.h"
 #include "kv_cache.h"
 #include "op_call.h"
 #include "torch_access.h"
 
 namespace opmesh::binding {
 namespace {
+
+bool quantized(const KvCacheWriteCall& a) {
+  return cache_format_of(a.key_cache.scalar_type()) != core::CacheFormat::kPlain;
+}
+
+// A quantized cache's scales: float32 [num_blocks, block_size, Nkv] beside it; none otherwise.
+void check_scales(const KvCacheWriteCall& a) {
+  for (const auto& [t, name] :
+       {std::pair{&a.key_scale, "key_scale"}, {&a.value_scale, "value_scale"}}) {
+    if (!quantized(a)) {
+      TORCH_CHECK_VALUE(!t->has_value(), name, ": given, but key_cache is ",
+                        a.key_cache.scalar_type(),
+                        ", not a quantized cache (int8 or float8_e4m3fn) that needs row scales");
+      continue;
+    }
+    TORCH_CHECK_VALUE(t->has_value(), name, ": required with a quantized cache (key_cache is ",
+                      a.key_cache.scalar_type(), "): float32 [num_blocks, block_size, Nkv]");
+    const at::Tensor& scale = **t;
+    TORCH_CHECK_VALUE(scale.device() == a.key.device(), name, ": expected a tensor on ",
+                      a.key.device(), " like key, got ", scale.device());
+    TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, name, ": expected float32, got ",
+                     scale.scalar_type());
+    TORCH_CHECK_VALUE(scale.dim() == 3 && scale.sym_size(0) == a.key_cache.sym_size(0) &&
+                          scale.sym_size(1) == a.key_cache.sym_size(1) &&
+                          scale.sym_size(2) == a.key_cache.sym_size(2),
+                      name, ": expected shape [", a.key_cache.sym_size(0), ", ",
+                      a.key_cache.sym_size(1), ", ", a.key_cache.sym_size(2),
+                      "] (one scale per cache row and head), got ", scale.sym_sizes());
+  }
+}
 
 void check_kv_cache_args(const KvCacheWriteCall& a) {
   for (const auto& [t, name] : {std::pair{&a.value, "value"},
@@ -25,13 +56,20 @@ void check_kv_cache_args(const KvCacheWriteCall& a) {
     TORCH_CHECK_VALUE(t->device() == a.key.device(), name, ": expected a tensor on ",
                       a.key.device(), " like key, got ", t->device());
   }
-  TORCH_CHECK_TYPE(a.key_cache.scalar_type() == a.key.scalar_type(), "key_cache: expected dtype ",
-                   a.key.scalar_type(), " like key, got ", a.key_cache.scalar_type());
+  if (quantized(a)) {
+    to_core_dtype(a.key.scalar_type(), "key");
+  } else {
+    TORCH_CHECK_TYPE(a.key_cache.scalar_type() == a.key.scalar_type(), "key_cache: expected dtype ",
+                     a.key.scalar_type(),
+                     " like key (or int8 / float8_e4m3fn, a quantized cache), got ",
+                     a.key_cache.scalar_type());
+  }
   TORCH_CHECK_TYPE(a.value.scalar_type() == a.key.scalar_type(), "value: expected dtype ",
                    a.key.scalar_type(), " like key, got ", a.value.scalar_type());
-  TORCH_CHECK_TYPE(a.value_cache.scalar_type() == a.key.scalar_type(),
-                   "value_cache: expected dtype ", a.key.scalar_type(), " like key, got ",
-                   a.value_cache.scalar_type());
+  TORCH_CHECK_TYPE(a.value_cache.scalar_type() == a.key_cache.scalar_type(),
+                   "value_cache: expected dtype ", a.key_cache.scalar_type(),
+                   " like key_cache, got ", a.value_cache.scalar_type());
+  check_scales(a);
   TORCH_CHECK_TYPE(
       a.slot_mapping.scalar_type() == at::kInt || a.slot_mapping.scalar_type() == at::kLong,
       "slot_mapping: expected int32 or int64, got ", a.slot_mapping.scalar_type());
@@ -65,13 +103,19 @@ void check_kv_cache_args(const KvCacheWriteCall& a) {
                     "value_cache: shape ", a.value_cache.sizes(), " does not match key_cache ",
                     a.key_cache.sizes(), " and value rows ", a.value.sizes());
   TORCH_CHECK_VALUE(!a.key_cache.is_same(a.value_cache), "value_cache: must not be key_cache");
+  TORCH_CHECK_VALUE(!quantized(a) || (a.key_cache.stride(3) == 1 && a.value_cache.stride(3) == 1),
+                    a.key_cache.stride(3) == 1 ? "value_cache" : "key_cache",
+                    ": a quantized cache needs unit stride along the head dim");
 }
 
 // In-place writes need memory no other argument shares, as PyTorch's own in-place ops require:
 // otherwise what ends up in the cache depends on the order of the writes.
 void check_no_overlap(const KvCacheWriteCall& a) {
-  for (const auto& [t, name] :
-       {std::pair{&a.key_cache, "key_cache"}, {&a.value_cache, "value_cache"}}) {
+  std::vector<std::pair<const at::Tensor*, const char*>> written = {
+      {&a.key_cache, "key_cache"}, {&a.value_cache, "value_cache"}};
+  if (a.key_scale.has_value()) written.emplace_back(&*a.key_scale, "key_scale");
+  if (a.value_scale.has_value()) written.emplace_back(&*a.value_scale, "value_scale");
+  for (const auto& [t, name] : written) {
     TORCH_CHECK_VALUE(at::has_internal_overlap(*t) != at::MemOverlap::Yes, name,
                       ": several elements share one memory location (an expanded tensor?); "
                       "an in-place write needs its own memory: pass a .clone()");
@@ -80,12 +124,17 @@ void check_no_overlap(const KvCacheWriteCall& a) {
     const at::MemOverlapStatus status = at::get_overlap_status(a, b);
     return status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
   };
-  TORCH_CHECK_VALUE(!overlaps(a.value_cache, a.key_cache),
-                    "value_cache: shares memory with key_cache; the caches must not overlap");
+  // Each written tensor against those before it, then every read one against each written one.
+  for (size_t i = 1; i < written.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(!overlaps(*written[i].first, *written[j].first), written[i].second,
+                        ": shares memory with ", written[j].second,
+                        "; the written tensors must not overlap");
+    }
+  }
   for (const auto& [t, name] :
        {std::pair{&a.key, "key"}, {&a.value, "value"}, {&a.slot_mapping, "slot_mapping"}}) {
-    for (const auto& [cache, cache_name] :
-         {std::pair{&a.key_cache, "key_cache"}, {&a.value_cache, "value_cache"}}) {
+    for (const auto& [cache, cache_name] : written) {
       TORCH_CHECK_VALUE(!overlaps(*t, *cache), name, ": shares memory with ", cache_name,
                         ", which the call writes; pass a .clone()");
     }
@@ -113,6 +162,8 @@ void kv_cache_write_inplace_or_view(const KvCacheWriteCall& a) {
   }
   a.key_cache.unsafeGetTensorImpl()->bump_version();
   a.value_cache.unsafeGetTensorImpl()->bump_version();
+  if (a.key_scale.has_value()) a.key_scale->unsafeGetTensorImpl()->bump_version();
+  if (a.value_scale.has_value()) a.value_scale->unsafeGetTensorImpl()->bump_version();
 }
 
 // The write has no derivative: with grad mode on, an argument that requires a gradient is

@@ -19,6 +19,7 @@ std::string schema_type(const char* kind, char& alias) {
       {"SymInt", "SymInt"}, {"OptSymInt", "SymInt?"}, {"Str", "str"},     {"Bool", "bool"},
   };
   if (std::strcmp(kind, "MutTensor") == 0) return std::string("Tensor(") + alias++ + "!)";
+  if (std::strcmp(kind, "OptMutTensor") == 0) return std::string("Tensor(") + alias++ + "!)?";
   for (const auto& [k, t] : types) {
     if (std::strcmp(kind, k) == 0) return t;
   }

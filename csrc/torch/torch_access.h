@@ -23,6 +23,9 @@ struct TensorAccess<at::Tensor> {
   static int64_t element_size(const at::Tensor& t) {
     return static_cast<int64_t>(t.element_size());
   }
+  static core::CacheFormat cache_format(const at::Tensor& t) {
+    return binding::cache_format_of(t.scalar_type());
+  }
 };
 
 // Integer tensors the kernels read on the host (lengths, block tables): int32 or int64, on any

@@ -565,18 +565,22 @@ def _kl_function():
     return GradKlLossFunction
 
 
-def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
+def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale):
     slots, slots_meta = _host(slot_mapping, "slot_mapping")
     if slots is None:
         raise TypeError("slot_mapping: expected a 1-D int32/int64 tensor or a list of ints")
+    scales = {"key_scale": key_scale, "value_scale": value_scale}
     torch.ops.opmesh.kv_cache_write_(
         _meta(key, "key"),
         _meta(value, "value"),
         _meta(key_cache, "key_cache"),
         _meta(value_cache, "value_cache"),
         slots_meta,
+        **{n: None if t is None else _meta(t, n) for n, t in scales.items()},
     )
-    for cache, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
+    written = [(key_cache, "key_cache"), (value_cache, "value_cache")]
+    written += [(t, n) for n, t in scales.items() if t is not None]
+    for cache, name in written:
         if not cache.is_contiguous():
             raise ValueError(f"{name}: must be contiguous on MindSpore (it is written in place)")
     if key_cache is value_cache:
@@ -588,6 +592,7 @@ def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping):
         key_cache=key_cache,
         value_cache=value_cache,
         slot_mapping=slots,
+        **{n: t for n, t in scales.items() if t is not None},
     )
 
 

@@ -2,6 +2,8 @@
 // checks that must refuse a bad mapping before anything is written.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -69,6 +71,93 @@ TEST(KvCacheWrite, RefusesBadMappingsBeforeWriting) {
     const std::vector<float> before = f.key_cache;
     EXPECT_THROW(kv_cache_write(f.params(), SerialExecutor()), ArgumentError);
     EXPECT_EQ(f.key_cache, before);
+  }
+}
+
+// Every finite e4m3fn byte converts to float and back to itself; 0x7f and 0xff are NaN.
+TEST(Fp8E4M3, EveryByteRoundTrips) {
+  for (int b = 0; b < 256; ++b) {
+    const float f = fp8_e4m3_bits_to_float(static_cast<uint8_t>(b));
+    if ((b & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(f)) << b;
+      continue;
+    }
+    EXPECT_EQ(float_to_fp8_e4m3_bits(f), b) << b;
+  }
+  EXPECT_EQ(fp8_e4m3_bits_to_float(0x7e), 448.0f);
+  EXPECT_EQ(fp8_e4m3_bits_to_float(0x01), 0x1p-9f);
+  EXPECT_EQ(fp8_e4m3_bits_to_float(0x08), 0x1p-6f);
+}
+
+// Halfway values round to the even neighbour, in the normal and the subnormal range.
+TEST(Fp8E4M3, RoundsToNearestEven) {
+  EXPECT_EQ(float_to_fp8_e4m3_bits(1.0625f), 0x38);   // 1 + 1/16: between 1 and 1.125 -> 1
+  EXPECT_EQ(float_to_fp8_e4m3_bits(1.1875f), 0x3a);   // between 1.125 and 1.25 -> 1.25
+  EXPECT_EQ(float_to_fp8_e4m3_bits(1.07f), 0x39);     // above halfway -> 1.125
+  EXPECT_EQ(float_to_fp8_e4m3_bits(0x1p-10f), 0x00);  // half the smallest subnormal -> 0
+  EXPECT_EQ(float_to_fp8_e4m3_bits(3 * 0x1p-10f), 0x02);
+  EXPECT_EQ(float_to_fp8_e4m3_bits(-0x1.ep-7f), 0x88);  // 15 * 2^-10: subnormal 7.5 -> 8
+  EXPECT_EQ(float_to_fp8_e4m3_bits(std::nanf("")), 0x7f);
+}
+
+TEST(QuantizeRow, ScalesByTheLargestMagnitudeAndMarksNonFiniteRows) {
+  const float x[4] = {-2.0f, 0.5f, 1.5f, 0.0f};
+  uint8_t q[4];
+  EXPECT_EQ(quantize_row(x, 4, CacheFormat::kInt8, q), 2.0f / 127.0f);
+  EXPECT_EQ(static_cast<int8_t>(q[0]), -127);
+  EXPECT_EQ(static_cast<int8_t>(q[1]), 32);  // 31.75 -> 32
+  EXPECT_EQ(static_cast<int8_t>(q[2]), 95);  // 95.25 -> 95
+  EXPECT_EQ(q[3], 0);
+  EXPECT_EQ(quantize_row(x, 4, CacheFormat::kFp8E4M3, q), 2.0f / 448.0f);
+  EXPECT_EQ(q[0], 0xfe);  // -448
+  const float zeros[3] = {0.0f, -0.0f, 0.0f};
+  EXPECT_EQ(quantize_row(zeros, 3, CacheFormat::kInt8, q), 0.0f);
+  const float bad[2] = {1.0f, std::numeric_limits<float>::infinity()};
+  EXPECT_TRUE(std::isnan(quantize_row(bad, 2, CacheFormat::kFp8E4M3, q)));
+  EXPECT_EQ(q[0], 0);
+  EXPECT_EQ(q[1], 0);
+}
+
+// A quantized write stores each (token, head) row's bytes and scale at its slot; its key read
+// from bf16 through the dtype.
+TEST(KvCacheWrite, QuantizesIntoInt8AndFp8Caches) {
+  for (CacheFormat format : {CacheFormat::kInt8, CacheFormat::kFp8E4M3}) {
+    constexpr int64_t kBlocks = 2, kBlockSize = 3, kHeads = 2, kDim = 4;
+    std::vector<uint16_t> key(2 * kHeads * kDim), value(2 * kHeads * kDim);
+    for (size_t i = 0; i < key.size(); ++i) {
+      key[i] = float_to_bf16_bits(static_cast<float>(i) - 5.0f);
+      value[i] = float_to_bf16_bits(0.25f * static_cast<float>(i));
+    }
+    std::vector<uint8_t> kc(kBlocks * kBlockSize * kHeads * kDim, 0xaa), vc = kc;
+    std::vector<float> ks(kBlocks * kBlockSize * kHeads, -1.0f), vs = ks;
+    std::vector<int64_t> slots = {4, -1};
+    KvCacheWriteParams p;
+    p.tokens = 2;
+    p.heads = kHeads;
+    p.dim_k = p.dim_v = kDim;
+    p.format = format;
+    p.dtype = DType::kBFloat16;
+    p.key = View{key.data(), 0, kHeads * kDim, kDim, 1};
+    p.value = View{value.data(), 0, kHeads * kDim, kDim, 1};
+    p.key_cache = MutableView{kc.data(), kBlockSize * kHeads * kDim, kHeads * kDim, kDim, 1};
+    p.value_cache = MutableView{vc.data(), kBlockSize * kHeads * kDim, kHeads * kDim, kDim, 1};
+    p.key_scale = MutableView{ks.data(), kBlockSize * kHeads, kHeads, 1, 0};
+    p.value_scale = MutableView{vs.data(), kBlockSize * kHeads, kHeads, 1, 0};
+    p.num_blocks = kBlocks;
+    p.block_size = kBlockSize;
+    p.slots = slots.data();
+    kv_cache_write(p, ThreadExecutor(2));
+    for (int64_t h = 0; h < kHeads; ++h) {
+      float row[kDim];
+      uint8_t want[kDim];
+      for (int64_t e = 0; e < kDim; ++e) row[e] = bf16_bits_to_float(key[h * kDim + e]);
+      EXPECT_EQ(ks[4 * kHeads + h], quantize_row(row, kDim, format, want));
+      for (int64_t e = 0; e < kDim; ++e) EXPECT_EQ(kc[(4 * kHeads + h) * kDim + e], want[e]);
+    }
+    EXPECT_EQ(ks[0], -1.0f);  // slots nobody wrote keep their contents
+    EXPECT_EQ(vc[0], 0xaa);
+    p.key_scale.data = nullptr;
+    EXPECT_THROW(kv_cache_write(p, SerialExecutor()), ArgumentError);
   }
 }
 

@@ -84,7 +84,7 @@ EXPECTED = {
     ),
     "kv_cache_write_": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()"
+        "Tensor slot_mapping, *, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()"
     ),
     "merge_attn_states": (
         '(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, str layout="BSND") -> '

@@ -82,16 +82,21 @@ class Runner {
               : p.dtype == DType::kFloat32 ? 4
                                            : 2),
         block_tiles_(k_.block_tiles),
+        quantized_(p.kv_format != CacheFormat::kPlain),
+        kv_elem_(quantized_ ? 1 : elem_),
+        ksd_(quantized_ ? 1 : p.k.sd),
+        vsd_(quantized_ ? 1 : p.v.sd),
+        stage_ld_((round_up(std::max(d_, dv_) * elem_, 64) + 64) / elem_),
         dvp_(round_up(dv_, 16)),
         vld_(dvp_ % 32 == 0 ? dvp_ + 16 : dvp_),
         k_tile_words_(dw_ * kKeyTile),
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * vld_),
         slot_floats_(g_.rows * (dvp_ + 2)),
         direct_keys_(direct_keys(p, k_)),
-        direct_values_(direct_keys_ && pairs_ && k_.value_rows != nullptr && p.v.sd == 1 &&
+        direct_values_(direct_keys_ && pairs_ && k_.value_rows != nullptr && vsd_ == 1 &&
                        dv_ % 32 == 0),
-        widens_rows_(!pairs_ && p.dtype != DType::kFloat32 && p.k.sd == 1 && p.v.sd == 1) {
-    const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * elem_;
+        widens_rows_(!pairs_ && p.dtype != DType::kFloat32 && ksd_ == 1 && vsd_ == 1) {
+    const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * kv_elem_;
     const int64_t state_bytes =
         4 * (rows_cap_ * dw_ + 2 * rows_ * dvp_ + (direct_keys_ ? dw_ * kKeyTile : 0));
     side_heads_ = std::max<int64_t>(1, kSideBySideBytes / (rows_bytes + state_bytes));
@@ -123,6 +128,12 @@ class Runner {
           vis(r.g_.positions),
           st(r.direct_keys_ ? kKeyTile * 16 : 0),
           st_rows(r.direct_keys_ ? kKeyTile * 16 : 0) {
+      if (r.quantized_) {
+        for (int i = 0; i < 2; ++i) {
+          stage[i] = AlignedBuffer<char>(r.block_tiles_ * kKeyTile * r.stage_ld_ * r.elem_);
+          stage_tags[i].assign(r.block_tiles_, StageTag{});
+        }
+      }
       use(r, 0);
     }
     AlignedBuffer<float> s;
@@ -154,6 +165,13 @@ class Runner {
     const char* ahead_k[kKeyTile];
     const char* ahead_v[kKeyTile];
     RowsAhead keys_ahead, values_ahead;
+    // A quantized cache: the dequantized key (0) and value (1) rows of the block's tiles, tile j
+    // in slot j % block_tiles (stage_ld elements per row), and which tile each slot holds.
+    struct StageTag {
+      int64_t b = -1, h = -1, j = -1;
+    };
+    AlignedBuffer<char> stage[2];
+    std::vector<StageTag> stage_tags[2];
     // Makes unit state i (created on first use) the current one.
     void use(const Runner& r, size_t i) {
       while (units.size() <= i) units.push_back(std::make_unique<UnitState>(r));
@@ -323,12 +341,61 @@ class Runner {
     return b * view.sb + (seqs_[b].k_begin + key) * view.ss + h * view.sn;
   }
 
-  // Where rows [0, valid) of key tile j of (b, h) lie.
-  void tile_rows(const View& view, int64_t b, int64_t h, int64_t j, int64_t valid,
-                 const char** rows) const {
+  // Where rows [0, valid) of key tile j of (b, h) lie in memory (a quantized cache's bytes).
+  void raw_tile_rows(const View& view, int64_t b, int64_t h, int64_t j, int64_t valid,
+                     const char** rows) const {
     key_row_addresses(
-        j * kKeyTile, valid, p_.block_table != nullptr ? p_.block_size : 0, view.ss * elem_,
-        [&](int64_t key) { return at(view, key_offset(view, b, h, key)); }, rows);
+        j * kKeyTile, valid, p_.block_table != nullptr ? p_.block_size : 0, view.ss * kv_elem_,
+        [&](int64_t key) {
+          return static_cast<const char*>(view.data) + key_offset(view, b, h, key) * kv_elem_;
+        },
+        rows);
+  }
+
+  // Where rows [0, valid) of key tile j of (b, h) of k or v (`view`) are read from, in q's dtype:
+  // where they lie, or a quantized cache's rows dequantized (staged).
+  void tile_rows(Scratch& sc, const View& view, int64_t b, int64_t h, int64_t j, int64_t valid,
+                 const char** rows) const {
+    if (!quantized_) {
+      raw_tile_rows(view, b, h, j, valid, rows);
+      return;
+    }
+    const char* base = staged(sc, &view == &p_.k ? 0 : 1, b, h, j);
+    for (int64_t n = 0; n < valid; ++n) rows[n] = base + n * stage_ld_ * elem_;
+  }
+
+  // The rows of tile j of (b, h) of k (which 0) or v (1) of a quantized cache, dequantized to q's
+  // dtype into the worker's slot j % block_tiles_ when the slot does not hold them yet; rows past
+  // the sequence's keys are zeros (read, then masked, by the in-place score products).
+  const char* staged(Scratch& sc, int which, int64_t b, int64_t h, int64_t j) const {
+    const int64_t slot = j % block_tiles_;
+    char* base = sc.stage[which].data() + slot * kKeyTile * stage_ld_ * elem_;
+    Scratch::StageTag& tag = sc.stage_tags[which][slot];
+    if (tag.b == b && tag.h == h && tag.j == j) return base;
+    tag = {b, h, j};
+    const View& view = which == 0 ? p_.k : p_.v;
+    const View& scales = which == 0 ? p_.k_scale : p_.v_scale;
+    const int64_t dim = which == 0 ? d_ : dv_;
+    const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
+    const auto* bytes = static_cast<const uint8_t*>(view.data);
+    const auto* scale = static_cast<const float*>(scales.data);
+    for (int64_t n = 0; n < valid; ++n) {
+      const int64_t key = j * kKeyTile + n;
+      const uint8_t* src = bytes + key_offset(view, b, h, key);
+      const float sc_n = scale[key_offset(scales, b, h, key)];
+      char* dst = base + n * stage_ld_ * elem_;
+      if (p_.dtype == DType::kBFloat16) {
+        k_.rows.dequantize_bf16(src, p_.kv_format, sc_n, dim, reinterpret_cast<uint16_t*>(dst));
+      } else if (p_.dtype == DType::kFloat32) {
+        k_.rows.dequantize_f32(src, p_.kv_format, sc_n, dim, reinterpret_cast<float*>(dst));
+      } else {
+        k_.rows.dequantize_f32(src, p_.kv_format, sc_n, dim, sc.row.data());
+        store_row(dst, p_.dtype, 0, 1, dim, sc.row.data(), 1.0f);
+      }
+    }
+    std::memset(base + valid * stage_ld_ * elem_, 0,
+                static_cast<size_t>((kKeyTile - valid) * stage_ld_ * elem_));
+    return base;
   }
 
   const char* at(const View& view, int64_t offset) const {
@@ -367,19 +434,19 @@ class Runner {
   void pack_tile(Scratch& sc, int64_t b, int64_t h, int64_t j, uint32_t* kp, uint32_t* vp) const {
     const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
     const bool keys = !reads_keys_in_place(b, j);
-    const bool fast_k = p_.k.sd == 1 && (pairs_ ? d_ % 2 == 0 : p_.dtype == DType::kFloat32);
-    const bool fast_v = p_.v.sd == 1 && (pairs_ || p_.dtype == DType::kFloat32);
+    const bool fast_k = ksd_ == 1 && (pairs_ ? d_ % 2 == 0 : p_.dtype == DType::kFloat32);
+    const bool fast_v = vsd_ == 1 && (pairs_ || p_.dtype == DType::kFloat32);
     // Contiguous rows of another type for the float32 kernels: converted as they are packed.
-    const bool stage_k = !fast_k && !pairs_ && p_.k.sd == 1;
-    const bool stage_v = !fast_v && !pairs_ && p_.v.sd == 1;
+    const bool stage_k = !fast_k && !pairs_ && ksd_ == 1;
+    const bool stage_v = !fast_v && !pairs_ && vsd_ == 1;
     if (keys && !fast_k && !stage_k) std::fill(kp, kp + k_tile_words_, 0u);
     if (valid < kKeyTile || !(fast_v || stage_v) || dvp_ != dv_) {
       std::fill(vp, vp + v_tile_words_, 0u);
     }
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
-    if (keys) tile_rows(p_.k, b, h, j, valid, krows);
-    tile_rows(p_.v, b, h, j, valid, vrows);
+    if (keys) tile_rows(sc, p_.k, b, h, j, valid, krows);
+    tile_rows(sc, p_.v, b, h, j, valid, vrows);
     if (!keys) {
       // Read in place by the score product.
     } else if (stage_k) {
@@ -394,11 +461,13 @@ class Runner {
     } else {
       uint32_t* row = reinterpret_cast<uint32_t*>(sc.row.data());
       for (int64_t n = 0; n < valid; ++n) {
-        const int64_t ko = key_offset(p_.k, b, h, j * kKeyTile + n);
+        // (Staged rows of a quantized cache: contiguous, at krows[n].)
+        const void* base = quantized_ ? krows[n] : p_.k.data;
+        const int64_t ko = quantized_ ? 0 : key_offset(p_.k, b, h, j * kKeyTile + n);
         if (pairs_) {
-          load_row_bf16_pairs(p_.k.data, ko, p_.k.sd, d_, row);
+          load_row_bf16_pairs(base, ko, ksd_, d_, row);
         } else {
-          load_row(p_.k.data, p_.dtype, ko, p_.k.sd, d_, sc.row.data());
+          load_row(base, p_.dtype, ko, ksd_, d_, sc.row.data());
         }
         for (int64_t d = 0; d < words_; ++d) kp[d * kKeyTile + n] = row[d];
       }
@@ -431,14 +500,15 @@ class Runner {
     } else {
       uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
       for (int64_t n = 0; n < valid; ++n) {
-        const int64_t vo = key_offset(p_.v, b, h, j * kKeyTile + n);
+        const void* base = quantized_ ? vrows[n] : p_.v.data;
+        const int64_t vo = quantized_ ? 0 : key_offset(p_.v, b, h, j * kKeyTile + n);
         if (pairs_) {
-          const uint16_t* src = static_cast<const uint16_t*>(p_.v.data) + vo;
+          const uint16_t* src = static_cast<const uint16_t*>(base) + vo;
           for (int64_t e = 0; e < dv_; ++e) {
-            vp16[((n / 2) * vld_ + e) * 2 + (n & 1)] = src[e * p_.v.sd];
+            vp16[((n / 2) * vld_ + e) * 2 + (n & 1)] = src[e * vsd_];
           }
         } else {
-          load_row(p_.v.data, p_.dtype, vo, p_.v.sd, dv_, reinterpret_cast<float*>(vp) + n * vld_);
+          load_row(base, p_.dtype, vo, vsd_, dv_, reinterpret_cast<float*>(vp) + n * vld_);
         }
       }
     }
@@ -467,14 +537,14 @@ class Runner {
                         int64_t jn, int64_t valid, const char** rows) const {
     const int64_t heads = sc.group_h1 - sc.group_h0;
     if (heads == 1 || view.sn != dim) {
-      tile_rows(view, b, h, jn, valid, rows);
-      return {rows, valid, dim * elem_};
+      raw_tile_rows(view, b, h, jn, valid, rows);
+      return {rows, valid, dim * kv_elem_};
     }
     const int64_t i = h - sc.group_h0;
     const int64_t r0 = i * valid / heads;
     const int64_t r1 = (i + 1) * valid / heads;
-    tile_rows(view, b, sc.group_h0, jn, valid, rows);
-    return {rows + r0, r1 - r0, ((heads - 1) * view.sn + dim) * elem_};
+    raw_tile_rows(view, b, sc.group_h0, jn, valid, rows);
+    return {rows + r0, r1 - r0, ((heads - 1) * view.sn + dim) * kv_elem_};
   }
 
   // Packs key and value tiles j of (b, h) unless the worker's cache holds them; returns their
@@ -558,7 +628,7 @@ class Runner {
     const char* lines[kKeyTile];
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
-      tile_rows(p_.v, b, h, j, valid, lines);
+      tile_rows(sc, p_.v, b, h, j, valid, lines);
       for (int64_t n = 0; n < valid; ++n) {
         sc.value_rows[(j - j0) * kKeyTile + n] = reinterpret_cast<const uint16_t*>(lines[n]);
       }
@@ -576,18 +646,21 @@ class Runner {
   void in_place_scores(Scratch& sc, int64_t b, int64_t h, int64_t j, float* s, int64_t ld,
                        int64_t rows) const {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(
-        static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
+        quantized_
+            ? staged(sc, 0, b, h, j)
+            : static_cast<const char*>(p_.k.data) + key_offset(p_.k, b, h, j * kKeyTile) * elem_);
+    const int64_t ldk = (quantized_ ? stage_ld_ : p_.k.ss) / 2;
     if (row_scores(b)) {
       // The keys' pair words per row: the query's words on pairs, half its float32 elements else.
       const int64_t depth = pairs_ ? dw_ : d_ / 2;
-      k_.key_scores({sc.u->q.data(), dw_, keys, p_.k.ss / 2, s, ld, rows, depth, score_alpha_,
-                     sc.keys_ahead});
+      k_.key_scores(
+          {sc.u->q.data(), dw_, keys, ldk, s, ld, rows, depth, score_alpha_, sc.keys_ahead});
       sc.keys_ahead = {};
       return;
     }
     float* st = sc.st.data();
-    k_.gemm({keys, p_.k.ss / 2, sc.u->qt.data(), kKeyTile, st, 16, kKeyTile, 16, dw_, nullptr,
-             score_alpha_});
+    k_.gemm(
+        {keys, ldk, sc.u->qt.data(), kKeyTile, st, 16, kKeyTile, 16, dw_, nullptr, score_alpha_});
     // The transpose of S^T's rows (16 words each, `rows` of them used) is the set's key packing.
     const char* lines[kKeyTile];
     for (int64_t c = 0; c < kKeyTile; ++c) lines[c] = reinterpret_cast<const char*>(st + c * 16);
@@ -689,6 +762,14 @@ class Runner {
   int64_t rows_cap_;     // rows_ padded to the set's row_align
   int64_t elem_;         // bytes per input element
   int64_t block_tiles_;  // key tiles per online-softmax step (the kernel set's)
+  // A quantized cache (kv_format): k and v are bytes, read through staged(); kv_elem_ is the
+  // bytes of a k or v element in memory, ksd_ and vsd_ the strides along the head dims of the
+  // rows the kernels read (staged rows: 1), stage_ld_ the staged rows' stride in elements (64
+  // bytes past a whole number of cache lines, so that a tile's rows spread over the L1's sets).
+  bool quantized_;
+  int64_t kv_elem_;
+  int64_t ksd_, vsd_;
+  int64_t stage_ld_;
   int64_t dvp_;
   // Packed value rows' stride: dvp_, or 16 words more where dvp_ is a multiple of 32 words, so
   // that the rows of a column tile (a power-of-two stride apart otherwise) spread over the L1
@@ -717,6 +798,13 @@ class Runner {
   }
 
   static bool direct_keys(const FlashAttnParams& p, const KernelSet& k) {
+    const bool in_place_set =
+        k.word == kernels::Word::kBf16Pair || (k.key_scores != nullptr && k.key_scores_rows >= 16);
+    if (p.kv_format != CacheFormat::kPlain) {
+      // Staged rows: whole tiles, aligned, of unit stride.
+      return in_place_set && p.dtype == DType::kBFloat16 &&
+             p.config.head_dim % (2 * k.depth_align) == 0;
+    }
     const bool paged = p.block_table != nullptr;
     // Whole 4-byte pair words: an aligned base and even element strides.
     const bool words = reinterpret_cast<uintptr_t>(p.k.data) % 4 == 0 && p.k.ss % 2 == 0 &&
@@ -759,7 +847,8 @@ class Runner {
   // 64 rows in memory with one stride (a paged block holds whole tiles; unpaged, the tile lies
   // inside the sequence).
   bool reads_keys_in_place(int64_t b, int64_t j) const {
-    return decode_rows(b) && (p_.block_table != nullptr || (j + 1) * kKeyTile <= seqs_[b].k_len);
+    return decode_rows(b) &&
+           (p_.block_table != nullptr || quantized_ || (j + 1) * kKeyTile <= seqs_[b].k_len);
   }
 };
 
@@ -819,6 +908,15 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
   if (work.pairs) {
     if (p.k.data == nullptr) throw ArgumentError("k", "is null");
     if (p.v.data == nullptr) throw ArgumentError("v", "is null");
+  }
+  if (p.kv_format != CacheFormat::kPlain) {
+    if (p.kv_format != CacheFormat::kInt8 && p.kv_format != CacheFormat::kFp8E4M3) {
+      throw ArgumentError("kv_format", "is not a cache format");
+    }
+    if (work.pairs && p.k_scale.data == nullptr) throw ArgumentError("k_scale", "is null");
+    if (work.pairs && p.v_scale.data == nullptr) throw ArgumentError("v_scale", "is null");
+    if (p.k.sd != 1) throw ArgumentError("k", "a quantized cache needs unit stride along D");
+    if (p.v.sd != 1) throw ArgumentError("v", "a quantized cache needs unit stride along Dv");
   }
   if (c.layout_kv == Layout::kPagedBBND) {
     if (p.block_table == nullptr && c.batch_size > 0) {

@@ -32,6 +32,14 @@ struct FlashAttnParams {
   float softcap = 0.0f;
   const float* alibi_slopes = nullptr;
   int64_t alibi_sb = 0;
+  // A quantized key/value cache: k and v hold one byte per element of kv_format, and row n of
+  // head h (the address key_offset gives, in the layout of k) is dequantized with the float32
+  // scale at the same (b or block, s or offset, head) of k_scale / v_scale (strides sb, ss, sn;
+  // sd unused). The kernel dequantizes each key tile it reads to q's dtype (bf16 rounded to
+  // nearest even) in a small per-worker buffer and computes on that, reading the cache's bytes
+  // from memory once. kPlain: k and v are of `dtype`.
+  CacheFormat kv_format = CacheFormat::kPlain;
+  View k_scale, v_scale;
   MutableView out;       // output, same dtype as q, [b][s][n][dv]
   float* lse = nullptr;  // nullptr: not requested; else strides for (b, head, position)
   int64_t lse_sb = 0, lse_sn = 0, lse_ss = 0;

@@ -247,6 +247,34 @@ int64_t first_above(const float* s, int64_t n, float limit) {
   return n;
 }
 
+// One format's loop apiece, so that each vectorises (the format is the same for a whole row).
+void dequantize_f32(const uint8_t* src, CacheFormat format, float scale, int64_t n, float* dst) {
+  if (format == CacheFormat::kInt8) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = static_cast<float>(static_cast<int8_t>(src[i])) * scale;
+    return;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_e4m3_bits_to_float(src[i]) * scale;
+}
+
+void dequantize_bf16(const uint8_t* src, CacheFormat format, float scale, int64_t n,
+                     uint16_t* dst) {
+  if (format == CacheFormat::kInt8) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      dst[i] =
+          static_cast<uint16_t>(bf16_bits(static_cast<float>(static_cast<int8_t>(src[i])) * scale));
+    }
+    return;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<uint16_t>(bf16_bits(fp8_e4m3_bits_to_float(src[i]) * scale));
+  }
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
   return RowOps{&shift_and_mask,     &probability_gradient,
@@ -257,7 +285,8 @@ constexpr RowOps row_ops() {
                 &pair_rows,          &score_mods,
                 &multiply_into,      &interleave_bf16,
                 &bf16_residual,      &store_bf16,
-                &first_above};
+                &first_above,        &dequantize_f32,
+                &dequantize_bf16};
 }
 
 }  // namespace

@@ -143,6 +143,13 @@ struct RowOps {
   // The first c < n for which s[c] <= limit fails (s[c] NaN, or any c when limit is NaN), else n:
   // where a running top-K selection's cut-off test lets a score through.
   int64_t (*first_above)(const float* s, int64_t n, float limit);
+  // dst[i] = quantized_to_float(src[i], format) * scale for n entries (a row of a quantized
+  // cache, dtype.h), as float32 or rounded to bf16 (nearest even): the rows a decode from a
+  // quantized cache computes on.
+  void (*dequantize_f32)(const uint8_t* src, CacheFormat format, float scale, int64_t n,
+                         float* dst);
+  void (*dequantize_bf16)(const uint8_t* src, CacheFormat format, float scale, int64_t n,
+                          uint16_t* dst);
 };
 
 struct KernelSet {

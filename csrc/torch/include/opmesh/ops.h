@@ -36,6 +36,10 @@ struct FlashAttnOptions {
   double softcap = 0.0;
   // ALiBi slopes, [Nq] or [B, Nq] float32.
   std::optional<at::Tensor> alibi_slopes;
+  // A quantized cache's float32 row scales (k and v int8 or float8_e4m3fn), shaped as k and v
+  // without their head dim.
+  std::optional<at::Tensor> k_scale;
+  std::optional<at::Tensor> v_scale;
   std::optional<at::Tensor> metadata;
   std::optional<double> softmax_scale;
   int64_t mask_mode = 0;
@@ -56,8 +60,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attn(const at::Tensor& q, const at::Ten
                                               const at::Tensor& v,
                                               const FlashAttnOptions& options = {});
 
-// opmesh::kv_cache_write_: token t goes to slot slot_mapping[t] of both paged caches.
+// opmesh::kv_cache_write_: token t goes to slot slot_mapping[t] of both paged caches; a quantized
+// (int8 / float8_e4m3fn) cache takes its row scales, written too.
 void kv_cache_write_(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                     const std::optional<at::Tensor>& key_scale = std::nullopt,
+                     const std::optional<at::Tensor>& value_scale = std::nullopt);
 
 }  // namespace opmesh

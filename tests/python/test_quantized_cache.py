@@ -1,0 +1,372 @@
+"""Quantized key/value caches (int8 and float8 e4m3fn, one float32 scale per row and head):
+kv_cache_write_ quantizing on write, bit for bit against a torch quantizer; flash_attn reading
+them on every layout and kernel path against the float64 reference on the dequantized rows; the
+argument checks; and the accuracy a cache format costs against the bf16 cache."""
+
+import math
+
+import pytest
+import torch
+from attention_reference import flash_attn_reference
+from comparators import assert_close
+from conftest import assert_raises_named
+from flash_attn_cases import BY_NAME, TOLERANCES, AttnCase, make_inputs
+
+import opmesh
+
+FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantize(x, fmt):
+    """(bytes, scales) of the rows of x along its last dim, from torch's own operations: scale =
+    amax / 127 (int8) or / 448 (fp8); values rounded to nearest even; a zero row has scale 0, a
+    row with a NaN or an infinity a NaN scale and zero bytes."""
+    top = 127.0 if fmt is torch.int8 else 448.0
+    xf = x.float()
+    finite = torch.isfinite(xf).all(-1)
+    amax = torch.where(finite, xf.abs().amax(-1), 0.0)
+    scale = torch.where(finite, amax / top, math.nan)
+    usable = finite & (amax > 0)
+    y = (xf / torch.where(usable, scale, 1.0)[..., None]).clamp(-top, top)
+    y = torch.where(usable[..., None], y, 0.0)
+    q = torch.round(y).to(torch.int8) if fmt is torch.int8 else y.to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q, scale, dtype):
+    """The rows the kernel computes on: float32 products rounded to q's dtype."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+# Decode and prefill over every layout the kernel reads k and v in: paged (block sizes 16 and 64,
+# partial and empty sequences), TND varlen with empty sequences, BNSD, odd head dims, windows with
+# sinks, GQA 8 and 32/8 decode with whole and partial tiles.
+CASES = [
+    BY_NAME[n]
+    for n in (
+        "paged_16_decode",
+        "paged_64_decode",
+        "paged_64",
+        "paged_tnd",
+        "decode_tnd",
+        "tnd_varlen_empty",
+        "bnsd",
+        "odd_dims",
+        "sinks_window_tnd",
+        "gqa8_128",
+    )
+] + [
+    AttnCase(
+        "paged_decode_32_8",
+        "BSND",
+        "PA_BBND",
+        (1, 1, 1, 1, 1),
+        (0, 1, 63, 65, 200),
+        32,
+        8,
+        128,
+        mask_mode=3,
+        block_size=64,
+    ),
+    AttnCase(
+        "paged_decode_8_1_odd_block",
+        "BSND",
+        "PA_BBND",
+        (1, 3),
+        (129, 40),
+        8,
+        1,
+        64,
+        mask_mode=3,
+        block_size=24,
+        sinks=True,
+    ),
+]
+
+
+def quantized_call(case, dtype, fmt, seed=0):
+    q, k, v, kw = make_inputs(case, dtype, seed)
+    kq, ks = quantize(k, fmt)
+    vq, vs = quantize(v, fmt)
+    return q, (kq, ks, vq, vs), kw
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_reads_match_the_reference_on_the_dequantized_rows(case, dtype, fmt, simd_level):
+    q, (kq, ks, vq, vs), kw = quantized_call(case, dtype, FORMATS[fmt])
+    out, lse = opmesh.flash_attn(q, kq, vq, k_scale=ks, v_scale=vs, return_softmax_lse=True, **kw)
+    k, v = dequantize(kq, ks, dtype), dequantize(vq, vs, dtype)
+    want_out, want_lse = flash_attn_reference(q, k, v, **kw)
+    out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[dtype]
+    assert out.dtype == dtype
+    assert_close(out, want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
+    assert_close(lse, want_lse, atol=lse_atol, rtol=lse_rtol, name="softmax_lse")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_quantized_cache_equals_its_dequantized_copy_in_the_same_kernel(fmt):
+    """bf16 decode from the quantized cache and from its rows dequantized to bf16 beforehand run
+    the same products on the same values: the same bits, with several workers splitting rows."""
+    case = BY_NAME["paged_64_decode"]
+    q, (kq, ks, vq, vs), kw = quantized_call(case, torch.bfloat16, FORMATS[fmt], seed=3)
+    out = opmesh.flash_attn(q, kq, vq, k_scale=ks, v_scale=vs, **kw)[0]
+    plain = opmesh.flash_attn(
+        q, dequantize(kq, ks, torch.bfloat16), dequantize(vq, vs, torch.bfloat16), **kw
+    )[0]
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_write_quantizes_each_row_as_torch_does(dtype, fmt):
+    g = torch.Generator().manual_seed(5)
+    blocks, bs, heads, d, dv = 5, 16, 3, 40, 24
+    key = (torch.randn(9, heads, d, generator=g) * torch.rand(9, heads, 1, generator=g) * 50).to(
+        dtype
+    )
+    value = (torch.randn(9, heads, dv, generator=g) * 1e-3).to(dtype)
+    key[1, 0] = 0.0  # scale 0
+    key[2, 1, 7] = math.nan  # a NaN row
+    value[3, 2, 0] = math.inf  # an infinite row
+    key[4, 2] = torch.linspace(-1e-6, 1e-6, d)  # tiny values: fp8 subnormals
+    slots = torch.tensor([3, 17, 79, 64, 0, 40, 41, 63, -1])
+    kc = torch.zeros(blocks, bs, heads, d, dtype=FORMATS[fmt])
+    vc = torch.zeros(blocks, bs, heads, dv, dtype=FORMATS[fmt])
+    ksc = torch.full((blocks, bs, heads), -1.0)
+    vsc = torch.full((blocks, bs, heads), -1.0)
+    want = [t.clone() for t in (kc, vc, ksc, vsc)]
+    kq, kscale = quantize(key, FORMATS[fmt])
+    vq, vscale = quantize(value, FORMATS[fmt])
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            for w, x in zip(want, (kq, vq, kscale, vscale), strict=True):
+                w[s // bs, s % bs] = x[t]
+    versions = [t._version for t in (kc, vc, ksc, vsc)]
+    opmesh.kv_cache_write_(key, value, kc, vc, slots, key_scale=ksc, value_scale=vsc)
+    for got, w in zip((kc, vc), want[:2], strict=True):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
+    for got, w in zip((ksc, vsc), want[2:], strict=True):
+        assert torch.equal(got.isnan(), w.isnan())
+        assert torch.equal(got.nan_to_num(), w.nan_to_num())
+    assert all(t._version > n for t, n in zip((kc, vc, ksc, vsc), versions, strict=True))
+    # Token 1's zero row (slot 17) has scale 0; token 2's NaN key row (slot 79) and token 3's
+    # infinite value row (slot 64) have NaN scales, and read back as NaN, not as finite rows.
+    assert ksc[17 // bs, 17 % bs, 0] == 0.0 and math.isnan(ksc[79 // bs, 79 % bs, 1])
+    assert math.isnan(vsc[64 // bs, 64 % bs, 2])
+    assert dequantize(kc, ksc, torch.float32)[79 // bs, 79 % bs, 1].isnan().all()
+
+
+def test_write_then_decode_compiles_with_the_scales_written_in_place():
+    """kv_cache_write_ with its scales and flash_attn on the quantized cache in one fullgraph
+    compiled step, against the same step eagerly."""
+    g = torch.Generator().manual_seed(2)
+    blocks, bs, heads, d = 4, 64, 2, 64
+    caches = lambda: (  # noqa: E731
+        torch.zeros(blocks, bs, heads, d, dtype=torch.int8),
+        torch.zeros(blocks, bs, heads, d, dtype=torch.int8),
+        torch.zeros(blocks, bs, heads),
+        torch.zeros(blocks, bs, heads),
+    )
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+
+    def step(q, key, value, kc, vc, ksc, vsc, slots, used):
+        opmesh.kv_cache_write_(key, value, kc, vc, slots, key_scale=ksc, value_scale=vsc)
+        return opmesh.flash_attn(
+            q, kc, vc, k_scale=ksc, v_scale=vsc, block_table=table, seqused_kv=used, mask_mode=3
+        )[0]
+
+    eager, compiled = caches(), caches()
+    run = torch.compile(step, fullgraph=True)
+    for t in range(3):
+        q = torch.randn(2, 1, 8, d, generator=g).bfloat16()
+        key = torch.randn(2, heads, d, generator=g).bfloat16()
+        value = torch.randn(2, heads, d, generator=g).bfloat16()
+        slots = torch.tensor([2 * bs + t, bs + t])
+        used = torch.tensor([t + 1, t + 1], dtype=torch.int32)
+        want = step(q, key, value, *eager, slots, used)
+        got = run(q, key, value, *compiled, slots, used)
+        assert torch.equal(got, want)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_opcheck():
+    kc = torch.zeros(3, 16, 2, 32, dtype=torch.int8)
+    vc = torch.zeros(3, 16, 2, 24, dtype=torch.int8)
+    ksc, vsc = torch.zeros(3, 16, 2), torch.zeros(3, 16, 2)
+    key, value = torch.randn(4, 2, 32), torch.randn(4, 2, 24)
+    torch.library.opcheck(
+        torch.ops.opmesh.kv_cache_write_.default,
+        (key, value, kc, vc, torch.tensor([1, 2, -1, 40])),
+        dict(key_scale=ksc, value_scale=vsc),
+    )
+    q = torch.randn(2, 1, 4, 32)
+    torch.library.opcheck(
+        torch.ops.opmesh.flash_attn.default,
+        (q, kc, vc),
+        dict(
+            k_scale=ksc,
+            v_scale=vsc,
+            block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+            seqused_kv=torch.tensor([20, 5], dtype=torch.int32),
+            layout_kv="PA_BBND",
+        ),
+    )
+
+
+def _paged(fmt=torch.int8):
+    kc = torch.zeros(3, 16, 2, 32, dtype=fmt)
+    return dict(
+        q=torch.randn(2, 1, 4, 32),
+        k=kc,
+        v=torch.zeros(3, 16, 2, 32, dtype=fmt),
+        k_scale=torch.ones(3, 16, 2),
+        v_scale=torch.ones(3, 16, 2),
+        block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+        seqused_kv=torch.tensor([20, 5], dtype=torch.int32),
+    )
+
+
+def _fa(**change):
+    call = {**_paged(), **change}
+    call = {n: x for n, x in call.items() if x is not None}
+    return lambda: opmesh.flash_attn(call.pop("q"), call.pop("k"), call.pop("v"), **call)
+
+
+def _write(**change):
+    call = dict(
+        key=torch.randn(2, 2, 32),
+        value=torch.randn(2, 2, 32),
+        key_cache=torch.zeros(3, 16, 2, 32, dtype=torch.int8),
+        value_cache=torch.zeros(3, 16, 2, 32, dtype=torch.int8),
+        slot_mapping=[0, 5],
+        key_scale=torch.zeros(3, 16, 2),
+        value_scale=torch.zeros(3, 16, 2),
+    )
+    call.update(change)
+    call = {n: x for n, x in call.items() if x is not None or n.endswith("scale")}
+    return lambda: opmesh.kv_cache_write_(**call)
+
+
+ERRORS = {
+    "fa_k_scale_missing": (ValueError, "k_scale", _fa(k_scale=None)),
+    "fa_v_scale_missing": (ValueError, "v_scale", _fa(v_scale=None)),
+    "fa_scale_on_plain": (
+        ValueError,
+        "k_scale",
+        _fa(k=torch.zeros(3, 16, 2, 32), v=torch.zeros(3, 16, 2, 32)),
+    ),
+    "fa_scale_dtype": (TypeError, "v_scale", _fa(v_scale=torch.ones(3, 16, 2).double())),
+    "fa_scale_shape": (ValueError, "k_scale", _fa(k_scale=torch.ones(3, 16, 1))),
+    "fa_v_other_format": (
+        TypeError,
+        "v",
+        _fa(v=torch.zeros(3, 16, 2, 32, dtype=torch.float8_e4m3fn)),
+    ),
+    "fa_k_other_int": (TypeError, "k", _fa(k=torch.zeros(3, 16, 2, 32, dtype=torch.int16))),
+    "fa_strided_cache": (
+        ValueError,
+        "k",
+        _fa(k=torch.zeros(3, 16, 2, 64, dtype=torch.int8)[..., ::2]),
+    ),
+    "fa_grad": (ValueError, "k_scale", _fa(q=torch.randn(2, 1, 4, 32, requires_grad=True))),
+    "write_scale_missing": (ValueError, "key_scale", _write(key_scale=None)),
+    "write_value_scale_missing": (ValueError, "value_scale", _write(value_scale=None)),
+    "write_scale_on_plain": (
+        ValueError,
+        "key_scale",
+        _write(key_cache=torch.zeros(3, 16, 2, 32), value_cache=torch.zeros(3, 16, 2, 32)),
+    ),
+    "write_scale_shape": (ValueError, "value_scale", _write(value_scale=torch.zeros(3, 16, 3))),
+    "write_scale_dtype": (TypeError, "key_scale", _write(key_scale=torch.zeros(3, 16, 2).half())),
+    "write_mixed_formats": (
+        TypeError,
+        "value_cache",
+        _write(value_cache=torch.zeros(3, 16, 2, 32, dtype=torch.float8_e4m3fn)),
+    ),
+    "write_key_not_floating": (
+        TypeError,
+        "key",
+        _write(key=torch.zeros(2, 2, 32, dtype=torch.int8)),
+    ),
+}
+
+
+def _shared_scales():
+    s = torch.zeros(2, 3, 16, 2)
+    return _write(key_scale=s[0], value_scale=s[0])
+
+
+ERRORS["write_scales_shared"] = (ValueError, "value_scale", _shared_scales())
+
+
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_bad_input_names_the_argument(name):
+    exc, argument, fn = ERRORS[name]
+    assert_raises_named(exc, argument, fn)
+
+
+# The accuracy a format costs: a tiny model's attention layers decode with the cache in each
+# format and with the bf16 cache, and the final logits' mean and largest differences are taken
+# relative to the logits' spread (standard deviation). Measured over seeds 0-4 (mean, max): int8
+# 0.0049-0.0052, 0.030-0.040; fp8 0.017-0.019, 0.099-0.137 (docs/ops/kv_cache_write.md). The
+# bounds leave about 1.5x of margin.
+ACCURACY_BOUNDS = {"int8": (0.008, 0.06), "fp8": (0.028, 0.2)}
+
+
+def _decode_logits(fmt, steps=24, seed=0):
+    """A 2-layer attention stack (8/2 heads of 32) reading the same `steps` tokens for 3 sequences
+    one at a time over a paged cache in `fmt` (None: bf16), returning the logits of every step."""
+    g = torch.Generator().manual_seed(seed)
+    hidden, nq, nkv, d, vocab, bs = 256, 8, 2, 32, 64, 16
+    layers = [
+        {
+            n: torch.randn(hidden, c, generator=g) / math.sqrt(hidden)
+            for n, c in (("q", nq * d), ("k", nkv * d), ("v", nkv * d))
+        }
+        | {"o": torch.randn(nq * d, hidden, generator=g) / math.sqrt(nq * d)}
+        for _ in range(2)
+    ]
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = torch.randn(hidden, vocab, generator=g) / math.sqrt(hidden)
+    batch, blocks = 3, 3 * math.ceil(steps / bs)
+    table = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
+    dtype = torch.bfloat16 if fmt is None else FORMATS[fmt]
+    caches = [
+        (
+            torch.zeros(blocks, bs, nkv, d, dtype=dtype),
+            torch.zeros(blocks, bs, nkv, d, dtype=dtype),
+            torch.zeros(blocks, bs, nkv),
+            torch.zeros(blocks, bs, nkv),
+        )
+        for _ in layers
+    ]
+    inputs = torch.randint(0, vocab, (steps, batch), generator=g)
+    out = []
+    for t in range(steps):
+        x = embed[inputs[t]].bfloat16()
+        slots = table[:, t // bs].long() * bs + t % bs
+        used = torch.full((batch,), t + 1, dtype=torch.int32)
+        for w, (kc, vc, ksc, vsc) in zip(layers, caches, strict=True):
+            q = (x.float() @ w["q"]).bfloat16().view(batch, 1, nq, d)
+            k = (x.float() @ w["k"]).bfloat16().view(batch, nkv, d)
+            v = (x.float() @ w["v"]).bfloat16().view(batch, nkv, d)
+            scales = {} if fmt is None else dict(key_scale=ksc, value_scale=vsc)
+            opmesh.kv_cache_write_(k, v, kc, vc, slots, **scales)
+            reads = {} if fmt is None else dict(k_scale=ksc, v_scale=vsc)
+            a = opmesh.flash_attn(q, kc, vc, block_table=table, seqused_kv=used, **reads)[0]
+            x = (x.float() + a.view(batch, -1).float() @ w["o"]).bfloat16()
+        out.append(x.float() @ head)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_accuracy_against_the_bf16_cache_is_within_the_format_bound(fmt):
+    want = _decode_logits(None)
+    got = _decode_logits(fmt)
+    diff = (got - want).abs() / want.std()
+    mean_bound, max_bound = ACCURACY_BOUNDS[fmt]
+    assert diff.mean() < mean_bound and diff.amax() < max_bound, (diff.mean(), diff.amax())
+    assert diff.mean() > mean_bound / 10  # the cache is really quantized
