@@ -102,16 +102,30 @@ inline float cache_format_max(CacheFormat format) {
   return format == CacheFormat::kInt8 ? 127.0f : 448.0f;
 }
 
-// float8 e4m3fn bits -> binary32, exact (subnormals m * 2^-9; 0x7f and 0xff are NaN; no
-// infinities). Selects only, no branch: loops of it vectorise.
+// float8 e4m3fn bits -> bf16 bits, exact (every e4m3 value has at most 4 significant bits;
+// subnormals m * 2^-9; 0x7f and 0xff are NaN; no infinities). Integer operations and all-ones
+// masks only, no conditionals: GCC vectorises loops of it only without control flow.
+inline uint16_t fp8_e4m3_bits_to_bf16_bits(uint8_t b) {
+  const uint32_t x = b;
+  const uint32_t e = (x >> 3) & 0xfu, m = x & 0x7u;
+  const uint32_t normal = ((e + 120u) << 7) | (m << 4);
+  // A subnormal m * 2^-9 with m = 2^p + r: exponent 118 + p, m's bits below its top bit.
+  const uint32_t p = static_cast<uint32_t>(m >= 2) + static_cast<uint32_t>(m >= 4);
+  const uint32_t sub = ((118u + p) << 7) | ((m << (7u - p)) & 0x7fu);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(e == 0);
+  const uint32_t is_zero = 0u - static_cast<uint32_t>((x & 0x7fu) == 0);
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((x & 0x7fu) == 0x7fu);
+  uint32_t bits = ((normal & ~is_sub) | (sub & is_sub)) & ~is_zero;
+  bits = (bits & ~is_nan) | (0x7fc0u & is_nan);
+  return static_cast<uint16_t>(bits | ((x & 0x80u) << 8));
+}
+
+// float8 e4m3fn bits -> binary32, exact (through its bf16 bits).
 inline float fp8_e4m3_bits_to_float(uint8_t b) {
-  const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
-  const uint32_t normal_bits = ((e + 120u) << 23) | (m << 20);
-  float normal;
-  std::memcpy(&normal, &normal_bits, sizeof(normal));
-  const float magnitude = e != 0 ? normal : static_cast<float>(m) * 0x1p-9f;
-  const float signed_value = (b & 0x80u) != 0 ? -magnitude : magnitude;
-  return (b & 0x7fu) == 0x7fu ? std::numeric_limits<float>::quiet_NaN() : signed_value;
+  const uint32_t bits = static_cast<uint32_t>(fp8_e4m3_bits_to_bf16_bits(b)) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
 }
 
 // binary32 -> float8 e4m3fn bits, round to nearest even, for |f| <= 448 (the caller clamps);

@@ -33,9 +33,9 @@ def quantize(x, fmt):
     return q, scale
 
 
-def dequantize(q, scale, dtype):
-    """The rows the kernel computes on: float32 products rounded to q's dtype."""
-    return (q.float() * scale[..., None]).to(dtype)
+def dequantize(q, scale, dtype=torch.float64):
+    """The rows a quantized cache stands for: each element times its row's scale."""
+    return q.to(dtype) * scale.to(dtype)[..., None]
 
 
 # Decode and prefill over every layout the kernel reads k and v in: paged (block sizes 16 and 64,
@@ -97,8 +97,7 @@ def quantized_call(case, dtype, fmt, seed=0):
 def test_reads_match_the_reference_on_the_dequantized_rows(case, dtype, fmt, simd_level):
     q, (kq, ks, vq, vs), kw = quantized_call(case, dtype, FORMATS[fmt])
     out, lse = opmesh.flash_attn(q, kq, vq, k_scale=ks, v_scale=vs, return_softmax_lse=True, **kw)
-    k, v = dequantize(kq, ks, dtype), dequantize(vq, vs, dtype)
-    want_out, want_lse = flash_attn_reference(q, k, v, **kw)
+    want_out, want_lse = flash_attn_reference(q, dequantize(kq, ks), dequantize(vq, vs), **kw)
     out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[dtype]
     assert out.dtype == dtype
     assert_close(out, want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
@@ -106,15 +105,19 @@ def test_reads_match_the_reference_on_the_dequantized_rows(case, dtype, fmt, sim
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_a_quantized_cache_equals_its_dequantized_copy_in_the_same_kernel(fmt):
-    """bf16 decode from the quantized cache and from its rows dequantized to bf16 beforehand run
-    the same products on the same values: the same bits, with several workers splitting rows."""
-    case = BY_NAME["paged_64_decode"]
-    q, (kq, ks, vq, vs), kw = quantized_call(case, torch.bfloat16, FORMATS[fmt], seed=3)
+@pytest.mark.parametrize("name", ["paged_64_decode", "paged_tnd", "odd_dims"])
+def test_power_of_two_scales_give_the_bits_of_the_same_values_in_bf16(name, fmt, simd_level):
+    """With scales that are powers of two, scaling the scores and the probabilities is exact:
+    the quantized cache must give the bits of a bf16 cache holding the same values, through every
+    score and value path (in place, packed, GEMM)."""
+    case = BY_NAME[name]
+    q, (kq, _, vq, _), kw = quantized_call(case, torch.bfloat16, FORMATS[fmt], seed=3)
+    g = torch.Generator().manual_seed(4)
+    ks = 2.0 ** torch.randint(-8, 3, kq.shape[:-1], generator=g).float()
+    vs = 2.0 ** torch.randint(-8, 3, vq.shape[:-1], generator=g).float()
     out = opmesh.flash_attn(q, kq, vq, k_scale=ks, v_scale=vs, **kw)[0]
-    plain = opmesh.flash_attn(
-        q, dequantize(kq, ks, torch.bfloat16), dequantize(vq, vs, torch.bfloat16), **kw
-    )[0]
+    k, v = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+    plain = opmesh.flash_attn(q, k.bfloat16(), v.bfloat16(), **kw)[0]
     assert torch.equal(out, plain)
 
 
@@ -155,7 +158,7 @@ def test_write_quantizes_each_row_as_torch_does(dtype, fmt):
     # infinite value row (slot 64) have NaN scales, and read back as NaN, not as finite rows.
     assert ksc[17 // bs, 17 % bs, 0] == 0.0 and math.isnan(ksc[79 // bs, 79 % bs, 1])
     assert math.isnan(vsc[64 // bs, 64 % bs, 2])
-    assert dequantize(kc, ksc, torch.float32)[79 // bs, 79 % bs, 1].isnan().all()
+    assert dequantize(kc, ksc)[79 // bs, 79 % bs, 1].isnan().all()
 
 
 def test_write_then_decode_compiles_with_the_scales_written_in_place():
@@ -370,3 +373,27 @@ def test_accuracy_against_the_bf16_cache_is_within_the_format_bound(fmt):
     mean_bound, max_bound = ACCURACY_BOUNDS[fmt]
     assert diff.mean() < mean_bound and diff.amax() < max_bound, (diff.mean(), diff.amax())
     assert diff.mean() > mean_bound / 10  # the cache is really quantized
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_fp8_value_reads_as_torch_converts_it(dtype, simd_level):
+    """Keys and values made of every finite float8 e4m3fn byte (subnormals, zeros of both signs,
+    the largest magnitudes), in rows with and without subnormals, on every kernel path."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    g = torch.Generator().manual_seed(9)
+    rows = torch.stack([finite[torch.randperm(254, generator=g)[:64]] for _ in range(2 * 64 * 2)])
+    rows[: 2 * 64] &= 0xF7  # half the rows without exponent bit 0: more subnormals and zeros
+    kq = rows[: 2 * 64].view(2, 64, 1, 64).view(torch.float8_e4m3fn)
+    vq = rows[2 * 64 :].view(2, 64, 1, 64).view(torch.float8_e4m3fn)
+    ks = torch.rand(2, 64, 1, generator=g) / 200
+    vs = torch.rand(2, 64, 1, generator=g) / 200
+    q = torch.randn(2, 1, 4, 64, generator=g).to(dtype)
+    kw = dict(block_table=torch.tensor([[1], [0]], dtype=torch.int32))
+    kw["seqused_kv"] = torch.tensor([64, 50], dtype=torch.int32)
+    out, lse = opmesh.flash_attn(q, kq, vq, k_scale=ks, v_scale=vs, return_softmax_lse=True, **kw)
+    want_out, want_lse = flash_attn_reference(
+        q, dequantize(kq, ks), dequantize(vq, vs), layout_kv="PA_BBND", **kw
+    )
+    out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[dtype]
+    assert_close(out, want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
+    assert_close(lse, want_lse, atol=lse_atol, rtol=lse_rtol, name="softmax_lse")

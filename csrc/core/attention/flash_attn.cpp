@@ -132,6 +132,7 @@ class Runner {
         for (int i = 0; i < 2; ++i) {
           stage[i] = AlignedBuffer<char>(r.block_tiles_ * kKeyTile * r.stage_ld_ * r.elem_);
           stage_tags[i].assign(r.block_tiles_, StageTag{});
+          scales[i] = AlignedBuffer<float>(r.block_tiles_ * kKeyTile);
         }
       }
       use(r, 0);
@@ -165,13 +166,15 @@ class Runner {
     const char* ahead_k[kKeyTile];
     const char* ahead_v[kKeyTile];
     RowsAhead keys_ahead, values_ahead;
-    // A quantized cache: the dequantized key (0) and value (1) rows of the block's tiles, tile j
-    // in slot j % block_tiles (stage_ld elements per row), and which tile each slot holds.
+    // A quantized cache: the key (0) and value (1) rows of the block's tiles in q's dtype, tile j
+    // in slot j % block_tiles (stage_ld elements per row), which tile each slot holds, and the
+    // block's row scales (keys past the sequence: 0).
     struct StageTag {
       int64_t b = -1, h = -1, j = -1;
     };
     AlignedBuffer<char> stage[2];
     std::vector<StageTag> stage_tags[2];
+    AlignedBuffer<float> scales[2];
     // Makes unit state i (created on first use) the current one.
     void use(const Runner& r, size_t i) {
       while (units.size() <= i) units.push_back(std::make_unique<UnitState>(r));
@@ -364,9 +367,10 @@ class Runner {
     for (int64_t n = 0; n < valid; ++n) rows[n] = base + n * stage_ld_ * elem_;
   }
 
-  // The rows of tile j of (b, h) of k (which 0) or v (1) of a quantized cache, dequantized to q's
-  // dtype into the worker's slot j % block_tiles_ when the slot does not hold them yet; rows past
-  // the sequence's keys are zeros (read, then masked, by the in-place score products).
+  // The rows of tile j of (b, h) of k (which 0) or v (1) of a quantized cache in q's dtype
+  // (exact: the scales are applied to the scores and the probabilities, load_scales), converted
+  // into the worker's slot j % block_tiles_ when the slot does not hold them yet; rows past the
+  // sequence's keys are zeros (read, then masked, by the in-place score products).
   const char* staged(Scratch& sc, int which, int64_t b, int64_t h, int64_t j) const {
     const int64_t slot = j % block_tiles_;
     char* base = sc.stage[which].data() + slot * kKeyTile * stage_ld_ * elem_;
@@ -374,28 +378,48 @@ class Runner {
     if (tag.b == b && tag.h == h && tag.j == j) return base;
     tag = {b, h, j};
     const View& view = which == 0 ? p_.k : p_.v;
-    const View& scales = which == 0 ? p_.k_scale : p_.v_scale;
     const int64_t dim = which == 0 ? d_ : dv_;
     const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
-    const auto* bytes = static_cast<const uint8_t*>(view.data);
-    const auto* scale = static_cast<const float*>(scales.data);
+    const char* rows[kKeyTile];
+    raw_tile_rows(view, b, h, j, valid, rows);
     for (int64_t n = 0; n < valid; ++n) {
-      const int64_t key = j * kKeyTile + n;
-      const uint8_t* src = bytes + key_offset(view, b, h, key);
-      const float sc_n = scale[key_offset(scales, b, h, key)];
+      const auto* src = reinterpret_cast<const uint8_t*>(rows[n]);
       char* dst = base + n * stage_ld_ * elem_;
       if (p_.dtype == DType::kBFloat16) {
-        k_.rows.dequantize_bf16(src, p_.kv_format, sc_n, dim, reinterpret_cast<uint16_t*>(dst));
+        k_.rows.widen_quantized_bf16(src, p_.kv_format, dim, reinterpret_cast<uint16_t*>(dst));
       } else if (p_.dtype == DType::kFloat32) {
-        k_.rows.dequantize_f32(src, p_.kv_format, sc_n, dim, reinterpret_cast<float*>(dst));
+        k_.rows.widen_quantized_f32(src, p_.kv_format, dim, reinterpret_cast<float*>(dst));
       } else {
-        k_.rows.dequantize_f32(src, p_.kv_format, sc_n, dim, sc.row.data());
+        k_.rows.widen_quantized_f32(src, p_.kv_format, dim, sc.row.data());
         store_row(dst, p_.dtype, 0, 1, dim, sc.row.data(), 1.0f);
       }
     }
     std::memset(base + valid * stage_ld_ * elem_, 0,
                 static_cast<size_t>((kKeyTile - valid) * stage_ld_ * elem_));
     return base;
+  }
+
+  // The row scales of key tiles [j0, j1) of (b, h), keys then values, into sc.scales (0 past the
+  // sequence's keys).
+  void load_scales(Scratch& sc, int64_t b, int64_t h, int64_t j0, int64_t j1) const {
+    for (int which = 0; which < 2; ++which) {
+      const View& view = which == 0 ? p_.k_scale : p_.v_scale;
+      float* out = sc.scales[which].data();
+      for (int64_t j = j0; j < j1; ++j, out += kKeyTile) {
+        const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
+        const char* rows[kKeyTile];
+        key_row_addresses(
+            j * kKeyTile, valid, p_.block_table != nullptr ? p_.block_size : 0,
+            view.ss * static_cast<int64_t>(sizeof(float)),
+            [&](int64_t key) {
+              return reinterpret_cast<const char*>(static_cast<const float*>(view.data) +
+                                                   key_offset(view, b, h, key));
+            },
+            rows);
+        for (int64_t n = 0; n < valid; ++n) out[n] = *reinterpret_cast<const float*>(rows[n]);
+        std::fill(out + valid, out + kKeyTile, 0.0f);
+      }
+    }
   }
 
   const char* at(const View& view, int64_t offset) const {
@@ -585,6 +609,7 @@ class Runner {
     sc.keys_ahead = sc.values_ahead = {};
     if (row_scores(b) || ((pairs_ || widens_rows_) && !sc.tiles_reused)) plan_ahead(sc, b, h, j1);
     const bool values_in_place = reads_values_in_place(b, j0, j1);
+    if (quantized_) load_scales(sc, b, h, j0, j1);
     int64_t first_slot = 0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t j = j0 + i;
@@ -598,6 +623,12 @@ class Runner {
         k_.gemm({sc.u->q.data(), dw_, sc.kcache.data() + slot * k_tile_words_, kKeyTile, si, cols,
                  rows, kKeyTile, dw_, nullptr, score_alpha_});
       }
+      if (quantized_) {
+        // The key rows' scales, before anything that is not linear in the score.
+        for (int64_t r = 0; r < rows; ++r) {
+          k_.rows.multiply_into(si + r * cols, sc.scales[0].data() + i * kKeyTile);
+        }
+      }
       if (mods_) modify_tile(sc, si, cols, b, h, j, rows);
       if (j < sp.full_begin || j >= sp.full_end) mask_tile(sc, si, cols, j, rows);
     }
@@ -607,6 +638,11 @@ class Runner {
     if (pairs_) {
       k_.softmax_bf16(s, rows, cols, raw_scores_ ? p_.softmax_scale : 1.0f, cur.m, cur.l, corr,
                       sc.pb.data());
+      if (quantized_) {  // the value rows' scales on the probabilities (l is taken without them)
+        for (int64_t r = 0; r < rows; ++r) {
+          k_.rows.scale_bf16(sc.pb.data() + r * cols, sc.scales[1].data(), cols);
+        }
+      }
       if (values_in_place) {
         value_product(sc, b, h, j0, j1, rows, cur.o, corr);
       } else {
@@ -614,6 +650,11 @@ class Runner {
       }
     } else {
       k_.softmax(s, rows, cols, cur.m, cur.l, corr);
+      for (int64_t r = 0; quantized_ && r < rows; ++r) {
+        for (int64_t i = 0; i < tiles; ++i) {
+          k_.rows.multiply_into(s + r * cols + i * kKeyTile, sc.scales[1].data() + i * kKeyTile);
+        }
+      }
       k_.gemm({s, cols, vp, vld_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
     }
   }

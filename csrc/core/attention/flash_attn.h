@@ -32,12 +32,13 @@ struct FlashAttnParams {
   float softcap = 0.0f;
   const float* alibi_slopes = nullptr;
   int64_t alibi_sb = 0;
-  // A quantized key/value cache: k and v hold one byte per element of kv_format, and row n of
-  // head h (the address key_offset gives, in the layout of k) is dequantized with the float32
-  // scale at the same (b or block, s or offset, head) of k_scale / v_scale (strides sb, ss, sn;
-  // sd unused). The kernel dequantizes each key tile it reads to q's dtype (bf16 rounded to
-  // nearest even) in a small per-worker buffer and computes on that, reading the cache's bytes
-  // from memory once. kPlain: k and v are of `dtype`.
+  // A quantized key/value cache: k and v hold one byte per element of kv_format, and a row of
+  // head h reads as its elements times the float32 scale at the same (b or block, s or offset,
+  // head) of k_scale / v_scale (strides sb, ss, sn; sd unused). The kernel converts each key and
+  // value tile it reads to q's dtype in a small per-worker buffer (exactly: the quantized values
+  // have at most 8 significant bits), reading the cache's bytes from memory once, and applies
+  // the scales where they are linear: the key scales to the scores, the value scales to the
+  // probabilities (rounded to bf16 again on a bf16-pair set). kPlain: k and v are of `dtype`.
   CacheFormat kv_format = CacheFormat::kPlain;
   View k_scale, v_scale;
   MutableView out;       // output, same dtype as q, [b][s][n][dv]

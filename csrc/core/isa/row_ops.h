@@ -248,45 +248,82 @@ int64_t first_above(const float* s, int64_t n, float limit) {
 }
 
 // One format's loop apiece, so that each vectorises (the format is the same for a whole row).
-void dequantize_f32(const uint8_t* src, CacheFormat format, float scale, int64_t n, float* dst) {
+void widen_quantized_f32(const uint8_t* src, CacheFormat format, int64_t n, float* dst) {
   if (format == CacheFormat::kInt8) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i)
-      dst[i] = static_cast<float>(static_cast<int8_t>(src[i])) * scale;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(src[i]));
     return;
   }
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_e4m3_bits_to_float(src[i]) * scale;
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_e4m3_bits_to_float(src[i]);
 }
 
-void dequantize_bf16(const uint8_t* src, CacheFormat format, float scale, int64_t n,
-                     uint16_t* dst) {
+// The upper half of an exact float32 is its bf16 (8 significant bits at most): no rounding.
+inline uint16_t upper_half(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  return static_cast<uint16_t>(u >> 16);
+}
+
+void widen_quantized_bf16(const uint8_t* src, CacheFormat format, int64_t n, uint16_t* dst) {
   if (format == CacheFormat::kInt8) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      dst[i] =
-          static_cast<uint16_t>(bf16_bits(static_cast<float>(static_cast<int8_t>(src[i])) * scale));
+      dst[i] = upper_half(static_cast<float>(static_cast<int8_t>(src[i])));
     }
     return;
   }
+  // Normal values, zeros and NaN in 16-bit lanes (a shift and an add), then the whole row again
+  // through the exact conversion if it holds a subnormal (rare: below 2^-6 of a row's scale).
+  uint16_t subnormal = 0;
+#pragma omp simd reduction(| : subnormal)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t x = src[i];
+    const uint16_t mag = x & 0x7fu;
+    const uint16_t is_zero = static_cast<uint16_t>(0u - static_cast<uint16_t>(mag == 0));
+    const uint16_t is_nan = static_cast<uint16_t>(0u - static_cast<uint16_t>(mag == 0x7fu));
+    const uint16_t normal = static_cast<uint16_t>((mag << 4) + (120u << 7));
+    const uint16_t bits = static_cast<uint16_t>((normal & ~is_zero & ~is_nan) | (0x7fc0u & is_nan));
+    dst[i] = static_cast<uint16_t>(bits | ((x & 0x80u) << 8));
+    subnormal |= static_cast<uint16_t>(mag != 0 && mag < 8);
+  }
+  if (subnormal == 0) return;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp8_e4m3_bits_to_bf16_bits(src[i]);
+}
+
+void scale_bf16(uint16_t* p, const float* f, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    dst[i] = static_cast<uint16_t>(bf16_bits(fp8_e4m3_bits_to_float(src[i]) * scale));
+    const uint32_t wide = static_cast<uint32_t>(p[i]) << 16;
+    float x;
+    __builtin_memcpy(&x, &wide, sizeof(x));
+    p[i] = static_cast<uint16_t>(bf16_bits(x * f[i]));
   }
 }
 
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
-  return RowOps{&shift_and_mask,     &probability_gradient,
-                &add_into,           &relu_axpy,
-                &split_coefficients, &target_gradient,
-                &masked_scale,       &sign_scale,
-                &entropy_terms,      &row_dots,
-                &pair_rows,          &score_mods,
-                &multiply_into,      &interleave_bf16,
-                &bf16_residual,      &store_bf16,
-                &first_above,        &dequantize_f32,
-                &dequantize_bf16};
+  return RowOps{&shift_and_mask,
+                &probability_gradient,
+                &add_into,
+                &relu_axpy,
+                &split_coefficients,
+                &target_gradient,
+                &masked_scale,
+                &sign_scale,
+                &entropy_terms,
+                &row_dots,
+                &pair_rows,
+                &score_mods,
+                &multiply_into,
+                &interleave_bf16,
+                &bf16_residual,
+                &store_bf16,
+                &first_above,
+                &widen_quantized_f32,
+                &widen_quantized_bf16,
+                &scale_bf16};
 }
 
 }  // namespace

@@ -143,13 +143,14 @@ struct RowOps {
   // The first c < n for which s[c] <= limit fails (s[c] NaN, or any c when limit is NaN), else n:
   // where a running top-K selection's cut-off test lets a score through.
   int64_t (*first_above)(const float* s, int64_t n, float limit);
-  // dst[i] = quantized_to_float(src[i], format) * scale for n entries (a row of a quantized
-  // cache, dtype.h), as float32 or rounded to bf16 (nearest even): the rows a decode from a
-  // quantized cache computes on.
-  void (*dequantize_f32)(const uint8_t* src, CacheFormat format, float scale, int64_t n,
-                         float* dst);
-  void (*dequantize_bf16)(const uint8_t* src, CacheFormat format, float scale, int64_t n,
-                          uint16_t* dst);
+  // dst[i] = quantized_to_float(src[i], format) for n entries, as float32 or as bf16: exact
+  // (int8 and float8 e4m3 values have at most 8 significant bits), the rows of a quantized cache
+  // as a decode computes on them, their scales applied to the scores and probabilities instead.
+  void (*widen_quantized_f32)(const uint8_t* src, CacheFormat format, int64_t n, float* dst);
+  void (*widen_quantized_bf16)(const uint8_t* src, CacheFormat format, int64_t n, uint16_t* dst);
+  // p[c] <- bf16(p[c] f[c]) (round to nearest even) for n entries: a row of bf16 probabilities
+  // times the value rows' scales.
+  void (*scale_bf16)(uint16_t* p, const float* f, int64_t n);
 };
 
 struct KernelSet {
