@@ -22,7 +22,13 @@ D flops at the GFLOP/s of a bf16 ``torch.mm`` measured in the same run).
   and each reports the median of its rounds: on a shared machine the rates drift by 10-20 %
   within a minute, and timing them one after another would put that drift into the ratios.
 
+With ``--cache int8`` or ``--cache fp8`` the decode reads a quantized copy of the cache (written
+by ``kv_cache_write_``: one byte per element and a float32 scale per row and head): its bytes
+(scales included) are what the read rate and the share of the streaming rate count, the bf16
+decode of the same step runs beside it ("bf16 ms"), and SDPA reads the dequantized cache.
+
     python benchmarks/bench_decode.py [--contexts 8192 32768] [--batches 1 8] [--queries 1 16]
+        [--cache bf16|int8|fp8]
 """
 
 from __future__ import annotations
@@ -64,14 +70,29 @@ def dense_cache(k, v, table):
     return kd, vd
 
 
+def quantized_cache(k, v, fmt):
+    """k and v written by kv_cache_write_ into a cache of `fmt` (int8, float8_e4m3fn), with
+    their scales, and the bf16 values that cache stands for."""
+    blocks, block, nkv, d = k.shape
+    caches = [torch.empty(blocks, block, nkv, d, dtype=fmt) for _ in range(2)]
+    scales = [torch.empty(blocks, block, nkv) for _ in range(2)]
+    slots = torch.arange(blocks * block)
+    opmesh.kv_cache_write_(
+        k.flatten(0, 1), v.flatten(0, 1), *caches, slots, key_scale=scales[0], value_scale=scales[1]
+    )
+    values = [(c.float() * s[..., None]).bfloat16() for c, s in zip(caches, scales, strict=True)]
+    return caches, scales, values
+
+
 def stream_sum(k, v):
     return k.sum(), v.sum()
 
 
-def step_opmesh(q, k, v, table, lengths):
+def step_opmesh(q, k, v, table, lengths, scales=None):
+    quantized = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
     return opmesh.flash_attn(
         q, k, v, block_table=table, seqused_kv=lengths, layout_kv="PA_BBND",
-        mask_mode=3 if q.shape[1] > 1 else 0,
+        mask_mode=3 if q.shape[1] > 1 else 0, **quantized,
     )[0]  # fmt: skip
 
 
@@ -98,7 +119,9 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per call")
+    parser.add_argument("--cache", choices=["bf16", "int8", "fp8"], default="bf16")
     args = parser.parse_args()
+    fmt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(args.cache)
     gen = torch.Generator().manual_seed(0)
     peak = mm_gflops()
     rows = []
@@ -106,21 +129,29 @@ def main():
         for context in args.contexts:
             for batch in args.batches:
                 _, k, v, table, lengths = paged_inputs(batch, context, nq, nkv, 1, gen)
-                cache_bytes = 2 * k.numel() * k.element_size()
+                stream_bytes = cache_bytes = 2 * k.numel() * k.element_size()
                 stream_fn = partial(stream_sum, k, v)
+                plain = (k, v, None)
+                if fmt is not None:
+                    (kq, vq), scales, (k, v) = quantized_cache(k, v, fmt)
+                    cache_bytes = 2 * kq.numel() + sum(s.numel() * 4 for s in scales)
                 kd, vd = dense_cache(k, v, table)
                 for sq in args.queries:
                     q = torch.randn(batch, sq, nq, D, generator=gen).to(torch.bfloat16)
-                    ours = partial(step_opmesh, q, k, v, table, lengths)
+                    read = plain if fmt is None else (kq, vq, scales)
+                    ours = partial(step_opmesh, q, *read[:2], table, lengths, read[2])
                     sdpa = partial(step_sdpa, q.transpose(1, 2), kd, vd, bottom_right(sq, context))
                     got = ours().float()
                     want = sdpa().transpose(1, 2).float()
                     error = float((got - want).abs().max())
-                    cached = partial(step_opmesh, q, k, v, table % 4, lengths)
-                    stream, t_ours, t_cached, t_sdpa = interleaved(
-                        [stream_fn, ours, cached, sdpa], budget_s=3 * args.budget
+                    cached = partial(step_opmesh, q, *read[:2], table % 4, lengths, read[2])
+                    calls = [stream_fn, ours, cached, sdpa]
+                    if fmt is not None:
+                        calls.append(partial(step_opmesh, q, *plain[:2], table, lengths))
+                    stream, t_ours, t_cached, t_sdpa, *t_bf16 = interleaved(
+                        calls, budget_s=3 * args.budget
                     )
-                    stream_gbs = cache_bytes / stream / 1e9
+                    stream_gbs = stream_bytes / stream / 1e9
                     flops = 4 * nq * sq * context * D * batch
                     byte_bound = cache_bytes / (stream_gbs * 1e9)
                     flop_bound = flops / (peak * 1e9)
@@ -144,10 +175,15 @@ def main():
                             "max abs diff": f"{error:.1e}",
                         }
                     )
+                    if fmt is not None:
+                        rows[-1]["bf16 ms"] = f"{t_bf16[0] * 1e3:.2f}"
+                        rows[-1]["vs bf16"] = f"{t_bf16[0] / t_ours:.2f}x"
                     print(rows[-1], flush=True)
     columns = list(rows[0])
+    cache = "bf16" if fmt is None else f"{args.cache} (a byte per element, a float32 scale per row)"
     notes = [
-        f"bf16, D = {D}, paged cache (PA_BBND, block {BLOCK}, blocks scattered over the pool). "
+        f"{cache} cache, bf16 queries, D = {D}, paged (PA_BBND, block {BLOCK}, blocks scattered "
+        "over the pool). "
         "stream GB/s: k.sum() and v.sum() over the cache's own tensors, timed in turn with the "
         "calls of its row (three rounds, medians). % of stream: the "
         "decode's cache read rate over the streaming rate. in-cache GB/s: the same call with every "
@@ -155,11 +191,21 @@ def main():
         "x of bound: time over the larger of "
         f"the byte bound and the FLOP bound (4 Nq S_q S2 D flops at {peak:.0f} GFLOP/s, a bf16 "
         "torch.mm measured in this run). SDPA reads the same cache made dense "
-        "(enable_gqa; S_q = 16 with a bottom-right causal mask).",
+        "(enable_gqa; S_q = 16 with a bottom-right causal mask)."
+        + (
+            ""
+            if fmt is None
+            else " cache MB, opmesh GB/s and % of stream count the quantized cache's bytes "
+            "(scales included); stream GB/s is measured on the bf16 cache; bf16 ms: the same "
+            "decode on the bf16 cache; SDPA reads the dequantized cache."
+        ),
         "",
-        "`.venv/bin/python benchmarks/bench_decode.py`",
+        "`.venv/bin/python benchmarks/bench_decode.py"
+        + ("" if fmt is None else f" --cache {args.cache} --queries 1")
+        + "`",
     ]
-    print(write_results("decode", rows, columns, notes))
+    name = "decode" if fmt is None else f"decode_{args.cache}"
+    print(write_results(name, rows, columns, notes))
 
 
 if __name__ == "__main__":

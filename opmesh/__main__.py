@@ -68,6 +68,11 @@ def main(argv=None):
     serve.add_argument(
         "--max-memory-percent", type=float, help="share of free memory for the cache (0-1)"
     )
+    serve.add_argument(
+        "--kv-cache",
+        choices=["int8", "fp8"],
+        help="store full-attention keys and values quantized (default: the model's dtype)",
+    )
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -95,7 +100,7 @@ def _run(args):
             serve(
                 args.model, host=args.host, port=args.port, dtype=args.dtype,
                 num_blocks=args.num_blocks, max_batch_tokens=args.max_batch_tokens,
-                max_memory_percent=args.max_memory_percent,
+                max_memory_percent=args.max_memory_percent, kv_cache=args.kv_cache,
             )  # fmt: skip
         except (OSError, ValueError) as error:  # the model did not load
             if str(error).startswith("model:"):

@@ -13,7 +13,12 @@ block table taken from the read slots: no copy of the cache per step. Sliding-wi
 transformers' ring of the last ``window - 1`` keys, read by its own ``cache.update`` (at most a
 window per request), and attend with the window mask. Sinks (``s_aux``), softcap and the module's
 scaling are honoured; a call this function cannot run exactly is refused by the argument's name.
-See docs/transformers.md.
+
+``register(kv_cache="int8")`` (or ``"fp8"``) stores the full-attention layers' keys and values
+quantized: each row of transformers' cache holds the row's bytes and its float32 scale in its
+own first ``D + 4`` bytes (``kv_cache_write_`` and ``flash_attn`` with ``k_scale``/``v_scale``),
+so a decode step reads about half the bytes, and transformers' block copies and sharing carry
+the scales with the rows. See docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ import torch
 from .. import ops
 
 PAGED_NAME = "paged|opmesh"
+
+# The cache format of full-attention layers: None (the cache's dtype), or a quantized dtype.
+KV_CACHE_FORMATS = {None: None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_settings = {"kv_cache": None}
+
+
+def set_kv_cache(kv_cache: str | None) -> None:
+    """Sets the format paged|opmesh stores full-attention layers' keys and values in (before a
+    generation starts: a cache is read in the format it was written in)."""
+    if kv_cache not in KV_CACHE_FORMATS:
+        raise ValueError(f"kv_cache: expected None, 'int8' or 'fp8', got {kv_cache!r}")
+    _settings["kv_cache"] = kv_cache
 
 
 @torch.compiler.disable  # the cache is written in place, as transformers' own paged functions do
@@ -110,12 +127,24 @@ def paged_attention_forward(
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     written = write_index[group]
     slots = torch.div(written, block_tokens, rounding_mode="floor") * tokens + written % tokens
-    ops.kv_cache_write_(new_k, new_v, k_cache, v_cache, slots)
+    scales = {}
+    fmt = KV_CACHE_FORMATS[_settings["kv_cache"]]
+    if fmt is not None:
+        (k_cache, k_scale), (v_cache, v_scale) = (_quantized(c, fmt) for c in (k_cache, v_cache))
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        ops.kv_cache_write_(
+            new_k, new_v, k_cache, v_cache, slots, key_scale=k_scale, value_scale=v_scale
+        )
+    else:
+        ops.kv_cache_write_(new_k, new_v, k_cache, v_cache, slots)
     read = read_index[group]
-    if read.numel() == 0:
+    if read.numel() == 0 and not scales:
         # No request has earlier keys: each attends over this step's own.
         out, _ = ops.flash_attn(q, new_k, new_v, cu_seqlens_kv=cu_seq_lens_k, **common)
         return out, None
+    if read.numel() == 0:
+        # A quantized cache: this step's keys as the cache holds them, where they were written.
+        read = written
     # Key j of request r was read from slot read[cu_k[r] + j]; each block's first slot names it.
     cu_k = cu_seq_lens_k.long()
     lengths = cu_k[1:] - cu_k[:-1]
@@ -126,9 +155,22 @@ def paged_attention_forward(
         step < blocks[:, None], torch.div(read[first], block_tokens, rounding_mode="floor"), 0
     )
     out, _ = ops.flash_attn(
-        q, k_cache, v_cache, block_table=table.int(), seqused_kv=lengths.int(), **common
+        q, k_cache, v_cache, block_table=table.int(), seqused_kv=lengths.int(), **scales, **common
     )
     return out, None
+
+
+def _quantized(pages: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized cache in the memory of transformers' ``[blocks, tokens, Hkv, D]`` view: each
+    row's first D bytes hold its elements in ``fmt`` and the next 4 its float32 scale."""
+    d = pages.shape[-1]
+    if pages.element_size() * d < d + 4 or d % 4:
+        raise ValueError(
+            f"kv_cache: a quantized row and its scale need D + 4 bytes of each cache row, D a "
+            f"multiple of 4; this layer's rows have D = {d} of {pages.dtype}"
+        )
+    raw = pages.view(torch.int8)  # [blocks, tokens, Hkv, e * D] bytes
+    return raw[..., :d].view(fmt), raw[..., d : d + 4].view(torch.float32)[..., 0]
 
 
 def _in_place(allocator) -> bool:

@@ -95,6 +95,7 @@ def serve(
     num_blocks: int | None = None,
     max_batch_tokens: int | None = None,
     max_memory_percent: float | None = None,
+    kv_cache: str | None = None,
     log_level: str = "warning",
     block: bool = True,
 ):
@@ -103,7 +104,8 @@ def serve(
 
     ``num_blocks``, ``max_batch_tokens`` and ``max_memory_percent`` size the paged cache as in
     ``transformers.ContinuousBatchingConfig`` (pages of 256 tokens); by default transformers
-    gives it a share of the free memory."""
+    gives it a share of the free memory. ``kv_cache``: ``"int8"`` or ``"fp8"`` stores the
+    full-attention layers' keys and values quantized (``register(kv_cache=...)``)."""
     try:
         from transformers.cli import serve as hf_serve
         from transformers.cli.serving import model_manager as hf_models
@@ -116,7 +118,7 @@ def serve(
             "model: serving needs FastAPI, Uvicorn, pydantic and openai: "
             "pip install 'transformers[serving]'"
         )
-    register()
+    register(kv_cache=kv_cache)
 
     class Models(hf_models.ModelManager):
         """transformers' model manager, taking ``"opmesh"`` besides its own names, and listing

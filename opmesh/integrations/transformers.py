@@ -24,17 +24,21 @@ import torch
 
 from .. import ops
 from ._masks import _plan, _visible
-from ._paged import PAGED_NAME, paged_attention_forward
+from ._paged import PAGED_NAME, paged_attention_forward, set_kv_cache
 
 NAME = "opmesh"
 
 
-def register() -> None:
+def register(*, kv_cache: str | None = None) -> None:
     """Registers ``"opmesh"`` with transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface`` (calling it again changes nothing)."""
+    ``AttentionMaskInterface``, and ``"paged|opmesh"`` for continuous batching (calling it again
+    changes nothing but ``kv_cache``). ``kv_cache``: ``"int8"`` or ``"fp8"`` stores continuous
+    batching's full-attention keys and values quantized (a byte per element and a float32 scale
+    per row, in transformers' own cache memory); None keeps the cache's dtype."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    set_kv_cache(kv_cache)
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
     AttentionInterface.register(PAGED_NAME, paged_attention_forward)

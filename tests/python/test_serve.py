@@ -228,13 +228,15 @@ def test_request_checks_pass_what_openai_clients_send():
     assert request_problem("/v1/completions", {"prompt": "hi", "max_tokens": 1}) is None
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
-def test_the_command_line_serves_and_stops_cleanly(model_dir, stop):
+@pytest.mark.parametrize(
+    "stop,options", [(signal.SIGTERM, ["--kv-cache", "int8"]), (signal.SIGINT, [])]
+)
+def test_the_command_line_serves_and_stops_cleanly(model_dir, stop, options):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     process = subprocess.Popen(
         [sys.executable, "-m", "opmesh", "serve", model_dir, "--port", str(port),
-         "--num-blocks", "32"],
+         "--num-blocks", "32", *options],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

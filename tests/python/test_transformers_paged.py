@@ -201,3 +201,64 @@ def test_a_window_wider_than_the_layers_ring_is_refused():
                 Module(), q, k, k, None, sliding_window=window, cache=cache, **lists
             ),
         )
+
+
+FORMATS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_a_quantized_cache_holds_and_reads_what_torch_quantizes(name, fmt, monkeypatch):
+    """register(kv_cache=...) stores the full-attention layers' keys and values quantized in
+    transformers' cache memory, over chunked prefills and decodes: every write leaves the bytes
+    and scales torch's quantizer gives, and every read equals the float64 reference on the cache
+    as it stands (dequantized). (Greedy tokens are not compared with a reference that quantizes
+    on its own: rounding to a quantized step is discontinuous, so the last-bit differences
+    between a batched and a single projection move some elements by a whole step, which on these
+    random models shifts logits by more than their smallest gaps. What a format costs is measured
+    in test_quantized_cache.py.)"""
+    from attention_reference import flash_attn_reference
+    from test_quantized_cache import dequantize, quantize
+
+    model = build(name)
+    inputs = prompts()
+    checked = {"writes": 0, "reads": 0}
+    write, read = paged.ops.kv_cache_write_, paged.ops.flash_attn
+
+    def write_spy(key, value, key_cache, value_cache, slots, **scales):
+        write(key, value, key_cache, value_cache, slots, **scales)
+        if scales:
+            for x, cache, scale in ((key, key_cache, scales["key_scale"]),
+                                    (value, value_cache, scales["value_scale"])):  # fmt: skip
+                want_bytes, want_scale = quantize(x, FORMATS[fmt])
+                rows = cache.flatten(0, 1)[slots]
+                assert torch.equal(rows.view(torch.uint8), want_bytes.view(torch.uint8))
+                assert torch.equal(scale.flatten(0, 1)[slots], want_scale)
+            checked["writes"] += 1
+
+    def read_spy(q, k, v, **kw):
+        out = read(q, k, v, **kw)
+        if kw.get("k_scale") is not None:
+            ref_kw = {n: x for n, x in kw.items() if n not in ("k_scale", "v_scale")}
+            ref_kw = {n: x for n, x in ref_kw.items() if x is not None}
+            want, _ = flash_attn_reference(
+                q, dequantize(k, kw["k_scale"]), dequantize(v, kw["v_scale"]),
+                layout_kv="PA_BBND", layout_out="TND", **ref_kw,
+            )  # fmt: skip
+            torch.testing.assert_close(out[0].double(), want, atol=2e-5, rtol=1e-4)
+            checked["reads"] += 1
+        return out
+
+    monkeypatch.setattr(paged.ops, "kv_cache_write_", write_spy)
+    monkeypatch.setattr(paged.ops, "flash_attn", read_spy)
+    opmesh_hf.register(kv_cache=fmt)
+    try:
+        got = batched(model, "paged|opmesh", inputs)
+    finally:
+        opmesh_hf.register()
+    assert checked["writes"] > 10 and checked["reads"] > 10
+    assert len(got) == len(inputs) and all(len(tokens) == 10 for tokens in got)
+
+
+def test_an_unknown_cache_format_is_refused_by_name():
+    assert_raises_named(ValueError, "kv_cache", lambda: opmesh_hf.register(kv_cache="int4"))
