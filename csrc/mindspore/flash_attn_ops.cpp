@@ -160,6 +160,8 @@ py::object flash_attn(const FlashAttnCall& call) {
   resolve({&call.q, &call.k, &call.v});
   resolve(call.sinks);
   resolve(call.alibi_slopes);
+  resolve(call.k_scale);
+  resolve(call.v_scale);
   attn::PlanConfig c = base_config(call);
   calls::FlashAttnShapes shapes = common::flash_attn_shapes(call.q, call.k, c);
   const auto lengths = host_lengths(call);

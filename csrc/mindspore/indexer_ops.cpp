@@ -2,6 +2,7 @@
 // MindSpore tensors.
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 #include "cache_params.h"
@@ -162,6 +163,8 @@ py::object sparse_indexer_grad_kl_loss(const SparseKlLossCall& call) {
 py::object kv_cache_write(const KvCacheWriteCall& call) {
   const std::vector<int64_t>& slot_mapping = call.slot_mapping.values;
   resolve({&call.key, &call.value, &call.key_cache, &call.value_cache});
+  resolve(call.key_scale);
+  resolve(call.value_scale);
   require_rank(call.key, 3, "key");
   require_rank(call.value, 3, "value");
   require_rank(call.key_cache, 4, "key_cache");
@@ -169,10 +172,16 @@ py::object kv_cache_write(const KvCacheWriteCall& call) {
   if (static_cast<int64_t>(slot_mapping.size()) != call.key.shape()[0]) {
     value_error("slot_mapping: expected one entry per token of key");
   }
-  for (const auto& [t, name] : {std::pair{&call.value, "value"},
-                                {&call.key_cache, "key_cache"},
-                                {&call.value_cache, "value_cache"}}) {
-    if (t->data_type() != call.key.data_type()) value_error(std::string(name) + ": dtype differs");
+  // (A quantized cache, int8 with its scales, takes keys and values of any floating dtype.)
+  const bool quantized = cache_format(call.key_cache) != core::CacheFormat::kPlain;
+  for (const auto& [t, like, name] :
+       {std::tuple{&call.value, &call.key, "value"},
+        std::tuple{&call.key_cache, quantized ? &call.key_cache : &call.key, "key_cache"},
+        std::tuple{&call.value_cache, &call.key_cache, "value_cache"}}) {
+    if (t->data_type() != like->data_type()) value_error(std::string(name) + ": dtype differs");
+  }
+  if (quantized != (call.key_scale.has_value() && call.value_scale.has_value())) {
+    value_error("key_scale: a quantized cache takes key_scale and value_scale, another none");
   }
   if (call.key_cache.shape()[2] != call.key.shape()[1] ||
       call.key_cache.shape()[3] != call.key.shape()[2] ||

@@ -662,17 +662,19 @@ def flash_attn(q, k, v, kwargs):
             "pass a tensor, or a Parameter with requires_grad=False"
         )
     host, metas = _flash_host(kwargs)
-    tensors = ("sinks", "alibi_slopes")
+    tensors = ("sinks", "alibi_slopes", "k_scale", "v_scale")
     options = {n: x for n, x in kwargs.items() if n not in host and n not in tensors}
     torch.ops.opmesh.flash_attn(
         _meta(q, "q"),
         _meta(k, "k"),
         _meta(v, "v"),
-        sinks=_meta(kwargs["sinks"], "sinks"),
-        alibi_slopes=_meta(kwargs["alibi_slopes"], "alibi_slopes"),
+        **{n: _meta(kwargs[n], n) for n in tensors},
         **metas,
         **options,
     )
+    # A quantized cache's scales travel with the host arrays: read by the forward, refused by
+    # the backward.
+    host.update({n: kwargs[n] for n in ("k_scale", "v_scale") if kwargs[n] is not None})
     return _flash_function().apply(q, k, v, kwargs["sinks"], kwargs["alibi_slopes"], host, options)
 
 
@@ -712,6 +714,11 @@ def _flash_function():
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, sinks, alibi_slopes = ctx.saved_tensors
             host, options = ctx.call
+            if "k_scale" in host:
+                raise ValueError(
+                    "k_scale: flash_attn has no backward through a quantized (int8) cache; decode "
+                    "from it without gradients, or train on a float cache"
+                )
             lengths = {n: host[n] for n in _LENGTHS}
             options = {n: x for n, x in options.items() if n != "return_softmax_lse"}
             dlse = dlse if ctx.call[1]["return_softmax_lse"] else None

@@ -705,6 +705,57 @@ def test_kv_cache_write_in_place_matches_torch():
     assert np.abs(as_numpy(m_caches[0])).sum() > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_int8_cache_is_written_and_read_as_torch_does(dtype):
+    """kv_cache_write_ quantizing into an int8 paged cache with its scales, then a paged decode
+    from it, on MindSpore tensors: the bytes, the scales and the attention equal torch's."""
+    key, value = both(randn(6, 2, 16), dtype), both(randn(6, 2, 16, scale=3.0), dtype)
+    caches = [np.zeros((3, 4, 2, 16), np.int8) for _ in range(2)]
+    scales = [np.zeros((3, 4, 2), np.float32) for _ in range(2)]
+    slots = [6, 0, 11, 1, 2, 3]
+    m_caches = [ms.Tensor(c) for c in caches + scales]
+    t_caches = [torch.from_numpy(c.copy()) for c in caches + scales]
+    opmesh.kv_cache_write_(
+        key[0], value[0], m_caches[0], m_caches[1], ms.Tensor(np.array(slots)),
+        key_scale=m_caches[2], value_scale=m_caches[3],
+    )  # fmt: skip
+    opmesh.kv_cache_write_(
+        key[1], value[1], t_caches[0], t_caches[1], slots,
+        key_scale=t_caches[2], value_scale=t_caches[3],
+    )  # fmt: skip
+    for a, b in zip(m_caches, t_caches, strict=True):
+        assert_same(a, b)
+    q = both(randn(2, 1, 4, 16), dtype)
+    table, used = np.array([[1, 0], [2, 0]], np.int32), np.array([7, 4], np.int32)
+    outs = [
+        opmesh.flash_attn(
+            qq,
+            *c[:2],
+            k_scale=c[2],
+            v_scale=c[3],
+            block_table=tb,
+            seqused_kv=u,
+            return_softmax_lse=True,
+        )  # fmt: skip
+        for qq, c, tb, u in (
+            (q[0], m_caches, ms.Tensor(table), ms.Tensor(used)),
+            (q[1], t_caches, torch.from_numpy(table), torch.from_numpy(used)),
+        )
+    ]
+    for a, b in zip(*outs, strict=True):
+        assert_same(a, b)
+
+    def loss(qq):
+        out, _ = opmesh.flash_attn(
+            qq, *m_caches[:2], k_scale=m_caches[2], v_scale=m_caches[3],
+            block_table=ms.Tensor(table), seqused_kv=ms.Tensor(used),
+        )  # fmt: skip
+        return out.float().sum()
+
+    with pytest.raises(ValueError, match="^k_scale: flash_attn has no backward"):
+        ms.grad(loss)(q[0])
+
+
 def test_describe_metadata_reads_a_mindspore_plan():
     plan = opmesh.flash_attn_metadata(
         4,

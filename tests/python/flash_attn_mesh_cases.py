@@ -293,6 +293,16 @@ def case_errors(mesh):
             context_parallel="ring",
         ),
     )  # fmt: skip
+    kq, vq = k.to(torch.int8), v.to(torch.int8)
+    scale = torch.ones(k.shape[:-1])
+    _expect(
+        ValueError,
+        "k_scale: a quantized cache is read on one device",
+        lambda: opmesh.flash_attn(
+            dt(q, Shard(2)), dt(kq, Shard(2)), dt(vq, Shard(2)), k_scale=dt(scale, Shard(2)),
+            v_scale=dt(scale, Shard(2)),
+        ),
+    )  # fmt: skip
     partial = DTensor.from_local(k / m, mesh, [Partial()])
     _expect(
         ValueError, "k: Partial placement", lambda: opmesh.flash_attn(dt(q, R), partial, dt(v, R))

@@ -24,7 +24,8 @@ batch entries; its bias needs each local call to keep the global diagonal, which
 TND data parallel, Ulysses and the all-gather strategy with ``mask_mode=3`` do (the ring, the
 two-axis hybrid and the all-gather strategy with other masks are refused by name).
 
-D is never sharded, no input may be Partial. Without context parallel, ``metadata`` is each
+D is never sharded, no input may be Partial. A quantized cache (``k_scale``, ``v_scale``) is
+refused: it is read by the local operator on each rank's own tensors. Without context parallel, ``metadata`` is each
 rank's plan of its local problem (its batch slice and heads), made with flash_attn_metadata
 there. The outputs take q's sharding: attn_out's batch, sequence and head dims follow q's, the
 lse ``[B, Nq, S1]`` likewise. Gradients flow through the DTensor conversions and the operator's
@@ -112,6 +113,11 @@ class FlashAttnDistributedOp(DistributedOp):
         self._checked_globally.put(key, True)
 
     def preprocess(self, args, kwargs):
+        if kwargs.get("k_scale") is not None or kwargs.get("v_scale") is not None:
+            raise ValueError(
+                "k_scale: a quantized cache is read on one device; on a device mesh pass k and v "
+                "in q's dtype (each rank's shard of a quantized cache: its local tensors)"
+            )
         _check_dtensors(args)
         self._check_global_call(args, kwargs)
         call = _MeshInputs.of(args, kwargs)
