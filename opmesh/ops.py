@@ -583,6 +583,8 @@ def sparse_flash_attention(
     softcap: float | None = None,
     return_softmax_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Attention of each query token over the keys its ``sparse_indices`` select.
 
@@ -618,6 +620,10 @@ def sparse_flash_attention(
             ``>= 0``; None or 0 leaves the scores as they are.
         return_softmax_lse: also return the statistics.
         sinks: optional ``[N1]`` per-head sink logits (a key with no value in every row).
+        key_scale, value_scale: float32 row scales of a quantized key and value (int8 or
+            ``float8_e4m3fn``, as :func:`kv_cache_write_` writes them), shaped as key and value
+            without their head dim; row ``j`` reads as ``key[j] * key_scale[j]`` (rounded to bf16
+            for bf16 queries), ``key_rope`` stays in query's dtype. Forward only.
 
     Returns:
         ``(attention_out, softmax_max, softmax_sum)``: attention_out in query's layout with

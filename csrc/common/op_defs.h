@@ -251,7 +251,8 @@ struct Field {
   ARG_D(Float, softcap, 0.0)
 
 // sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, ...)
-//   -> (attention_out, softmax_max, softmax_sum)
+//   -> (attention_out, softmax_max, softmax_sum); key_scale and value_scale: the row scales of a
+//   quantized (int8 / float8_e4m3fn) key and value.
 #define OPMESH_OP_SPARSE_FLASH_ATTENTION(ARG, ARG_D, KWONLY) \
   ARG(Tensor, query)                                         \
   ARG(Tensor, key)                                           \
@@ -261,7 +262,9 @@ struct Field {
   KWONLY                                                     \
   OPMESH_SPARSE_ATTN_OPTIONS(ARG, ARG_D)                     \
   ARG_D(Bool, return_softmax_lse, false)                     \
-  ARG_D(OptTensor, sinks, std::nullopt)
+  ARG_D(OptTensor, sinks, std::nullopt)                      \
+  ARG_D(OptTensor, key_scale, std::nullopt)                  \
+  ARG_D(OptTensor, value_scale, std::nullopt)
 #define OPMESH_OP_SPARSE_FLASH_ATTENTION_RETURNS \
   "(Tensor attention_out, Tensor softmax_max, Tensor softmax_sum)"
 

@@ -172,6 +172,14 @@ core::SparseAttentionParams sparse_attention_params(const Call& c, const HostArr
   return p;
 }
 
+// Whether a call struct has key_scale (sparse_flash_attention's forward), in C++17 (the
+// MindSpore binding's standard).
+template <class Call, class = void>
+struct HasKeyScale : std::false_type {};
+template <class Call>
+struct HasKeyScale<Call, std::void_t<decltype(std::declval<const Call&>().key_scale)>>
+    : std::true_type {};
+
 // The call's query, key, value, sparse_indices (int32), ropes and sinks (float32, contiguous).
 template <class Call>
 void point_sparse_attention(core::SparseAttentionParams& p, const Call& c) {
@@ -185,6 +193,14 @@ void point_sparse_attention(core::SparseAttentionParams& p, const Call& c) {
   }
   p.indices = layout_view(c.sparse_indices, qoff);
   p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
+  if constexpr (HasKeyScale<Call>::value) {  // the forward: a quantized key and value
+    if (c.key_scale.has_value()) {
+      using Tensor = std::decay_t<decltype(c.key)>;
+      p.kv_format = TensorAccess<Tensor>::cache_format(c.key);
+      p.key_scale = layout_view(*c.key_scale, koff);
+      p.value_scale = layout_view(*c.value_scale, koff);
+    }
+  }
 }
 
 // The backward's inputs (dout and attention_out in query's dtype, the statistics float32

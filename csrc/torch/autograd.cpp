@@ -202,6 +202,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_autograd(
       (call.query.requires_grad() || call.key.requires_grad() || call.value.requires_grad() ||
        wants_grad(call.query_rope) || wants_grad(call.key_rope) || wants_grad(call.sinks));
   if (!needs_grad) return tensors_of<3>(call_below_autograd(call));
+  TORCH_CHECK_VALUE(!call.key_scale.has_value(),
+                    "key_scale: sparse_flash_attention has no backward through a quantized (",
+                    call.key.scalar_type(),
+                    ") key and value; decode from them under torch.no_grad(), or train on bf16 "
+                    "or float32 ones");
   const variable_list out = SparseAttentionFunction::apply(
       call.query, call.key, call.value, call.query_rope, call.key_rope, call.sinks, call);
   return {out[0], out[1], out[2]};

@@ -233,6 +233,11 @@ def sparse_flash_attention(call):
     through MindSpore's autograd, as on PyTorch)."""
     import mindspore
 
+    if call.pop("key_scale", None) is not None or call.pop("value_scale", None) is not None:
+        raise NotImplementedError(
+            "key_scale: sparse_flash_attention reads a quantized key and value on PyTorch "
+            "tensors only (on MindSpore, flash_attn takes int8 caches)"
+        )
     host, metas = {}, {}
     for name in _SPARSE_HOST[:2]:
         host[name], metas[name] = _host(call[name], name)

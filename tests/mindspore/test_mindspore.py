@@ -756,6 +756,14 @@ def test_an_int8_cache_is_written_and_read_as_torch_does(dtype):
         ms.grad(loss)(q[0])
 
 
+def test_sparse_attention_refuses_a_quantized_key_by_name():
+    q, k = ms.Tensor(randn(1, 2, 2, 16)), ms.Tensor(np.zeros((1, 4, 1, 16), np.int8))
+    scale = ms.Tensor(np.ones((1, 4, 1), np.float32))
+    idx = ms.Tensor(np.zeros((1, 2, 1, 1), np.int32))
+    with pytest.raises(NotImplementedError, match="^key_scale: "):
+        opmesh.sparse_flash_attention(q, k, k, idx, 0.3, key_scale=scale, value_scale=scale)
+
+
 def test_describe_metadata_reads_a_mindspore_plan():
     plan = opmesh.flash_attn_metadata(
         4,

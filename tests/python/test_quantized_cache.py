@@ -397,3 +397,61 @@ def test_every_fp8_value_reads_as_torch_converts_it(dtype, simd_level):
     out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[dtype]
     assert_close(out, want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
     assert_close(lse, want_lse, atol=lse_atol, rtol=lse_rtol, name="softmax_lse")
+
+
+# DSA decode from a quantized cache (Ascend's kv-quant form): sparse_flash_attention gathers the
+# selected int8 / e4m3 rows with their scales; key_rope stays in query's dtype.
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["decode", "rope_blocks_4", "varlen", "paged"])
+def test_sparse_attention_reads_a_quantized_key_and_value(name, dtype, fmt, simd_level):
+    import test_sparse_flash_attention as sfa
+
+    case = next(c for c in sfa.CASES if c.name == name)
+    q, k, v, idx, kw = sfa.make_inputs(case, dtype)
+    (kq, ks), (vq, vs) = quantize(k, FORMATS[fmt]), quantize(v, FORMATS[fmt])
+    out, smax, ssum = opmesh.sparse_flash_attention(
+        q, kq, vq, idx, sfa.SCALE, return_softmax_lse=True, key_scale=ks, value_scale=vs, **kw
+    )
+    # The rows the kernel computes on: dequantized in float32, rounded to bf16 where bf16 queries
+    # run on bf16 pairs.
+    pairs = dtype == torch.bfloat16 and ("pairs" in simd_level or "amx" in simd_level)
+    k_rows, v_rows = (dequantize(x, s, torch.float32) for x, s in ((kq, ks), (vq, vs)))
+    if pairs:
+        k_rows, v_rows = k_rows.bfloat16(), v_rows.bfloat16()
+    want, wmax, wsum = sfa.reference(q, k_rows, v_rows, idx, sfa.SCALE, **kw)
+    tol = sfa.FORWARD_TOL[dtype]
+    torch.testing.assert_close(sfa.rows_of(out, case).double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(sfa.stats_rows(smax, case).double(), wmax, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(sfa.stats_rows(ssum, case).double(), wsum, atol=2e-5, rtol=2e-5)
+
+
+SPARSE_ERRORS = {
+    "scale_missing": ("value_scale", dict(value_scale=None)),
+    "scale_shape": ("key_scale", dict(key_scale=torch.ones(2, 37, 1))),
+    "scale_on_plain": (
+        "key_scale",
+        dict(key=torch.randn(2, 37, 2, 16), value=torch.randn(2, 37, 2, 12)),
+    ),
+    "value_plain": ("value", dict(value=torch.randn(2, 37, 2, 12))),
+    "grad": ("key_scale", dict(query=torch.randn(2, 37, 4, 16, requires_grad=True))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE_ERRORS))
+def test_sparse_attention_refuses_a_bad_quantized_call_by_name(name):
+    import test_sparse_flash_attention as sfa
+
+    q, k, v, idx, kw = sfa.make_inputs(sfa.CASES[0], torch.float32)
+    (kq, ks), (vq, vs) = quantize(k, torch.int8), quantize(v, torch.int8)
+    call = dict(query=q, key=kq, value=vq, key_scale=ks, value_scale=vs)
+    argument, change = SPARSE_ERRORS[name]
+    call.update(change)
+    exc = TypeError if name == "value_plain" else ValueError
+    assert_raises_named(
+        exc,
+        argument,
+        lambda: opmesh.sparse_flash_attention(
+            call.pop("query"), call.pop("key"), call.pop("value"), idx, 0.3, **call, **kw
+        ),
+    )

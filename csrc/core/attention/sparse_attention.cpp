@@ -48,6 +48,15 @@ void validate(const SparseAttentionParams& p) {
     throw ArgumentError("sparse_block_size", "must be >= 1, got " + str(p.sparse_block_size));
   }
   if (p.sparse_count < 0) throw ArgumentError("sparse_indices", "negative K");
+  if (p.kv_format != CacheFormat::kPlain) {
+    if (p.kv_format != CacheFormat::kInt8 && p.kv_format != CacheFormat::kFp8E4M3) {
+      throw ArgumentError("kv_format", "is not a cache format");
+    }
+    if (p.key_scale.data == nullptr) throw ArgumentError("key_scale", "is null");
+    if (p.value_scale.data == nullptr) throw ArgumentError("value_scale", "is null");
+    if (p.key.sd != 1) throw ArgumentError("key", "a quantized key needs unit stride along D");
+    if (p.value.sd != 1) throw ArgumentError("value", "a quantized value needs unit stride");
+  }
   if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
     throw ArgumentError(
         "softcap", "must be finite and >= 0 (0: no capping), got " + std::to_string(p.softcap));
@@ -100,18 +109,20 @@ class Forward {
           pb(f.rows_ * kKeyTile),
           o(f.rows_ * f.dvp_),
           stage(kKeyTile * std::max(f.dqk_, f.dw_)),
+          value_rows(2 * f.p_.value_dim),
           m(f.rows_),
           l(f.rows_),
           corr(f.rows_) {}
     // With bf16 pairs the words below hold pairs: query rows of dw pair words, keys packed as
     // [dw][64] pair words, values as [32][dvp] pairs of consecutive keys, probabilities in pb.
-    AlignedBuffer<float> q;      // [rows][dw] query rows of the group (query | rope)
-    AlignedBuffer<uint32_t> kp;  // [dw][64] selected keys, transposed
-    AlignedBuffer<float> vp;     // [64][dvp] selected values
-    AlignedBuffer<float> s;      // [rows][64] scores, then probabilities
-    AlignedBuffer<uint16_t> pb;  // [rows][64] probabilities in bf16 (pairs only)
-    AlignedBuffer<float> o;      // [rows][dvp] output accumulator
-    AlignedBuffer<float> stage;  // [64][dqk] key rows (key | rope) before the transpose
+    AlignedBuffer<float> q;            // [rows][dw] query rows of the group (query | rope)
+    AlignedBuffer<uint32_t> kp;        // [dw][64] selected keys, transposed
+    AlignedBuffer<float> vp;           // [64][dvp] selected values
+    AlignedBuffer<float> s;            // [rows][64] scores, then probabilities
+    AlignedBuffer<uint16_t> pb;        // [rows][64] probabilities in bf16 (pairs only)
+    AlignedBuffer<float> o;            // [rows][dvp] output accumulator
+    AlignedBuffer<float> stage;        // [64][dqk] key rows (key | rope) before the transpose
+    std::vector<uint16_t> value_rows;  // a quantized pair of value rows, dequantized (pairs)
     std::vector<float> m, l, corr;
     std::vector<sparse::KeyRef> keys;
   };
@@ -236,7 +247,12 @@ class Forward {
       uint32_t* words = stage + c * dw_;
       std::fill(words, words + dw_, 0u);
       uint16_t* dst = reinterpret_cast<uint16_t*>(words);
-      sparse::copy_bf16(src.key.data, keys[c].key, src.key.sd, p_.head_dim, dst);
+      if (src.format != CacheFormat::kPlain) {
+        k_.rows.dequantize_bf16(static_cast<const uint8_t*>(src.key.data) + keys[c].key, src.format,
+                                keys[c].key_scale, p_.head_dim, dst);
+      } else {
+        sparse::copy_bf16(src.key.data, keys[c].key, src.key.sd, p_.head_dim, dst);
+      }
       if (p_.rope_dim > 0) {
         sparse::copy_bf16(src.rope.data, keys[c].rope, src.rope.sd, p_.rope_dim, dst + p_.head_dim);
       }
@@ -246,8 +262,16 @@ class Forward {
     uint32_t* vp = reinterpret_cast<uint32_t*>(sc.vp.data());
     std::fill(vp, vp + kKeyTile / 2 * dvp_, 0u);
     const int64_t dv = p_.value_dim;
-    auto value = [&](int64_t c) {
-      return static_cast<const uint16_t*>(keys_.source(keys[c].source).value.data) + keys[c].value;
+    auto value = [&](int64_t c) -> const uint16_t* {
+      const sparse::KeySource& src = keys_.source(keys[c].source);
+      if (src.format == CacheFormat::kPlain) {
+        return static_cast<const uint16_t*>(src.value.data) + keys[c].value;
+      }
+      // A quantized row, dequantized into the staging row of its pair position.
+      uint16_t* row = sc.value_rows.data() + (c % 2) * dv;
+      k_.rows.dequantize_bf16(static_cast<const uint8_t*>(src.value.data) + keys[c].value,
+                              src.format, keys[c].value_scale, dv, row);
+      return row;
     };
     auto stride = [&](int64_t c) { return keys_.source(keys[c].source).value.sd; };
     for (int64_t c = 0; c < n; c += 2) {
@@ -273,14 +297,25 @@ class Forward {
       ahead.next();
       const sparse::KeySource& src = keys_.source(keys[c].source);
       float* dst = sc.stage.data() + c * dqk_;
-      sparse::load(k_, src.key.data, p_.dtype, keys[c].key, src.key.sd, p_.head_dim, dst);
+      const bool quantized = src.format != CacheFormat::kPlain;
+      if (quantized) {
+        k_.rows.dequantize_f32(static_cast<const uint8_t*>(src.key.data) + keys[c].key, src.format,
+                               keys[c].key_scale, p_.head_dim, dst);
+      } else {
+        sparse::load(k_, src.key.data, p_.dtype, keys[c].key, src.key.sd, p_.head_dim, dst);
+      }
       if (p_.rope_dim > 0) {
         sparse::load(k_, src.rope.data, p_.dtype, keys[c].rope, src.rope.sd, p_.rope_dim,
                      dst + p_.head_dim);
       }
       rows[c] = reinterpret_cast<const char*>(dst);
       float* v = sc.vp.data() + c * dvp_;
-      sparse::load(k_, src.value.data, p_.dtype, keys[c].value, src.value.sd, p_.value_dim, v);
+      if (quantized) {
+        k_.rows.dequantize_f32(static_cast<const uint8_t*>(src.value.data) + keys[c].value,
+                               src.format, keys[c].value_scale, p_.value_dim, v);
+      } else {
+        sparse::load(k_, src.value.data, p_.dtype, keys[c].value, src.value.sd, p_.value_dim, v);
+      }
       std::fill(v + p_.value_dim, v + dvp_, 0.0f);
     }
     std::fill(sc.vp.data() + n * dvp_, sc.vp.data() + kKeyTile * dvp_, 0.0f);

@@ -43,6 +43,12 @@ struct SparseAttentionParams : QueryKeyLayout {
   // sparse_indices [B, S1, index_heads, K] / [T1, index_heads, K], int32, sd along K.
   View indices;
   const float* sinks = nullptr;  // [N1] or nullptr
+  // A quantized key and value (one byte per element of kv_format, key_rope in dtype): row (s, j,
+  // g) reads as its elements times the float32 scale at the same (b or block, s or slot, head)
+  // of key_scale / value_scale (strides sb, ss, sn), dequantized as the row is gathered (rounded
+  // to bf16 on the bf16-pair kernels). Forward only.
+  CacheFormat kv_format = CacheFormat::kPlain;
+  View key_scale, value_scale;
 
   // Forward outputs: out in query's layout with Dv (dtype); the statistics float32 contiguous
   // [B, N2, S1, G] / [N2, T1, G] (G = N1 / N2), or nullptr.

@@ -452,6 +452,9 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
   if (p.layout_kv == Layout::kPagedBBND) {
     throw ArgumentError("layout_kv", "PA_BSND (paged keys and values) has no backward");
   }
+  if (p.kv_format != CacheFormat::kPlain) {
+    throw ArgumentError("key_scale", "a quantized key and value have no backward");
+  }
   validate(p);
   require_supported(isa);
   const int64_t q_rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;

@@ -69,6 +69,9 @@ struct KeySource {
   View key;
   View rope;
   View value;
+  // A quantized key and value (one byte per element): their row scales (float32).
+  CacheFormat format = CacheFormat::kPlain;
+  View key_scale, value_scale;
 };
 
 // One key a query row selects: its source, its position in that source's sequence, and the
@@ -79,6 +82,8 @@ struct KeyRef {
   int64_t key;
   int64_t rope;
   int64_t value;
+  float key_scale = 1.0f;  // a quantized source's row scales
+  float value_scale = 1.0f;
 };
 
 // Keys [j0, j1) of source k: the part of each row's selection one key block of the backward
@@ -153,7 +158,7 @@ class IndexedKeys final : public KeySelector {
         seqs_(seqs),
         mask_(indexer_mask(p.sparse_mode, p.pre_tokens, p.next_tokens)),
         grads_(grads),
-        source_{p.key, p.key_rope, p.value} {}
+        source_{p.key, p.key_rope, p.value, p.kv_format, p.key_scale, p.value_scale} {}
 
   int num_sources() const override { return 1; }
   const KeySource& source(int) const override { return source_; }
@@ -174,6 +179,10 @@ class IndexedKeys final : public KeySelector {
                     const int64_t ro = p_.rope_dim > 0 ? offset(p_.key_rope, s, j, g) : 0;
                     out.push_back({0, static_cast<int32_t>(j), offset(p_.key, s, j, g), ro,
                                    offset(p_.value, s, j, g)});
+                    if (p_.kv_format != CacheFormat::kPlain) {
+                      out.back().key_scale = scale_at(p_.key_scale, s, j, g);
+                      out.back().value_scale = scale_at(p_.value_scale, s, j, g);
+                    }
                   });
   }
 
@@ -199,6 +208,10 @@ class IndexedKeys final : public KeySelector {
     return key_row_offset(st, p_.layout_kv, s, j, g, p_.block_table, p_.max_blocks, p_.block_size);
   }
 
+  float scale_at(const View& st, const Sequence& s, int64_t j, int64_t g) const {
+    return static_cast<const float*>(st.data)[offset(st, s, j, g)];
+  }
+
   const SparseAttentionParams& p_;
   const std::vector<Sequence>& seqs_;
   Mask mask_;
@@ -212,19 +225,23 @@ class IndexedKeys final : public KeySelector {
 // not asked for, and a shared key/value row once.
 class ChunkAhead {
  public:
+  // (A quantized source's key and value rows take one byte per element.)
   ChunkAhead(const KeySelector& keys, const KeyRef* next, int64_t n, int64_t elem_bytes,
              int64_t key_dim, int64_t rope_dim, int64_t value_dim, int64_t steps) {
     int64_t counts[3] = {0, 0, 0};
+    int64_t bytes[3] = {elem_bytes, elem_bytes, elem_bytes};
     for (int64_t c = 0; c < n; ++c) {
       const KeySource& src = keys.source(next[c].source);
-      add(src.key, next[c].key, elem_bytes, counts[0], rows_[0]);
+      const int64_t kv_bytes = src.format == CacheFormat::kPlain ? elem_bytes : 1;
+      bytes[0] = bytes[2] = kv_bytes;
+      add(src.key, next[c].key, kv_bytes, counts[0], rows_[0]);
       if (rope_dim > 0) add(src.rope, next[c].rope, elem_bytes, counts[1], rows_[1]);
       const bool shared = src.value.data == src.key.data && next[c].value == next[c].key;
-      if (!shared) add(src.value, next[c].value, elem_bytes, counts[2], rows_[2]);
+      if (!shared) add(src.value, next[c].value, kv_bytes, counts[2], rows_[2]);
     }
     const int64_t dims[3] = {key_dim, rope_dim, value_dim};
     for (int t = 0; t < 3; ++t) {
-      lines_[t] = kernels::LinesAhead({rows_[t], counts[t], dims[t] * elem_bytes}, steps);
+      lines_[t] = kernels::LinesAhead({rows_[t], counts[t], dims[t] * bytes[t]}, steps);
     }
   }
 

@@ -302,6 +302,24 @@ void scale_bf16(uint16_t* p, const float* f, int64_t n) {
   }
 }
 
+void dequantize_f32(const uint8_t* src, CacheFormat format, float scale, int64_t n, float* dst) {
+  widen_quantized_f32(src, format, n, dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] *= scale;
+}
+
+void dequantize_bf16(const uint8_t* src, CacheFormat format, float scale, int64_t n,
+                     uint16_t* dst) {
+  widen_quantized_bf16(src, format, n, dst);  // exact, then bf16(x scale)
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(dst[i]) << 16;
+    float x;
+    __builtin_memcpy(&x, &wide, sizeof(x));
+    dst[i] = static_cast<uint16_t>(bf16_bits(x * scale));
+  }
+}
+
 // This translation unit's row operations.
 constexpr RowOps row_ops() {
   return RowOps{&shift_and_mask,
@@ -323,7 +341,9 @@ constexpr RowOps row_ops() {
                 &first_above,
                 &widen_quantized_f32,
                 &widen_quantized_bf16,
-                &scale_bf16};
+                &scale_bf16,
+                &dequantize_f32,
+                &dequantize_bf16};
 }
 
 }  // namespace

@@ -151,6 +151,12 @@ struct RowOps {
   // p[c] <- bf16(p[c] f[c]) (round to nearest even) for n entries: a row of bf16 probabilities
   // times the value rows' scales.
   void (*scale_bf16)(uint16_t* p, const float* f, int64_t n);
+  // dst[i] = quantized_to_float(src[i], format) * scale for n entries, as float32 or rounded to
+  // bf16 (nearest even): a gathered row of a quantized cache, dequantized.
+  void (*dequantize_f32)(const uint8_t* src, CacheFormat format, float scale, int64_t n,
+                         float* dst);
+  void (*dequantize_bf16)(const uint8_t* src, CacheFormat format, float scale, int64_t n,
+                          uint16_t* dst);
 };
 
 struct KernelSet {

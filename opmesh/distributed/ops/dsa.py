@@ -249,6 +249,11 @@ class DsaDistributedOp(DistributedOp):
             )
         named = {**t.defaults, **dict(zip(t.params, args, strict=False)), **kwargs}
         named = local_lengths(named, t.lengths)
+        if named.get("key_scale") is not None or named.get("value_scale") is not None:
+            raise ValueError(
+                "key_scale: a quantized key and value are read on one device; on a device mesh "
+                "pass them in the query's dtype (each rank's shard: its local tensors)"
+            )
         layout = named[t.layout]
         if t.key_layout is not None:
             key_layout = named[t.key_layout]
