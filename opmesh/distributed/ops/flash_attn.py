@@ -25,11 +25,11 @@ TND data parallel, Ulysses and the all-gather strategy with ``mask_mode=3`` do (
 two-axis hybrid and the all-gather strategy with other masks are refused by name).
 
 D is never sharded, no input may be Partial. A quantized cache (``k_scale``, ``v_scale``) is
-refused: it is read by the local operator on each rank's own tensors. Without context
-parallel, ``metadata`` is each rank's plan of its local problem (its batch slice and heads), made
-with flash_attn_metadata there. The outputs take q's sharding: attn_out's batch, sequence and head dims follow q's, the
-lse ``[B, Nq, S1]`` likewise. Gradients flow through the DTensor conversions and the operator's
-own backward, so they come back with the inputs' placements.
+refused: it is read by the local operator on each rank's own tensors. Without context parallel,
+``metadata`` is each rank's plan of its local problem (its batch slice and heads), made with
+flash_attn_metadata there. The outputs take q's sharding: attn_out's batch, sequence and head dims
+follow q's, the lse ``[B, Nq, S1]`` likewise. Gradients flow through the DTensor conversions and the
+operator's own backward, so they come back with the inputs' placements.
 """
 
 from __future__ import annotations
