@@ -338,6 +338,14 @@ def case_errors(mesh):
             query, *main.values(), indices, SCALE, layout_kv="PA_BSND", block_table=[[0]]
         ),
     )
+    scales = torch.ones(main["key"].shape[:-1])
+    _expect(
+        ValueError,
+        "key_scale: a quantized key and value are read on one device",
+        lambda: opmesh.sparse_flash_attention(
+            query, *main.values(), indices, SCALE, key_scale=scales, value_scale=scales
+        ),
+    )
     _expect(
         ValueError,
         "layout_key: paged keys (PA_BSND) are not supported on a device mesh",
