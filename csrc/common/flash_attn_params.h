@@ -36,9 +36,10 @@ inline AttentionAxes attention_axes(attn::Layout layout) {
   }
 }
 
-// The core's [batch][sequence][head][dim] view of a tensor in `layout`.
+// The core's [batch][sequence][head][dim] view of a tensor in `layout`; without `dim`, of a
+// tensor shaped as one in `layout` without its last (head-dim) axis (sd 0).
 template <class Tensor>
-core::View attention_view(const Tensor& t, attn::Layout layout) {
+core::View attention_view(const Tensor& t, attn::Layout layout, bool dim = true) {
   const AttentionAxes a = attention_axes(layout);
   const std::vector<int64_t> st = TensorAccess<Tensor>::strides(t);
   core::View v;
@@ -46,21 +47,7 @@ core::View attention_view(const Tensor& t, attn::Layout layout) {
   v.sb = a.b >= 0 ? st[a.b] : 0;
   v.ss = st[a.s];
   v.sn = st[a.n];
-  v.sd = st[a.d];
-  return v;
-}
-
-// The view of a quantized cache's scales, shaped as k without its last (head-dim) axis: the
-// scale of k's row at (b, s, n) lies at sb b + ss s + sn n floats (sd unused).
-template <class Tensor>
-core::View scale_view(const Tensor& t, attn::Layout layout) {
-  const AttentionAxes a = attention_axes(layout);
-  const std::vector<int64_t> st = TensorAccess<Tensor>::strides(t);
-  core::View v;
-  v.data = data_of(t);
-  v.sb = a.b >= 0 ? st[a.b] : 0;
-  v.ss = st[a.s];
-  v.sn = st[a.n];
+  v.sd = dim ? st[a.d] : 0;
   return v;
 }
 
@@ -167,8 +154,9 @@ attn::FlashAttnParams flash_attn_params(const Call& c, const attn::PlanConfig& c
   point_score_mods(p, c);
   if (c.k_scale.has_value()) {
     p.kv_format = TensorAccess<Tensor>::cache_format(c.k);
-    p.k_scale = scale_view(*c.k_scale, config.layout_kv);
-    p.v_scale = scale_view(*c.v_scale, config.layout_kv);
+    // (The scales: shaped as k and v without the head dim, d the last axis in every layout.)
+    p.k_scale = attention_view(*c.k_scale, config.layout_kv, false);
+    p.v_scale = attention_view(*c.v_scale, config.layout_kv, false);
   }
   p.out = mutable_attention_view(out, shapes.q_tnd ? attn::Layout::kTND : config.layout_out);
   if (lse != nullptr) {

@@ -18,6 +18,13 @@ inline int64_t dtype_size(DType dtype) {
   return dtype == DType::kFloat64 ? 8 : dtype == DType::kFloat32 ? 4 : 2;
 }
 
+// The bits of a binary32.
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
 inline float bf16_bits_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float out;
@@ -122,17 +129,13 @@ inline uint16_t fp8_e4m3_bits_to_bf16_bits(uint8_t b) {
 
 // float8 e4m3fn bits -> binary32, exact (through its bf16 bits).
 inline float fp8_e4m3_bits_to_float(uint8_t b) {
-  const uint32_t bits = static_cast<uint32_t>(fp8_e4m3_bits_to_bf16_bits(b)) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
+  return bf16_bits_to_float(fp8_e4m3_bits_to_bf16_bits(b));
 }
 
 // binary32 -> float8 e4m3fn bits, round to nearest even, for |f| <= 448 (the caller clamps);
 // NaN gives 0x7f.
 inline uint8_t float_to_fp8_e4m3_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t u = float_bits(f);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return 0x7f;
@@ -141,8 +144,7 @@ inline uint8_t float_to_fp8_e4m3_bits(float f) {
     return static_cast<uint8_t>(sign | (rounded - (120u << 3)));
   }
   // Subnormal (m * 2^-9, m = 8 is the smallest normal): a * 2^9 is exact, then nearest even.
-  float a;
-  std::memcpy(&a, &abs, sizeof(a));
+  const float a = std::fabs(f);
   return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f)));
 }
 
