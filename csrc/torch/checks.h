@@ -6,6 +6,7 @@
 #include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <initializer_list>
 #include <new>
 #include <optional>
@@ -41,6 +42,13 @@ auto rethrow(F&& f, M&& oom_message) {
 inline bool holds(const c10::SymBool& condition) {
   return condition.is_heap_allocated() ? condition.expect_true(__FILE__, __LINE__)
                                        : condition.guard_bool(__FILE__, __LINE__);
+}
+
+// flash-attn's logit soft-capping: a finite value >= 0 (0: none), for flash_attn and
+// sparse_flash_attention alike.
+inline void check_softcap(double softcap) {
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "softcap: must be finite and >= 0 (0: no capping), got ", softcap);
 }
 
 // Head counts and head dims decide the kernel: they are specialised (guarded) when symbolic.

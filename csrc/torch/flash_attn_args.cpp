@@ -292,8 +292,7 @@ void check_values(const FlashAttnCall& a, FlashAttnArgs& r) {
 
 // softcap's value and alibi_slopes' device, dtype and shape ([Nq] or [B, Nq]).
 void check_score_mods(const FlashAttnCall& a, const FlashAttnArgs& r) {
-  TORCH_CHECK_VALUE(std::isfinite(a.softcap) && a.softcap >= 0.0,
-                    "softcap: must be finite and >= 0 (0: no capping), got ", a.softcap);
+  check_softcap(a.softcap);
   if (!a.alibi_slopes.has_value()) return;
   const at::Tensor& s = *a.alibi_slopes;
   TORCH_CHECK_VALUE(s.device() == a.q.device(), "alibi_slopes: expected a tensor on ", a.q.device(),

@@ -178,6 +178,12 @@ void kv_cache_write_autograd(const KvCacheWriteCall& a) {
                   " requires a gradient, but writing into the cache has no backward; pass "
                   "detached tensors or call it under torch.no_grad()");
     }
+    for (const auto& [t, name] :
+         {std::pair{&a.key_scale, "key_scale"}, {&a.value_scale, "value_scale"}}) {
+      TORCH_CHECK(!(t->has_value() && (*t)->requires_grad()), "kv_cache_write_: ", name,
+                  " requires a gradient, but writing into the cache has no backward; pass "
+                  "detached tensors or call it under torch.no_grad()");
+    }
   }
   at::AutoDispatchBelowAutograd guard;
   call_op(a);

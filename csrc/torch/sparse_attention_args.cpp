@@ -215,8 +215,7 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
                     "sparse_indices: key-head dim must be 1 or N2=", a.n2, ", got shape ",
                     idx.sym_sizes());
   check_ropes_and_sinks(c, a, q_rank, kv_rank);
-  TORCH_CHECK_VALUE(std::isfinite(c.softcap) && c.softcap >= 0.0,
-                    "softcap: must be finite and >= 0 (0: no capping), got ", c.softcap);
+  check_softcap(c.softcap);
   check_query_key_lengths(q, c.actual_seq_lengths_query, c.actual_seq_lengths_kv, c.block_table,
                           a.tnd, a.paged, "layout_kv", "actual_seq_lengths_kv", c.layout_kv);
   return a;

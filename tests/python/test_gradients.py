@@ -140,3 +140,15 @@ def test_kv_cache_write_refuses_a_grad_requiring_cache():
     kc.requires_grad_(True)
     with pytest.raises(RuntimeError, match=r"^kv_cache_write_: key_cache requires a gradient"):
         opmesh.kv_cache_write_(key, value, kc, vc, slots)
+
+
+def test_kv_cache_write_refuses_a_grad_requiring_scale():
+    key, value, _, _, slots = _kv_args(requires_grad=False)
+    caches = [torch.zeros(2, 4, *x.shape[1:], dtype=torch.int8) for x in (key, value)]
+    scales = [torch.zeros(2, 4, key.shape[1]) for _ in range(2)]
+    scales[1].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"^kv_cache_write_: value_scale requires a gradient"):
+        opmesh.kv_cache_write_(
+            key, value, *caches, slots, key_scale=scales[0], value_scale=scales[1]
+        )
+    assert caches[0].abs().sum() == 0  # nothing written

@@ -895,12 +895,16 @@ class Runner {
 
 }  // namespace
 
-void validate_score_mods(const PlanConfig& c, float softcap, const float* alibi_slopes,
-                         int64_t alibi_sb) {
+void check_softcap(float softcap) {
   if (!(softcap >= 0.0f) || std::isinf(softcap)) {
     throw ArgumentError("softcap",
                         "must be finite and >= 0 (0: no capping), got " + std::to_string(softcap));
   }
+}
+
+void validate_score_mods(const PlanConfig& c, float softcap, const float* alibi_slopes,
+                         int64_t alibi_sb) {
+  check_softcap(softcap);
   if (alibi_slopes == nullptr) return;
   const int64_t rows = alibi_sb == 0 ? 1 : c.batch_size;
   for (int64_t b = 0; b < rows; ++b) {

@@ -62,6 +62,10 @@ int64_t workspace_floats(const PlanConfig& config, const Plan& plan);
 void validate(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
               const Plan& plan, Isa isa, const float* workspace);
 
+// Throws ArgumentError("softcap", ...) for a softcap that is negative or not finite (flash_attn
+// and sparse_flash_attention alike).
+void check_softcap(float softcap);
+
 // Throws ArgumentError for a softcap that is negative or not finite, or a slope that is not
 // finite (alibi_slopes: one row, or batch_size rows when alibi_sb != 0, of num_heads_q).
 void validate_score_mods(const PlanConfig& config, float softcap, const float* alibi_slopes,

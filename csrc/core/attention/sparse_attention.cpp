@@ -13,6 +13,7 @@
 #include "../kernels/kernel_set.h"
 #include "../work_split.h"
 #include "config.h"
+#include "flash_attn.h"
 #include "sparse_attention_detail.h"
 
 namespace opmesh::core {
@@ -57,10 +58,7 @@ void validate(const SparseAttentionParams& p) {
     if (p.key.sd != 1) throw ArgumentError("key", "a quantized key needs unit stride along D");
     if (p.value.sd != 1) throw ArgumentError("value", "a quantized value needs unit stride");
   }
-  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
-    throw ArgumentError(
-        "softcap", "must be finite and >= 0 (0: no capping), got " + std::to_string(p.softcap));
-  }
+  attention::check_softcap(p.softcap);
   check_grouped_heads(p.heads_q, p.heads_k);
   if (p.index_heads != 1 && p.index_heads != p.heads_k) {
     throw ArgumentError("sparse_indices", "key-head dim must be 1 or N2=" + str(p.heads_k) +
