@@ -23,27 +23,12 @@ void check_leading(const at::Tensor& t, const at::Tensor& like, const char* name
   }
 }
 
-// The rest of check_devices_and_dtypes for a quantized key and value: value of key's dtype, the
-// ropes and sinks as for any call, the scales float32 on query's device, shaped as key and value
-// without their head dim, and rows of unit stride along it.
+// A quantized key and value: value of key's dtype, the scales float32 on query's device, shaped
+// as key and value without their head dim, and rows of unit stride along it.
 void check_quantized_kv(const SparseFlashAttentionCall& c) {
   const at::Tensor& q = c.query;
   TORCH_CHECK_TYPE(c.value.scalar_type() == c.key.scalar_type(), "value: expected dtype ",
                    c.key.scalar_type(), " like key (a quantized key), got ", c.value.scalar_type());
-  for (const auto& [t, name] :
-       {std::pair{&c.query_rope, "query_rope"}, {&c.key_rope, "key_rope"}}) {
-    if (t->has_value()) {
-      TORCH_CHECK_TYPE((*t)->scalar_type() == q.scalar_type(), name, ": expected dtype ",
-                       q.scalar_type(), " like query, got ", (*t)->scalar_type());
-    }
-  }
-  TORCH_CHECK_TYPE(
-      c.sparse_indices.scalar_type() == at::kInt || c.sparse_indices.scalar_type() == at::kLong,
-      "sparse_indices: expected int32 or int64, got ", c.sparse_indices.scalar_type());
-  if (c.sinks) {
-    TORCH_CHECK_TYPE(at::isFloatingType(c.sinks->scalar_type()),
-                     "sinks: expected a floating dtype, got ", c.sinks->scalar_type());
-  }
   for (const auto& [scale, rows, name] : {std::tuple{&c.key_scale, &c.key, "key_scale"},
                                           std::tuple{&c.value_scale, &c.value, "value_scale"}}) {
     TORCH_CHECK_VALUE(scale->has_value(), name, ": required with a quantized key and value (",
@@ -79,19 +64,23 @@ void check_devices_and_dtypes(const Call& c) {
   to_core_dtype(q.scalar_type(), "query");
   // The forward takes a quantized key and value with their row scales.
   const bool quantized = cache_format_of(k.scalar_type()) != core::CacheFormat::kPlain;
+  bool quantized_checked = false;
   if constexpr (requires { c.key_scale; }) {
-    if (quantized) return check_quantized_kv(c);
+    if (quantized) check_quantized_kv(c);
+    quantized_checked = quantized;
   }
-  for (const auto& [t, name] : {std::pair{&k, "key"}, {&v, "value"}}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, ": expected dtype ",
-                     q.scalar_type(), " like query",
-                     quantized ? " (a quantized key has no backward)" : "", ", got ",
-                     t->scalar_type());
+  if (!quantized_checked) {
+    for (const auto& [t, name] : {std::pair{&k, "key"}, {&v, "value"}}) {
+      TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), name, ": expected dtype ",
+                       q.scalar_type(), " like query",
+                       quantized ? " (a quantized key has no backward)" : "", ", got ",
+                       t->scalar_type());
+    }
   }
   if constexpr (requires { c.key_scale; }) {
     for (const auto& [t, name] :
          {std::pair{&c.key_scale, "key_scale"}, {&c.value_scale, "value_scale"}}) {
-      TORCH_CHECK_VALUE(!t->has_value(), name, ": given, but key is ", k.scalar_type(),
+      TORCH_CHECK_VALUE(quantized || !t->has_value(), name, ": given, but key is ", k.scalar_type(),
                         ", not a quantized key (int8 or float8_e4m3fn)");
     }
   }
