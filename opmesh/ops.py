@@ -766,6 +766,8 @@ def sparse_flash_mla(
     layout_kv: str = "BSND",
     topk_value_mode: int = 1,
     return_softmax_lse: bool = False,
+    ori_kv_scale: torch.Tensor | None = None,
+    cmp_kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""DeepSeek-V4's attention: shared key/value over a window of original keys and over
     compressed keys, one softmax over both and the sink.
@@ -808,6 +810,10 @@ def sparse_flash_mla(
         metadata: the plan of :func:`sparse_flash_mla_metadata`, checked against the call.
         topk_value_mode: 1 (indices are token positions), the only mode.
         return_softmax_lse: also return ``lse`` above.
+        ori_kv_scale, cmp_kv_scale: float32 row scales of a quantized ori_kv / cmp_kv (int8 or
+            ``float8_e4m3fn``, as :func:`kv_cache_write_` writes them), shaped as the kv without
+            its head dim; row ``j`` reads as ``kv[j] * scale[j]`` (rounded to bf16 for bf16
+            queries). Forward only.
 
     Returns:
         ``(attention_out, softmax_lse)``: attention_out like q; with ``return_softmax_lse``

@@ -6,6 +6,9 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attention/mla_plan.h"
@@ -111,7 +114,16 @@ core::SparseFlashMlaParams sparse_flash_mla_params(const Call& c, const MlaHost&
   return p;
 }
 
-// The call's q, key tensors, selections (int32), topk lengths (int32) and sinks (float32).
+// Whether a call struct has ori_kv_scale (sparse_flash_mla's forward), in C++17 (the MindSpore
+// binding's standard).
+template <class Call, class = void>
+struct HasMlaScales : std::false_type {};
+template <class Call>
+struct HasMlaScales<Call, std::void_t<decltype(std::declval<const Call&>().ori_kv_scale)>>
+    : std::true_type {};
+
+// The call's q, key tensors (with a quantized one's row scales), selections (int32), topk lengths
+// (int32) and sinks (float32).
 template <class Call>
 void point_sparse_flash_mla(core::SparseFlashMlaParams& p, const Call& c) {
   const int qoff = p.layout_q == core::Layout::kTND ? -1 : 0;
@@ -128,6 +140,15 @@ void point_sparse_flash_mla(core::SparseFlashMlaParams& p, const Call& c) {
   };
   selection(p.ori, c.ori_sparse_indices, c.ori_topk_length);
   selection(p.cmp, c.cmp_sparse_indices, c.cmp_topk_length);
+  if constexpr (HasMlaScales<Call>::value) {  // the forward: a quantized ori_kv or cmp_kv
+    using Tensor = std::decay_t<decltype(c.q)>;
+    for (auto [k, kv, scale] : {std::tuple{&p.ori, &c.ori_kv, &c.ori_kv_scale},
+                                std::tuple{&p.cmp, &c.cmp_kv, &c.cmp_kv_scale}}) {
+      if (!scale->has_value()) continue;
+      k->format = TensorAccess<Tensor>::cache_format(**kv);
+      k->scale = layout_view(**scale, koff);
+    }
+  }
   p.sinks = c.sinks.has_value() ? static_cast<const float*>(data_of(*c.sinks)) : nullptr;
 }
 

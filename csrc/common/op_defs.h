@@ -329,14 +329,17 @@ struct Field {
   ARG_D(Int, topk_value_mode, 1)
 
 // sparse_flash_mla(q, *, ori_kv, cmp_kv, ...) -> (attention_out, softmax_lse): DeepSeek-V4's
-// shared key/value attention over a window of original keys and compressed keys.
+// shared key/value attention over a window of original keys and compressed keys; ori_kv_scale
+// and cmp_kv_scale: the row scales of a quantized (int8 / float8_e4m3fn) ori_kv and cmp_kv.
 #define OPMESH_OP_SPARSE_FLASH_MLA(ARG, ARG_D, KWONLY) \
   ARG(Tensor, q)                                       \
   KWONLY                                               \
   OPMESH_MLA_KEYS(ARG, ARG_D)                          \
   ARG_D(OptInts, metadata, std::nullopt)               \
   OPMESH_MLA_OPTIONS(ARG, ARG_D)                       \
-  ARG_D(Bool, return_softmax_lse, false)
+  ARG_D(Bool, return_softmax_lse, false)               \
+  ARG_D(OptTensor, ori_kv_scale, std::nullopt)         \
+  ARG_D(OptTensor, cmp_kv_scale, std::nullopt)
 #define OPMESH_OP_SPARSE_FLASH_MLA_RETURNS "(Tensor attention_out, Tensor softmax_lse)"
 
 // sparse_flash_mla_backward(dout, q, attention_out, softmax_lse, *, ...) -> the gradients, an

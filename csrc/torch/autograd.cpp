@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -270,6 +271,15 @@ Outputs2 sparse_flash_mla_autograd(const SparseFlashMlaCall& call) {
       at::GradMode::is_enabled() && (call.q.requires_grad() || wants_grad(call.ori_kv) ||
                                      wants_grad(call.cmp_kv) || wants_grad(call.sinks));
   if (!needs_grad) return tensors_of<2>(call_below_autograd(call));
+  for (const auto& [scale, kv, name] :
+       {std::tuple{&call.ori_kv_scale, &call.ori_kv, "ori_kv_scale"},
+        std::tuple{&call.cmp_kv_scale, &call.cmp_kv, "cmp_kv_scale"}}) {
+    TORCH_CHECK_VALUE(!scale->has_value(), name,
+                      ": sparse_flash_mla has no backward through a quantized (",
+                      (*kv)->scalar_type(),
+                      ") kv; decode from it under torch.no_grad(), or train on bf16 or float32 "
+                      "ones");
+  }
   const variable_list out =
       SparseFlashMlaFunction::apply(call.q, call.ori_kv, call.cmp_kv, call.sinks, call);
   return {out[0], out[1]};

@@ -47,7 +47,35 @@ struct Side {
   const char* table_name;
   const char* cu_name;
   const char* used_name;
+  // The forward's row scales of a quantized kv (nullptr: the backward, which takes none).
+  const OptTensor* scale;
+  const char* scale_name;
 };
+
+// A quantized kv's row scales: float32 on q's device, kv's shape without its head dim, and kv's
+// rows of unit stride along it; a plain kv takes none.
+void check_scale(const Side& s, const at::Tensor& q) {
+  const at::Tensor& kv = **s.kv;
+  const bool quantized = cache_format_of(kv.scalar_type()) != core::CacheFormat::kPlain;
+  if (!quantized) {
+    TORCH_CHECK_VALUE(!s.scale->has_value(), s.scale_name, ": given, but ", s.kv_name, " is ",
+                      kv.scalar_type(), ", not a quantized kv (int8 or float8_e4m3fn)");
+    return;
+  }
+  TORCH_CHECK_VALUE(s.scale->has_value(), s.scale_name, ": required with a quantized ", s.kv_name,
+                    " (", kv.scalar_type(), "): float32, one scale per row and head");
+  const at::Tensor& scale = **s.scale;
+  TORCH_CHECK_VALUE(scale.device() == q.device(), s.scale_name, ": expected a tensor on ",
+                    q.device(), " like q, got ", scale.device());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, s.scale_name, ": expected float32, got ",
+                   scale.scalar_type());
+  const auto want = kv.sym_sizes().slice(0, kv.dim() - 1);
+  TORCH_CHECK_VALUE(scale.sym_sizes() == want, s.scale_name, ": expected shape ", want, " (",
+                    s.kv_name, "'s shape without the head dim), got ", scale.sym_sizes());
+  TORCH_CHECK_VALUE(holds(kv.sym_stride(-1) == 1), s.kv_name,
+                    ": a quantized kv needs unit stride along its head dim, got strides ",
+                    kv.sym_strides());
+}
 
 void check_side(const Side& s, const at::Tensor& q, MlaArgs& a, const c10::SymInt& batch) {
   const int64_t q_rank = a.tnd ? 3 : 4;
@@ -55,8 +83,11 @@ void check_side(const Side& s, const at::Tensor& q, MlaArgs& a, const c10::SymIn
     const at::Tensor& kv = **s.kv;
     TORCH_CHECK_VALUE(kv.device() == q.device(), s.kv_name, ": expected a tensor on ", q.device(),
                       " like q, got ", kv.device());
-    TORCH_CHECK_TYPE(kv.scalar_type() == q.scalar_type(), s.kv_name, ": expected dtype ",
-                     q.scalar_type(), " like q, got ", kv.scalar_type());
+    const bool quantized = cache_format_of(kv.scalar_type()) != core::CacheFormat::kPlain;
+    TORCH_CHECK_TYPE(kv.scalar_type() == q.scalar_type() || (quantized && s.scale != nullptr),
+                     s.kv_name, ": expected dtype ", q.scalar_type(), " like q",
+                     quantized ? " (a quantized kv has no backward)" : "", ", got ",
+                     kv.scalar_type());
     const int64_t rank = a.paged ? 4 : q_rank;
     TORCH_CHECK_VALUE(kv.dim() == rank, s.kv_name, ": expected a ", rank, "-D ",
                       a.paged ? "PA_BBND" : (a.tnd ? "TND" : "BSND"), " tensor, got shape ",
@@ -73,7 +104,11 @@ void check_side(const Side& s, const at::Tensor& q, MlaArgs& a, const c10::SymIn
       TORCH_CHECK_VALUE(holds(kv.sym_size(0) == q.sym_size(0)), s.kv_name, ": batch ",
                         kv.sym_size(0), " differs from q's ", q.sym_size(0));
     }
+    if (s.scale != nullptr) check_scale(s, q);
   } else {
+    if (s.scale != nullptr) {
+      TORCH_CHECK_VALUE(!s.scale->has_value(), s.scale_name, ": given without ", s.kv_name);
+    }
     for (const auto& [t, name] : {std::pair{s.indices, s.indices_name},
                                   {s.topk_length, s.topk_name},
                                   {s.table, s.table_name},
@@ -164,14 +199,21 @@ MlaArgs check_sparse_flash_mla_args(const Call& c) {
   const c10::SymInt batch = a.tnd ? c.cu_seqlens_q->sym_size(0) - 1 : q.sym_size(0);
   check_per_sequence(c.seqused_q, "seqused_q", batch);
   check_per_sequence(c.cmp_residual_kv, "cmp_residual_kv", batch);
+  const OptTensor* scales[2] = {nullptr, nullptr};
+  if constexpr (requires { c.ori_kv_scale; }) {
+    scales[0] = &c.ori_kv_scale;
+    scales[1] = &c.cmp_kv_scale;
+  }
   const Side ori{&c.ori_kv,          &c.ori_sparse_indices, &c.ori_topk_length,
                  &c.ori_block_table, &c.cu_seqlens_ori_kv,  &c.seqused_ori_kv,
                  "ori_kv",           "ori_sparse_indices",  "ori_topk_length",
-                 "ori_block_table",  "cu_seqlens_ori_kv",   "seqused_ori_kv"};
+                 "ori_block_table",  "cu_seqlens_ori_kv",   "seqused_ori_kv",
+                 scales[0],          "ori_kv_scale"};
   const Side cmp{&c.cmp_kv,          &c.cmp_sparse_indices, &c.cmp_topk_length,
                  &c.cmp_block_table, &c.cu_seqlens_cmp_kv,  &c.seqused_cmp_kv,
                  "cmp_kv",           "cmp_sparse_indices",  "cmp_topk_length",
-                 "cmp_block_table",  "cu_seqlens_cmp_kv",   "seqused_cmp_kv"};
+                 "cmp_block_table",  "cu_seqlens_cmp_kv",   "seqused_cmp_kv",
+                 scales[1],          "cmp_kv_scale"};
   check_side(ori, q, a, batch);
   check_side(cmp, q, a, batch);
   if (c.sinks) {

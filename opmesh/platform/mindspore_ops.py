@@ -336,6 +336,12 @@ def sparse_flash_mla(call):
     MindSpore's autograd, as on PyTorch)."""
     import mindspore
 
+    for name in ("ori_kv_scale", "cmp_kv_scale"):
+        if call.pop(name, None) is not None:
+            raise NotImplementedError(
+                f"{name}: sparse_flash_mla reads a quantized kv on PyTorch tensors only (on "
+                "MindSpore, flash_attn takes int8 caches)"
+            )
     host, metas = {}, {}
     for name in _MLA_HOST:
         host[name], metas[name] = _host(call[name], name)

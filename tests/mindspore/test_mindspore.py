@@ -764,6 +764,13 @@ def test_sparse_attention_refuses_a_quantized_key_by_name():
         opmesh.sparse_flash_attention(q, k, k, idx, 0.3, key_scale=scale, value_scale=scale)
 
 
+def test_sparse_flash_mla_refuses_a_quantized_kv_by_name():
+    q, kv = ms.Tensor(randn(1, 2, 2, 16)), ms.Tensor(np.zeros((1, 4, 1, 16), np.int8))
+    scale = ms.Tensor(np.ones((1, 4, 1), np.float32))
+    with pytest.raises(NotImplementedError, match="^ori_kv_scale: "):
+        opmesh.sparse_flash_mla(q, ori_kv=kv, ori_kv_scale=scale)
+
+
 def test_describe_metadata_reads_a_mindspore_plan():
     plan = opmesh.flash_attn_metadata(
         4,

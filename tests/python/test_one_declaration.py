@@ -47,8 +47,8 @@ EXPECTED = {
         "Tensor? cmp_topk_length=None, Tensor? sinks=None, Tensor? metadata=None, "
         "float softmax_scale=1., int cmp_ratio=1, int ori_mask_mode=4, int cmp_mask_mode=3, "
         'int ori_win_left=-1, int ori_win_right=-1, str layout_q="BSND", str layout_kv="BSND", '
-        "int topk_value_mode=1, bool return_softmax_lse=False) -> "
-        "(Tensor attention_out, Tensor softmax_lse)"
+        "int topk_value_mode=1, bool return_softmax_lse=False, Tensor? ori_kv_scale=None, "
+        "Tensor? cmp_kv_scale=None) -> (Tensor attention_out, Tensor softmax_lse)"
     ),
     "sparse_flash_mla_backward": (
         "(Tensor dout, Tensor q, Tensor attention_out, Tensor softmax_lse, *, Tensor? dlse=None, "

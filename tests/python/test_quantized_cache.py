@@ -455,3 +455,115 @@ def test_sparse_attention_refuses_a_bad_quantized_call_by_name(name):
             call.pop("query"), call.pop("key"), call.pop("value"), idx, 0.3, **call, **kw
         ),
     )
+
+
+# DeepSeek-V4's decode from a quantized cache: sparse_flash_mla reads int8 / e4m3 ori_kv and
+# cmp_kv rows (shared key/value, one scale per row) with ori_kv_scale / cmp_kv_scale, on every
+# layout of its grid (SWA, HCA, CSA, paged, TND with empty sequences, cmp_kv alone).
+def _mla_quantized(case, dtype, fmt, sides=("ori", "cmp")):
+    import test_sparse_flash_mla as mla
+
+    q, kw = mla.make_inputs(case, dtype)
+    rows = dict(kw)  # the reference's call: the dequantized rows
+    for side in sides:
+        kv = kw.get(f"{side}_kv")
+        if kv is None:
+            continue
+        kw[f"{side}_kv"], kw[f"{side}_kv_scale"] = quantize(kv, FORMATS[fmt])
+        rows[f"{side}_kv"] = dequantize(kw[f"{side}_kv"], kw[f"{side}_kv_scale"], torch.float32)
+    return q, kw, rows
+
+
+def _mla_rows_as_the_kernel_reads_them(rows, dtype, simd_level):
+    """Dequantized in float32, rounded to bf16 where bf16 queries run on bf16 pairs; plain rows
+    stay in q's dtype."""
+    pairs = dtype == torch.bfloat16 and ("pairs" in simd_level or "amx" in simd_level)
+    for side in ("ori", "cmp"):
+        kv = rows.get(f"{side}_kv")
+        if kv is not None and kv.dtype == torch.float32 and dtype != torch.float32:
+            rows[f"{side}_kv"] = kv.bfloat16() if pairs else kv
+    return rows
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "name", ["swa", "hca_gqa", "csa_tnd", "decode_paged_hca", "csa_tnd_paged", "cmp_only"]
+)
+def test_sparse_flash_mla_reads_a_quantized_cache(name, dtype, fmt, simd_level):
+    import test_sparse_flash_mla as mla
+
+    case = next(c for c in mla.CASES if c.name == name)
+    q, kw, rows = _mla_quantized(case, dtype, fmt)
+    out, lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    rows = _mla_rows_as_the_kernel_reads_them(rows, dtype, simd_level)
+    want, wlse = mla.reference(q, **rows)
+    tol = mla.FORWARD_TOL[dtype]
+    torch.testing.assert_close(mla.rows_of(out, case).double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(mla.lse_rows(lse, case).double(), wlse, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("side", ["ori", "cmp"])
+def test_sparse_flash_mla_takes_one_quantized_side_and_a_plan(side):
+    """A quantized ori_kv with a plain cmp_kv (and the other way), planned over 3 workers: the
+    planned call equals the unplanned one, and both the reference on the dequantized rows."""
+    import test_sparse_flash_mla as mla
+
+    case = next(c for c in mla.CASES if c.name == "csa_tnd")
+    q, kw, rows = _mla_quantized(case, torch.float32, "int8", sides=(side,))
+    other = "cmp" if side == "ori" else "ori"
+    assert kw[f"{other}_kv"].dtype == torch.float32 and f"{other}_kv_scale" not in kw
+    out, lse = opmesh.sparse_flash_mla(q, return_softmax_lse=True, **kw)
+    plan = mla.plan_for(case, kw, q)
+    planned, _ = opmesh.sparse_flash_mla(q, metadata=plan, return_softmax_lse=True, **kw)
+    torch.testing.assert_close(planned, out, atol=1e-6, rtol=1e-6)
+    want, _ = mla.reference(q, **rows)
+    torch.testing.assert_close(mla.rows_of(out, case).double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_sparse_flash_mla_quantized_compiles_and_passes_opcheck():
+    import test_sparse_flash_mla as mla
+
+    case = next(c for c in mla.CASES if c.name == "decode_paged_hca")
+    q, kw, _ = _mla_quantized(case, torch.bfloat16, "int8")
+    torch.library.opcheck(mla.OP, (q,), dict(kw))
+    eager, _ = opmesh.sparse_flash_mla(q, **kw)
+    compiled = torch.compile(lambda q, kw: opmesh.sparse_flash_mla(q, **kw)[0], fullgraph=True)
+    assert torch.equal(compiled(q, kw), eager)
+
+
+MLA_ERRORS = {
+    "scale_missing": ("ori_kv_scale", dict(ori_kv_scale=None)),
+    "scale_shape": ("cmp_kv_scale", dict(cmp_kv_scale=torch.ones(5, 2))),
+    "scale_dtype": ("ori_kv_scale", "double"),
+    "scale_on_plain": ("cmp_kv_scale", "plain_cmp"),
+    "scale_without_kv": ("cmp_kv_scale", "no_cmp"),
+    "strided": ("ori_kv", "strided"),
+    "grad": ("ori_kv_scale", "grad"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_ERRORS))
+def test_sparse_flash_mla_refuses_a_bad_quantized_call_by_name(name):
+    import test_sparse_flash_mla as mla
+
+    case = next(c for c in mla.CASES if c.name == "swa")
+    q, kw, _ = _mla_quantized(case, torch.float32, "int8")
+    case_cmp = next(c for c in mla.CASES if c.name == "hca_gqa")
+    argument, change = MLA_ERRORS[name]
+    if change == "double":
+        kw["ori_kv_scale"] = kw["ori_kv_scale"].double()
+    elif change == "plain_cmp":
+        q, kw, _ = _mla_quantized(case_cmp, torch.float32, "int8", sides=("ori",))
+        kw["cmp_kv_scale"] = torch.ones(kw["cmp_kv"].shape[:-1])
+    elif change == "no_cmp":
+        kw["cmp_kv_scale"] = torch.ones(2, 3, 1)
+    elif change == "strided":
+        kv = kw["ori_kv"]
+        kw["ori_kv"] = torch.zeros(*kv.shape[:-1], 2 * kv.shape[-1], dtype=kv.dtype)[..., ::2]
+    elif change == "grad":
+        q.requires_grad_(True)
+    else:
+        kw.update(change)
+    exc = TypeError if name == "scale_dtype" else ValueError
+    assert_raises_named(exc, argument, lambda: opmesh.sparse_flash_mla(q, **kw))

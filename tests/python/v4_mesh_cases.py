@@ -233,6 +233,11 @@ def errors_case(mesh):
     meta = opmesh.sparse_flash_mla_metadata(N1, N2, D, batch_size=2, max_seqlen_q=8,
                                             max_seqlen_ori_kv=8, max_seqlen_cmp_kv=2)  # fmt: skip
     _expect(ValueError, "metadata", lambda: opmesh.sparse_flash_mla(q, ori_kv=kv, metadata=meta))
+    scale = torch.ones(x["ori_kv"].shape[:-1])
+    _expect(
+        ValueError, "ori_kv_scale: a quantized kv is read on one device",
+        lambda: opmesh.sparse_flash_mla(q, ori_kv=kv, ori_kv_scale=scale),
+    )  # fmt: skip
     _expect(
         ValueError, "ori_win_right",
         lambda: opmesh.sparse_flash_mla(q, ori_kv=kv, ori_mask_mode=4, ori_win_left=3),

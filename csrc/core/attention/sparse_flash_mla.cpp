@@ -25,12 +25,14 @@ struct Names {
   const char* mask_mode;
   const char* win_left;
   const char* win_right;
+  const char* scale;
 };
 
-constexpr Names kQueryNames{"q", "cu_seqlens_q", "seqused_q", "", "", "", "", "", ""};
+constexpr Names kQueryNames{"q", "cu_seqlens_q", "seqused_q", "", "", "", "", "", "", ""};
 constexpr Names kOriNames{"ori_kv",          "cu_seqlens_ori_kv",  "seqused_ori_kv",
                           "ori_block_table", "ori_sparse_indices", "ori_topk_length",
-                          "ori_mask_mode",   "ori_win_left",       "ori_win_right"};
+                          "ori_mask_mode",   "ori_win_left",       "ori_win_right",
+                          "ori_kv_scale"};
 constexpr Names kCmpNames{"cmp_kv",
                           "cu_seqlens_cmp_kv",
                           "seqused_cmp_kv",
@@ -39,7 +41,8 @@ constexpr Names kCmpNames{"cmp_kv",
                           "cmp_topk_length",
                           "cmp_mask_mode",
                           "",
-                          ""};
+                          "",
+                          "cmp_kv_scale"};
 
 // One side's token ranges per sequence, from its layout, token count and length arrays.
 struct Span {
@@ -192,6 +195,12 @@ void check_options(const SparseFlashMlaParams& p) {
       throw ArgumentError(n->topk_length, std::string("is given without ") + n->indices);
     }
     if (k->topk < 0) throw ArgumentError(n->indices, "negative K");
+    if (k->format == CacheFormat::kPlain) continue;
+    if (k->format != CacheFormat::kInt8 && k->format != CacheFormat::kFp8E4M3) {
+      throw ArgumentError(n->tensor, "is not in a cache format");
+    }
+    if (k->scale.data == nullptr) throw ArgumentError(n->scale, "is null (a quantized kv)");
+    if (k->kv.sd != 1) throw ArgumentError(n->tensor, "a quantized kv needs unit stride along D");
   }
 }
 
@@ -244,8 +253,7 @@ class MlaKeySelector final : public sparse::KeySelector {
         grads_(grads),
         sides_{&p.ori, &p.cmp},
         masks_{mask_of(p.ori, 1), mask_of(p.cmp, p.cmp_ratio)},
-        sources_{sparse::KeySource{p.ori.kv, {}, p.ori.kv},
-                 sparse::KeySource{p.cmp.kv, {}, p.cmp.kv}},
+        sources_{source_of(p.ori), source_of(p.cmp)},
         selections_{selection_of(kOriNames, p.ori, p), selection_of(kCmpNames, p.cmp, p)} {}
 
   int num_sources() const override { return 2; }
@@ -268,6 +276,12 @@ class MlaKeySelector final : public sparse::KeySelector {
         const int64_t at = sparse::key_row_offset(side.kv, p_.layout_kv, ks, j, g, side.block_table,
                                                   side.max_blocks, side.block_size);
         out.push_back({k, static_cast<int32_t>(j), at, 0, at});
+        if (side.format != CacheFormat::kPlain) {
+          const float scale = static_cast<const float*>(side.scale.data)[sparse::key_row_offset(
+              side.scale, p_.layout_kv, ks, j, g, side.block_table, side.max_blocks,
+              side.block_size)];
+          out.back().key_scale = out.back().value_scale = scale;
+        }
       };
       if (side.indices.data == nullptr) {
         for (int64_t j = vis.begin; j < vis.end; ++j) add(j);
@@ -298,6 +312,11 @@ class MlaKeySelector final : public sparse::KeySelector {
   }
 
  private:
+  // Shared key/value: one view (and one scale) read as both.
+  static sparse::KeySource source_of(const MlaKeys& k) {
+    return {k.kv, {}, k.kv, k.format, k.scale, k.scale};
+  }
+
   const SparseFlashMlaParams& p_;
   const MlaSequences& seqs_;
   const SparseFlashMlaGrads* grads_;
@@ -351,6 +370,11 @@ void sparse_flash_mla_backward(const SparseFlashMlaParams& p, const SparseFlashM
                                const Executor& executor, Isa isa) {
   if (p.layout_kv == Layout::kPagedBBND) {
     throw ArgumentError("layout_kv", "PA_BBND (paged keys) has no backward");
+  }
+  for (const auto& [k, name] : {std::pair{&p.ori, "ori_kv_scale"}, {&p.cmp, "cmp_kv_scale"}}) {
+    if (k->format != CacheFormat::kPlain) {
+      throw ArgumentError(name, "a quantized kv has no backward");
+    }
   }
   validate(p);
   const int64_t width = p.heads_kv * p.head_dim;

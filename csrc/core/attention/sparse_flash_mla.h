@@ -43,6 +43,10 @@ struct MlaKeys : PagedKeys {  // paged keys: the PagedKeys base (host table)
   View indices;
   int64_t topk = 0;
   View topk_length;
+  // A quantized kv (int8 / e4m3, one byte per element, unit stride along D): row (s, j, g) reads
+  // as kv[s, j, g] * scale[s, j, g] (float32, kv's shape without D, strides sb, ss, sn).
+  CacheFormat format = CacheFormat::kPlain;
+  View scale;
 };
 
 struct SparseFlashMlaParams {
@@ -101,7 +105,8 @@ Mask cmp_mask(const SparseFlashMlaParams& params);
 void sparse_flash_mla(const SparseFlashMlaParams& params, const Executor& executor, Isa isa,
                       const sparse::TokenSchedule* schedule = nullptr);
 
-// Validates, then writes the gradients (paged keys have none: kPagedBBND is refused).
+// Validates, then writes the gradients (paged keys and quantized ones have none: both are
+// refused).
 void sparse_flash_mla_backward(const SparseFlashMlaParams& params, const SparseFlashMlaGrads& grads,
                                const Executor& executor, Isa isa);
 

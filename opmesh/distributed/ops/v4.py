@@ -128,6 +128,12 @@ class SparseFlashMlaDistributedOp(DistributedOp):
                 "metadata: a plan describes one device's call; on a device mesh each rank "
                 "balances its own rows (omit metadata)"
             )
+        for name in ("ori_kv_scale", "cmp_kv_scale"):
+            if named.get(name) is not None:
+                raise ValueError(
+                    f"{name}: a quantized kv is read on one device; on a device mesh pass ori_kv "
+                    "and cmp_kv in the query's dtype"
+                )
         layout, key_layout = named["layout_q"], named["layout_kv"]
         if key_layout == "PA_BBND" or any(
             named[n] is not None for n in ("ori_block_table", "cmp_block_table")
