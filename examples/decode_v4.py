@@ -62,7 +62,6 @@ class PagedSeries:
 
     def __init__(self, dim):
         self.cache = torch.zeros(1 + args.batch * BLOCKS, args.block_size, 1, dim)
-        self.empty = torch.zeros(*self.cache.shape[:3], 0)  # the value cache: the key is it
         self.table = 1 + torch.arange(args.batch * BLOCKS).view(args.batch, BLOCKS)
         self.length = 0
 
@@ -73,8 +72,7 @@ class PagedSeries:
         blocks = self.table[:, positions // args.block_size]
         slots = (blocks * args.block_size + positions % args.block_size).flatten()
         flat = rows.reshape(-1, 1, rows.shape[-1])
-        opmesh.kv_cache_write_(flat, flat.new_zeros(flat.shape[0], 1, 0), self.cache, self.empty,
-                               slots)  # fmt: skip
+        opmesh.kv_cache_write_(flat, None, self.cache, None, slots)  # the key is the value
         self.length += count
 
     def read(self, prefix):

@@ -1182,9 +1182,9 @@ def plan_bytes(metadata: torch.Tensor) -> bytes:
 
 def kv_cache_write_(
     key: torch.Tensor,
-    value: torch.Tensor,
+    value: torch.Tensor | None,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
     slot_mapping: LengthsLike,
     *,
     key_scale: torch.Tensor | None = None,
@@ -1210,14 +1210,18 @@ def kv_cache_write_(
     (ties to even); a row of zeros has scale 0, a row holding a NaN or an infinity a NaN scale
     (it reads back as NaN). :func:`flash_attn` reads it back with ``k_scale`` / ``v_scale``.
 
+    With ``value`` and ``value_cache`` both None, the call writes one cache of rows read as key
+    and value (DeepSeek's latent cache, read by :func:`sparse_flash_attention` and
+    :func:`sparse_flash_mla`): ``key`` into ``key_cache``, a quantized one with ``key_scale``.
+
     Args:
-        key: ``[T, Nkv, D]``; value: ``[T, Nkv, Dv]``; the caches' dtype, or any floating dtype
-            for a quantized cache.
+        key: ``[T, Nkv, D]``; value: ``[T, Nkv, Dv]`` or None; the caches' dtype, or any
+            floating dtype for a quantized cache.
         key_cache: ``[num_blocks, block_size, Nkv, D]`` (``PA_BBND``), mutated.
-        value_cache: ``[num_blocks, block_size, Nkv, Dv]``, mutated.
+        value_cache: ``[num_blocks, block_size, Nkv, Dv]`` or None (with value), mutated.
         slot_mapping: int32/int64 ``[T]`` (a list is accepted).
         key_scale, value_scale: float32 ``[num_blocks, block_size, Nkv]``, mutated; required
-            with a quantized cache, refused otherwise.
+            with a quantized cache (value_scale with a value_cache), refused otherwise.
 
     On MindSpore tensors the caches must be contiguous (docs/mindspore.md).
     """

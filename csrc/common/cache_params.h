@@ -20,7 +20,7 @@ core::KvCacheWriteParams kv_cache_params(const Call& c, const std::vector<int64_
   p.tokens = ks[0];
   p.heads = ks[1];
   p.dim_k = ks[2];
-  p.dim_v = sizes_of(c.value)[2];
+  p.dim_v = c.value.has_value() ? sizes_of(*c.value)[2] : 0;
   p.elem_bytes = element_size_of(c.key);
   p.format = TensorAccess<std::decay_t<decltype(c.key)>>::cache_format(c.key_cache);
   if (p.format != core::CacheFormat::kPlain) p.dtype = dtype_of(c.key, "key");
@@ -30,13 +30,14 @@ core::KvCacheWriteParams kv_cache_params(const Call& c, const std::vector<int64_
   return p;
 }
 
-// key and value [token][head][dim], the caches [block][offset][head][dim] (written in place).
+// key and value [token][head][dim], the caches [block][offset][head][dim] (written in place);
+// without value and value_cache, the key side alone.
 template <class Call>
 void point_kv_cache(core::KvCacheWriteParams& p, const Call& c) {
   p.key = layout_view(c.key, -1);
-  p.value = layout_view(c.value, -1);
   p.key_cache = mutable_layout_view(c.key_cache, 0);
-  p.value_cache = mutable_layout_view(c.value_cache, 0);
+  if (c.value.has_value()) p.value = layout_view(*c.value, -1);
+  if (c.value_cache.has_value()) p.value_cache = mutable_layout_view(*c.value_cache, 0);
   if (c.key_scale.has_value()) p.key_scale = mutable_layout_view(*c.key_scale, 0);
   if (c.value_scale.has_value()) p.value_scale = mutable_layout_view(*c.value_scale, 0);
 }

@@ -379,13 +379,14 @@ struct Field {
   ARG_D(OptInt, num_workers, std::nullopt)
 #define OPMESH_OP_SPARSE_FLASH_MLA_METADATA_RETURNS "Tensor"
 
-// kv_cache_write_(key, value, key_cache!, value_cache!, slot_mapping, *, key_scale!,
-// value_scale!) -> (): the scales are written with a quantized (int8 / float8_e4m3fn) cache.
+// kv_cache_write_(key, value?, key_cache!, value_cache!?, slot_mapping, *, key_scale!,
+// value_scale!) -> (): the scales are written with a quantized (int8 / float8_e4m3fn) cache;
+// value and value_cache both None: one cache of rows read as key and value (MLA's).
 #define OPMESH_OP_KV_CACHE_WRITE(ARG, ARG_D, KWONLY) \
   ARG(Tensor, key)                                   \
-  ARG(Tensor, value)                                 \
+  ARG(OptTensor, value)                              \
   ARG(MutTensor, key_cache)                          \
-  ARG(MutTensor, value_cache)                        \
+  ARG(OptMutTensor, value_cache)                     \
   ARG(Ints, slot_mapping)                            \
   KWONLY                                             \
   ARG_D(OptMutTensor, key_scale, std::nullopt)       \

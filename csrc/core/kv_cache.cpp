@@ -81,20 +81,24 @@ void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
   const int64_t b = p.elem_bytes;
   if (p.format != CacheFormat::kPlain) {
     if (p.tokens > 0 && p.key_scale.data == nullptr) throw ArgumentError("key_scale", "is null");
-    if (p.tokens > 0 && p.value_scale.data == nullptr) {
+    if (p.tokens > 0 && p.value_cache.data != nullptr && p.value_scale.data == nullptr) {
       throw ArgumentError("value_scale", "is null");
     }
-    run_dynamic(executor, p.tokens, [&](int64_t t, int) {
+    // One float32 row per worker, reused for every row it quantizes.
+    std::vector<std::vector<float>> rows(static_cast<size_t>(executor.num_workers()));
+    run_dynamic(executor, p.tokens, [&](int64_t t, int worker) {
       const int64_t slot = p.slots[t];
       if (slot < 0) return;
       const int64_t block = slot / p.block_size, offset = slot % p.block_size;
-      std::vector<float> row(static_cast<size_t>(std::max(p.dim_k, p.dim_v)));
+      std::vector<float>& row = rows[worker];
+      row.resize(static_cast<size_t>(std::max(p.dim_k, p.dim_v)));
       for (int64_t h = 0; h < p.heads; ++h) {
         const auto at = [&](const auto& view) {
           return block * view.sb + offset * view.ss + h * view.sn;
         };
         quantize_into(p, p.key, t, h, p.dim_k, p.key_cache, at(p.key_cache), p.key_scale,
                       at(p.key_scale), row.data());
+        if (p.value_cache.data == nullptr) continue;
         quantize_into(p, p.value, t, h, p.dim_v, p.value_cache, at(p.value_cache), p.value_scale,
                       at(p.value_scale), row.data());
       }
@@ -109,6 +113,7 @@ void kv_cache_write(const KvCacheWriteParams& p, const Executor& executor) {
       const int64_t ks = t * p.key.ss + h * p.key.sn;
       const int64_t kd = block * p.key_cache.sb + offset * p.key_cache.ss + h * p.key_cache.sn;
       copy_row(key + ks * b, p.key.sd, key_cache + kd * b, p.key_cache.sd, p.dim_k, b);
+      if (value_cache == nullptr) continue;
       const int64_t vs = t * p.value.ss + h * p.value.sn;
       const int64_t vd =
           block * p.value_cache.sb + offset * p.value_cache.ss + h * p.value_cache.sn;

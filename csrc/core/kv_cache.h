@@ -18,6 +18,7 @@ struct KvCacheWriteParams {
   int64_t elem_bytes = 0;  // plain: the same element type everywhere (checked by the caller)
   View key, value;         // [token][head][dim]: ss, sn, sd (sb 0)
   MutableView key_cache, value_cache;  // [block][offset][head][dim]
+  // value and value_cache null (dim_v 0): a shared key/value cache, the key side only.
   // A quantized cache (both caches one byte per element): each (token, head) row of key and
   // value, read as float32 from `dtype`, is quantized (quantize_row in dtype.h) into the cache and
   // its scale written to key_scale / value_scale, float32 [block][offset][head] (sb, ss, sn).

@@ -162,22 +162,28 @@ py::object sparse_indexer_grad_kl_loss(const SparseKlLossCall& call) {
 
 py::object kv_cache_write(const KvCacheWriteCall& call) {
   const std::vector<int64_t>& slot_mapping = call.slot_mapping.values;
-  resolve({&call.key, &call.value, &call.key_cache, &call.value_cache});
+  // (One cache of rows read as key and value, without value and value_cache: PyTorch only.)
+  if (!call.value.has_value() || !call.value_cache.has_value()) {
+    value_error("value: and value_cache are required on MindSpore tensors");
+  }
+  const ms::Tensor& value = *call.value;
+  const ms::Tensor& value_cache = *call.value_cache;
+  resolve({&call.key, &value, &call.key_cache, &value_cache});
   resolve(call.key_scale);
   resolve(call.value_scale);
   require_rank(call.key, 3, "key");
-  require_rank(call.value, 3, "value");
+  require_rank(value, 3, "value");
   require_rank(call.key_cache, 4, "key_cache");
-  require_rank(call.value_cache, 4, "value_cache");
+  require_rank(value_cache, 4, "value_cache");
   if (static_cast<int64_t>(slot_mapping.size()) != call.key.shape()[0]) {
     value_error("slot_mapping: expected one entry per token of key");
   }
   // (A quantized cache, int8 with its scales, takes keys and values of any floating dtype.)
   const bool quantized = cache_format(call.key_cache) != core::CacheFormat::kPlain;
   for (const auto& [t, like, name] :
-       {std::tuple{&call.value, &call.key, "value"},
+       {std::tuple{&value, &call.key, "value"},
         std::tuple{&call.key_cache, quantized ? &call.key_cache : &call.key, "key_cache"},
-        std::tuple{&call.value_cache, &call.key_cache, "value_cache"}}) {
+        std::tuple{&value_cache, &call.key_cache, "value_cache"}}) {
     if (t->data_type() != like->data_type()) value_error(std::string(name) + ": dtype differs");
   }
   if (quantized != (call.key_scale.has_value() && call.value_scale.has_value())) {
@@ -185,11 +191,10 @@ py::object kv_cache_write(const KvCacheWriteCall& call) {
   }
   if (call.key_cache.shape()[2] != call.key.shape()[1] ||
       call.key_cache.shape()[3] != call.key.shape()[2] ||
-      call.value_cache.shape()[2] != call.value.shape()[1] ||
-      call.value_cache.shape()[3] != call.value.shape()[2] ||
-      call.value.shape()[0] != call.key.shape()[0] ||
-      call.value_cache.shape()[0] != call.key_cache.shape()[0] ||
-      call.value_cache.shape()[1] != call.key_cache.shape()[1]) {
+      value_cache.shape()[2] != value.shape()[1] || value_cache.shape()[3] != value.shape()[2] ||
+      value.shape()[0] != call.key.shape()[0] ||
+      value_cache.shape()[0] != call.key_cache.shape()[0] ||
+      value_cache.shape()[1] != call.key_cache.shape()[1]) {
     value_error("value_cache: shapes of key, value and the caches do not agree");
   }
   auto slots = std::make_shared<std::vector<int64_t>>(slot_mapping);

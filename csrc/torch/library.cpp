@@ -52,9 +52,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attn(const at::Tensor& q, const at::Ten
   return binding::tensors_of<2>(binding::call_op(call));
 }
 
-void kv_cache_write_(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                     const std::optional<at::Tensor>& key_scale,
+void kv_cache_write_(const at::Tensor& key, const std::optional<at::Tensor>& value,
+                     const at::Tensor& key_cache, const std::optional<at::Tensor>& value_cache,
+                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& key_scale,
                      const std::optional<at::Tensor>& value_scale) {
   binding::call_op(binding::KvCacheWriteCall{key, value, key_cache, value_cache, slot_mapping,
                                              key_scale, value_scale});

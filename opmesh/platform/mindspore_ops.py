@@ -577,6 +577,11 @@ def _kl_function():
 
 
 def kv_cache_write_(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale):
+    if value is None or value_cache is None:
+        raise NotImplementedError(
+            "value: and value_cache are required on MindSpore tensors (one cache of rows read as "
+            "key and value, without them, is written on PyTorch tensors)"
+        )
     slots, slots_meta = _host(slot_mapping, "slot_mapping")
     if slots is None:
         raise TypeError("slot_mapping: expected a 1-D int32/int64 tensor or a list of ints")

@@ -62,6 +62,43 @@ TEST(KvCacheWrite, PlacesEveryTokenAtItsSlotAndSkipsPadding) {
   EXPECT_EQ(f.key_cache[1 * Fixture::kHeads * Fixture::kDim], -1.0f);
 }
 
+// Without a value cache (one cache of rows read as key and value) only the key side is written,
+// plain or quantized (no value scale needed).
+TEST(KvCacheWrite, WritesOneSharedCacheFromKeyAlone) {
+  Fixture f;
+  f.slots = {7, 2, -1, 9};
+  KvCacheWriteParams p = f.params();
+  p.value = View{};
+  p.value_cache = MutableView{};
+  p.dim_v = 0;
+  kv_cache_write(p, ThreadExecutor(2));
+  const int64_t row = Fixture::kHeads * Fixture::kDim;
+  for (int64_t t = 0; t < Fixture::kTokens; ++t) {
+    if (f.slots[t] < 0) continue;
+    for (int64_t e = 0; e < row; ++e) {
+      EXPECT_EQ(f.key_cache[f.slots[t] * row + e], f.key[t * row + e]);
+    }
+  }
+  for (float x : f.value_cache) EXPECT_EQ(x, -1.0f);  // untouched
+
+  std::vector<uint8_t> bytes(Fixture::kBlocks * Fixture::kBlockSize * row, 0xaa);
+  std::vector<float> scales(Fixture::kBlocks * Fixture::kBlockSize * Fixture::kHeads, -1.0f);
+  p.format = CacheFormat::kInt8;
+  p.dtype = DType::kFloat32;
+  p.key_cache = MutableView{bytes.data(), Fixture::kBlockSize * row, row, Fixture::kDim, 1};
+  p.key_scale =
+      MutableView{scales.data(), Fixture::kBlockSize * Fixture::kHeads, Fixture::kHeads, 1, 0};
+  kv_cache_write(p, ThreadExecutor(2));
+  for (int64_t h = 0; h < Fixture::kHeads; ++h) {
+    uint8_t want[Fixture::kDim];
+    const float* src = f.key.data() + 3 * row + h * Fixture::kDim;  // token 3, slot 9
+    EXPECT_EQ(scales[9 * Fixture::kHeads + h], quantize_row(src, Fixture::kDim, p.format, want));
+    for (int64_t e = 0; e < Fixture::kDim; ++e) {
+      EXPECT_EQ(bytes[9 * row + h * Fixture::kDim + e], want[e]);
+    }
+  }
+}
+
 TEST(KvCacheWrite, RefusesBadMappingsBeforeWriting) {
   for (const std::vector<int64_t>& bad :
        {std::vector<int64_t>{0, 12, -1, 1}, std::vector<int64_t>{0, -2, 3, 4},

@@ -764,6 +764,12 @@ def test_sparse_attention_refuses_a_quantized_key_by_name():
         opmesh.sparse_flash_attention(q, k, k, idx, 0.3, key_scale=scale, value_scale=scale)
 
 
+def test_kv_cache_write_refuses_one_shared_cache_by_name():
+    key, cache = ms.Tensor(randn(2, 1, 16)), ms.Tensor(np.zeros((2, 4, 1, 16), np.float32))
+    with pytest.raises(NotImplementedError, match="^value: "):
+        opmesh.kv_cache_write_(key, None, cache, None, [0, 1])
+
+
 def test_sparse_flash_mla_refuses_a_quantized_kv_by_name():
     q, kv = ms.Tensor(randn(1, 2, 2, 16)), ms.Tensor(np.zeros((1, 4, 1, 16), np.int8))
     scale = ms.Tensor(np.ones((1, 4, 1), np.float32))

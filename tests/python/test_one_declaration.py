@@ -83,7 +83,7 @@ EXPECTED = {
         "(Tensor d_x, Tensor d_wkv, Tensor d_wgate, Tensor d_ape)"
     ),
     "kv_cache_write_": (
-        "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "(Tensor key, Tensor? value, Tensor(a!) key_cache, Tensor(b!)? value_cache, "
         "Tensor slot_mapping, *, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()"
     ),
     "merge_attn_states": (

@@ -195,7 +195,69 @@ def test_write_then_decode_compiles_with_the_scales_written_in_place():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fmt", ["plain", *sorted(FORMATS)])
+def test_one_shared_key_value_cache_is_written_from_key(fmt):
+    """value and value_cache None: key's rows go to key_cache (quantized with key_scale) exactly
+    as the two-cache call writes its key side, and nothing else is touched."""
+    g = torch.Generator().manual_seed(7)
+    key = torch.randn(7, 2, 24, generator=g).bfloat16()
+    slots = torch.tensor([5, 0, -1, 33, 20, 47, 8])
+    dtype = torch.bfloat16 if fmt == "plain" else FORMATS[fmt]
+    fresh = lambda: (  # noqa: E731
+        torch.zeros(3, 16, 2, 24, dtype=dtype),
+        torch.full((3, 16, 2), -1.0) if fmt != "plain" else None,
+    )
+    (kc, ksc), (want, want_scale) = fresh(), fresh()
+    other = torch.zeros(3, 16, 2, 24, dtype=dtype)
+    other_scale = torch.zeros(3, 16, 2) if fmt != "plain" else None
+    opmesh.kv_cache_write_(
+        key, key, want, other, slots, key_scale=want_scale, value_scale=other_scale
+    )
+    versions = [t._version for t in (kc, ksc) if t is not None]
+    opmesh.kv_cache_write_(key, None, kc, None, slots, key_scale=ksc)
+    assert torch.equal(kc.view(torch.uint8), want.view(torch.uint8))
+    if fmt != "plain":
+        assert torch.equal(ksc, want_scale)
+    assert all(t._version > n for t, n in zip((kc, ksc), versions, strict=False))
+    opmesh.kv_cache_write_(key[:0], None, kc, None, slots[:0], key_scale=ksc)  # nothing to write
+    assert torch.equal(kc.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_shared_cache_write_then_mla_decode_compiles():
+    """kv_cache_write_ into one int8 latent cache and sparse_flash_mla reading it in one fullgraph
+    compiled step, against the same step eagerly."""
+    g = torch.Generator().manual_seed(4)
+    blocks, bs, d = 3, 16, 32
+    fresh = lambda: (torch.zeros(blocks, bs, 1, d, dtype=torch.int8), torch.zeros(blocks, bs, 1))  # noqa: E731
+    table = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32)
+
+    def step(q, kv, cache, scale, slots, used):
+        opmesh.kv_cache_write_(kv, None, cache, None, slots, key_scale=scale)
+        return opmesh.sparse_flash_mla(
+            q, ori_kv=cache, ori_kv_scale=scale, ori_block_table=table, seqused_ori_kv=used,
+            layout_kv="PA_BBND", ori_mask_mode=3, softmax_scale=d**-0.5,
+        )[0]  # fmt: skip
+
+    eager, compiled = fresh(), fresh()
+    run = torch.compile(step, fullgraph=True)
+    for t in range(3):
+        q = torch.randn(2, 1, 4, d, generator=g).bfloat16()
+        kv = torch.randn(2, 1, d, generator=g).bfloat16()
+        slots = torch.tensor([2 * bs + t, bs + t])
+        used = torch.tensor([t + 1, t + 1], dtype=torch.int32)
+        want = step(q, kv, *eager, slots, used)
+        assert torch.equal(run(q, kv, *compiled, slots, used), want)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_opcheck():
+    torch.library.opcheck(
+        torch.ops.opmesh.kv_cache_write_.default,
+        (torch.randn(4, 1, 32), None, torch.zeros(3, 16, 1, 32, dtype=torch.int8), None,
+         torch.tensor([1, 2, -1, 40])),
+        dict(key_scale=torch.zeros(3, 16, 1)),
+    )  # fmt: skip
     kc = torch.zeros(3, 16, 2, 32, dtype=torch.int8)
     vc = torch.zeros(3, 16, 2, 24, dtype=torch.int8)
     ksc, vsc = torch.zeros(3, 16, 2), torch.zeros(3, 16, 2)
@@ -249,7 +311,8 @@ def _write(**change):
         value_scale=torch.zeros(3, 16, 2),
     )
     call.update(change)
-    call = {n: x for n, x in call.items() if x is not None or n.endswith("scale")}
+    kept = ("key_scale", "value_scale", "value", "value_cache")  # None is a value of these
+    call = {n: x for n, x in call.items() if x is not None or n in kept}
     return lambda: opmesh.kv_cache_write_(**call)
 
 
@@ -303,6 +366,14 @@ def _shared_scales():
 
 
 ERRORS["write_scales_shared"] = (ValueError, "value_scale", _shared_scales())
+# One cache of rows read as key and value: value and value_cache both None, and no value_scale.
+ERRORS["write_value_without_cache"] = (ValueError, "value_cache", _write(value_cache=None))
+ERRORS["write_cache_without_value"] = (ValueError, "value", _write(value=None))
+ERRORS["write_shared_value_scale"] = (
+    ValueError,
+    "value_scale",
+    _write(value=None, value_cache=None),
+)
 
 
 @pytest.mark.parametrize("name", sorted(ERRORS))

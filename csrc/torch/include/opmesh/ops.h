@@ -61,9 +61,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attn(const at::Tensor& q, const at::Ten
                                               const FlashAttnOptions& options = {});
 
 // opmesh::kv_cache_write_: token t goes to slot slot_mapping[t] of both paged caches; a quantized
-// (int8 / float8_e4m3fn) cache takes its row scales, written too.
-void kv_cache_write_(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+// (int8 / float8_e4m3fn) cache takes its row scales, written too. value and value_cache both
+// nullopt: one cache of rows read as key and value (MLA's), written from key.
+void kv_cache_write_(const at::Tensor& key, const std::optional<at::Tensor>& value,
+                     const at::Tensor& key_cache, const std::optional<at::Tensor>& value_cache,
+                     const at::Tensor& slot_mapping,
                      const std::optional<at::Tensor>& key_scale = std::nullopt,
                      const std::optional<at::Tensor>& value_scale = std::nullopt);
 
