@@ -12,6 +12,10 @@
 
 #include "../kernels/kernel_set.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace opmesh::core::kernels {
 namespace {
 
@@ -267,6 +271,23 @@ inline uint16_t upper_half(float x) {
 
 void widen_quantized_bf16(const uint8_t* src, CacheFormat format, int64_t n, uint16_t* dst) {
   if (format == CacheFormat::kInt8) {
+#if defined(__AVX512BF16__)
+    // The one row operation written with intrinsics: 32 bytes sign-extended and converted to
+    // float32 in two halves, then packed to bf16 by one VCVTNE2PS2BF16 (exact: 8 significant bits
+    // at most). The loop below compiles to twice the instructions (a shift and a word permutation
+    // in place of the packing conversion), and the decode from an int8 cache spends its time here.
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16))));
+      _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+    src += i;
+    dst += i;
+    n -= i;
+#endif
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       dst[i] = upper_half(static_cast<float>(static_cast<int8_t>(src[i])));
