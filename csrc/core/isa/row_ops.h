@@ -12,7 +12,7 @@
 
 #include "../kernels/kernel_set.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
@@ -294,6 +294,38 @@ void widen_quantized_bf16(const uint8_t* src, CacheFormat format, int64_t n, uin
     }
     return;
   }
+#if defined(__AVX512BW__)
+  // With AVX-512BW, a table lookup: the bf16 bits of the 128 e4m3 magnitudes (subnormals, zero
+  // and NaN included) in four registers, picked by two two-register word permutations and the
+  // magnitude's bit 6, then the sign. Exact for every byte, with no second pass; the lane loop
+  // below takes three times the instructions.
+  static const auto table = [] {
+    struct alignas(64) Table {
+      uint16_t bits[128];
+    } t{};
+    for (int m = 0; m < 128; ++m) t.bits[m] = fp8_e4m3_bits_to_bf16_bits(static_cast<uint8_t>(m));
+    return t;
+  }();
+  const __m512i t0 = _mm512_load_si512(table.bits), t1 = _mm512_load_si512(table.bits + 32);
+  const __m512i t2 = _mm512_load_si512(table.bits + 64), t3 = _mm512_load_si512(table.bits + 96);
+  const __m512i low7 = _mm512_set1_epi16(0x7f), sign = _mm512_set1_epi16(0x80);
+  const __m512i upper = _mm512_set1_epi16(0x40);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i x =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    const __m512i mag = _mm512_and_si512(x, low7);
+    const __m512i below = _mm512_permutex2var_epi16(t0, mag, t1);  // magnitudes 0..63
+    const __m512i above = _mm512_permutex2var_epi16(t2, mag, t3);  // 64..127
+    const __m512i bits =
+        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(mag, upper), below, above);
+    const __m512i signs = _mm512_slli_epi16(_mm512_and_si512(x, sign), 8);
+    _mm512_storeu_si512(dst + i, _mm512_or_si512(bits, signs));
+  }
+  src += i;
+  dst += i;
+  n -= i;
+#endif
   // Normal values, zeros and NaN in 16-bit lanes (a shift and an add), then the whole row again
   // through the exact conversion if it holds a subnormal (rare: below 2^-6 of a row's scale).
   uint16_t subnormal = 0;
