@@ -317,8 +317,7 @@ void widen_quantized_bf16(const uint8_t* src, CacheFormat format, int64_t n, uin
     const __m512i mag = _mm512_and_si512(x, low7);
     const __m512i below = _mm512_permutex2var_epi16(t0, mag, t1);  // magnitudes 0..63
     const __m512i above = _mm512_permutex2var_epi16(t2, mag, t3);  // 64..127
-    const __m512i bits =
-        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(mag, upper), below, above);
+    const __m512i bits = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(mag, upper), below, above);
     const __m512i signs = _mm512_slli_epi16(_mm512_and_si512(x, sign), 8);
     _mm512_storeu_si512(dst + i, _mm512_or_si512(bits, signs));
   }
