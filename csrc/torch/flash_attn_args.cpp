@@ -100,13 +100,7 @@ void check_devices_and_dtypes(const FlashAttnCall& a) {
   } else {
     TORCH_CHECK_TYPE(a.v.scalar_type() == a.k.scalar_type(), "v: expected dtype ",
                      a.k.scalar_type(), " like k (a quantized cache), got ", a.v.scalar_type());
-    for (const auto& [t, name] : {std::pair{&a.k_scale, "k_scale"}, {&a.v_scale, "v_scale"}}) {
-      TORCH_CHECK_VALUE(t->has_value(), name, ": required with a quantized k and v (",
-                        a.k.scalar_type(), "): float32, one scale per row and head");
-      check_device(*t, name, device);
-      TORCH_CHECK_TYPE((*t)->scalar_type() == at::kFloat, name, ": expected float32, got ",
-                       (*t)->scalar_type());
-    }
+    // (Their scales are checked with the shapes, check_heads.)
   }
   if (a.sinks.has_value()) {
     TORCH_CHECK_TYPE(a.sinks->scalar_type() == at::kFloat, "sinks: expected float32, got ",
@@ -187,16 +181,9 @@ void check_heads(const FlashAttnCall& a, FlashAttnArgs& r) {
                         " does not match k's ", a.k.sym_sizes(), " outside the head dim");
     }
   }
-  for (const auto& [scale, cache, name] :
-       {std::tuple{&a.k_scale, &a.k, "k_scale"}, std::tuple{&a.v_scale, &a.v, "v_scale"}}) {
-    if (!scale->has_value()) continue;
-    const auto want = cache->sym_sizes().slice(0, cache->dim() - 1);
-    TORCH_CHECK_VALUE((*scale)->sym_sizes() == want, name, ": expected shape ", want, " (", name[0],
-                      "'s shape without its head dim: one scale per row and head), got ",
-                      (*scale)->sym_sizes());
-    TORCH_CHECK_VALUE(holds(cache->sym_stride(-1) == 1), name[0],
-                      ": a quantized cache needs unit stride along its head dim, got strides ",
-                      cache->sym_strides());
+  if (cache_format_of(a.k.scalar_type()) != core::CacheFormat::kPlain) {
+    check_row_scales(a.k_scale, "k_scale", a.k, "k", a.q.device());
+    check_row_scales(a.v_scale, "v_scale", a.v, "v", a.q.device());
   }
   if (a.sinks.has_value()) {
     TORCH_CHECK_VALUE(a.sinks->dim() == 1 && concrete(a.sinks->sym_size(0)) == c.num_heads_q,

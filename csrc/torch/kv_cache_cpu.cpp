@@ -22,36 +22,27 @@ bool quantized(const KvCacheWriteCall& a) {
   return cache_format_of(a.key_cache.scalar_type()) != core::CacheFormat::kPlain;
 }
 
-// A quantized cache's scales: float32 [num_blocks, block_size, Nkv] beside it; none otherwise
-// (and no value_scale for a shared key/value cache).
+// A quantized cache's scales: float32 [num_blocks, block_size, Nkv] beside it, and caches of
+// unit stride along the head dim; none otherwise (and no value_scale for a shared key/value
+// cache). Runs after the caches' shapes are checked.
 void check_scales(const KvCacheWriteCall& a) {
   if (!a.value_cache.has_value()) {
     TORCH_CHECK_VALUE(!a.value_scale.has_value(),
                       "value_scale: given without value_cache (a shared key/value cache has one "
                       "scale per row: key_scale)");
   }
-  for (const auto& [t, name] :
-       {std::pair{&a.key_scale, "key_scale"}, {&a.value_scale, "value_scale"}}) {
-    if (name[0] == 'v' && !a.value_cache.has_value()) continue;
-    if (!quantized(a)) {
+  if (!quantized(a)) {
+    for (const auto& [t, name] :
+         {std::pair{&a.key_scale, "key_scale"}, {&a.value_scale, "value_scale"}}) {
       TORCH_CHECK_VALUE(!t->has_value(), name, ": given, but key_cache is ",
                         a.key_cache.scalar_type(),
                         ", not a quantized cache (int8 or float8_e4m3fn) that needs row scales");
-      continue;
     }
-    TORCH_CHECK_VALUE(t->has_value(), name, ": required with a quantized cache (key_cache is ",
-                      a.key_cache.scalar_type(), "): float32 [num_blocks, block_size, Nkv]");
-    const at::Tensor& scale = **t;
-    TORCH_CHECK_VALUE(scale.device() == a.key.device(), name, ": expected a tensor on ",
-                      a.key.device(), " like key, got ", scale.device());
-    TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, name, ": expected float32, got ",
-                     scale.scalar_type());
-    TORCH_CHECK_VALUE(scale.dim() == 3 && scale.sym_size(0) == a.key_cache.sym_size(0) &&
-                          scale.sym_size(1) == a.key_cache.sym_size(1) &&
-                          scale.sym_size(2) == a.key_cache.sym_size(2),
-                      name, ": expected shape [", a.key_cache.sym_size(0), ", ",
-                      a.key_cache.sym_size(1), ", ", a.key_cache.sym_size(2),
-                      "] (one scale per cache row and head), got ", scale.sym_sizes());
+    return;
+  }
+  check_row_scales(a.key_scale, "key_scale", a.key_cache, "key_cache", a.key.device());
+  if (a.value_cache.has_value()) {
+    check_row_scales(a.value_scale, "value_scale", *a.value_cache, "value_cache", a.key.device());
   }
 }
 
@@ -79,7 +70,6 @@ void check_kv_cache_args(const KvCacheWriteCall& a) {
                      " like key (or int8 / float8_e4m3fn, a quantized cache), got ",
                      a.key_cache.scalar_type());
   }
-  check_scales(a);
   TORCH_CHECK_TYPE(
       a.slot_mapping.scalar_type() == at::kInt || a.slot_mapping.scalar_type() == at::kLong,
       "slot_mapping: expected int32 or int64, got ", a.slot_mapping.scalar_type());
@@ -95,9 +85,7 @@ void check_kv_cache_args(const KvCacheWriteCall& a) {
   TORCH_CHECK_VALUE(
       a.key_cache.sym_size(2) == a.key.sym_size(1) && a.key_cache.sym_size(3) == a.key.sym_size(2),
       "key_cache: shape ", a.key_cache.sizes(), " does not hold key rows ", a.key.sizes());
-  TORCH_CHECK_VALUE(!quantized(a) || a.key_cache.stride(3) == 1,
-                    "key_cache: a quantized cache needs unit stride along the head dim");
-  if (!a.value.has_value()) return;
+  if (!a.value.has_value()) return check_scales(a);
   const at::Tensor& value = *a.value;
   const at::Tensor& value_cache = *a.value_cache;
   TORCH_CHECK_TYPE(value.scalar_type() == a.key.scalar_type(), "value: expected dtype ",
@@ -122,8 +110,7 @@ void check_kv_cache_args(const KvCacheWriteCall& a) {
   TORCH_CHECK_VALUE(!a.key_cache.is_same(value_cache),
                     "value_cache: must not be key_cache (for one cache of rows read as key and "
                     "value, pass value=None and value_cache=None)");
-  TORCH_CHECK_VALUE(!quantized(a) || value_cache.stride(3) == 1,
-                    "value_cache: a quantized cache needs unit stride along the head dim");
+  check_scales(a);
 }
 
 // In-place writes need memory no other argument shares, as PyTorch's own in-place ops require:

@@ -23,28 +23,12 @@ void check_leading(const at::Tensor& t, const at::Tensor& like, const char* name
   }
 }
 
-// A quantized key and value: value of key's dtype, the scales float32 on query's device, shaped
-// as key and value without their head dim, and rows of unit stride along it.
+// A quantized key and value: value of key's dtype, and their row scales.
 void check_quantized_kv(const SparseFlashAttentionCall& c) {
-  const at::Tensor& q = c.query;
   TORCH_CHECK_TYPE(c.value.scalar_type() == c.key.scalar_type(), "value: expected dtype ",
                    c.key.scalar_type(), " like key (a quantized key), got ", c.value.scalar_type());
-  for (const auto& [scale, rows, name] : {std::tuple{&c.key_scale, &c.key, "key_scale"},
-                                          std::tuple{&c.value_scale, &c.value, "value_scale"}}) {
-    TORCH_CHECK_VALUE(scale->has_value(), name, ": required with a quantized key and value (",
-                      c.key.scalar_type(), "): float32, one scale per row and head");
-    const at::Tensor& s = **scale;
-    TORCH_CHECK_VALUE(s.device() == q.device(), name, ": expected a tensor on ", q.device(),
-                      " like query, got ", s.device());
-    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, name, ": expected float32, got ",
-                     s.scalar_type());
-    const auto want = rows->sym_sizes().slice(0, rows->dim() - 1);
-    TORCH_CHECK_VALUE(s.sym_sizes() == want, name, ": expected shape ", want,
-                      " (its rows' shape without the head dim), got ", s.sym_sizes());
-    TORCH_CHECK_VALUE(holds(rows->sym_stride(-1) == 1), name[0] == 'k' ? "key" : "value",
-                      ": a quantized tensor needs unit stride along its head dim, got strides ",
-                      rows->sym_strides());
-  }
+  check_row_scales(c.key_scale, "key_scale", c.key, "key", c.query.device());
+  check_row_scales(c.value_scale, "value_scale", c.value, "value", c.query.device());
 }
 
 // Every tensor on query's device, and the dtypes the operator takes.

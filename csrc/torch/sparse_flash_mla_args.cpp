@@ -52,29 +52,14 @@ struct Side {
   const char* scale_name;
 };
 
-// A quantized kv's row scales: float32 on q's device, kv's shape without its head dim, and kv's
-// rows of unit stride along it; a plain kv takes none.
+// A quantized kv's row scales; a plain kv takes none.
 void check_scale(const Side& s, const at::Tensor& q) {
   const at::Tensor& kv = **s.kv;
-  const bool quantized = cache_format_of(kv.scalar_type()) != core::CacheFormat::kPlain;
-  if (!quantized) {
-    TORCH_CHECK_VALUE(!s.scale->has_value(), s.scale_name, ": given, but ", s.kv_name, " is ",
-                      kv.scalar_type(), ", not a quantized kv (int8 or float8_e4m3fn)");
-    return;
+  if (cache_format_of(kv.scalar_type()) != core::CacheFormat::kPlain) {
+    return check_row_scales(*s.scale, s.scale_name, kv, s.kv_name, q.device());
   }
-  TORCH_CHECK_VALUE(s.scale->has_value(), s.scale_name, ": required with a quantized ", s.kv_name,
-                    " (", kv.scalar_type(), "): float32, one scale per row and head");
-  const at::Tensor& scale = **s.scale;
-  TORCH_CHECK_VALUE(scale.device() == q.device(), s.scale_name, ": expected a tensor on ",
-                    q.device(), " like q, got ", scale.device());
-  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, s.scale_name, ": expected float32, got ",
-                   scale.scalar_type());
-  const auto want = kv.sym_sizes().slice(0, kv.dim() - 1);
-  TORCH_CHECK_VALUE(scale.sym_sizes() == want, s.scale_name, ": expected shape ", want, " (",
-                    s.kv_name, "'s shape without the head dim), got ", scale.sym_sizes());
-  TORCH_CHECK_VALUE(holds(kv.sym_stride(-1) == 1), s.kv_name,
-                    ": a quantized kv needs unit stride along its head dim, got strides ",
-                    kv.sym_strides());
+  TORCH_CHECK_VALUE(!s.scale->has_value(), s.scale_name, ": given, but ", s.kv_name, " is ",
+                    kv.scalar_type(), ", not a quantized kv (int8 or float8_e4m3fn)");
 }
 
 void check_side(const Side& s, const at::Tensor& q, MlaArgs& a, const c10::SymInt& batch) {
