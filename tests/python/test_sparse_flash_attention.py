@@ -51,6 +51,13 @@ CASES = [
          shared_selection=True, sinks=True),
     Case("blocks_64", "BSND", "BSND", 1, 3, 300, 2, 1, 16, 16, 3, 64),
     Case("paged", "BSND", "PA_BSND", 2, 3, 0, 4, 1, 16, 16, 12, 1, None, (70, 9), 16, rope=4),
+    # bf16 rows of unit stride with whole 32-column values are read where they lie on pair sets:
+    # groups of 20 (a partial head vector) and 72 (two 64-head products), a rope, more than one
+    # 64-key chunk with an odd last one, an empty sequence, paged rows.
+    Case("in_place_rope", "BSND", "BSND", 2, 21, 150, 40, 2, 32, 64, 101, rope=16),
+    Case("in_place_wide", "TND", "TND", 3, 0, 0, 72, 1, 64, 32, 67, 1, (5, 0, 9), (90, 4, 80)),
+    Case("in_place_paged", "BSND", "PA_BSND", 2, 4, 0, 16, 1, 32, 32, 70, 1, None, (90, 30), 16,
+         rope=2),
 ]  # fmt: skip
 # An odd group wider than one head-pair tile (135 query heads on one key head: the key pass's
 # products on bf16 pairs take 128 heads, then the rest), more than 64 selected keys per row.
@@ -177,10 +184,31 @@ def test_masks_and_bands(case, sparse_mode, band):
     )
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[7]], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[2], CASES[7], CASES[8], CASES[9]], ids=lambda c: c.name
+)
 def test_every_kernel_path(case, simd_level):
     check_forward(case, torch.float32)
     check_forward(case, torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[9]], ids=lambda c: c.name)
+def test_rows_read_in_place_give_the_packed_bits(case, simd_level):
+    # Rows of unit stride are read where they lie on pair sets, rows of stride 2 are copied and
+    # packed first: without a rope, the same products in the same order.
+    q, k, v, idx, kwargs = make_inputs(case, torch.bfloat16)
+
+    def spread(t):
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    direct = opmesh.sparse_flash_attention(q, k, v, idx, SCALE, return_softmax_lse=True, **kwargs)
+    packed = opmesh.sparse_flash_attention(
+        q, spread(k), spread(v), idx, SCALE, return_softmax_lse=True, **kwargs
+    )
+    for a, b in zip(direct, packed):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("scale", [-0.2, 0.0])

@@ -96,7 +96,11 @@ class Forward {
         words_(pairs_ ? (dqk_ + 1) / 2 : dqk_),
         dw_(round_up(words_, k_.depth_align)),
         dvp_(round_up(p.value_dim, 16)),
-        rows_(round_up(g_, k_.row_align)) {}
+        rows_(round_up(g_, k_.row_align)),
+        gp_(round_up(g_, 16)),
+        direct_(reads_in_place(p, keys, k_)) {
+    for (int i = 0; i < keys.num_sources(); ++i) sources_.push_back(&keys.source(i));
+  }
 
   struct Scratch {
     explicit Scratch(const Forward& f)
@@ -108,6 +112,9 @@ class Forward {
           o(f.rows_ * f.dvp_),
           stage(kKeyTile * std::max(f.dqk_, f.dw_)),
           value_rows(2 * f.p_.value_dim),
+          qt(f.direct_ ? (f.gp_ + kKeyTile - 1) / kKeyTile * f.dw_ * kKeyTile : 0),
+          st(f.direct_ ? kKeyTile * f.gp_ : 0),
+          ones(kKeyTile, 1.0f),
           m(f.rows_),
           l(f.rows_),
           corr(f.rows_) {}
@@ -121,6 +128,11 @@ class Forward {
     AlignedBuffer<float> o;            // [rows][dvp] output accumulator
     AlignedBuffer<float> stage;        // [64][dqk] key rows (key | rope) before the transpose
     std::vector<uint16_t> value_rows;  // a quantized pair of value rows, dequantized (pairs)
+    // Rows read in place: the query rows transposed, [dw][64] pair words per 64 heads, and the
+    // scores as the product leaves them, S^T [64 keys][gp].
+    AlignedBuffer<uint32_t> qt;
+    AlignedBuffer<float> st;
+    std::vector<float> ones;
     std::vector<float> m, l, corr;
     std::vector<sparse::KeyRef> keys;
   };
@@ -141,13 +153,17 @@ class Forward {
     for (int64_t c0 = k0; c0 < end; c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, end - c0);
       const int64_t next = std::min<int64_t>(kKeyTile, std::max<int64_t>(end - c0 - n, 0));
-      sparse::ChunkAhead ahead(keys_, sc.keys.data() + c0 + n, next, dtype_size(p_.dtype),
-                               p_.head_dim, p_.rope_dim, p_.value_dim, n);
-      pack(sc, sc.keys.data() + c0, n, ahead);
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
-      k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
-               raw_scores_ ? 1.0f : p_.scale});
+      if (direct_) {
+        scores_in_place(sc, sc.keys.data() + c0, n);
+      } else {
+        sparse::ChunkAhead ahead(keys_, sc.keys.data() + c0 + n, next, dtype_size(p_.dtype),
+                                 p_.head_dim, p_.rope_dim, p_.value_dim, n);
+        pack(sc, sc.keys.data() + c0, n, ahead);
+        k_.gemm({sc.q.data(), dw_, sc.kp.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
+                 raw_scores_ ? 1.0f : p_.scale});
+      }
       for (int64_t r = 0; r < g_; ++r) {
         if (p_.softcap > 0.0f)
           k_.rows.score_mods(sv + r * kKeyTile, p_.softcap, 0.0f, 0, 0, nullptr);
@@ -156,8 +172,12 @@ class Forward {
       if (pairs_) {
         k_.softmax_bf16(sv, g_, kKeyTile, raw_scores_ ? p_.scale : 1.0f, sc.m.data(), sc.l.data(),
                         sc.corr.data(), sc.pb.data());
-        k_.gemm({sc.pb.data(), kKeyTile / 2, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_,
-                 kKeyTile / 2, sc.corr.data(), 1.0f});
+        if (direct_) {
+          values_in_place(sc, sc.keys.data() + c0, n, sc.keys.data() + c0 + n, next);
+        } else {
+          k_.gemm({sc.pb.data(), kKeyTile / 2, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_,
+                   kKeyTile / 2, sc.corr.data(), 1.0f});
+        }
       } else {
         k_.softmax(sv, g_, kKeyTile, sc.m.data(), sc.l.data(), sc.corr.data());
         k_.gemm({sv, kKeyTile, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_, kKeyTile,
@@ -202,8 +222,108 @@ class Forward {
   }
 
  private:
+  // Whether the products read the selected rows where they lie (scores_in_place,
+  // values_in_place) instead of copying and packing them: bf16 rows of unit stride from plain
+  // sources, on a pair set with gemm_rows and value_rows, whole pair words on each side of the
+  // key | rope join and whole 32-column value blocks.
+  static bool reads_in_place(const SparseAttentionParams& p, const sparse::KeySelector& keys,
+                             const kernels::KernelSet& k) {
+    if (k.word != kernels::Word::kBf16Pair || k.gemm_rows == nullptr || k.value_rows == nullptr ||
+        p.head_dim % 2 != 0 || p.rope_dim % 2 != 0 || p.value_dim % 32 != 0) {
+      return false;
+    }
+    for (int i = 0; i < keys.num_sources(); ++i) {
+      const sparse::KeySource& src = keys.source(i);
+      if (src.format != CacheFormat::kPlain || src.key.sd != 1 || src.value.sd != 1 ||
+          (p.rope_dim > 0 && src.rope.sd != 1)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // The scores of n selected keys into sc.s ([g][64], as the packed product leaves them) from
+  // the key (and rope) rows where they lie: S^T = K Q^T on the gathered rows (the rope's
+  // products added to the key's), then transposed. The same pair products in the same order as
+  // the packed product without a rope.
+  void scores_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
+    const void* key_rows[kKeyTile];
+    const void* rope_rows[kKeyTile];
+    for (int64_t c = 0; c < n; ++c) {
+      const sparse::KeySource& src = *sources_[keys[c].source];
+      key_rows[c] = static_cast<const uint16_t*>(src.key.data) + keys[c].key;
+      if (p_.rope_dim > 0)
+        rope_rows[c] = static_cast<const uint16_t*>(src.rope.data) + keys[c].rope;
+    }
+    const float alpha = raw_scores_ ? 1.0f : p_.scale;
+    const int64_t key_words = p_.head_dim / 2;
+    float* st = sc.st.data();
+    for (int64_t h0 = 0; h0 < g_; h0 += kKeyTile) {
+      const int64_t cols = std::min<int64_t>(kKeyTile, gp_ - h0);
+      const uint32_t* qt = sc.qt.data() + h0 / kKeyTile * dw_ * kKeyTile;
+      k_.gemm_rows(key_rows,
+                   {nullptr, 0, qt, kKeyTile, st + h0, gp_, n, cols, key_words, nullptr, alpha});
+      if (p_.rope_dim > 0) {
+        k_.gemm_rows(rope_rows, {nullptr, 0, qt + key_words * kKeyTile, kKeyTile, st + h0, gp_, n,
+                                 cols, p_.rope_dim / 2, sc.ones.data(), alpha});
+      }
+    }
+    const char* lines[kKeyTile];
+    for (int64_t c = 0; c < n; ++c) lines[c] = reinterpret_cast<const char*>(st + c * gp_);
+    k_.pack_keys(lines, n, g_, reinterpret_cast<uint32_t*>(sc.s.data()));
+  }
+
+  // o = corr o + P V for n selected keys from the value rows where they lie (the probabilities
+  // in sc.pb), 8 rows of the group a call: the pair GEMM's bits.
+  void values_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n,
+                       const sparse::KeyRef* next, int64_t next_n) const {
+    // The next chunk's key and value rows, asked for from memory during the first product (a
+    // burst of them all at once loses to none at all).
+    const char* ahead[3 * kKeyTile];
+    int64_t ahead_n = 0;
+    for (int64_t c = 0; c < next_n; ++c) {
+      const sparse::KeySource& src = *sources_[next[c].source];
+      const char* key = static_cast<const char*>(src.key.data) + 2 * next[c].key;
+      const char* value = static_cast<const char*>(src.value.data) + 2 * next[c].value;
+      ahead[ahead_n++] = key;
+      if (value != key) ahead[ahead_n++] = value;
+      if (p_.rope_dim > 0) {
+        ahead[ahead_n++] = static_cast<const char*>(src.rope.data) + 2 * next[c].rope;
+      }
+    }
+    const int64_t ahead_bytes = 2 * std::max(p_.head_dim, p_.value_dim);
+    const uint16_t* rows[kKeyTile];
+    const int64_t count = round_up(n, 2);
+    for (int64_t c = 0; c < count; ++c) {
+      rows[c] = nullptr;
+      if (c < n) {
+        rows[c] =
+            static_cast<const uint16_t*>(sources_[keys[c].source]->value.data) + keys[c].value;
+      }
+    }
+    const uint32_t* pb = reinterpret_cast<const uint32_t*>(sc.pb.data());
+    for (int64_t r0 = 0; r0 < g_; r0 += 8) {
+      k_.value_rows(
+          {pb + r0 * (kKeyTile / 2), kKeyTile / 2, rows, count, p_.value_dim,
+           sc.o.data() + r0 * dvp_, dvp_, sc.corr.data() + r0, std::min<int64_t>(8, g_ - r0),
+           r0 == 0 ? kernels::RowsAhead{ahead, ahead_n, ahead_bytes} : kernels::RowsAhead{}});
+    }
+  }
+
   void pack_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
-    if (pairs_) return pack_query_pairs(sc, s, i, g);
+    if (pairs_) pack_query_pairs(sc, s, i, g);
+    if (pairs_ && direct_) {
+      // Q^T per 64 heads: the B operand of scores_in_place.
+      for (int64_t h0 = 0; h0 < g_; h0 += kKeyTile) {
+        const char* rows[kKeyTile];
+        const int64_t count = std::min<int64_t>(kKeyTile, g_ - h0);
+        for (int64_t r = 0; r < count; ++r) {
+          rows[r] = reinterpret_cast<const char*>(sc.q.data() + (h0 + r) * dw_);
+        }
+        k_.pack_keys(rows, count, dw_, sc.qt.data() + h0 / kKeyTile * dw_ * kKeyTile);
+      }
+    }
+    if (pairs_) return;
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
       float* dst = sc.q.data() + r * dw_;
@@ -357,6 +477,9 @@ class Forward {
   int64_t dw_;       // words_ padded to the set's depth_align
   int64_t dvp_;      // Dv padded to 16
   int64_t rows_;
+  int64_t gp_;   // the group's heads rounded up to whole 16-column vectors
+  bool direct_;  // reads_in_place
+  std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
 };
 
 }  // namespace

@@ -409,7 +409,8 @@ const KernelSet& kernel_set() {
                              &key_scores,
                              8,
                              nullptr,
-                             &value_rows};
+                             &value_rows,
+                             &Avx512Gemm<Bf16PairPolicy>::run_rows};
   return set;
 }
 

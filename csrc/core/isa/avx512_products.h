@@ -7,7 +7,8 @@
 //   static Vec broadcast(Word w);                  // one word in every lane
 //   static __m512 madd(__m512 acc, Vec q, Vec k);  // acc += q * k, per lane, in float32
 // Both work in blocks of 6 rows x 64 columns: 24 zmm accumulators, 4 B (key) vectors and one
-// broadcast fit the 32 registers. Included only by translation units compiled with AVX-512 flags.
+// broadcast fit the 32 registers (the GEMM on one column vector: 12 rows). Included only by
+// translation units compiled with AVX-512 flags.
 #pragma once
 
 #include <immintrin.h>
@@ -24,9 +25,12 @@ struct Avx512Gemm {
   using Word = typename Policy::Word;
   using Vec = typename Policy::Vec;
 
-  template <int kRows, int kCols>
-  static void block(const Word* a, int64_t lda, const Word* b, int64_t ldb, int64_t depth, float* c,
-                    int64_t ldc, const float* row_scale, float alpha) {
+  // Rows: row r of A at a(r) (strided or gathered).
+  template <int kRows, int kCols, class Rows>
+  static void block(const Rows& a, const Word* b, int64_t ldb, int64_t depth, float* c, int64_t ldc,
+                    const float* row_scale, float alpha) {
+    const Word* row[kRows];
+    for (int r = 0; r < kRows; ++r) row[r] = a(r);
     __m512 acc[kRows][kCols];
     for (int r = 0; r < kRows; ++r)
       for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -34,7 +38,7 @@ struct Avx512Gemm {
       Vec bv[kCols];
       for (int j = 0; j < kCols; ++j) bv[j] = Policy::load(b + d * ldb + 16 * j);
       for (int r = 0; r < kRows; ++r) {
-        const Vec ab = Policy::broadcast(a[r * lda + d]);
+        const Vec ab = Policy::broadcast(row[r][d]);
         for (int j = 0; j < kCols; ++j) acc[r][j] = Policy::madd(acc[r][j], ab, bv[j]);
       }
     }
@@ -55,33 +59,48 @@ struct Avx512Gemm {
     }
   }
 
+  // Row r of A: a_rows[r] when given (gathered rows), else g.a + r * g.lda.
   template <int kCols>
-  static void columns(const GemmArgs& g, int64_t col) {
+  static void columns(const GemmArgs& g, const Word* const* a_rows, int64_t col) {
     const Word* a = static_cast<const Word*>(g.a);
     const Word* b = static_cast<const Word*>(g.b) + col;
-    for_each_even_row_block<6>(0, static_cast<int>(g.m), [&](auto rows, int r) {
-      block<decltype(rows)::value, kCols>(a + r * g.lda, g.lda, b, g.ldb, g.depth,
-                                          g.c + r * g.ldc + col, g.ldc,
-                                          g.row_scale ? g.row_scale + r : nullptr, g.alpha);
+    // One column vector leaves a 6-row block 6 independent accumulators, too few to hide the
+    // product's latency: such blocks take up to 12 rows.
+    constexpr int kBlockRows = kCols == 1 ? 12 : 6;
+    for_each_even_row_block<kBlockRows>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+      float* c = g.c + r * g.ldc + col;
+      const float* scale = g.row_scale ? g.row_scale + r : nullptr;
+      if (a_rows != nullptr) {
+        block<decltype(rows)::value, kCols>([&](int i) { return a_rows[r + i]; }, b, g.ldb, g.depth,
+                                            c, g.ldc, scale, g.alpha);
+      } else {
+        block<decltype(rows)::value, kCols>([&](int i) { return a + (r + i) * g.lda; }, b, g.ldb,
+                                            g.depth, c, g.ldc, scale, g.alpha);
+      }
     });
   }
 
-  static void run(const GemmArgs& g) {
+  static void run(const GemmArgs& g, const Word* const* a_rows = nullptr) {
     int64_t col = 0;
-    for (; col + 64 <= g.n; col += 64) columns<4>(g, col);
+    for (; col + 64 <= g.n; col += 64) columns<4>(g, a_rows, col);
     switch ((g.n - col) / 16) {
       case 3:
-        columns<3>(g, col);
+        columns<3>(g, a_rows, col);
         break;
       case 2:
-        columns<2>(g, col);
+        columns<2>(g, a_rows, col);
         break;
       case 1:
-        columns<1>(g, col);
+        columns<1>(g, a_rows, col);
         break;
       default:
         break;
     }
+  }
+
+  // gemm_rows: A's rows gathered.
+  static void run_rows(const void* const* a_rows, const GemmArgs& g) {
+    run(g, reinterpret_cast<const Word* const*>(a_rows));
   }
 };
 

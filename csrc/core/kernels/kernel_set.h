@@ -234,6 +234,11 @@ struct KernelSet {
   // set has none (flash attention then packs the value tiles as key pairs for its GEMM).
   void (*value_rows)(const ValueRowsArgs& args) = nullptr;
 
+  // gemm with A's rows gathered: row r of A at a_rows[r] (args.a and args.lda unused), the same
+  // products in the same order as gemm on those rows copied into one matrix, so the same bits.
+  // Null where the set has none (the sparse operators then copy the rows first).
+  void (*gemm_rows)(const void* const* a_rows, const GemmArgs& args) = nullptr;
+
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
 };
