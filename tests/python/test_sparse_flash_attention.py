@@ -195,19 +195,26 @@ def test_every_kernel_path(case, simd_level):
 @pytest.mark.parametrize("case", [CASES[1], CASES[9]], ids=lambda c: c.name)
 def test_rows_read_in_place_give_the_packed_bits(case, simd_level):
     # Rows of unit stride are read where they lie on pair sets, rows of stride 2 are copied and
-    # packed first: without a rope, the same products in the same order.
+    # packed first: without a rope, the same products in the same order, forward and backward.
     q, k, v, idx, kwargs = make_inputs(case, torch.bfloat16)
+    upstream = torch.randn(*q.shape[:-1], case.dv, generator=torch.Generator().manual_seed(1))
 
     def spread(t):
         wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
         wide[..., ::2] = t
         return wide[..., ::2]
 
-    direct = opmesh.sparse_flash_attention(q, k, v, idx, SCALE, return_softmax_lse=True, **kwargs)
-    packed = opmesh.sparse_flash_attention(
-        q, spread(k), spread(v), idx, SCALE, return_softmax_lse=True, **kwargs
-    )
-    for a, b in zip(direct, packed):
+    def run(strided):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        kk, vv = (spread(t) if strided else t for t in leaves[1:])
+        assert (kk.stride(-1), vv.stride(-1)) == ((2, 2) if strided else (1, 1))
+        outs = opmesh.sparse_flash_attention(
+            leaves[0], kk, vv, idx, SCALE, return_softmax_lse=True, **kwargs
+        )
+        (outs[0].float() * upstream).sum().backward()
+        return [t.detach() for t in outs] + [t.grad for t in leaves]
+
+    for a, b in zip(run(False), run(True), strict=True):
         assert torch.equal(a, b)
 
 

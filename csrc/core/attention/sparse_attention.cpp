@@ -98,7 +98,7 @@ class Forward {
         dvp_(round_up(p.value_dim, 16)),
         rows_(round_up(g_, k_.row_align)),
         gp_(round_up(g_, 16)),
-        direct_(reads_in_place(p, keys, k_)) {
+        direct_(pairs_ && k_.value_rows != nullptr && sparse::rows_in_place(p, keys, k_, 32)) {
     for (int i = 0; i < keys.num_sources(); ++i) sources_.push_back(&keys.source(i));
   }
 
@@ -222,30 +222,8 @@ class Forward {
   }
 
  private:
-  // Whether the products read the selected rows where they lie (scores_in_place,
-  // values_in_place) instead of copying and packing them: bf16 rows of unit stride from plain
-  // sources, on a pair set with gemm_rows and value_rows, whole pair words on each side of the
-  // key | rope join and whole 32-column value blocks.
-  static bool reads_in_place(const SparseAttentionParams& p, const sparse::KeySelector& keys,
-                             const kernels::KernelSet& k) {
-    if (k.word != kernels::Word::kBf16Pair || k.gemm_rows == nullptr || k.value_rows == nullptr ||
-        p.head_dim % 2 != 0 || p.rope_dim % 2 != 0 || p.value_dim % 32 != 0) {
-      return false;
-    }
-    for (int i = 0; i < keys.num_sources(); ++i) {
-      const sparse::KeySource& src = keys.source(i);
-      if (src.format != CacheFormat::kPlain || src.key.sd != 1 || src.value.sd != 1 ||
-          (p.rope_dim > 0 && src.rope.sd != 1)) {
-        return false;
-      }
-    }
-    return true;
-  }
-
   // The scores of n selected keys into sc.s ([g][64], as the packed product leaves them) from
-  // the key (and rope) rows where they lie: S^T = K Q^T on the gathered rows (the rope's
-  // products added to the key's), then transposed. The same pair products in the same order as
-  // the packed product without a rope.
+  // the key (and rope) rows where they lie (gathered_product).
   void scores_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
     const void* key_rows[kKeyTile];
     const void* rope_rows[kKeyTile];
@@ -255,22 +233,13 @@ class Forward {
       if (p_.rope_dim > 0)
         rope_rows[c] = static_cast<const uint16_t*>(src.rope.data) + keys[c].rope;
     }
-    const float alpha = raw_scores_ ? 1.0f : p_.scale;
     const int64_t key_words = p_.head_dim / 2;
-    float* st = sc.st.data();
-    for (int64_t h0 = 0; h0 < g_; h0 += kKeyTile) {
-      const int64_t cols = std::min<int64_t>(kKeyTile, gp_ - h0);
-      const uint32_t* qt = sc.qt.data() + h0 / kKeyTile * dw_ * kKeyTile;
-      k_.gemm_rows(key_rows,
-                   {nullptr, 0, qt, kKeyTile, st + h0, gp_, n, cols, key_words, nullptr, alpha});
-      if (p_.rope_dim > 0) {
-        k_.gemm_rows(rope_rows, {nullptr, 0, qt + key_words * kKeyTile, kKeyTile, st + h0, gp_, n,
-                                 cols, p_.rope_dim / 2, sc.ones.data(), alpha});
-      }
-    }
-    const char* lines[kKeyTile];
-    for (int64_t c = 0; c < n; ++c) lines[c] = reinterpret_cast<const char*>(st + c * gp_);
-    k_.pack_keys(lines, n, g_, reinterpret_cast<uint32_t*>(sc.s.data()));
+    const sparse::GatheredPart parts[2] = {
+        {key_rows, key_words, sc.qt.data()},
+        {rope_rows, p_.rope_dim / 2, sc.qt.data() + key_words * kKeyTile}};
+    sparse::gathered_product(k_, parts, p_.rope_dim > 0 ? 2 : 1, n, g_, dw_ * kKeyTile,
+                             raw_scores_ ? 1.0f : p_.scale, sc.st.data(), sc.ones.data(),
+                             sc.s.data());
   }
 
   // o = corr o + P V for n selected keys from the value rows where they lie (the probabilities
@@ -312,16 +281,9 @@ class Forward {
 
   void pack_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
     if (pairs_) pack_query_pairs(sc, s, i, g);
-    if (pairs_ && direct_) {
-      // Q^T per 64 heads: the B operand of scores_in_place.
-      for (int64_t h0 = 0; h0 < g_; h0 += kKeyTile) {
-        const char* rows[kKeyTile];
-        const int64_t count = std::min<int64_t>(kKeyTile, g_ - h0);
-        for (int64_t r = 0; r < count; ++r) {
-          rows[r] = reinterpret_cast<const char*>(sc.q.data() + (h0 + r) * dw_);
-        }
-        k_.pack_keys(rows, count, dw_, sc.qt.data() + h0 / kKeyTile * dw_ * kKeyTile);
-      }
+    if (pairs_ && direct_) {  // Q^T: the B operand of scores_in_place
+      sparse::transpose_group(k_, reinterpret_cast<const uint32_t*>(sc.q.data()), g_, dw_, dw_,
+                              sc.qt.data());
     }
     if (pairs_) return;
     for (int64_t r = 0; r < g_; ++r) {
@@ -477,14 +439,61 @@ class Forward {
   int64_t dw_;       // words_ padded to the set's depth_align
   int64_t dvp_;      // Dv padded to 16
   int64_t rows_;
-  int64_t gp_;   // the group's heads rounded up to whole 16-column vectors
-  bool direct_;  // reads_in_place
+  int64_t gp_;  // the group's heads rounded up to whole 16-column vectors
+  // The selected rows read where they lie (sparse::rows_in_place): the scores through
+  // scores_in_place, P.V through value_rows (values_in_place), whole 32-column value blocks.
+  bool direct_;
   std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
 };
 
 }  // namespace
 
 namespace sparse {
+
+bool rows_in_place(const SparseAttentionParams& p, const KeySelector& keys,
+                   const kernels::KernelSet& k, int64_t value_dim_multiple) {
+  if (k.word != kernels::Word::kBf16Pair || k.gemm_rows == nullptr || p.head_dim % 2 != 0 ||
+      p.rope_dim % 2 != 0 || p.value_dim % value_dim_multiple != 0) {
+    return false;
+  }
+  for (int i = 0; i < keys.num_sources(); ++i) {
+    const KeySource& src = keys.source(i);
+    if (src.format != CacheFormat::kPlain || src.key.sd != 1 || src.value.sd != 1 ||
+        (p.rope_dim > 0 && src.rope.sd != 1)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void gathered_product(const kernels::KernelSet& k, const GatheredPart* parts, int count, int64_t n,
+                      int64_t g, int64_t chunk_words, float alpha, float* st, const float* ones,
+                      float* out) {
+  const int64_t gp = round_up(g, 16);
+  for (int64_t h0 = 0; h0 < g; h0 += kKeyTile) {
+    const int64_t cols = std::min<int64_t>(kKeyTile, gp - h0);
+    for (int i = 0; i < count; ++i) {
+      k.gemm_rows(parts[i].rows,
+                  {nullptr, 0, parts[i].bt + h0 / kKeyTile * chunk_words, kKeyTile, st + h0, gp, n,
+                   cols, parts[i].words, i == 0 ? nullptr : ones, alpha});
+    }
+  }
+  const char* lines[kKeyTile];
+  for (int64_t c = 0; c < n; ++c) lines[c] = reinterpret_cast<const char*>(st + c * gp);
+  k.pack_keys(lines, n, g, reinterpret_cast<uint32_t*>(out));
+}
+
+void transpose_group(const kernels::KernelSet& k, const uint32_t* rows, int64_t g, int64_t ld,
+                     int64_t words, uint32_t* bt) {
+  for (int64_t h0 = 0; h0 < g; h0 += kKeyTile) {
+    const char* lines[kKeyTile];
+    const int64_t count = std::min<int64_t>(kKeyTile, g - h0);
+    for (int64_t r = 0; r < count; ++r) {
+      lines[r] = reinterpret_cast<const char*>(rows + (h0 + r) * ld);
+    }
+    k.pack_keys(lines, count, words, bt + h0 / kKeyTile * words * kKeyTile);
+  }
+}
 
 void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
                     const std::vector<Sequence>& seqs, const Executor& executor, Isa isa,

@@ -60,12 +60,17 @@ class Backward {
         rows_(round_up(g_, pairs_ ? std::max<int64_t>(2, k_.row_align) : k_.row_align)),
         dw_(pairs_ ? round_up((dqk_ + 1) / 2, k_.depth_align) : dq16_),
         dwv_(pairs_ ? round_up((p.value_dim + 1) / 2, k_.depth_align) : dv16_),
-        head_pairs_(pairs_ ? round_up((g_ + 1) / 2, kKeyTile) : 0) {
+        head_pairs_(pairs_ ? round_up((g_ + 1) / 2, kKeyTile) : 0),
+        direct_(pairs_ && sparse::rows_in_place(p, keys, k_, 2)) {
     const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
     lse_.assign(rows * p.heads_q, kInf);
     delta_.assign(rows * p.heads_q, 0.0f);
     if (p.sinks != nullptr) sink_share_.assign(rows * p.heads_q, 0.0f);
+    for (int i = 0; i < keys.num_sources(); ++i) sources_.push_back(&keys.source(i));
   }
+
+  // Blocks of 64 heads in the group (transposed rows of gathered_product's B operands).
+  int64_t chunks() const { return (g_ + kKeyTile - 1) / kKeyTile; }
 
   const kernels::KernelSet& kernel_set() const { return k_; }
 
@@ -95,7 +100,10 @@ class Backward {
           words(b.pairs_ ? kKeyTile * kKeyTile : 0),
           ones(std::max<int64_t>(b.rows_, kKeyTile), 1.0f),
           row(std::max(b.dqk_, b.p_.value_dim)),
-          row2(b.p_.value_dim) {}
+          row2(b.p_.value_dim),
+          qt(b.direct_ ? b.chunks() * b.dw_ * kKeyTile : 0),
+          ot(b.direct_ ? b.chunks() * b.dwv_ * kKeyTile : 0),
+          st(b.direct_ ? kKeyTile * round_up(b.g_, 16) : 0) {}
     AlignedBuffer<uint32_t> q;      // [rows][dw] query rows (query | rope)
     AlignedBuffer<uint32_t> dout;   // [rows][dwv]
     AlignedBuffer<float> acc;       // pass 1: dq [rows][dq16]; pass 2: a product's [64][dq16|dv16]
@@ -118,6 +126,10 @@ class Backward {
     std::vector<float> row, row2;
     std::vector<sparse::KeyRef> keys;
     std::vector<sparse::KeyRef> hits;
+    // Rows read in place (direct_): the query and output-gradient rows transposed per 64 heads
+    // (gathered_product's B operands), and its S^T.
+    AlignedBuffer<uint32_t> qt, ot;
+    AlignedBuffer<float> st;
   };
 
   // Writes the token's rows of lse_, delta_ and sink_share_ (no other task touches them) and its
@@ -282,6 +294,10 @@ class Backward {
       load_joined({gr_.dout.data, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd, p_.value_dim},
                   {}, sc.dout.data() + r * dwv_, dwv_);
     }
+    if (direct_) {
+      sparse::transpose_group(k_, sc.q.data(), g_, dw_, dw_, sc.qt.data());
+      sparse::transpose_group(k_, sc.dout.data(), g_, dwv_, dwv_, sc.ot.data());
+    }
     if (!pairs_ || !heads) return;
     // qh[l][e] = (q[2l][e], q[2l + 1][e]), oh likewise; rows past G are zero.
     const uint16_t* q16 = reinterpret_cast<const uint16_t*>(sc.q.data());
@@ -343,6 +359,74 @@ class Backward {
   // P of the capped scores and dS times the cap's derivative.
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
                      const float* lse, const float* delta, bool key_pairs) const {
+    if (direct_) {
+      products_in_place(sc, keys, n, key_pairs);
+    } else {
+      packed_products(sc, keys, n, next, key_pairs);
+    }
+    float* sv = sc.s.data();
+    float* dp = sc.dp.data();
+    const bool capped = p_.softcap > 0.0f;
+    for (int64_t r = 0; r < g_; ++r) {
+      // The softcap, and its derivative 1 - tanh^2 for dS.
+      if (capped) {
+        k_.rows.score_mods(sv + r * kKeyTile, p_.softcap, 0.0f, 0, 0, sc.cap.data() + r * kKeyTile);
+      }
+      std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
+    }
+    k_.exp_rows(sv, g_, kKeyTile, lse);
+    for (int64_t r = 0; r < g_; ++r) {
+      for (int64_t c = 0; c < kKeyTile; ++c) {
+        dp[r * kKeyTile + c] = sv[r * kKeyTile + c] * (dp[r * kKeyTile + c] - delta[r]);
+      }
+      if (capped) k_.rows.multiply_into(dp + r * kKeyTile, sc.cap.data() + r * kKeyTile);
+    }
+  }
+
+  // The scores (scale q.k) into sc.s and dP (dout.v) into sc.dp, [G][64], for n keys of a
+  // chunk read where they lie (gathered_product), and with key_pairs their key pairs in sc.kp
+  // (interleaved from the rows as they lie).
+  void products_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n, bool key_pairs) const {
+    const void* rows[3][kKeyTile];  // key, rope, value
+    for (int64_t c = 0; c < n; ++c) {
+      const sparse::KeySource& src = *sources_[keys[c].source];
+      rows[0][c] = static_cast<const uint16_t*>(src.key.data) + keys[c].key;
+      rows[1][c] =
+          p_.rope_dim > 0 ? static_cast<const uint16_t*>(src.rope.data) + keys[c].rope : nullptr;
+      rows[2][c] = static_cast<const uint16_t*>(src.value.data) + keys[c].value;
+    }
+    const int64_t key_words = p_.head_dim / 2;
+    const sparse::GatheredPart scores[2] = {
+        {rows[0], key_words, sc.qt.data()},
+        {rows[1], p_.rope_dim / 2, sc.qt.data() + key_words * kKeyTile}};
+    sparse::gathered_product(k_, scores, p_.rope_dim > 0 ? 2 : 1, n, g_, dw_ * kKeyTile, p_.scale,
+                             sc.st.data(), sc.ones.data(), sc.s.data());
+    const sparse::GatheredPart values = {rows[2], dwv_, sc.ot.data()};
+    sparse::gathered_product(k_, &values, 1, n, g_, dwv_ * kKeyTile, 1.0f, sc.st.data(),
+                             sc.ones.data(), sc.dp.data());
+    if (!key_pairs) return;
+    // kp[l][e] = (k[2l][e], k[2l + 1][e]) over key | rope, zeros past the chunk's keys.
+    for (int64_t l = 0; l < kKeyTile / 2; ++l) {
+      uint32_t* dst = sc.kp.data() + l * dq16_;
+      if (2 * l >= n) {
+        std::fill(dst, dst + dqk_, 0u);
+        continue;
+      }
+      for (int part = 0; part < 2; ++part) {
+        const int64_t width = part == 0 ? p_.head_dim : p_.rope_dim;
+        if (width == 0) continue;
+        const auto* a = static_cast<const uint16_t*>(rows[part][2 * l]);
+        const auto* b =
+            2 * l + 1 < n ? static_cast<const uint16_t*>(rows[part][2 * l + 1]) : nullptr;
+        k_.rows.interleave_bf16(a, b, width, dst + (part == 0 ? 0 : p_.head_dim));
+      }
+    }
+  }
+
+  // What probabilities needs from copied and packed rows: the chunk's rows and transposes (with
+  // key_pairs on bf16 pairs, the keys as key pairs too), then the two products.
+  void packed_products(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
+                       bool key_pairs) const {
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
     sparse::ChunkAhead ahead(keys_, next.keys, next.n, dtype_size(p_.dtype), p_.head_dim,
@@ -367,27 +451,10 @@ class Backward {
     if (!pairs_) {
       std::fill(sc.vt.data() + p_.value_dim * kKeyTile, sc.vt.data() + dv16_ * kKeyTile, 0u);
     }
-    float* sv = sc.s.data();
-    float* dp = sc.dp.data();
-    k_.gemm({sc.q.data(), dw_, sc.kt.data(), kKeyTile, sv, kKeyTile, g_, kKeyTile, dw_, nullptr,
-             p_.scale});
-    const bool capped = p_.softcap > 0.0f;
-    for (int64_t r = 0; r < g_; ++r) {
-      // The softcap, and its derivative 1 - tanh^2 for dS.
-      if (capped) {
-        k_.rows.score_mods(sv + r * kKeyTile, p_.softcap, 0.0f, 0, 0, sc.cap.data() + r * kKeyTile);
-      }
-      std::fill(sv + r * kKeyTile + n, sv + (r + 1) * kKeyTile, -kInf);
-    }
-    k_.exp_rows(sv, g_, kKeyTile, lse);
-    k_.gemm({sc.dout.data(), dwv_, sc.vt.data(), kKeyTile, dp, kKeyTile, g_, kKeyTile, dwv_,
-             nullptr, 1.0f});
-    for (int64_t r = 0; r < g_; ++r) {
-      for (int64_t c = 0; c < kKeyTile; ++c) {
-        dp[r * kKeyTile + c] = sv[r * kKeyTile + c] * (dp[r * kKeyTile + c] - delta[r]);
-      }
-      if (capped) k_.rows.multiply_into(dp + r * kKeyTile, sc.cap.data() + r * kKeyTile);
-    }
+    k_.gemm({sc.q.data(), dw_, sc.kt.data(), kKeyTile, sc.s.data(), kKeyTile, g_, kKeyTile, dw_,
+             nullptr, p_.scale});
+    k_.gemm({sc.dout.data(), dwv_, sc.vt.data(), kKeyTile, sc.dp.data(), kKeyTile, g_, kKeyTile,
+             dwv_, nullptr, 1.0f});
   }
 
   const SparseAttentionParams& p_;
@@ -400,12 +467,15 @@ class Backward {
   int64_t dqk_;
   int64_t dq16_;  // dqk_ padded to 16: a product's output width
   int64_t dv16_;
-  int64_t rows_;              // G padded to the set's row_align (and to even on pairs)
-  int64_t dw_, dwv_;          // words per query/key and value row: dq16_/dv16_, or pairs padded
-  int64_t head_pairs_;        // rows of qh and oh: G / 2 rounded up to whole transposed tiles
-  std::vector<float> lse_;    // [rows][N1]: +inf where nothing is selected
-  std::vector<float> delta_;  // [rows][N1]
-  std::vector<float> sink_share_;  // [rows][N1]
+  int64_t rows_;        // G padded to the set's row_align (and to even on pairs)
+  int64_t dw_, dwv_;    // words per query/key and value row: dq16_/dv16_, or pairs padded
+  int64_t head_pairs_;  // rows of qh and oh: G / 2 rounded up to whole transposed tiles
+  // The products read the selected rows where they lie (sparse::rows_in_place; products_in_place)
+  bool direct_;
+  std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
+  std::vector<float> lse_;                         // [rows][N1]: +inf where nothing is selected
+  std::vector<float> delta_;                       // [rows][N1]
+  std::vector<float> sink_share_;                  // [rows][N1]
 };
 
 }  // namespace

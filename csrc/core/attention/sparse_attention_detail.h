@@ -293,6 +293,36 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
                      const KeySelector& keys, const std::vector<Sequence>& seqs,
                      const Executor& executor, Isa isa);
 
+// Reading the selected rows where they lie, on a pair set with gemm_rows (the forward's and the
+// backward's products instead of copying and packing a chunk of 64 selected rows first).
+// Whether the rows allow it: bf16 rows of unit stride from plain (not quantized) sources, whole
+// pair words on each side of the key | rope join; value_dim_multiple: what the caller's value
+// product needs of the value width.
+bool rows_in_place(const SparseAttentionParams& p, const KeySelector& keys,
+                   const kernels::KernelSet& k, int64_t value_dim_multiple);
+
+// One operand of gathered_product: n rows (addresses), `words` pair words each, against the
+// group's rows transposed (bt: [words][64] per 64 rows of the group, chunk_words apart).
+struct GatheredPart {
+  const void* const* rows;
+  int64_t words;
+  const uint32_t* bt;
+};
+
+// out[r][c] = alpha sum over the parts of row c . group row r, for n <= 64 gathered rows c and
+// r < g ([g][64], as the packed product leaves it; columns past n zero): S^T = A B^T on the rows
+// where they lie (gemm_rows, one part after the other, later ones added), then transposed. st:
+// [64][round_up(g, 16)] floats; ones: 64 ones. One part: the packed product's pair products in
+// the same order, the same bits.
+void gathered_product(const kernels::KernelSet& k, const GatheredPart* parts, int count, int64_t n,
+                      int64_t g, int64_t chunk_words, float alpha, float* st, const float* ones,
+                      float* out);
+
+// The group's g rows (`words` pair words, ld apart) transposed per 64 rows into bt ([words][64]
+// per 64 rows, words * 64 apart): gathered_product's B operand.
+void transpose_group(const kernels::KernelSet& k, const uint32_t* rows, int64_t g, int64_t ld,
+                     int64_t words, uint32_t* bt);
+
 // Copies n bf16 elements (stride `stride`) at element `offset` of `base` as they are.
 inline void copy_bf16(const void* base, int64_t offset, int64_t stride, int64_t n, uint16_t* dst) {
   const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
