@@ -353,10 +353,10 @@ class Backward {
     return {keys.data() + std::min(from, keys.size()), std::min(kKeyTile, left)};
   }
 
-  // For n keys of one chunk (with the next chunk asked for while they load): their rows and
-  // transposes (with `key_pairs` on bf16 pairs, the keys as key pairs too), P = exp(scale q.k -
-  // lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0); with a softcap,
-  // P of the capped scores and dS times the cap's derivative.
+  // For n keys of one chunk (their rows read where they lie, or copied and packed with the next
+  // chunk asked for meanwhile; with `key_pairs` on bf16 pairs, the keys as key pairs too in
+  // sc.kp): P = exp(scale q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n
+  // are 0); with a softcap, P of the capped scores and dS times the cap's derivative.
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
                      const float* lse, const float* delta, bool key_pairs) const {
     if (direct_) {
