@@ -150,6 +150,25 @@ def test_every_kernel_path(case, simd_level, dtype):
     check(case, dtype, k, shared=shared, seed=1)
 
 
+def test_main_keys_read_in_place_on_every_kernel_path(simd_level):
+    """bf16 main keys (and an even rope) of unit stride are read where they lie on pair sets;
+    keys of stride 2 are copied and packed first. Both against float64; without a rope, the same
+    loss and gradients bit for bit."""
+    case = Case("in_place", s1=40, s2=75, n1=4, n2=2, d=16, n1i=4, n2i=1, di=8)
+    check(case, torch.bfloat16, 70)
+    check(dataclasses.replace(case, name="in_place_rope", dr=6), torch.bfloat16, 70)
+    t, scale, options = make(case, torch.bfloat16, 0)
+    idx = selection(case, 70)
+    wide = torch.zeros(*t["key"].shape[:-1], 2 * case.d, dtype=torch.bfloat16)
+    wide[..., ::2] = t["key"]
+    strided = dict(t, key=wide[..., ::2])
+    assert strided["key"].stride(-1) == 2
+    for a, b in zip(
+        run_op(t, idx, scale, options), run_op(strided, idx, scale, options), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
 def test_an_odd_index_group_wider_than_128_heads_on_every_kernel_path(simd_level):
     """On pairs the key pass takes the index heads as its depth, 128 at a time: 131 heads (odd)
     take two products, the second over a half-empty pair; K = 70 takes two key chunks."""

@@ -60,7 +60,8 @@ class SparseKl {
         dmw_(round_up((dm_ + 1) / 2, kb_.depth_align)),
         diw_(round_up((p_.index_dim + 1) / 2, ki_.depth_align)),
         head_pairs_(ipairs_ ? round_up(ig_, kKeyTile) : 0),
-        sign_width_((ig_ + 7) / 8) {
+        sign_width_((ig_ + 7) / 8),
+        keys_in_place_(main_keys_in_place(p_, kb_)) {
     const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
     active_.assign(rows * p_.index_heads_k, 0);
     // Both are written by the first pass for every entry the second reads (a selected, visible
@@ -100,7 +101,9 @@ class SparseKl {
           coef16(r.ipairs_ ? (r.ig_ + 16) * 2 * kKeyTile : 0),
           coef_lo(r.ipairs_ ? (r.ig_ + 1) * kKeyTile : 0),
           qih(r.head_pairs_ * r.dip_),
-          words(r.ipairs_ ? 2 * kKeyTile * kKeyTile : 0) {}
+          words(r.ipairs_ ? 2 * kKeyTile * kKeyTile : 0),
+          qt(r.keys_in_place_ ? r.p_.heads_k * r.q_chunks() * r.dmw_ * kKeyTile : 0),
+          st(r.keys_in_place_ ? kKeyTile * round_up(r.g_, 16) : 0) {}
     AlignedBuffer<float> q;       // [N1][dmp] main query rows (query | rope), zero-padded
     AlignedBuffer<float> qi;      // [N1index][dip] index query rows, zero-padded
     AlignedBuffer<float> qit;     // pass 2: [64][ig_t] coefficients, transposed
@@ -142,6 +145,10 @@ class SparseKl {
     // [padded][dip] the row's index keys as key pairs: per chunk of 64 keys their 32 pairs, twice
     // (the B operand of coef16's two halves).
     AlignedBuffer<uint32_t> key_pairs;
+    // Main keys read in place (keys_in_place_): each key head's query rows transposed per 64 rows
+    // (gathered_product's B operand), and its S^T.
+    AlignedBuffer<uint32_t> qt;
+    AlignedBuffer<float> st;
   };
 
   // Pass 1 for token i of s: the loss of its rows (returned), d_query_index, d_weights and the
@@ -314,6 +321,10 @@ class SparseKl {
       joined_bf16(
           p_.query, p_.query_rope, [&](const View& v) { return query_row(v, s, i, h); },
           reinterpret_cast<uint16_t*>(words));
+    }
+    for (int64_t kh = 0; kh < p_.heads_k && keys_in_place_; ++kh) {
+      sparse::transpose_group(kb_, sc.qp.data() + kh * g_ * dmw_, g_, dmw_, dmw_,
+                              sc.qt.data() + kh * q_chunks() * dmw_ * kKeyTile);
     }
     for (int64_t h = 0; h < p_.heads_q && !pairs_; ++h) {
       float* q = sc.q.data() + h * dmp_;
@@ -512,9 +523,38 @@ class SparseKl {
     if (p_.rope_dim > 0) copy_bf16(rope, row(rope), p_.rope_dim, dst + p_.head_dim);
   }
 
+  // Whether the main scores read the selected key rows where they lie (pair_scores): bf16 key
+  // (and rope) rows of unit stride, whole pair words on each side of the join, on a pair set with
+  // gemm_rows.
+  static bool main_keys_in_place(const IndexerKlLossParams& p, const kernels::KernelSet& k) {
+    return k.word == kernels::Word::kBf16Pair && k.gemm_rows != nullptr && p.head_dim % 2 == 0 &&
+           p.rope_dim % 2 == 0 && p.key.sd == 1 && (p.rope_dim == 0 || p.key_rope.sd == 1);
+  }
+
+  // Blocks of 64 query rows in a key head's group.
+  int64_t q_chunks() const { return (g_ + kKeyTile - 1) / kKeyTile; }
+
   // The main scores of key head kh's query rows against the chunk's m selected keys (from c0),
   // on bf16 pairs, into sc.s.
   void pair_scores(Scratch& sc, const Sequence& s, int64_t kh, int64_t c0, int64_t m) const {
+    if (keys_in_place_) {
+      // The rows where they lie (sparse::gathered_product).
+      const void* rows[2][kKeyTile];
+      for (int64_t c = 0; c < m; ++c) {
+        const int64_t j = sc.keys[c0 + c];
+        rows[0][c] = static_cast<const uint16_t*>(p_.key.data) + key_row(p_.key, s, j, kh);
+        rows[1][c] = p_.rope_dim > 0 ? static_cast<const uint16_t*>(p_.key_rope.data) +
+                                           key_row(p_.key_rope, s, j, kh)
+                                     : nullptr;
+      }
+      const uint32_t* qt = sc.qt.data() + kh * q_chunks() * dmw_ * kKeyTile;
+      const sparse::GatheredPart parts[2] = {
+          {rows[0], p_.head_dim / 2, qt},
+          {rows[1], p_.rope_dim / 2, qt + p_.head_dim / 2 * kKeyTile}};
+      sparse::gathered_product(kb_, parts, p_.rope_dim > 0 ? 2 : 1, m, g_, dmw_ * kKeyTile,
+                               p_.scale, sc.st.data(), sc.ones.data(), sc.s.data());
+      return;
+    }
     const char* rows[kKeyTile];
     each_chunk_key(sc, s, kh, c0, m, [&](int64_t c, int64_t j) {
       uint32_t* words = sc.kstage.data() + c * dmw_;
@@ -737,6 +777,7 @@ class SparseKl {
   int64_t diw_;                  // pair words per index row, padded to ki_'s depth_align
   int64_t head_pairs_;           // rows of qih: ig rounded up to whole blocks of 64 heads
   int64_t sign_width_;           // bytes of one entry's signs: a bit per head of a group
+  bool keys_in_place_;           // main_keys_in_place
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
   bool keep_signs_;              // the first pass keeps the signs (within the budget)
   // [rows][N2index][K][sign_width_]: bit h of entry e is index score h > 0
