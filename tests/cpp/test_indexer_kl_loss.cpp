@@ -7,8 +7,10 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "dtype.h"
 #include "errors.h"
 #include "indexer/indexer.h"
 #include "indexer/indexer_kl_loss.h"
@@ -422,22 +424,41 @@ TEST(SparseKlLoss, MatchesTheFormulaOnSubsetsOnEveryWorkerCount) {
 }
 
 // The second pass takes the index scores' signs kept by the first, or recomputes them when they
-// do not fit the budget: the same bits either way, on every kernel set and selection.
+// do not fit the budget: the same bits either way, on every kernel set and selection, with
+// float32 index inputs and with bf16 ones (the pair sets' coefficient rows built from the signs).
 TEST(SparseKlLoss, KeptAndRecomputedSignsGiveTheSameBits) {
   Problem x = make(7);
   statistics(x);
   auto choose = [](int64_t t, int64_t n, int64_t j) { return (t * 5 + j * 3 + n) % 7 < 4; };
+  auto bf16 = [](const std::vector<float>& a) {
+    std::vector<uint16_t> out(a.size());
+    for (size_t e = 0; e < a.size(); ++e) out[e] = float_to_bf16_bits(a[e]);
+    return out;
+  };
+  const std::vector<uint16_t> qi16 = bf16(x.qi), ki16 = bf16(x.ki);
   for (int64_t heads : {kN2i, int64_t{1}}) {
     const Indices ix = make_indices(x, heads, choose);
     for (Isa isa : supported_isas()) {
-      SCOPED_TRACE(isa_name(isa));
-      Output kept, recomputed;
-      sparse_lightning_indexer_grad_kl_loss(sparse_params(x, kept, ix), ThreadExecutor(3), isa);
-      SparseKlLossParams p = sparse_params(x, recomputed, ix);
-      p.sign_budget_bytes = 0;
-      sparse_lightning_indexer_grad_kl_loss(p, ThreadExecutor(3), isa);
-      expect_same(kept, recomputed);
-      EXPECT_TRUE(std::any_of(kept.dki.begin(), kept.dki.end(), [](float v) { return v != 0.0f; }));
+      for (const bool half : {false, true}) {
+        SCOPED_TRACE(std::string(isa_name(isa)) + (half ? " bf16" : " float32"));
+        Output kept, recomputed;
+        auto run = [&](Output& o, int64_t budget) {
+          SparseKlLossParams p = sparse_params(x, o, ix);
+          if (half) {
+            p.dense.query_index.data = qi16.data();
+            p.dense.query_index.dtype = DType::kBFloat16;
+            p.dense.key_index.data = ki16.data();
+            p.dense.key_index.dtype = DType::kBFloat16;
+          }
+          p.sign_budget_bytes = budget;
+          sparse_lightning_indexer_grad_kl_loss(p, ThreadExecutor(3), isa);
+        };
+        run(kept, int64_t{1} << 30);
+        run(recomputed, 0);
+        expect_same(kept, recomputed);
+        EXPECT_TRUE(
+            std::any_of(kept.dki.begin(), kept.dki.end(), [](float v) { return v != 0.0f; }));
+      }
     }
   }
 }

@@ -697,6 +697,58 @@ TEST(KernelSets, SignScaleGivesMaskedScalesBitsFromKeptSigns) {
   }
 }
 
+// sign_pairs against the three row operations it stands for: sign_scale per head, bf16_residual
+// and pair_rows over consecutive heads (a zero head after an odd count), for one key at a time:
+// the same bits at every head count up to 64, with special gradients, weights and ties.
+TEST(KernelSets, SignPairsGiveTheBitsOfSignScaleResidualAndPairRows) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(23);
+    std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+    for (const int64_t n : {1, 2, 7, 8, 9, 15, 16, 17, 20, 33, 48, 63, 64}) {
+      SCOPED_TRACE(n);
+      std::vector<float> w(n);
+      for (auto& x : w) x = u(rng);
+      w[0] = 1.0f + 1.0f / 256.0f;  // times d = 1: a tie
+      if (n > 3) w[3] = inf;
+      if (n > 5) w[5] = -0.0f;
+      for (const float d : {1.0f, 0.37f, -2.5f, 0.0f, inf, nan, 1.0e-39f}) {
+        std::vector<uint8_t> bits((n + 7) / 8 + 1);
+        for (auto& b : bits) b = static_cast<uint8_t>(rng());
+        // The composition: each head's coefficient from sign_scale (key 0 of a row of keys),
+        // its residual, then the heads in pairs.
+        std::vector<float> coef((n + 1) * kKeyTile, 0.0f), lo((n + 1) * kKeyTile, 0.0f);
+        std::vector<float> dk(kKeyTile, 0.0f);
+        dk[0] = d;
+        for (int64_t h = 0; h < n; ++h) {
+          std::vector<uint8_t> column(kKeyTile, 0);
+          column[0] = bits[h / 8];
+          set->rows.sign_scale(column.data(), static_cast<int>(h % 8), dk.data(), w[h],
+                               coef.data() + h * kKeyTile);
+          set->rows.bf16_residual(coef.data() + h * kKeyTile, lo.data() + h * kKeyTile);
+        }
+        const int64_t p = (n + 1) / 2;
+        std::vector<uint32_t> want(2 * p), row(kKeyTile);
+        for (int64_t l = 0; l < p; ++l) {
+          set->rows.pair_rows(coef.data() + 2 * l * kKeyTile, coef.data() + (2 * l + 1) * kKeyTile,
+                              row.data());
+          want[l] = row[0];
+          set->rows.pair_rows(lo.data() + 2 * l * kKeyTile, lo.data() + (2 * l + 1) * kKeyTile,
+                              row.data());
+          want[p + l] = row[0];
+        }
+        std::vector<uint32_t> got(2 * p + 8, 0xdeadbeefu);
+        set->rows.sign_pairs(bits.data(), n, w.data(), d, got.data());
+        for (int64_t l = 0; l < 2 * p; ++l)
+          EXPECT_EQ(got[l], want[l]) << "d " << d << " word " << l;
+        for (int64_t l = 2 * p; l < 2 * p + 8; ++l) EXPECT_EQ(got[l], 0xdeadbeefu) << l;
+      }
+    }
+  }
+}
+
 // The bf16 row operations: rounding to nearest even (ties, NaN, infinities) as dtype.h rounds,
 // interleaving, and the score modifications (softcap, ALiBi, the softcap's derivative) against
 // double precision.

@@ -233,6 +233,15 @@ class SparseKl {
         // The coefficients dI w [S > 0] [ig][64] (from the kept signs, or from the index scores
         // recomputed in the same layout), then d_key_index rows += coef^T x query rows.
         std::fill(sc.hit_d.begin() + c0 + m, sc.hit_d.begin() + c0 + kKeyTile, 0.0f);
+        float* tmp = sc.acc.data();
+        if (keep_signs_ && ipairs_) {
+          sign_key_product(sc, drow, c0, m, w, tmp);
+          for (int64_t c = 0; c < m; ++c) {
+            k_.rows.add_into(sc.key_grad.data() + (sc.hits[c0 + c] - j0) * dip_, tmp + c * dip_,
+                             p_.index_dim);
+          }
+          continue;
+        }
         float* coef = sc.coef.data();
         if (keep_signs_) {
           kept_coefficients(sc, drow, c0, m, w, coef);
@@ -244,7 +253,6 @@ class SparseKl {
                                  coef + h * kKeyTile);
           }
         }
-        float* tmp = sc.acc.data();
         if (ipairs_) {
           pair_key_product(sc, coef, m, tmp);
         } else {
@@ -281,6 +289,28 @@ class SparseKl {
     for (int64_t h = 0; h < ig_; ++h) {
       k_.rows.sign_scale(sc.sign_rows.data() + (h / 8) * kKeyTile, static_cast<int>(h % 8), d, w[h],
                          coef + h * kKeyTile);
+    }
+  }
+
+  // Pass 2 on pairs from the kept signs: out[c] = sum_h coef[h][c] qi[h] for the chunk's m hits
+  // from c0 (row drow), with each hit's coefficient row built as the product's pair operand
+  // straight from its sign bits (sign_pairs): the bits of kept_coefficients and pair_key_product.
+  void sign_key_product(Scratch& sc, int64_t drow, size_t c0, int64_t m, const float* w,
+                        float* out) const {
+    const uint8_t* row = signs_.data() + drow * sp_.sparse_count * sign_width_;
+    uint32_t* a = sc.words.data();  // [64][64] words: one hit's operand row per row
+    for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, ig_ - h0);
+      const int64_t p = (n + 1) / 2;
+      const int64_t depth = round_up(2 * p, ki_.depth_align);
+      for (int64_t c = 0; c < m; ++c) {
+        const uint8_t* bits = row + sc.hit_entries[c0 + c] * sign_width_ + h0 / 8;
+        uint32_t* words = a + c * kKeyTile;
+        ki_.rows.sign_pairs(bits, n, w + h0, sc.hit_d[c0 + c], words);
+        std::fill(words + 2 * p, words + depth, 0u);
+      }
+      ki_.gemm({a, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_, depth,
+                h0 == 0 ? nullptr : sc.ones.data(), 1.0f});
     }
   }
 

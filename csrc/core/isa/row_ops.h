@@ -229,6 +229,56 @@ void bf16_residual(const float* x, float* lo) {
   }
 }
 
+#if defined(__AVX512BW__)
+// bf16_bits of 16 lanes, in the low half of each 32-bit lane.
+inline __m512i bf16_bits16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(is_nan, rounded, nan);
+}
+#endif
+
+// One key's coefficients over n heads as bf16 pairs and their residuals' (RowOps::sign_pairs).
+// The bf16 values of consecutive heads, stored as 16-bit halves in head order, are the pair words.
+void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_t* out) {
+  const int64_t p = (n + 1) / 2;
+  alignas(64) uint16_t hi[kRowWidth], lo[kRowWidth];
+#if defined(__AVX512BW__)
+  // Sixteen heads a step: their two sign bytes as a lane mask.
+  const __m512 dv = _mm512_set1_ps(d);
+  for (int64_t h0 = 0; h0 < n; h0 += 16) {
+    const int64_t left = std::min<int64_t>(16, n - h0);
+    const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1u);
+    const uint32_t pair = bits[h0 / 8] | (left > 8 ? uint32_t{bits[h0 / 8 + 1]} << 8 : 0u);
+    const __m512 on = _mm512_maskz_loadu_ps(static_cast<__mmask16>(pair) & valid, w + h0);
+    const __m512 x = _mm512_maskz_mul_ps(valid, on, dv);  // d * 0 where the bit is clear
+    const __m512i high = bf16_bits16(x);
+    const __m512 residual = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(high, 16)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(hi + h0), _mm512_cvtepi32_epi16(high));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lo + h0),
+                       _mm512_cvtepi32_epi16(bf16_bits16(residual)));
+  }
+#else
+  for (int64_t h = 0; h < n; ++h) {
+    const float x = d * (((bits[h / 8] >> (h % 8)) & 1) != 0 ? w[h] : 0.0f);
+    const uint32_t high = bf16_bits(x);
+    const uint32_t wide = high << 16;
+    float rounded;
+    __builtin_memcpy(&rounded, &wide, sizeof(rounded));
+    hi[h] = static_cast<uint16_t>(high);
+    lo[h] = static_cast<uint16_t>(bf16_bits(x - rounded));
+  }
+#endif
+  if (n % 2 != 0) hi[n] = lo[n] = 0;
+  __builtin_memcpy(out, hi, p * sizeof(uint32_t));
+  __builtin_memcpy(out + p, lo, p * sizeof(uint32_t));
+}
+
 // dst[i] = bf16(src[i] scale).
 void store_bf16(const float* src, float scale, int64_t n, uint16_t* dst) {
 #pragma omp simd
@@ -389,6 +439,7 @@ constexpr RowOps row_ops() {
                 &multiply_into,
                 &interleave_bf16,
                 &bf16_residual,
+                &sign_pairs,
                 &store_bf16,
                 &first_above,
                 &widen_quantized_f32,

@@ -137,6 +137,13 @@ struct RowOps {
   // lo[c] = x[c] - bf16(x[c]) (round to nearest even): what a row of float32 operands loses to
   // bf16, so that bf16(x) + bf16(lo) carries x to about 2^-17 relative in two pair products.
   void (*bf16_residual)(const float* x, float* lo);
+  // One key's coefficients over n (1..64) heads as the pair operand of a product along the heads,
+  // split as bf16_residual splits: with x[h] = d (bit h % 8 of bits[h / 8] set ? w[h] : 0) for
+  // h < n and x[n] = 0, and p = (n + 1) / 2 pairs,
+  //   out[l] = bf16(x[2l]) | bf16(x[2l + 1]) << 16,  out[p + l] the same of x - bf16(x),
+  // for l < p: the bits sign_scale, pair_rows and bf16_residual give, with no [heads][keys] tile
+  // between them.
+  void (*sign_pairs)(const uint8_t* bits, int64_t n, const float* w, float d, uint32_t* out);
   // dst[i] = bf16(src[i] scale) (round to nearest even, NaN quietened) for n entries: a row of
   // float32 results stored as bf16, the same bits as the portable conversion (dtype.h).
   void (*store_bf16)(const float* src, float scale, int64_t n, uint16_t* dst);
