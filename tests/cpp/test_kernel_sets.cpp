@@ -749,6 +749,42 @@ TEST(KernelSets, SignPairsGiveTheBitsOfSignScaleResidualAndPairRows) {
   }
 }
 
+// sign_words against the comparison written out: bit h of column c is s[h][c] > 0 (zero, -0,
+// NaN and -inf clear, +inf set), at head and column counts on and off the vector width, nothing
+// written past n.
+TEST(KernelSets, SignWordsHoldEachColumnsSigns) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float specials[] = {0.0f, -0.0f, nan, inf, -inf, 1.0e-40f, -1.0e-40f};
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(29);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (const int64_t heads : {1, 7, 8, 33, 64}) {
+      for (const int64_t n : {0, 1, 15, 16, 17, 64, 100}) {
+        SCOPED_TRACE(std::to_string(heads) + " heads, " + std::to_string(n) + " columns");
+        const int64_t ld = n + 3;
+        std::vector<float> s(heads * ld, 5.0f);  // past n in a row: positive, not read
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t c = 0; c < n; ++c) {
+            s[h * ld + c] = (h + c) % 5 == 0 ? specials[(h * 3 + c) % 7] : u(rng);
+          }
+        }
+        std::vector<uint64_t> got(n + 4, 0xabcdu);
+        set->rows.sign_words(s.data(), ld, heads, n, got.data());
+        for (int64_t c = 0; c < n; ++c) {
+          uint64_t want = 0;
+          for (int64_t h = 0; h < heads; ++h) {
+            if (s[h * ld + c] > 0.0f) want |= uint64_t{1} << h;
+          }
+          EXPECT_EQ(got[c], want) << c;
+        }
+        for (int64_t c = n; c < n + 4; ++c) EXPECT_EQ(got[c], 0xabcdu) << c;
+      }
+    }
+  }
+}
+
 // The bf16 row operations: rounding to nearest even (ties, NaN, infinities) as dtype.h rounds,
 // interleaving, and the score modifications (softcap, ALiBi, the softcap's derivative) against
 // double precision.

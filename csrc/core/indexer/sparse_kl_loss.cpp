@@ -126,7 +126,8 @@ class SparseKl {
     std::vector<int32_t> keys, entries;
     std::vector<float> key_grad;  // pass 2: [keys][dip]
     std::vector<int32_t> hits, hit_entries;
-    std::vector<uint8_t> sign_rows;  // [sign bytes][keys] signs of a row's keys, byte-major
+    std::vector<uint8_t> sign_rows;    // [sign bytes][keys] signs of a row's keys, byte-major
+    std::vector<uint64_t> sign_words;  // [keys] signs of a row's keys for 64 heads, bit h for h
     std::vector<float> hit_d;
     // bf16 inputs on pair kernels: the main score product's operands as bf16 pairs.
     AlignedBuffer<uint32_t> qp;      // [N1 (+16 readable)][dmw] main query rows (query | rope)
@@ -213,19 +214,23 @@ class SparseKl {
       if (!active_[drow]) continue;
       const int32_t* idx = static_cast<const int32_t*>(sp_.indices.data) + indices_row(s, i, n);
       const float* d = d_index_.data() + drow * sp_.sparse_count;
-      sc.hits.clear();
-      sc.hit_d.clear();
-      sc.hit_entries.clear();
+      // The entries in [lo, hi), compacted without a branch (each entry written, the end moved
+      // past it when it is in the block): which entries hit is not predictable.
+      sc.hits.resize(sp_.sparse_count);
+      sc.hit_d.resize(round_up(sp_.sparse_count, kKeyTile));
+      sc.hit_entries.resize(sp_.sparse_count);
+      size_t count = 0;
       for (int64_t e = 0; e < sp_.sparse_count; ++e) {
         const int64_t v = idx[e * sp_.indices.sd];
-        if (v >= lo && v < hi) {
-          sc.hits.push_back(static_cast<int32_t>(v));
-          sc.hit_d.push_back(d[e]);
-          sc.hit_entries.push_back(static_cast<int32_t>(e));
-        }
+        sc.hits[count] = static_cast<int32_t>(v);
+        sc.hit_d[count] = d[e];
+        sc.hit_entries[count] = static_cast<int32_t>(e);
+        count += static_cast<size_t>(v >= lo && v < hi);
       }
-      if (sc.hits.empty()) continue;
-      sc.hit_d.resize(round_up(sc.hit_d.size(), kKeyTile), 0.0f);
+      if (count == 0) continue;
+      sc.hits.resize(count);
+      sc.hit_d.resize(round_up(count, kKeyTile));
+      sc.hit_entries.resize(count);
       load_group(sc, s, i, g);
       const float* w = sc.w.data() + g * ig_;
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
@@ -657,10 +662,9 @@ class SparseKl {
     sc.sidx.grow(ig_ * padded);  // every chunk's product writes its 64 columns
     sc.score.assign(padded, 0.0f);
     // The row's index key rows, kept for d_query_index (rows past nk zero): float32 rows, or
-    // key pairs on pairs.
+    // key pairs on pairs (index_product writes each chunk's whole 64 rows).
     if (ipairs_) {
       sc.key_pairs.grow(padded * dip_);
-      std::fill(sc.key_pairs.data(), sc.key_pairs.data() + padded * dip_, 0u);
     } else {
       sc.row_keys.resize(padded * dip_);
       std::fill(sc.row_keys.begin() + nk * dip_, sc.row_keys.end(), 0.0f);
@@ -755,26 +759,17 @@ class SparseKl {
   // The signs of the group's index scores (sc.sidx) of the row's nk selected keys, at their
   // entries of row drow.
   void keep_signs(Scratch& sc, int64_t drow, int64_t nk, int64_t padded) {
-    // Byte b of key c holds heads 8b..8b+7: built a byte row at a time over the keys, then
-    // copied to the keys' entries.
-    sc.sign_rows.resize(sign_width_ * padded);
-    const float* scores = sc.sidx.data();
-    for (int64_t b = 0; b < sign_width_; ++b) {
-      uint8_t* bytes = sc.sign_rows.data() + b * padded;
-      std::fill(bytes, bytes + nk, uint8_t{0});
-      for (int64_t h = 8 * b; h < std::min(ig_, 8 * b + 8); ++h) {
-        const float* row = scores + h * padded;
-        const int shift = static_cast<int>(h - 8 * b);
-        for (int64_t c = 0; c < nk; ++c) {
-          bytes[c] =
-              static_cast<uint8_t>(bytes[c] | (static_cast<uint8_t>(row[c] > 0.0f) << shift));
-        }
-      }
-    }
+    // Byte b of key c holds heads 8b..8b+7 (bit h % 8): per 64 heads a word per key, whose
+    // little-endian bytes are those bytes, copied to the keys' entries.
+    sc.sign_words.resize(padded);
     uint8_t* out = signs_.data() + drow * sp_.sparse_count * sign_width_;
-    for (int64_t c = 0; c < nk; ++c) {
-      uint8_t* bits = out + sc.entries[c] * sign_width_;
-      for (int64_t b = 0; b < sign_width_; ++b) bits[b] = sc.sign_rows[b * padded + c];
+    for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
+      const int64_t heads = std::min(kKeyTile, ig_ - h0);
+      k_.rows.sign_words(sc.sidx.data() + h0 * padded, padded, heads, nk, sc.sign_words.data());
+      const size_t bytes = static_cast<size_t>((heads + 7) / 8);
+      for (int64_t c = 0; c < nk; ++c) {
+        std::memcpy(out + sc.entries[c] * sign_width_ + h0 / 8, &sc.sign_words[c], bytes);
+      }
     }
   }
 

@@ -279,6 +279,36 @@ void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_
   __builtin_memcpy(out + p, lo, p * sizeof(uint32_t));
 }
 
+// The signs of a [heads][n] tile of scores as a word per column (RowOps::sign_words).
+void sign_words(const float* s, int64_t ld, int64_t heads, int64_t n, uint64_t* out) {
+#if defined(__AVX512BW__)
+  // Sixteen columns a step: each row's compare mask sets bit h in the columns' two vectors of
+  // eight words.
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t left = std::min<int64_t>(16, n - c0);
+    const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1u);
+    __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m512 x = _mm512_maskz_loadu_ps(valid, s + h * ld + c0);
+      const __mmask16 on = _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ);
+      const __m512i bit = _mm512_set1_epi64(static_cast<long long>(uint64_t{1} << h));
+      low = _mm512_mask_or_epi64(low, static_cast<__mmask8>(on), low, bit);
+      high = _mm512_mask_or_epi64(high, static_cast<__mmask8>(on >> 8), high, bit);
+    }
+    _mm512_mask_storeu_epi64(out + c0, static_cast<__mmask8>(valid), low);
+    _mm512_mask_storeu_epi64(out + c0 + 8, static_cast<__mmask8>(valid >> 8), high);
+  }
+#else
+  for (int64_t c = 0; c < n; ++c) out[c] = 0;
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint64_t bit = uint64_t{1} << h;
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) out[c] |= s[h * ld + c] > 0.0f ? bit : 0u;
+  }
+#endif
+}
+
 // dst[i] = bf16(src[i] scale).
 void store_bf16(const float* src, float scale, int64_t n, uint16_t* dst) {
 #pragma omp simd
@@ -440,6 +470,7 @@ constexpr RowOps row_ops() {
                 &interleave_bf16,
                 &bf16_residual,
                 &sign_pairs,
+                &sign_words,
                 &store_bf16,
                 &first_above,
                 &widen_quantized_f32,

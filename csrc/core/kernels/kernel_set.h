@@ -144,6 +144,9 @@ struct RowOps {
   // for l < p: the bits sign_scale, pair_rows and bf16_residual give, with no [heads][keys] tile
   // between them.
   void (*sign_pairs)(const uint8_t* bits, int64_t n, const float* w, float d, uint32_t* out);
+  // out[c] = sum over h < heads (at most 64) of [s[h * ld + c] > 0] << h, for c < n: the signs
+  // of a [heads][n] tile of scores as a word per column, bit h for row h (a NaN score: 0).
+  void (*sign_words)(const float* s, int64_t ld, int64_t heads, int64_t n, uint64_t* out);
   // dst[i] = bf16(src[i] scale) (round to nearest even, NaN quietened) for n entries: a row of
   // float32 results stored as bf16, the same bits as the portable conversion (dtype.h).
   void (*store_bf16)(const float* src, float scale, int64_t n, uint16_t* dst);
