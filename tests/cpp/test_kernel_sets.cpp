@@ -749,6 +749,52 @@ TEST(KernelSets, SignPairsGiveTheBitsOfSignScaleResidualAndPairRows) {
   }
 }
 
+// coefficient_halves against split_coefficients: the halves are bf16 of its coefficient and of
+// the coefficient's residual (the portable rounding: ties, NaN, infinities, subnormals), its sum
+// the same sum to float rounding.
+TEST(KernelSets, CoefficientHalvesSplitSplitCoefficients) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(31);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    std::vector<float> s(kKeyTile), d(kKeyTile);
+    for (auto& x : s) x = u(rng);
+    for (auto& x : d) x = u(rng);
+    s[1] = 0.0f;
+    s[2] = -0.0f;
+    s[3] = nan;
+    s[4] = inf;
+    d[5] = 1.0f + 1.0f / 256.0f;  // times w = 1 a tie
+    s[5] = 0.5f;
+    d[6] = 1.0e-39f;  // a subnormal coefficient
+    s[6] = 0.5f;
+    for (const float w : {1.0f, -0.75f, 0.0f}) {
+      std::vector<float> c1(kKeyTile), c2(kKeyTile);
+      float a1 = 0.25f, a2 = 0.0f;
+      set->rows.split_coefficients(s.data(), d.data(), d.data(), w, c1.data(), c2.data(), &a1, &a2);
+      std::vector<uint16_t> out(2 * kKeyTile + 4, 0xbeefu);
+      float a = 0.25f;
+      set->rows.coefficient_halves(s.data(), d.data(), w, out.data(), &a);
+      for (int64_t c = 0; c < kKeyTile; ++c) {
+        const uint16_t hi = float_to_bf16_bits(c1[c]);
+        const uint32_t wide = uint32_t{hi} << 16;
+        float rounded;
+        std::memcpy(&rounded, &wide, sizeof(rounded));
+        EXPECT_EQ(out[c], hi) << "w " << w << " entry " << c;
+        EXPECT_EQ(out[kKeyTile + c], float_to_bf16_bits(c1[c] - rounded)) << "w " << w << " " << c;
+      }
+      for (int64_t c = 2 * kKeyTile; c < 2 * kKeyTile + 4; ++c) EXPECT_EQ(out[c], 0xbeefu);
+      if (std::isfinite(a1)) {
+        EXPECT_NEAR(a, a1, 1e-5f * (1.0f + std::abs(a1))) << w;
+      } else {
+        EXPECT_EQ(a, a1) << w;  // the infinite score's term
+      }
+    }
+  }
+}
+
 // sign_words against the comparison written out: bit h of column c is s[h][c] > 0 (zero, -0,
 // NaN and -inf clear, +inf set), at head and column counts on and off the vector width, nothing
 // written past n.

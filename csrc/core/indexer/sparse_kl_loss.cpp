@@ -731,26 +731,25 @@ class SparseKl {
     float* unused = sc.s.data();  // split_coefficients' second output, not read
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const float* d = sc.dsc.data() + c0;
+      if (ipairs_) {
+        for (int64_t h = 0; h < ig_; ++h) {
+          float part = 0.0f;
+          ki_.rows.coefficient_halves(sc.sidx.data() + h * padded + c0, d, w[h],
+                                      sc.coef16.data() + h * 2 * kKeyTile, &part);
+          sc.dw[h] += part;
+        }
+        ki_.gemm({sc.coef16.data(), kKeyTile, sc.key_pairs.data() + c0 * dip_, dip_, acc, dip_, ig_,
+                  dip_, kKeyTile, sc.ones.data(), 1.0f});
+        continue;
+      }
       for (int64_t h = 0; h < ig_; ++h) {
         float part = 0.0f, ignored = 0.0f;
         k_.rows.split_coefficients(sc.sidx.data() + h * padded + c0, d, d, w[h],
                                    coef + h * kKeyTile, unused, &part, &ignored);
         sc.dw[h] += part;
       }
-      if (ipairs_) {
-        for (int64_t h = 0; h < ig_; ++h) {
-          uint16_t* row = sc.coef16.data() + h * 2 * kKeyTile;
-          float* lo = sc.coef_lo.data() + h * kKeyTile;
-          ki_.to_bf16(coef + h * kKeyTile, row, kKeyTile);
-          ki_.rows.bf16_residual(coef + h * kKeyTile, lo);
-          ki_.to_bf16(lo, row + kKeyTile, kKeyTile);
-        }
-        ki_.gemm({sc.coef16.data(), kKeyTile, sc.key_pairs.data() + c0 * dip_, dip_, acc, dip_, ig_,
-                  dip_, kKeyTile, sc.ones.data(), 1.0f});
-      } else {
-        k_.gemm({coef, kKeyTile, sc.row_keys.data() + c0 * dip_, dip_, acc, dip_, ig_, dip_,
-                 kKeyTile, sc.ones.data(), 1.0f});
-      }
+      k_.gemm({coef, kKeyTile, sc.row_keys.data() + c0 * dip_, dip_, acc, dip_, ig_, dip_, kKeyTile,
+               sc.ones.data(), 1.0f});
     }
     store_group(sc, s, i, g);
     return loss;

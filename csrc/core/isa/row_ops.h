@@ -230,16 +230,26 @@ void bf16_residual(const float* x, float* lo) {
 }
 
 #if defined(__AVX512BW__)
-// bf16_bits of 16 lanes, in the low half of each 32-bit lane.
-inline __m512i bf16_bits16(__m512 x) {
+// bf16_bits of 16 lanes, in the high half of each 32-bit lane (the low half zero): the rounded
+// value as a float.
+inline __m512i bf16_high(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), high);
+  const __m512i nan = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high);
   const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(
       _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_blend_epi32(is_nan, rounded, nan);
+}
+
+// The high halves of two vectors' 32-bit lanes, a's then b's: 32 bf16 values in lane order.
+inline __m512i high_halves(__m512i a, __m512i b) {
+  const __m512i odd =
+      _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                       25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(a, odd, b);
 }
 #endif
 
@@ -257,11 +267,12 @@ void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_
     const uint32_t pair = bits[h0 / 8] | (left > 8 ? uint32_t{bits[h0 / 8 + 1]} << 8 : 0u);
     const __m512 on = _mm512_maskz_loadu_ps(static_cast<__mmask16>(pair) & valid, w + h0);
     const __m512 x = _mm512_maskz_mul_ps(valid, on, dv);  // d * 0 where the bit is clear
-    const __m512i high = bf16_bits16(x);
-    const __m512 residual = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(high, 16)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(hi + h0), _mm512_cvtepi32_epi16(high));
+    const __m512i high = bf16_high(x);
+    const __m512i residual = bf16_high(_mm512_sub_ps(x, _mm512_castsi512_ps(high)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(hi + h0),
+                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(high, 16)));
     _mm256_store_si256(reinterpret_cast<__m256i*>(lo + h0),
-                       _mm512_cvtepi32_epi16(bf16_bits16(residual)));
+                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(residual, 16)));
   }
 #else
   for (int64_t h = 0; h < n; ++h) {
@@ -277,6 +288,46 @@ void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_
   if (n % 2 != 0) hi[n] = lo[n] = 0;
   __builtin_memcpy(out, hi, p * sizeof(uint32_t));
   __builtin_memcpy(out + p, lo, p * sizeof(uint32_t));
+}
+
+// One head's first-pass coefficients as bf16 halves (RowOps::coefficient_halves).
+void coefficient_halves(const float* s, const float* d, float w, uint16_t* out, float* a) {
+#if defined(__AVX512BW__)
+  // 32 keys a step: two vectors' bf16 values and residuals, each pair packed by one permutation.
+  const __m512 zero = _mm512_setzero_ps(), wv = _mm512_set1_ps(w);
+  __m512 sum = zero;
+  for (int64_t c = 0; c < kRowWidth; c += 32) {
+    __m512i hi[2], lo[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m512 v = _mm512_loadu_ps(s + c + 16 * k), dv = _mm512_loadu_ps(d + c + 16 * k);
+      const __mmask16 on = _mm512_cmp_ps_mask(v, zero, _CMP_GT_OQ);
+      sum = _mm512_add_ps(sum, _mm512_mul_ps(dv, _mm512_maskz_mov_ps(on, v)));
+      const __m512 x = _mm512_mul_ps(dv, _mm512_maskz_mov_ps(on, wv));
+      hi[k] = bf16_high(x);
+      lo[k] = bf16_high(_mm512_sub_ps(x, _mm512_castsi512_ps(hi[k])));
+    }
+    _mm512_storeu_si512(out + c, high_halves(hi[0], hi[1]));
+    _mm512_storeu_si512(out + kRowWidth + c, high_halves(lo[0], lo[1]));
+  }
+  *a += _mm512_reduce_add_ps(sum);
+#else
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t c = 0; c < kRowWidth; ++c) {
+    const float v = s[c];
+    const float relu = v > 0.0f ? v : 0.0f;
+    const float on = v > 0.0f ? w : 0.0f;
+    const float x = d[c] * on;
+    acc += d[c] * relu;
+    const uint32_t high = bf16_bits(x);
+    const uint32_t wide = high << 16;
+    float rounded;
+    __builtin_memcpy(&rounded, &wide, sizeof(rounded));
+    out[c] = static_cast<uint16_t>(high);
+    out[kRowWidth + c] = static_cast<uint16_t>(bf16_bits(x - rounded));
+  }
+  *a += acc;
+#endif
 }
 
 // The signs of a [heads][n] tile of scores as a word per column (RowOps::sign_words).
@@ -470,6 +521,7 @@ constexpr RowOps row_ops() {
                 &interleave_bf16,
                 &bf16_residual,
                 &sign_pairs,
+                &coefficient_halves,
                 &sign_words,
                 &store_bf16,
                 &first_above,

@@ -144,6 +144,10 @@ struct RowOps {
   // for l < p: the bits sign_scale, pair_rows and bf16_residual give, with no [heads][keys] tile
   // between them.
   void (*sign_pairs)(const uint8_t* bits, int64_t n, const float* w, float d, uint32_t* out);
+  // The first pass's coefficients of one head as a product's pair operand over 64 keys: with
+  // x[c] = [s[c] > 0] d[c] w (split_coefficients' c1), out[c] = bf16(x[c]) and out[64 + c] =
+  // bf16(x[c] - bf16(x[c])) (round to nearest even), and *a += sum d relu(s) (its a1).
+  void (*coefficient_halves)(const float* s, const float* d, float w, uint16_t* out, float* a);
   // out[c] = sum over h < heads (at most 64) of [s[h * ld + c] > 0] << h, for c < n: the signs
   // of a [heads][n] tile of scores as a word per column, bit h for row h (a NaN score: 0).
   void (*sign_words)(const float* s, int64_t ld, int64_t heads, int64_t n, uint64_t* out);
