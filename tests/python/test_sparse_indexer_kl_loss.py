@@ -169,6 +169,26 @@ def test_main_keys_read_in_place_on_every_kernel_path(simd_level):
         assert torch.equal(a, b)
 
 
+def test_index_keys_read_in_place_on_every_kernel_path(simd_level):
+    """bf16 index keys of unit stride whose rows fill whole pair words are read where they lie on
+    pair sets; keys of stride 2 are copied and packed first. Against float64, and the same loss
+    and gradients bit for bit; an odd index dim (a padded pair word) takes the copy too."""
+    case = Case("index_in_place", s1=40, s2=75, n1=4, n2=2, d=16, n1i=6, n2i=2, di=8)
+    for di in (8, 7):
+        shaped = dataclasses.replace(case, di=di)
+        check(shaped, torch.bfloat16, 70)
+        t, scale, options = make(shaped, torch.bfloat16, 0)
+        idx = selection(shaped, 70)
+        wide = torch.zeros(*t["key_index"].shape[:-1], 2 * di, dtype=torch.bfloat16)
+        wide[..., ::2] = t["key_index"]
+        strided = dict(t, key_index=wide[..., ::2])
+        assert strided["key_index"].stride(-1) == 2
+        for a, b in zip(
+            run_op(t, idx, scale, options), run_op(strided, idx, scale, options), strict=True
+        ):
+            assert torch.equal(a, b)
+
+
 def test_an_odd_index_group_wider_than_128_heads_on_every_kernel_path(simd_level):
     """On pairs the key pass takes the index heads as its depth, 128 at a time: 131 heads (odd)
     take two products, the second over a half-empty pair; K = 70 takes two key chunks."""

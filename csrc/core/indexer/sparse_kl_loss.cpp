@@ -61,7 +61,8 @@ class SparseKl {
         diw_(round_up((p_.index_dim + 1) / 2, ki_.depth_align)),
         head_pairs_(ipairs_ ? round_up(ig_, kKeyTile) : 0),
         sign_width_((ig_ + 7) / 8),
-        keys_in_place_(main_keys_in_place(p_, kb_)) {
+        keys_in_place_(main_keys_in_place(p_, kb_)),
+        index_keys_in_place_(ipairs_ && p_.key_index.sd == 1 && p_.index_dim == 2 * diw_) {
     const int64_t rows = p_.layout == Layout::kTND ? p_.seq_q : p_.batch * p_.seq_q;
     active_.assign(rows * p_.index_heads_k, 0);
     // Both are written by the first pass for every entry the second reads (a selected, visible
@@ -438,8 +439,16 @@ class SparseKl {
                dip_, nullptr, 1.0f});
       return;
     }
+    // The rows where they lie when they are whole pair words (index_keys_in_place_), else
+    // copied, zero-padded, to the stage; rows past m are zero either way.
     for (int64_t c = 0; c < kKeyTile; ++c) {
       ahead.next();
+      if (index_keys_in_place_) {
+        rows[c] = c < m ? static_cast<const char*>(p_.key_index.data) +
+                              key_row(p_.key_index, s, keys[c], g) * sizeof(uint16_t)
+                        : nullptr;
+        continue;
+      }
       uint32_t* words = sc.istage.data() + c * diw_;
       std::fill(words, words + diw_, 0u);
       if (c < m) {
@@ -452,10 +461,15 @@ class SparseKl {
     ki_.gemm({sc.qip.data() + g * ig_ * diw_, diw_, sc.kitp.data(), kKeyTile, out, ld, ig_,
               kKeyTile, diw_, nullptr, 1.0f});
     if (key_pairs == nullptr) return;
-    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(sc.istage.data());
     for (int64_t l = 0; l < kKeyTile / 2; ++l) {
-      ki_.rows.interleave_bf16(k16 + 2 * l * 2 * diw_, k16 + (2 * l + 1) * 2 * diw_, p_.index_dim,
-                               key_pairs + l * dip_);
+      uint32_t* pairs = key_pairs + l * dip_;
+      if (index_keys_in_place_ && 2 * l >= m) {
+        std::fill(pairs, pairs + p_.index_dim, 0u);
+        continue;
+      }
+      const auto* first = reinterpret_cast<const uint16_t*>(rows[2 * l]);
+      const auto* second = reinterpret_cast<const uint16_t*>(rows[2 * l + 1]);
+      ki_.rows.interleave_bf16(first, second, p_.index_dim, pairs);
     }
     std::memcpy(key_pairs + kKeyTile / 2 * dip_, key_pairs, kKeyTile / 2 * dip_ * sizeof(uint32_t));
   }
@@ -802,6 +816,9 @@ class SparseKl {
   int64_t head_pairs_;           // rows of qih: ig rounded up to whole blocks of 64 heads
   int64_t sign_width_;           // bytes of one entry's signs: a bit per head of a group
   bool keys_in_place_;           // main_keys_in_place
+  // The index products read the selected index key rows where they lie: bf16 pairs of unit
+  // stride that fill their pair words (no padding to the set's depth).
+  bool index_keys_in_place_;
   std::vector<uint8_t> active_;  // [rows][N2index]: the row had target mass
   bool keep_signs_;              // the first pass keeps the signs (within the budget)
   // [rows][N2index][K][sign_width_]: bit h of entry e is index score h > 0
