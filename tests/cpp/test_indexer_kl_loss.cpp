@@ -425,7 +425,8 @@ TEST(SparseKlLoss, MatchesTheFormulaOnSubsetsOnEveryWorkerCount) {
 
 // The second pass takes the index scores' signs kept by the first, or recomputes them when they
 // do not fit the budget: the same bits either way, on every kernel set and selection, with
-// float32 index inputs and with bf16 ones (the pair sets' coefficient rows built from the signs).
+// float32 index inputs and with bf16 ones (the pair sets' coefficient rows built from the signs),
+// and with bf16 weights (there the signs select the weights themselves).
 TEST(SparseKlLoss, KeptAndRecomputedSignsGiveTheSameBits) {
   Problem x = make(7);
   statistics(x);
@@ -435,12 +436,12 @@ TEST(SparseKlLoss, KeptAndRecomputedSignsGiveTheSameBits) {
     for (size_t e = 0; e < a.size(); ++e) out[e] = float_to_bf16_bits(a[e]);
     return out;
   };
-  const std::vector<uint16_t> qi16 = bf16(x.qi), ki16 = bf16(x.ki);
+  const std::vector<uint16_t> qi16 = bf16(x.qi), ki16 = bf16(x.ki), w16 = bf16(x.w);
   for (int64_t heads : {kN2i, int64_t{1}}) {
     const Indices ix = make_indices(x, heads, choose);
     for (Isa isa : supported_isas()) {
-      for (const bool half : {false, true}) {
-        SCOPED_TRACE(std::string(isa_name(isa)) + (half ? " bf16" : " float32"));
+      for (const int half : {0, 1, 2}) {
+        SCOPED_TRACE(std::string(isa_name(isa)) + " bf16 operands " + std::to_string(half));
         Output kept, recomputed;
         auto run = [&](Output& o, int64_t budget) {
           SparseKlLossParams p = sparse_params(x, o, ix);
@@ -449,6 +450,10 @@ TEST(SparseKlLoss, KeptAndRecomputedSignsGiveTheSameBits) {
             p.dense.query_index.dtype = DType::kBFloat16;
             p.dense.key_index.data = ki16.data();
             p.dense.key_index.dtype = DType::kBFloat16;
+          }
+          if (half == 2) {
+            p.dense.weights.data = w16.data();
+            p.dense.weights.dtype = DType::kBFloat16;
           }
           p.sign_budget_bytes = budget;
           sparse_lightning_indexer_grad_kl_loss(p, ThreadExecutor(3), isa);

@@ -749,6 +749,45 @@ TEST(KernelSets, SignPairsGiveTheBitsOfSignScaleResidualAndPairRows) {
   }
 }
 
+// sign_weights against the selection written out (bit h picks weight h, a zero after an odd
+// count, nothing written past the pairs), and add_scaled against its formula.
+TEST(KernelSets, SignWeightsSelectTheWeightsAndAddScaledAdds) {
+  for (const KernelSet* set : sets_under_test()) {
+    SCOPED_TRACE(set->name);
+    std::mt19937 rng(37);
+    for (const int64_t n : {1, 2, 7, 8, 9, 31, 32, 33, 40, 63, 64}) {
+      SCOPED_TRACE(n);
+      std::vector<uint16_t> w(n);
+      for (auto& x : w) x = static_cast<uint16_t>(rng() | 1u);  // never 0: a pick shows
+      std::vector<uint8_t> bits((n + 7) / 8);
+      for (auto& b : bits) b = static_cast<uint8_t>(rng());
+      const int64_t p = (n + 1) / 2;
+      std::vector<uint32_t> got(p + 4, 0xdeadbeefu);
+      set->rows.sign_weights(bits.data(), n, w.data(), got.data());
+      for (int64_t l = 0; l < p; ++l) {
+        uint32_t want = 0;
+        for (int64_t k = 0; k < 2; ++k) {
+          const int64_t h = 2 * l + k;
+          if (h < n && ((bits[h / 8] >> (h % 8)) & 1) != 0) want |= uint32_t{w[h]} << (16 * k);
+        }
+        EXPECT_EQ(got[l], want) << l;
+      }
+      for (int64_t l = p; l < p + 4; ++l) EXPECT_EQ(got[l], 0xdeadbeefu) << l;
+    }
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (const int64_t n : {1, 16, 37, 128}) {
+      std::vector<float> dst(n + 2, 7.0f), src(n);
+      for (auto& x : src) x = u(rng);
+      std::vector<float> want(dst);
+      for (int64_t i = 0; i < n; ++i) want[i] += 0.3f * src[i];
+      set->rows.add_scaled(dst.data(), src.data(), 0.3f, n);
+      for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(dst[i], want[i], 1e-6f) << i;
+      EXPECT_EQ(dst[n], 7.0f);
+      EXPECT_EQ(dst[n + 1], 7.0f);
+    }
+  }
+}
+
 // coefficient_halves against split_coefficients: the halves are bf16 of its coefficient and of
 // the coefficient's residual (the portable rounding: ties, NaN, infinities, subnormals), its sum
 // the same sum to float rounding.

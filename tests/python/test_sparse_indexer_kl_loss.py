@@ -98,6 +98,11 @@ TOLERANCES = {
 def check(case, dtype, k, *, shared=False, seed=0, fill=0.6):
     t, scale, options = make(case, dtype, seed)
     idx = selection(case, k, shared=shared, seed=seed, fill=fill)
+    return compare(case, dtype, t, idx, scale, options)
+
+
+def compare(case, dtype, t, idx, scale, options):
+    """The operator on the tensors ``t`` against float64; ``dtype`` picks the tolerance."""
     d_qi, d_ki, d_w, loss = run_op(t, idx, scale, options)
     want_loss, want = reference(case, t, idx, scale)
     assert loss.shape == (1,) and loss.dtype == torch.float32
@@ -187,6 +192,22 @@ def test_index_keys_read_in_place_on_every_kernel_path(simd_level):
             run_op(t, idx, scale, options), run_op(strided, idx, scale, options), strict=True
         ):
             assert torch.equal(a, b)
+
+
+def test_bf16_index_inputs_with_float32_weights_on_every_kernel_path(simd_level):
+    """bf16 index inputs take the pair products; float32 weights that are not bf16 values make
+    the key pass form float32 coefficients (two bf16 halves), bf16-valued ones let the signs
+    select the weights (one product): both against float64, 70 heads (two blocks of 64)."""
+    case = Case("float32_weights", s1=30, s2=40, n1=2, n2=1, d=8, n1i=70, n2i=1, di=10)
+    t, scale, options = make(case, torch.bfloat16, 2)
+    idx = selection(case, 40)
+    rounded = t["weights"].float()
+    assert torch.equal(rounded.bfloat16().float(), rounded)
+    g = torch.Generator().manual_seed(5)
+    general = rounded * (1 + 0.3 * torch.rand(rounded.shape, generator=g))
+    assert not torch.equal(general.bfloat16().float(), general)
+    for weights in (general, rounded):
+        compare(case, torch.bfloat16, dict(t, weights=weights), idx, scale, options)
 
 
 def test_an_odd_index_group_wider_than_128_heads_on_every_kernel_path(simd_level):

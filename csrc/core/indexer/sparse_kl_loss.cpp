@@ -129,6 +129,7 @@ class SparseKl {
     std::vector<int32_t> hits, hit_entries;
     std::vector<uint8_t> sign_rows;    // [sign bytes][keys] signs of a row's keys, byte-major
     std::vector<uint64_t> sign_words;  // [keys] signs of a row's keys for 64 heads, bit h for h
+    std::vector<uint16_t> w16;         // pass 2: the group's weights' bf16 bits
     std::vector<float> hit_d;
     // bf16 inputs on pair kernels: the main score product's operands as bf16 pairs.
     AlignedBuffer<uint32_t> qp;      // [N1 (+16 readable)][dmw] main query rows (query | rope)
@@ -234,12 +235,21 @@ class SparseKl {
       sc.hit_entries.resize(count);
       load_group(sc, s, i, g);
       const float* w = sc.w.data() + g * ig_;
+      const bool bf16_weights = ipairs_ && weights_as_bf16(sc, w);
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
         // The coefficients dI w [S > 0] [ig][64] (from the kept signs, or from the index scores
         // recomputed in the same layout), then d_key_index rows += coef^T x query rows.
         std::fill(sc.hit_d.begin() + c0 + m, sc.hit_d.begin() + c0 + kKeyTile, 0.0f);
         float* tmp = sc.acc.data();
+        if (bf16_weights) {
+          weight_key_product(sc, s, g, drow, c0, m, tmp);
+          for (int64_t c = 0; c < m; ++c) {
+            k_.rows.add_scaled(sc.key_grad.data() + (sc.hits[c0 + c] - j0) * dip_, tmp + c * dip_,
+                               sc.hit_d[c0 + c], p_.index_dim);
+          }
+          continue;
+        }
         if (keep_signs_ && ipairs_) {
           sign_key_product(sc, drow, c0, m, w, tmp);
           for (int64_t c = 0; c < m; ++c) {
@@ -314,6 +324,54 @@ class SparseKl {
         uint32_t* words = a + c * kKeyTile;
         ki_.rows.sign_pairs(bits, n, w + h0, sc.hit_d[c0 + c], words);
         std::fill(words + 2 * p, words + depth, 0u);
+      }
+      ki_.gemm({a, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_, depth,
+                h0 == 0 ? nullptr : sc.ones.data(), 1.0f});
+    }
+  }
+
+  // Whether the group's weights w are bf16 values (always for bf16 weights), with their bf16
+  // bits into sc.w16.
+  bool weights_as_bf16(Scratch& sc, const float* w) const {
+    sc.w16.resize(ig_);
+    for (int64_t h = 0; h < ig_; ++h) {
+      uint32_t u;
+      std::memcpy(&u, &w[h], sizeof(u));
+      if ((u & 0xffffu) != 0) return false;
+      sc.w16[h] = static_cast<uint16_t>(u >> 16);
+    }
+    return true;
+  }
+
+  // Pass 2 on pairs with bf16 weights: out[c] = sum_h [S_h > 0] w[h] qi[h] for the chunk's m
+  // hits from c0 (row drow), their dI applied after. The signs (kept, or from the index scores
+  // recomputed: sign_words) select the weights' bf16 values as the product's pair operand
+  // (sign_weights): exact, so one product over the heads' p pairs carries them, where float32
+  // coefficients dI w take two.
+  void weight_key_product(Scratch& sc, const Sequence& s, int64_t g, int64_t drow, size_t c0,
+                          int64_t m, float* out) const {
+    const uint8_t* kept = signs_.data() + drow * sp_.sparse_count * sign_width_;
+    if (!keep_signs_) {
+      float* st = sc.acc.data();  // [ig][64] scores, read before the products overwrite them
+      index_product(sc, s, g, sc.hits.data() + c0, m, st, kKeyTile, nullptr);
+      sc.sign_words.resize(round_up(ig_, kKeyTile));
+      for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
+        k_.rows.sign_words(st + h0 * kKeyTile, kKeyTile, std::min(kKeyTile, ig_ - h0), m,
+                           sc.sign_words.data() + h0);
+      }
+    }
+    uint32_t* a = sc.words.data();  // [64][64] words: one hit's operand row per row
+    for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, ig_ - h0);
+      const int64_t p = (n + 1) / 2;
+      const int64_t depth = round_up(p, ki_.depth_align);
+      for (int64_t c = 0; c < m; ++c) {
+        const uint8_t* bits = keep_signs_
+                                  ? kept + sc.hit_entries[c0 + c] * sign_width_ + h0 / 8
+                                  : reinterpret_cast<const uint8_t*>(sc.sign_words.data() + h0 + c);
+        uint32_t* words = a + c * kKeyTile;
+        ki_.rows.sign_weights(bits, n, sc.w16.data() + h0, words);
+        std::fill(words + p, words + depth, 0u);
       }
       ki_.gemm({a, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_, depth,
                 h0 == 0 ? nullptr : sc.ones.data(), 1.0f});
@@ -811,11 +869,11 @@ class SparseKl {
   int64_t g_, ig_;
   int64_t ig_t_;  // row stride of the transposed coefficients
   int64_t dm_, dmp_, dip_;
-  int64_t dmw_;                  // pair words per main row, padded to kb_'s depth_align
-  int64_t diw_;                  // pair words per index row, padded to ki_'s depth_align
-  int64_t head_pairs_;           // rows of qih: ig rounded up to whole blocks of 64 heads
-  int64_t sign_width_;           // bytes of one entry's signs: a bit per head of a group
-  bool keys_in_place_;           // main_keys_in_place
+  int64_t dmw_;         // pair words per main row, padded to kb_'s depth_align
+  int64_t diw_;         // pair words per index row, padded to ki_'s depth_align
+  int64_t head_pairs_;  // rows of qih: ig rounded up to whole blocks of 64 heads
+  int64_t sign_width_;  // bytes of one entry's signs: a bit per head of a group
+  bool keys_in_place_;  // main_keys_in_place
   // The index products read the selected index key rows where they lie: bf16 pairs of unit
   // stride that fill their pair words (no padding to the set's depth).
   bool index_keys_in_place_;

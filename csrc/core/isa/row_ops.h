@@ -290,6 +290,36 @@ void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_
   __builtin_memcpy(out + p, lo, p * sizeof(uint32_t));
 }
 
+// The signs selecting one key's bf16 weights, as pair words (RowOps::sign_weights): the bf16
+// values of consecutive heads, stored as 16-bit halves in head order, are the pair words.
+void sign_weights(const uint8_t* bits, int64_t n, const uint16_t* w, uint32_t* out) {
+  uint16_t* halves = reinterpret_cast<uint16_t*>(out);
+  const int64_t end = n + n % 2;  // whole pairs: a zero after an odd count
+#if defined(__AVX512BW__)
+  // 32 heads a step: their four sign bytes as a lane mask over the weights.
+  for (int64_t h0 = 0; h0 < end; h0 += 32) {
+    const int64_t left = std::min<int64_t>(32, n - h0);
+    uint32_t on = 0;
+    for (int64_t b = 0; b * 8 < left; ++b) on |= uint32_t{bits[h0 / 8 + b]} << (8 * b);
+    if (left < 32) on &= (1u << left) - 1u;
+    const int64_t width = std::min<int64_t>(32, end - h0);
+    const __mmask32 lanes =
+        width == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << width) - 1u);
+    _mm512_mask_storeu_epi16(halves + h0, lanes,
+                             _mm512_maskz_loadu_epi16(static_cast<__mmask32>(on), w + h0));
+  }
+#else
+  for (int64_t h = 0; h < n; ++h) halves[h] = ((bits[h / 8] >> (h % 8)) & 1) != 0 ? w[h] : 0;
+  if (n % 2 != 0) halves[n] = 0;
+#endif
+}
+
+// dst[i] += a src[i] for n entries.
+void add_scaled(float* dst, const float* src, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] += a * src[i];
+}
+
 // One head's first-pass coefficients as bf16 halves (RowOps::coefficient_halves).
 void coefficient_halves(const float* s, const float* d, float w, uint16_t* out, float* a) {
 #if defined(__AVX512BW__)
@@ -521,6 +551,8 @@ constexpr RowOps row_ops() {
                 &interleave_bf16,
                 &bf16_residual,
                 &sign_pairs,
+                &sign_weights,
+                &add_scaled,
                 &coefficient_halves,
                 &sign_words,
                 &store_bf16,

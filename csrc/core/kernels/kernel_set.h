@@ -144,6 +144,13 @@ struct RowOps {
   // for l < p: the bits sign_scale, pair_rows and bf16_residual give, with no [heads][keys] tile
   // between them.
   void (*sign_pairs)(const uint8_t* bits, int64_t n, const float* w, float d, uint32_t* out);
+  // One key's row of the key pass's product when the group's weights are bf16 values: out[l] =
+  // (bit 2l ? w[2l] : 0) | (bit 2l + 1 ? w[2l + 1] : 0) << 16 for l < (n + 1) / 2, with bit h
+  // as sign_pairs reads it, w the weights' bf16 bits and w[n] read as 0 (n <= 64): the signs
+  // select the weights, exactly, so one product (not two halves) carries them.
+  void (*sign_weights)(const uint8_t* bits, int64_t n, const uint16_t* w, uint32_t* out);
+  // dst[i] += a src[i] for n entries.
+  void (*add_scaled)(float* dst, const float* src, float a, int64_t n);
   // The first pass's coefficients of one head as a product's pair operand over 64 keys: with
   // x[c] = [s[c] > 0] d[c] w (split_coefficients' c1), out[c] = bf16(x[c]) and out[64 + c] =
   // bf16(x[c] - bf16(x[c])) (round to nearest even), and *a += sum d relu(s) (its a1).
