@@ -233,9 +233,8 @@ class SparseKl {
       sc.hits.resize(count);
       sc.hit_d.resize(round_up(count, kKeyTile));
       sc.hit_entries.resize(count);
-      load_group(sc, s, i, g);
+      const bool bf16_weights = load_group(sc, s, i, g);
       const float* w = sc.w.data() + g * ig_;
-      const bool bf16_weights = ipairs_ && weights_as_bf16(sc, w);
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t m = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
         // The coefficients dI w [S > 0] [ig][64] (from the kept signs, or from the index scores
@@ -456,15 +455,18 @@ class SparseKl {
     std::fill(q + p_.index_dim, q + dip_, 0.0f);
   }
 
-  // Pass 2: token i's weights and group g's index query rows.
-  void load_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+  // Pass 2: token i's weights and group g's index query rows. On pairs, returns whether the
+  // group's weights are bf16 values (weights_as_bf16: the key pass then takes one product over
+  // the query pairs, not two halves).
+  bool load_group(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
     load_row(p_.weights.data, p_.weights.dtype, query_row(p_.weights, s, i, 0), p_.weights.sn,
              p_.index_heads_q, sc.w.data());
     for (int64_t r = 0; r < ig_; ++r) load_index_query(sc, s, i, g * ig_ + r);
-    if (!ipairs_) return;
-    // Per block of 64 heads from h0 with p pairs: qih rows h0 + l and h0 + p + l both hold pair
-    // l, (qi[h0 + 2l][e], qi[h0 + 2l + 1][e]) (an odd last head with zeros): the B operand of
-    // pair_key_product's two halves.
+    if (!ipairs_) return false;
+    const bool bf16_weights = weights_as_bf16(sc, sc.w.data() + g * ig_);
+    // Per block of 64 heads from h0 with p pairs: qih row h0 + l holds pair l, (qi[h0 + 2l][e],
+    // qi[h0 + 2l + 1][e]) (an odd last head with zeros), and for the two halves row h0 + p + l
+    // the same: the B operand of pair_key_product's two halves.
     const uint16_t* q16 = reinterpret_cast<const uint16_t*>(sc.qip.data() + g * ig_ * diw_);
     for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
       const int64_t p = (std::min(kKeyTile, ig_ - h0) + 1) / 2;
@@ -473,9 +475,14 @@ class SparseKl {
         const uint16_t* second = h + 1 < ig_ ? q16 + (h + 1) * 2 * diw_ : nullptr;
         uint32_t* row = sc.qih.data() + (h0 + l) * dip_;
         ki_.rows.interleave_bf16(q16 + h * 2 * diw_, second, p_.index_dim, row);
-        std::memcpy(row + p * dip_, row, dip_ * sizeof(uint32_t));
+        if (!bf16_weights) std::memcpy(row + p * dip_, row, dip_ * sizeof(uint32_t));
+      }
+      if (bf16_weights) {  // the rows the one product's depth padding meets: zeros
+        uint32_t* pad = sc.qih.data() + (h0 + p) * dip_;
+        std::fill(pad, pad + (round_up(p, ki_.depth_align) - p) * dip_, 0u);
       }
     }
+    return bf16_weights;
   }
 
   // The index scores of group g against m index key rows keys[0..m) into `out` ([ig] rows,
