@@ -99,7 +99,7 @@ class SparseKl {
           qip(r.ipairs_ ? (r.p_.index_heads_q + 16) * r.diw_ : 0),
           istage(r.ipairs_ ? kKeyTile * r.diw_ : 0),
           kitp(r.ipairs_ ? r.diw_ * kKeyTile : 0),
-          coef16(r.ipairs_ ? (r.ig_ + 16) * 2 * kKeyTile : 0),
+          coef16(r.ipairs_ ? (round_up(r.ig_, 16) + 16) * 2 * kKeyTile : 0),
           coef_lo(r.ipairs_ ? (r.ig_ + 1) * kKeyTile : 0),
           qih(r.head_pairs_ * r.dip_),
           words(r.ipairs_ ? 2 * kKeyTile * kKeyTile : 0),
@@ -139,8 +139,9 @@ class SparseKl {
     AlignedBuffer<uint32_t> qip;     // [N1index (+16 readable)][diw] index query rows
     AlignedBuffer<uint32_t> istage;  // [64][diw] selected index key rows
     AlignedBuffer<uint32_t> kitp;    // [diw][64] the same, packed
-    // [ig (+16 readable)][128] coefficients as key pairs: 32 words of bf16(coef), then 32 of
-    // bf16(coef - bf16(coef)), so that one product over both keeps float32's accuracy.
+    // [ig (+16 readable)][padded words] a row's coefficients as key pairs: per chunk of 64 keys
+    // 32 words of bf16(coef), then 32 of bf16(coef - bf16(coef)), so that one product over both
+    // keeps float32's accuracy.
     AlignedBuffer<uint16_t> coef16;
     AlignedBuffer<float> coef_lo;   // [ig + 1][64] coef - bf16(coef) (the last row zero)
     AlignedBuffer<uint32_t> qih;    // pass 2: [head pairs][dip] group's index queries, head pairs
@@ -801,26 +802,32 @@ class SparseKl {
     if (!std::isfinite(top)) loss += std::numeric_limits<double>::quiet_NaN();
     active_[drow] = 1;
     // d_weights[h] = sum dI relu(S_h); d_query_index[h] = w_h sum dI [S_h > 0] ki: per chunk
-    // the coefficients and the weights' partial sums in one pass, then one product.
+    // the coefficients and the weights' partial sums in one pass, then the product.
     const float* w = sc.w.data() + g * ig_;
     std::fill(sc.dw.begin(), sc.dw.end(), 0.0);
     float* acc = sc.acc.data();
+    if (ipairs_) {
+      // Each head's row holds every chunk's 64 words, 32 of bf16(coef) and 32 of its residual,
+      // against the row's key pairs (each chunk's 32 pairs twice): one product over the row.
+      sc.coef16.grow((round_up(ig_, 16) + 16) * 2 * padded);
+      for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
+        for (int64_t h = 0; h < ig_; ++h) {
+          float part = 0.0f;
+          ki_.rows.coefficient_halves(sc.sidx.data() + h * padded + c0, sc.dsc.data() + c0, w[h],
+                                      sc.coef16.data() + (h * padded + c0) * 2, &part);
+          sc.dw[h] += part;
+        }
+      }
+      ki_.gemm({sc.coef16.data(), padded, sc.key_pairs.data(), dip_, acc, dip_, ig_, dip_, padded,
+                nullptr, 1.0f});
+      store_group(sc, s, i, g);
+      return loss;
+    }
     std::fill(acc, acc + ig_ * dip_, 0.0f);
     float* coef = sc.coef.data();
     float* unused = sc.s.data();  // split_coefficients' second output, not read
     for (int64_t c0 = 0; c0 < nk; c0 += kKeyTile) {
       const float* d = sc.dsc.data() + c0;
-      if (ipairs_) {
-        for (int64_t h = 0; h < ig_; ++h) {
-          float part = 0.0f;
-          ki_.rows.coefficient_halves(sc.sidx.data() + h * padded + c0, d, w[h],
-                                      sc.coef16.data() + h * 2 * kKeyTile, &part);
-          sc.dw[h] += part;
-        }
-        ki_.gemm({sc.coef16.data(), kKeyTile, sc.key_pairs.data() + c0 * dip_, dip_, acc, dip_, ig_,
-                  dip_, kKeyTile, sc.ones.data(), 1.0f});
-        continue;
-      }
       for (int64_t h = 0; h < ig_; ++h) {
         float part = 0.0f, ignored = 0.0f;
         k_.rows.split_coefficients(sc.sidx.data() + h * padded + c0, d, d, w[h],
