@@ -314,16 +314,26 @@ class SparseKl {
   void sign_key_product(Scratch& sc, int64_t drow, size_t c0, int64_t m, const float* w,
                         float* out) const {
     const uint8_t* row = signs_.data() + drow * sp_.sparse_count * sign_width_;
+    hit_products(sc, m, 2, out, [&](int64_t c, int64_t h0, int64_t n, uint32_t* words) {
+      const uint8_t* bits = row + sc.hit_entries[c0 + c] * sign_width_ + h0 / 8;
+      ki_.rows.sign_pairs(bits, n, w + h0, sc.hit_d[c0 + c], words);
+    });
+  }
+
+  // The key pass's products on pairs, 64 heads a block: build(c, h0, n, words) writes hit c's
+  // operand row for the block's n heads from h0 (words_per_pair words per head pair), then one
+  // product against the group's query pairs (qih) into out; later blocks add to the first.
+  template <class Build>
+  void hit_products(Scratch& sc, int64_t m, int64_t words_per_pair, float* out, Build build) const {
     uint32_t* a = sc.words.data();  // [64][64] words: one hit's operand row per row
     for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, ig_ - h0);
-      const int64_t p = (n + 1) / 2;
-      const int64_t depth = round_up(2 * p, ki_.depth_align);
+      const int64_t used = words_per_pair * ((n + 1) / 2);
+      const int64_t depth = round_up(used, ki_.depth_align);
       for (int64_t c = 0; c < m; ++c) {
-        const uint8_t* bits = row + sc.hit_entries[c0 + c] * sign_width_ + h0 / 8;
         uint32_t* words = a + c * kKeyTile;
-        ki_.rows.sign_pairs(bits, n, w + h0, sc.hit_d[c0 + c], words);
-        std::fill(words + 2 * p, words + depth, 0u);
+        build(c, h0, n, words);
+        std::fill(words + used, words + depth, 0u);
       }
       ki_.gemm({a, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_, depth,
                 h0 == 0 ? nullptr : sc.ones.data(), 1.0f});
@@ -360,22 +370,12 @@ class SparseKl {
                            sc.sign_words.data() + h0);
       }
     }
-    uint32_t* a = sc.words.data();  // [64][64] words: one hit's operand row per row
-    for (int64_t h0 = 0; h0 < ig_; h0 += kKeyTile) {
-      const int64_t n = std::min(kKeyTile, ig_ - h0);
-      const int64_t p = (n + 1) / 2;
-      const int64_t depth = round_up(p, ki_.depth_align);
-      for (int64_t c = 0; c < m; ++c) {
-        const uint8_t* bits = keep_signs_
-                                  ? kept + sc.hit_entries[c0 + c] * sign_width_ + h0 / 8
-                                  : reinterpret_cast<const uint8_t*>(sc.sign_words.data() + h0 + c);
-        uint32_t* words = a + c * kKeyTile;
-        ki_.rows.sign_weights(bits, n, sc.w16.data() + h0, words);
-        std::fill(words + p, words + depth, 0u);
-      }
-      ki_.gemm({a, kKeyTile, sc.qih.data() + h0 * dip_, dip_, out, dip_, m, dip_, depth,
-                h0 == 0 ? nullptr : sc.ones.data(), 1.0f});
-    }
+    hit_products(sc, m, 1, out, [&](int64_t c, int64_t h0, int64_t n, uint32_t* words) {
+      const uint8_t* bits = keep_signs_
+                                ? kept + sc.hit_entries[c0 + c] * sign_width_ + h0 / 8
+                                : reinterpret_cast<const uint8_t*>(sc.sign_words.data() + h0 + c);
+      ki_.rows.sign_weights(bits, n, sc.w16.data() + h0, words);
+    });
   }
 
   // The token's output row: BSND b * S1 + i, TND q_begin + i.

@@ -219,14 +219,17 @@ void interleave_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* 
 }
 
 // lo[c] = x[c] - bf16(x[c]).
+// x - bf16(x).
+inline float residual_of(float x) {
+  const uint32_t bits = bf16_bits(x) << 16;
+  float hi;
+  __builtin_memcpy(&hi, &bits, sizeof(hi));
+  return x - hi;
+}
+
 void bf16_residual(const float* x, float* lo) {
 #pragma omp simd
-  for (int64_t c = 0; c < kRowWidth; ++c) {
-    const uint32_t bits = bf16_bits(x[c]) << 16;
-    float hi;
-    __builtin_memcpy(&hi, &bits, sizeof(hi));
-    lo[c] = x[c] - hi;
-  }
+  for (int64_t c = 0; c < kRowWidth; ++c) lo[c] = residual_of(x[c]);
 }
 
 #if defined(__AVX512BW__)
@@ -277,12 +280,8 @@ void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_
 #else
   for (int64_t h = 0; h < n; ++h) {
     const float x = d * (((bits[h / 8] >> (h % 8)) & 1) != 0 ? w[h] : 0.0f);
-    const uint32_t high = bf16_bits(x);
-    const uint32_t wide = high << 16;
-    float rounded;
-    __builtin_memcpy(&rounded, &wide, sizeof(rounded));
-    hi[h] = static_cast<uint16_t>(high);
-    lo[h] = static_cast<uint16_t>(bf16_bits(x - rounded));
+    hi[h] = static_cast<uint16_t>(bf16_bits(x));
+    lo[h] = static_cast<uint16_t>(bf16_bits(residual_of(x)));
   }
 #endif
   if (n % 2 != 0) hi[n] = lo[n] = 0;
@@ -349,12 +348,8 @@ void coefficient_halves(const float* s, const float* d, float w, uint16_t* out, 
     const float on = v > 0.0f ? w : 0.0f;
     const float x = d[c] * on;
     acc += d[c] * relu;
-    const uint32_t high = bf16_bits(x);
-    const uint32_t wide = high << 16;
-    float rounded;
-    __builtin_memcpy(&rounded, &wide, sizeof(rounded));
-    out[c] = static_cast<uint16_t>(high);
-    out[kRowWidth + c] = static_cast<uint16_t>(bf16_bits(x - rounded));
+    out[c] = static_cast<uint16_t>(bf16_bits(x));
+    out[kRowWidth + c] = static_cast<uint16_t>(bf16_bits(residual_of(x)));
   }
   *a += acc;
 #endif
