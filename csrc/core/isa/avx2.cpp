@@ -300,7 +300,7 @@ const KernelSet& kernel_set() {
                              1,
                              1,
                              6,
-                             1,
+                             4,
                              nullptr,
                              nullptr,
                              &gemm,

@@ -112,7 +112,7 @@ void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
 
 const KernelSet& kernel_set() {
   static const KernelSet set{
-      "avx512",    Isa::kAvx512, Word::kFloat32, 1,        1,         6,       1,
+      "avx512",    Isa::kAvx512, Word::kFloat32, 1,        1,         6,       4,
       nullptr,     nullptr,      &gemm,          &softmax, &exp_rows, nullptr, &pack_keys,
       &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0,       &pack_widened_keys};
   return set;

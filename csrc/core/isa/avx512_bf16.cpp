@@ -394,7 +394,7 @@ const KernelSet& kernel_set() {
                              1,
                              1,
                              6,
-                             1,
+                             4,
                              nullptr,
                              nullptr,
                              &gemm,

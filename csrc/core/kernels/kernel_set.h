@@ -192,8 +192,10 @@ struct KernelSet {
   // model counts work in whole blocks.
   int64_t row_block;
   // Key tiles flash attention takes per online-softmax step (a divisor of the deterministic
-  // split, 16): more amortise the output's rescaling over more keys where a product's epilogue
-  // is expensive relative to its arithmetic (AMX tiles go through memory).
+  // split, 16): more amortise each step's fixed costs over more keys (the rows' maximum, sum and
+  // correction, the output's rescaling, a product's epilogue, which AMX tiles take through
+  // memory). 4 on every set: a 128-row step's scores and probabilities stay within an L2 of 1
+  // MiB beside its key and value tiles.
   int64_t block_tiles;
   // Called by each worker thread before its first kernel call of an operator run and after its
   // last (e.g. to load and release a tile configuration); either may be null.
