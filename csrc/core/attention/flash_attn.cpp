@@ -81,7 +81,7 @@ class Runner {
         elem_(p.dtype == DType::kFloat64   ? 8
               : p.dtype == DType::kFloat32 ? 4
                                            : 2),
-        block_tiles_(k_.block_tiles),
+        block_tiles_(std::max(k_.block_tiles, k_.decode_block_tiles)),
         quantized_(p.kv_format != CacheFormat::kPlain),
         kv_elem_(quantized_ ? 1 : elem_),
         ksd_(quantized_ ? 1 : p.k.sd),
@@ -96,7 +96,8 @@ class Runner {
         direct_values_(direct_keys_ && pairs_ && k_.value_rows != nullptr && vsd_ == 1 &&
                        dv_ % 32 == 0),
         widens_rows_(!pairs_ && p.dtype != DType::kFloat32 && ksd_ == 1 && vsd_ == 1) {
-    const int64_t rows_bytes = block_tiles_ * kKeyTile * (d_ + dv_) * kv_elem_;
+    // (Heads run side by side only on sequences of one query tile: decode_block_tiles.)
+    const int64_t rows_bytes = k_.decode_block_tiles * kKeyTile * (d_ + dv_) * kv_elem_;
     const int64_t state_bytes =
         4 * (rows_cap_ * dw_ + 2 * rows_ * dvp_ + (direct_keys_ ? dw_ * kKeyTile : 0));
     side_heads_ = std::max<int64_t>(1, kSideBySideBytes / (rows_bytes + state_bytes));
@@ -122,12 +123,14 @@ class Runner {
   // Per physical thread: packed operands, tiles, states and the packed key/value cache.
   struct Scratch {
     explicit Scratch(const Runner& r)
-        : s(r.rows_cap_ * r.k_.block_tiles * kKeyTile),
-          pb(r.rows_cap_ * r.k_.block_tiles * kKeyTile),
+        : s(r.rows_cap_ * r.block_tiles_ * kKeyTile),
+          pb(r.rows_cap_ * r.block_tiles_ * kKeyTile),
           row(std::max(r.d_, r.dv_) + 2),
           vis(r.g_.positions),
           st(r.direct_keys_ ? kKeyTile * 16 : 0),
-          st_rows(r.direct_keys_ ? kKeyTile * 16 : 0) {
+          st_rows(r.direct_keys_ ? kKeyTile * 16 : 0),
+          ahead_k(r.block_tiles_ * kKeyTile),
+          ahead_v(r.block_tiles_ * kKeyTile) {
       if (r.quantized_) {
         for (int i = 0; i < 2; ++i) {
           stage[i] = AlignedBuffer<char>(r.block_tiles_ * kKeyTile * r.stage_ld_ * r.elem_);
@@ -160,11 +163,10 @@ class Runner {
     std::vector<uint8_t> packed;
     // Decode: the rows of the next block the running head asks for while it computes this one
     // (plan_ahead), among the key heads [group_h0, group_h1) that run side by side (one head in
-    // a piece), whose key tiles end at ahead_end.
+    // a piece), whose key tiles end at ahead_end; the addresses of up to a block's rows.
     int32_t group_h0 = 0, group_h1 = 1;
     int64_t ahead_end = 0;
-    const char* ahead_k[kKeyTile];
-    const char* ahead_v[kKeyTile];
+    std::vector<const char*> ahead_k, ahead_v;
     RowsAhead keys_ahead, values_ahead;
     // A quantized cache: the key (0) and value (1) rows of the block's tiles in q's dtype, tile j
     // in slot j % block_tiles (stage_ld elements per row), which tile each slot holds, and the
@@ -241,11 +243,12 @@ class Runner {
       }
       pending = false;
     };
-    // Blocks are aligned to absolute multiples of the kernel set's block_tiles (a divisor of the
+    // Blocks are aligned to absolute multiples of the sequence's block size (a divisor of the
     // deterministic chunk), so a unit is grouped the same way whichever pieces it is cut into.
+    const int64_t step = step_tiles(b);
     for (int64_t j = k_from; j < k_to;) {
       if (det && pending && j % plan_.chunk_tiles == 0) flush();
-      const int64_t j1 = std::min<int64_t>(k_to, (j / block_tiles_ + 1) * block_tiles_);
+      const int64_t j1 = std::min<int64_t>(k_to, (j / step + 1) * step);
       block(sc, b, h, j, j1, sp, rows);
       pending = true;
       j = j1;
@@ -288,6 +291,13 @@ class Runner {
   // (measured: 64 key heads side by side ran 7% slower than one at a time).
   int64_t side_by_side_heads() const { return side_heads_; }
 
+  // Key tiles per online-softmax step of sequence b: the set's decode_block_tiles for a sequence
+  // of one query tile, its block_tiles otherwise. Its lengths decide, not the plan: the same
+  // bits whichever way a plan cuts or groups its units.
+  int64_t step_tiles(int64_t b) const {
+    return walker_.num_query_tiles(b) == 1 ? k_.decode_block_tiles : k_.block_tiles;
+  }
+
   // Whole units (b, h, t) of key heads [h0, h1), side by side: block by block, each head in turn.
   // In the interleaved layouts a key or value row holds the key heads next to each other, so the
   // heads together read whole rows of a block while they are in cache, where one head at a time
@@ -299,6 +309,7 @@ class Runner {
     const int64_t p1 = walker_.tile_end(b, t);
     const int64_t rows = (p1 - p0) * g_.group;
     const bool det = plan_.chunk_tiles > 0;
+    const int64_t step = step_tiles(b);
     sc.tiles_reused = false;  // one query tile
     sc.group_h0 = h0;
     sc.group_h1 = h1;
@@ -314,7 +325,7 @@ class Runner {
     bool pending = false;
     for (int64_t j = sp.begin; j < sp.end;) {
       const bool fold = det && pending && j % plan_.chunk_tiles == 0;
-      const int64_t j1 = std::min<int64_t>(sp.end, (j / block_tiles_ + 1) * block_tiles_);
+      const int64_t j1 = std::min<int64_t>(sp.end, (j / step + 1) * step);
       for (int32_t h = h0; h < h1; ++h) {
         sc.use(*this, h - h0);
         if (fold) fold_into_run(sc, rows);
@@ -538,36 +549,40 @@ class Runner {
     }
   }
 
-  // The rows of key tile jn, the next block's first, that head h asks for from memory while it
-  // computes this block: in decode (row_scores) its keys between the score products and its
-  // values between the value packing's rows; where the keys are packed, both between the value
+  // The rows of the next block that head h asks for from memory while it computes this one,
+  // tile by tile: while it computes tile i of the block, the rows of tile i of the next one. In
+  // decode (row_scores) a tile's score product asks for its keys, and the values of the whole
+  // next block are asked for during the block's value product (or its value packing, tile by
+  // tile, where the values are packed); where the keys are packed, both between the value
   // packing's rows, for tiles that no later query tile reads again (S_q = 16 and 64/1 heads: the
   // rows come from memory once). Heads whose slices lie side by side in a row (the
-  // interleaved layouts) split the tile's rows between them, each asking for whole rows of all
+  // interleaved layouts) split the rows between them, each asking for whole rows of all
   // the group's heads: memory then serves every row once and in order, where the hardware
   // prefetchers keep up. Otherwise each head asks for its own slice of every row.
   // Measured on an AMD EPYC (Zen 4), 8 x 8192 keys from memory: 32/8 heads, one token,
   // 17.5-20.1 -> 13.2-14.2 ms; S_q = 16, 82-84 -> 72 ms; 64/1 heads, one token, 10.6 -> 9.2 ms
   // (docs/ops/flash_attn.md).
-  void plan_ahead(Scratch& sc, int64_t b, int64_t h, int64_t jn) const {
-    const int64_t valid =
-        jn < sc.ahead_end ? std::clamp<int64_t>(seqs_[b].k_len - jn * kKeyTile, 0, kKeyTile) : 0;
-    if (valid == 0) return;
-    sc.keys_ahead = share_ahead(sc, p_.k, d_, b, h, jn, valid, sc.ahead_k);
-    sc.values_ahead = share_ahead(sc, p_.v, dv_, b, h, jn, valid, sc.ahead_v);
+  // The key (and, with `values`, value) rows of tiles [j0, j1) of the next block.
+  void plan_ahead(Scratch& sc, int64_t b, int64_t h, int64_t j0, int64_t j1, bool values) const {
+    sc.keys_ahead = share_ahead(sc, p_.k, d_, b, h, j0, j1, sc.ahead_k.data());
+    if (values) sc.values_ahead = share_ahead(sc, p_.v, dv_, b, h, j0, j1, sc.ahead_v.data());
   }
 
+  // The rows of tiles [j0, j1) (up to ahead_end) that head h asks for, their addresses in rows.
   RowsAhead share_ahead(const Scratch& sc, const View& view, int64_t dim, int64_t b, int64_t h,
-                        int64_t jn, int64_t valid, const char** rows) const {
+                        int64_t j0, int64_t j1, const char** rows) const {
     const int64_t heads = sc.group_h1 - sc.group_h0;
-    if (heads == 1 || view.sn != dim) {
-      raw_tile_rows(view, b, h, jn, valid, rows);
-      return {rows, valid, dim * kv_elem_};
+    const bool split = heads > 1 && view.sn == dim;
+    int64_t count = 0;
+    for (int64_t j = j0; j < std::min(j1, sc.ahead_end); ++j) {
+      const int64_t valid = std::clamp<int64_t>(seqs_[b].k_len - j * kKeyTile, 0, kKeyTile);
+      raw_tile_rows(view, b, split ? sc.group_h0 : h, j, valid, rows + count);
+      count += valid;
     }
+    if (!split) return {rows, count, dim * kv_elem_};
     const int64_t i = h - sc.group_h0;
-    const int64_t r0 = i * valid / heads;
-    const int64_t r1 = (i + 1) * valid / heads;
-    raw_tile_rows(view, b, sc.group_h0, jn, valid, rows);
+    const int64_t r0 = i * count / heads;
+    const int64_t r1 = (i + 1) * count / heads;
     return {rows + r0, r1 - r0, ((heads - 1) * view.sn + dim) * kv_elem_};
   }
 
@@ -605,14 +620,20 @@ class Runner {
              int64_t rows) const {
     const int64_t tiles = j1 - j0;
     const int64_t cols = tiles * kKeyTile;
+    const int64_t step = step_tiles(b);
     float* s = sc.s.data();
     sc.keys_ahead = sc.values_ahead = {};
-    if (row_scores(b) || ((pairs_ || widens_rows_) && !sc.tiles_reused)) plan_ahead(sc, b, h, j1);
+    const bool ahead = row_scores(b) || ((pairs_ || widens_rows_) && !sc.tiles_reused);
     const bool values_in_place = reads_values_in_place(b, j0, j1);
     if (quantized_) load_scales(sc, b, h, j0, j1);
     int64_t first_slot = 0;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t j = j0 + i;
+      // Tile i of the next block; the last tile of a short block (a unit's first) the rest.
+      const int64_t next = j1 + i;
+      if (ahead) {
+        plan_ahead(sc, b, h, next, i + 1 < tiles ? next + 1 : j1 + step, !values_in_place);
+      }
       // (With the keys and the values read in place there is nothing to pack.)
       const int64_t slot = values_in_place ? 0 : ensure_tile(sc, b, h, j);
       if (i == 0) first_slot = slot;
@@ -635,6 +656,9 @@ class Runner {
     const uint32_t* vp = sc.vcache.data() + first_slot * v_tile_words_;
     const State cur = sc.cur(*this);
     float* corr = sc.correction(*this);
+    if (ahead && values_in_place) {
+      sc.values_ahead = share_ahead(sc, p_.v, dv_, b, h, j1, j1 + step, sc.ahead_v.data());
+    }
     if (pairs_) {
       k_.softmax_bf16(s, rows, cols, raw_scores_ ? p_.softmax_scale : 1.0f, cur.m, cur.l, corr,
                       sc.pb.data());
@@ -802,7 +826,7 @@ class Runner {
   int64_t rows_;
   int64_t rows_cap_;     // rows_ padded to the set's row_align
   int64_t elem_;         // bytes per input element
-  int64_t block_tiles_;  // key tiles per online-softmax step (the kernel set's)
+  int64_t block_tiles_;  // the most key tiles of an online-softmax step (step_tiles)
   // A quantized cache (kv_format): k and v are bytes, read through staged(); kv_elem_ is the
   // bytes of a k or v element in memory, ksd_ and vsd_ the strides along the head dims of the
   // rows the kernels read (staged rows: 1), stage_ld_ the staged rows' stride in elements (64

@@ -209,7 +209,10 @@ KernelSet amx_kernel_set(const char* name) {
           &avx512_bf16::softmax_bf16,
           /*key_scores=*/nullptr,
           /*key_scores_rows=*/0,
-          /*pack_widened_keys=*/nullptr};
+          /*pack_widened_keys=*/nullptr,
+          /*value_rows=*/nullptr,
+          /*gemm_rows=*/nullptr,
+          /*decode_block_tiles=*/4};
 }
 
 }  // namespace opmesh::core::kernels
