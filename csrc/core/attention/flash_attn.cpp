@@ -169,7 +169,7 @@ class Runner {
     std::vector<const char*> ahead_k, ahead_v;
     RowsAhead keys_ahead, values_ahead;
     // A quantized cache: the key (0) and value (1) rows of the block's tiles in q's dtype, tile j
-    // in slot j % block_tiles (stage_ld elements per row), which tile each slot holds, and the
+    // in slot j % step_tiles(b) (stage_ld elements per row), which tile each slot holds, and the
     // block's row scales (keys past the sequence: 0).
     struct StageTag {
       int64_t b = -1, h = -1, j = -1;
@@ -380,10 +380,10 @@ class Runner {
 
   // The rows of tile j of (b, h) of k (which 0) or v (1) of a quantized cache in q's dtype
   // (exact: the scales are applied to the scores and the probabilities, load_scales), converted
-  // into the worker's slot j % block_tiles_ when the slot does not hold them yet; rows past the
+  // into the worker's slot j % step_tiles(b) when the slot does not hold them yet; rows past the
   // sequence's keys are zeros (read, then masked, by the in-place score products).
   const char* staged(Scratch& sc, int which, int64_t b, int64_t h, int64_t j) const {
-    const int64_t slot = j % block_tiles_;
+    const int64_t slot = j % step_tiles(b);
     char* base = sc.stage[which].data() + slot * kKeyTile * stage_ld_ * elem_;
     Scratch::StageTag& tag = sc.stage_tags[which][slot];
     if (tag.b == b && tag.h == h && tag.j == j) return base;
@@ -604,7 +604,7 @@ class Runner {
       sc.vcache.grow_uninitialized(slots * v_tile_words_);
       sc.packed.assign(slots, 0);
     }
-    const int64_t index = sc.cache_all ? j : j % block_tiles_;
+    const int64_t index = sc.cache_all ? j : j % step_tiles(b);
     if (!sc.cache_all || !sc.packed[index]) {
       pack_tile(sc, b, h, j, sc.kcache.data() + index * k_tile_words_,
                 sc.vcache.data() + index * v_tile_words_);
