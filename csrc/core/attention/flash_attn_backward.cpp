@@ -12,12 +12,15 @@
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_loads.h"
+#include "../kernels/rows_ahead.h"
 
 namespace opmesh::core::attention {
 namespace {
 
 using kernels::KernelSet;
+using kernels::LinesAhead;
 using kernels::round_up;
+using kernels::RowsAhead;
 
 constexpr int64_t kTile = kKeyTile;  // keys per key tile, query positions per query tile
 // Key tiles per pass-1 unit: each packed query tile serves this many key tiles.
@@ -43,6 +46,9 @@ constexpr int64_t kFusedMaxBytes = int64_t{64} << 20;
 // order at the end; all of them together stay within this (fewer chunks are taken where more
 // would not fit).
 constexpr int64_t kFusedChunkMaxBytes = int64_t{128} << 20;
+// The fused pass's products run in pieces of this many rows (a multiple of every set's row
+// block), with a share of the next query tile's rows asked for before each.
+constexpr int64_t kAheadRows = 48;
 
 // A dQ^T accumulator of one key head's query heads over the query tiles [first, first + count):
 // [group][count][d][64] floats.
@@ -312,6 +318,7 @@ class Backward {
           delta(kTile),
           lo(kTile),
           hi(kTile),
+          ahead(2 * kTile),
           capacity(tiles) {
       std::fill(ones.data(), ones.data() + std::max(kBlockKeys, r.d_), 1.0f);
       std::fill(zeros.data(), zeros.data() + kBlockKeys, 0.0f);
@@ -325,8 +332,9 @@ class Backward {
     AlignedBuffer<float> dk, dv;        // [256][dp], [256][dvp] accumulators of the block
     AlignedBuffer<float> dq;            // [group][tile][d][64] dQ^T of the unit's query rows
     AlignedBuffer<float> row, ones, zeros, lse, delta;
-    std::vector<int64_t> lo, hi;  // visible keys of each query row of a tile
-    int64_t capacity;             // query tiles dq holds
+    std::vector<int64_t> lo, hi;     // visible keys of each query row of a tile
+    std::vector<const char*> ahead;  // the next tile's query and output-gradient rows
+    int64_t capacity;                // query tiles dq holds
   };
 
   int64_t max_query_tiles() const {
@@ -440,31 +448,33 @@ class Backward {
           const int64_t rows = std::min(kTile, seq.q_len - i0);
           if (!sees_keys(seq, i0, rows, k0, nk)) continue;
           fused_pack_queries(fs, u.b, head, i0, rows);
+          // Key rows past the last key any of these queries sees have P = dS = 0: skipped.
+          const int64_t m = keys_seen(fs.hi.data(), rows, k0, nk);
+          const int64_t pieces =
+              4 * ((m + kAheadRows - 1) / kAheadRows) + (d_ + kAheadRows - 1) / kAheadRows;
+          LinesAhead ahead(next_query_rows(fs, u, g, t, k0, nk), pieces);
           float* st = fs.st.data();
           float* dpt = fs.dpt.data();
-          k_.gemm({fs.krows.data(), dp_, fs.qt.data(), kTile, st, kTile, nk, kTile, d_, nullptr,
-                   p_.softmax_scale});
-          k_.gemm({fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, nk, kTile, dv_, nullptr,
-                   1.0f});
-          if (mods_) modify_key_rows(st, nk, seq, head, i0, k0, fs.cap.data());
-          for (int64_t k = 0; k < nk; ++k) {
-            k_.rows.shift_and_mask(st + k * kTile, fs.lse.data(), fs.lo.data(), fs.hi.data(),
-                                   k0 + k);
-          }
-          k_.exp_rows(st, nk, kTile, fs.zeros.data());  // P^T
-          for (int64_t k = 0; k < nk; ++k) {
+          gemm_ahead(ahead, {fs.krows.data(), dp_, fs.qt.data(), kTile, st, kTile, m, kTile, d_,
+                             nullptr, p_.softmax_scale});
+          gemm_ahead(ahead, {fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, m, kTile, dv_,
+                             nullptr, 1.0f});
+          if (mods_) modify_key_rows(st, m, seq, head, i0, k0, fs.cap.data());
+          shift_key_rows(st, m, rows, k0, fs.lse.data(), fs.lo.data(), fs.hi.data());
+          k_.exp_rows(st, m, kTile, fs.zeros.data());  // P^T
+          for (int64_t k = 0; k < m; ++k) {
             k_.rows.probability_gradient(st + k * kTile, dpt + k * kTile, fs.delta.data());  // dS^T
             if (p_.softcap > 0.0f)
               k_.rows.multiply_into(dpt + k * kTile, fs.cap.data() + k * kTile);
           }
           // dV += P^T dO, dK += scale dS^T Q, dQ^T += scale K^T dS^T (per key tile).
-          k_.gemm({st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, nk, dvp_, rows,
-                   fs.ones.data(), 1.0f});
-          k_.gemm({dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, nk, dp_, rows,
-                   fs.ones.data(), p_.softmax_scale});
+          gemm_ahead(ahead, {st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, m, dvp_, rows,
+                             fs.ones.data(), 1.0f});
+          gemm_ahead(ahead, {dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, m, dp_, rows,
+                             fs.ones.data(), p_.softmax_scale});
           float* dq = dq_all.tile(g, t, d_);
-          k_.gemm({fs.kt.data(), kBlockKeys, dpt, kTile, dq, kTile, d_, kTile, nk, fs.ones.data(),
-                   p_.softmax_scale});
+          gemm_ahead(ahead, {fs.kt.data(), kBlockKeys, dpt, kTile, dq, kTile, d_, kTile, m,
+                             fs.ones.data(), p_.softmax_scale});
         }
       }
       store_key_rows(u, k0, nk, fs.dk.data(), fs.dv.data());
@@ -728,9 +738,7 @@ class Backward {
             {ps.vr.data(), dwv_, ps.ot.data(), kTile, dpt, kTile, m, kTile, dwv_, nullptr, 1.0f});
         if (mods_) modify_key_rows(st, m, seq, head, i0, k0, ps.cap.data());
 
-        for (int64_t k = 0; k < m; ++k) {
-          k_.rows.shift_and_mask(st + k * kTile, ps.lse.data(), ps.lo.data(), ps.hi.data(), k0 + k);
-        }
+        shift_key_rows(st, m, rows, k0, ps.lse.data(), ps.lo.data(), ps.hi.data());
         k_.exp_rows(st, m, kTile, ps.zeros.data());  // P^T
         for (int64_t k = 0; k < m; ++k) {
           k_.rows.probability_gradient(st + k * kTile, dpt + k * kTile, ps.delta.data());  // dS^T
@@ -855,6 +863,80 @@ class Backward {
 
   Unit unit(int64_t b, int64_t h, int64_t t) const {
     return {static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(t)};
+  }
+
+  // A product of the fused pass in pieces of kAheadRows rows, asking memory for a share of the
+  // next tile's rows between them: spread over the products, the requests overlap the
+  // arithmetic instead of stalling one copy. Rows are independent, so the bits are the same.
+  void gemm_ahead(LinesAhead& ahead, kernels::GemmArgs g) const {
+    const int64_t m = g.m;
+    for (int64_t r = 0; r < m; r += kAheadRows) {
+      ahead.next();
+      kernels::GemmArgs piece = g;
+      piece.a = static_cast<const float*>(g.a) + r * g.lda;
+      piece.c = g.c + r * g.ldc;
+      piece.m = std::min(kAheadRows, m - r);
+      if (g.row_scale != nullptr) piece.row_scale = g.row_scale + r;
+      k_.gemm(piece);
+    }
+  }
+
+  // The query and output-gradient rows of the fused unit's next query tile after (g, t) that
+  // sees keys [k0, k0 + nk), for asking memory for them while (g, t) computes; none when the
+  // next tile is in another block or the rows are not contiguous.
+  RowsAhead next_query_rows(FusedScratch& fs, const Unit& u, int64_t g, int64_t t, int64_t k0,
+                            int64_t nk) const {
+    const Sequence& seq = seqs_[u.b];
+    const View& q = p_.q;
+    const View& go = p_.dout;
+    if (q.sd != 1 || go.sd != 1) return {};
+    const int64_t tiles = (seq.q_len + kTile - 1) / kTile;
+    for (++t; g < group_; ++g, t = 0) {
+      for (; t < tiles; ++t) {
+        const int64_t i0 = t * kTile;
+        const int64_t rows = std::min(kTile, seq.q_len - i0);
+        if (!sees_keys(seq, i0, rows, k0, nk)) continue;
+        const int64_t head = u.h * group_ + g;
+        const char* qb = static_cast<const char*>(q.data);
+        const char* ob = static_cast<const char*>(go.data);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = seq.q_begin + i0 + r;
+          fs.ahead[2 * r] = qb + (u.b * q.sb + pos * q.ss + head * q.sn) * elem_;
+          fs.ahead[2 * r + 1] = ob + (u.b * go.sb + pos * go.ss + head * go.sn) * elem_;
+        }
+        return {fs.ahead.data(), 2 * rows, std::max(d_, dv_) * elem_};
+      }
+    }
+    return {};
+  }
+
+  // Key rows [0, m) of a block of nk keys at k0 that the fused products take for query rows
+  // with visible key ends hi[0, rows): up to the last key any of them sees (at least one row).
+  static int64_t keys_seen(const int64_t* hi, int64_t rows, int64_t k0, int64_t nk) {
+    int64_t last = 0;
+    for (int64_t r = 0; r < rows; ++r) last = std::max(last, hi[r]);
+    return std::clamp<int64_t>(last - k0, 1, nk);
+  }
+
+  // S^T - lse over key rows [0, m) of a block at k0 (columns: the kTile query rows of lse, lo,
+  // hi, the first `rows` of them real), -inf where a query row does not see the key. A key every
+  // real row sees, in a full tile, takes the plain difference (the same bits: s + -1 lse is
+  // s - lse); the others shift_and_mask.
+  void shift_key_rows(float* st, int64_t m, int64_t rows, int64_t k0, const float* lse,
+                      const int64_t* lo, const int64_t* hi) const {
+    int64_t all_lo = 0, all_hi = rows == kTile ? std::numeric_limits<int64_t>::max() : 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      all_lo = std::max(all_lo, lo[r]);
+      all_hi = std::min(all_hi, hi[r]);
+    }
+    for (int64_t k = 0; k < m; ++k) {
+      float* s = st + k * kTile;
+      if (k0 + k >= all_lo && k0 + k < all_hi) {
+        k_.rows.add_scaled(s, lse, -1.0f, kTile);
+      } else {
+        k_.rows.shift_and_mask(s, lse, lo, hi, k0 + k);
+      }
+    }
   }
 
   // Whether any of query rows [i0, i0 + rows) sees a key of [k0, k0 + keys).
