@@ -452,13 +452,15 @@ class Backward {
           const int64_t m = keys_seen(fs.hi.data(), rows, k0, nk);
           const int64_t pieces =
               4 * ((m + kAheadRows - 1) / kAheadRows) + (d_ + kAheadRows - 1) / kAheadRows;
-          LinesAhead ahead(next_query_rows(fs, u, g, t, k0, nk), pieces);
+          LinesAhead ahead(next_query_rows(fs.ahead, u, g, t, k0, nk), pieces);
           float* st = fs.st.data();
           float* dpt = fs.dpt.data();
-          gemm_ahead(ahead, {fs.krows.data(), dp_, fs.qt.data(), kTile, st, kTile, m, kTile, d_,
-                             nullptr, p_.softmax_scale});
-          gemm_ahead(ahead, {fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, m, kTile, dv_,
-                             nullptr, 1.0f});
+          gemm_ahead(k_, ahead,
+                     {fs.krows.data(), dp_, fs.qt.data(), kTile, st, kTile, m, kTile, d_, nullptr,
+                      p_.softmax_scale});
+          gemm_ahead(k_, ahead,
+                     {fs.vrows.data(), dvp_, fs.ot.data(), kTile, dpt, kTile, m, kTile, dv_,
+                      nullptr, 1.0f});
           if (mods_) modify_key_rows(st, m, seq, head, i0, k0, fs.cap.data());
           shift_key_rows(st, m, rows, k0, fs.lse.data(), fs.lo.data(), fs.hi.data());
           k_.exp_rows(st, m, kTile, fs.zeros.data());  // P^T
@@ -468,13 +470,16 @@ class Backward {
               k_.rows.multiply_into(dpt + k * kTile, fs.cap.data() + k * kTile);
           }
           // dV += P^T dO, dK += scale dS^T Q, dQ^T += scale K^T dS^T (per key tile).
-          gemm_ahead(ahead, {st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, m, dvp_, rows,
-                             fs.ones.data(), 1.0f});
-          gemm_ahead(ahead, {dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, m, dp_, rows,
-                             fs.ones.data(), p_.softmax_scale});
+          gemm_ahead(k_, ahead,
+                     {st, kTile, fs.orows.data(), dvp_, fs.dv.data(), dvp_, m, dvp_, rows,
+                      fs.ones.data(), 1.0f});
+          gemm_ahead(k_, ahead,
+                     {dpt, kTile, fs.qrows.data(), dp_, fs.dk.data(), dp_, m, dp_, rows,
+                      fs.ones.data(), p_.softmax_scale});
           float* dq = dq_all.tile(g, t, d_);
-          gemm_ahead(ahead, {fs.kt.data(), kBlockKeys, dpt, kTile, dq, kTile, d_, kTile, m,
-                             fs.ones.data(), p_.softmax_scale});
+          gemm_ahead(k_, ahead,
+                     {fs.kt.data(), kBlockKeys, dpt, kTile, dq, kTile, d_, kTile, m, fs.ones.data(),
+                      p_.softmax_scale});
         }
       }
       store_key_rows(u, k0, nk, fs.dk.data(), fs.dv.data());
@@ -529,7 +534,8 @@ class Backward {
           lse(kTile),
           delta(kTile),
           lo(kTile),
-          hi(kTile) {
+          hi(kTile),
+          ahead(2 * kTile) {
       std::fill(ones.data(), ones.data() + kBlockKeys, 1.0f);
       std::fill(zeros.data(), zeros.data() + kBlockKeys, 0.0f);
       // Padding rows and columns no pack writes stay zero.
@@ -548,6 +554,7 @@ class Backward {
     AlignedBuffer<float> dk, dv, dq;    // accumulators (the query pass's dQ in dk)
     AlignedBuffer<float> row, ones, zeros, lse, delta;
     std::vector<int64_t> lo, hi;
+    std::vector<const char*> ahead;  // the next tile's query and output-gradient rows
   };
 
   bool pairs() const { return pairs_; }
@@ -732,9 +739,16 @@ class Backward {
         int64_t hi = 0;
         for (int64_t r = 0; r < rows; ++r) hi = std::max(hi, ps.hi[r]);
         const int64_t m = round_up(std::clamp<int64_t>(hi - k0, 1, nk), 32);
-        kb_.gemm({ps.kr.data(), dw_, ps.qt.data(), kTile, st, kTile, m, kTile, dw_, nullptr,
-                  p_.softmax_scale});
-        kb_.gemm(
+        const int64_t mm = std::min(m, nk);
+        const int64_t pieces = 2 * ((m + kAheadRows - 1) / kAheadRows) +
+                               2 * ((mm + kAheadRows - 1) / kAheadRows) +
+                               (dq.data != nullptr ? (d_ + kAheadRows - 1) / kAheadRows : 0);
+        LinesAhead ahead(next_query_rows(ps.ahead, u, g, i0 / kTile, k0, nk), pieces);
+        gemm_ahead(kb_, ahead,
+                   {ps.kr.data(), dw_, ps.qt.data(), kTile, st, kTile, m, kTile, dw_, nullptr,
+                    p_.softmax_scale});
+        gemm_ahead(
+            kb_, ahead,
             {ps.vr.data(), dwv_, ps.ot.data(), kTile, dpt, kTile, m, kTile, dwv_, nullptr, 1.0f});
         if (mods_) modify_key_rows(st, m, seq, head, i0, k0, ps.cap.data());
 
@@ -746,12 +760,13 @@ class Backward {
         }
         kb_.to_bf16(st, ps.p16.data(), m * kTile);
         kb_.to_bf16(dpt, ps.ds16.data(), m * kTile);
-        const int64_t mm = std::min(m, nk);
         // dV += P^T dO, dK += scale dS^T Q.
-        kb_.gemm({ps.p16.data(), kTile / 2, ps.oi.data(), dvp_, ps.dv.data(), dvp_, mm, dvp_,
-                  kTile / 2, ps.ones.data(), 1.0f});
-        kb_.gemm({ps.ds16.data(), kTile / 2, ps.qi.data(), dp_, ps.dk.data(), dp_, mm, dp_,
-                  kTile / 2, ps.ones.data(), p_.softmax_scale});
+        gemm_ahead(kb_, ahead,
+                   {ps.p16.data(), kTile / 2, ps.oi.data(), dvp_, ps.dv.data(), dvp_, mm, dvp_,
+                    kTile / 2, ps.ones.data(), 1.0f});
+        gemm_ahead(kb_, ahead,
+                   {ps.ds16.data(), kTile / 2, ps.qi.data(), dp_, ps.dk.data(), dp_, mm, dp_,
+                    kTile / 2, ps.ones.data(), p_.softmax_scale});
         if (dq.data != nullptr) {
           // dQ^T += scale K^T dS^T, over key pairs.
           for (int64_t k = 0; k < m / 2; ++k) {
@@ -759,8 +774,9 @@ class Backward {
                               ps.dsi.data() + k * kTile);
           }
           float* dqt = dq.tile(g, i0 / kTile, d_);
-          kb_.gemm({ps.ktp.data(), kBlockKeys / 2, ps.dsi.data(), kTile, dqt, kTile, d_, kTile,
-                    m / 2, ps.ones.data(), p_.softmax_scale});
+          gemm_ahead(kb_, ahead,
+                     {ps.ktp.data(), kBlockKeys / 2, ps.dsi.data(), kTile, dqt, kTile, d_, kTile,
+                      m / 2, ps.ones.data(), p_.softmax_scale});
         }
       }
     }
@@ -868,24 +884,24 @@ class Backward {
   // A product of the fused pass in pieces of kAheadRows rows, asking memory for a share of the
   // next tile's rows between them: spread over the products, the requests overlap the
   // arithmetic instead of stalling one copy. Rows are independent, so the bits are the same.
-  void gemm_ahead(LinesAhead& ahead, kernels::GemmArgs g) const {
+  void gemm_ahead(const KernelSet& set, LinesAhead& ahead, kernels::GemmArgs g) const {
     const int64_t m = g.m;
     for (int64_t r = 0; r < m; r += kAheadRows) {
       ahead.next();
       kernels::GemmArgs piece = g;
-      piece.a = static_cast<const float*>(g.a) + r * g.lda;
+      piece.a = static_cast<const uint32_t*>(g.a) + r * g.lda;  // 4-byte words
       piece.c = g.c + r * g.ldc;
       piece.m = std::min(kAheadRows, m - r);
       if (g.row_scale != nullptr) piece.row_scale = g.row_scale + r;
-      k_.gemm(piece);
+      set.gemm(piece);
     }
   }
 
   // The query and output-gradient rows of the fused unit's next query tile after (g, t) that
   // sees keys [k0, k0 + nk), for asking memory for them while (g, t) computes; none when the
   // next tile is in another block or the rows are not contiguous.
-  RowsAhead next_query_rows(FusedScratch& fs, const Unit& u, int64_t g, int64_t t, int64_t k0,
-                            int64_t nk) const {
+  RowsAhead next_query_rows(std::vector<const char*>& addresses, const Unit& u, int64_t g,
+                            int64_t t, int64_t k0, int64_t nk) const {
     const Sequence& seq = seqs_[u.b];
     const View& q = p_.q;
     const View& go = p_.dout;
@@ -901,10 +917,10 @@ class Backward {
         const char* ob = static_cast<const char*>(go.data);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = seq.q_begin + i0 + r;
-          fs.ahead[2 * r] = qb + (u.b * q.sb + pos * q.ss + head * q.sn) * elem_;
-          fs.ahead[2 * r + 1] = ob + (u.b * go.sb + pos * go.ss + head * go.sn) * elem_;
+          addresses[2 * r] = qb + (u.b * q.sb + pos * q.ss + head * q.sn) * elem_;
+          addresses[2 * r + 1] = ob + (u.b * go.sb + pos * go.ss + head * go.sn) * elem_;
         }
-        return {fs.ahead.data(), 2 * rows, std::max(d_, dv_) * elem_};
+        return {addresses.data(), 2 * rows, std::max(d_, dv_) * elem_};
       }
     }
     return {};
