@@ -7,7 +7,8 @@ streaming rate is measured here as a plain sum over the cache's own tensors (``k
 ``v.sum()``, every byte read once). Each row reports the cache read rate of the decode step
 (cache bytes / time), its share of the streaming rate, and for the many-heads case the bound
 that binds: the byte bound (cache bytes / streaming rate) or the FLOP bound (4 * Nq * S_q * S2 *
-D flops at the GFLOP/s of a bf16 ``torch.mm`` measured in the same run).
+D flops at the GFLOP/s of a ``torch.mm`` of the tier's matmul dtype measured in the same run:
+bf16, or float32 on a SIMD level without bf16 products).
 
 * Heads 32/8, 8/1 and 64/1 (D = 128); 8192 and 32768 cached tokens; batch 1 and 8 (a batch of
   one runs one long sequence, split across the workers by the plan).
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, time_call, write_results  # noqa: E402
+from common import interleaved, tier_matmul_dtype, time_call, write_results  # noqa: E402
 
 import opmesh  # noqa: E402
 
@@ -108,8 +109,9 @@ def bottom_right(sq, context):
 
 
 def mm_gflops():
-    a = torch.randn(2048, 2048).to(torch.bfloat16)
-    b = torch.randn(2048, 2048).to(torch.bfloat16)
+    dtype = tier_matmul_dtype(torch.bfloat16)
+    a = torch.randn(2048, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
     return 2 * 2048**3 / time_call(lambda: torch.mm(a, b), budget_s=1.0) / 1e9
 
 
@@ -189,8 +191,9 @@ def main():
         "decode's cache read rate over the streaming rate. in-cache GB/s: the same call with every "
         "block table pointing at 4 blocks (the bytes read stay in cache): the kernel's own rate. "
         "x of bound: time over the larger of "
-        f"the byte bound and the FLOP bound (4 Nq S_q S2 D flops at {peak:.0f} GFLOP/s, a bf16 "
-        "torch.mm measured in this run). SDPA reads the same cache made dense "
+        f"the byte bound and the FLOP bound (4 Nq S_q S2 D flops at {peak:.0f} GFLOP/s, a "
+        f"{str(tier_matmul_dtype(torch.bfloat16)).removeprefix('torch.')} torch.mm measured in "
+        "this run). SDPA reads the same cache made dense "
         "(enable_gqa; S_q = 16 with a bottom-right causal mask)."
         + (
             ""

@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     as_on_this_tier,
     held_to_avx2,
     interleaved,
+    tier_matmul_dtype,
     time_call,
     write_results,
 )
@@ -66,8 +67,8 @@ def dense_section(args):
     rows = []
     for name in args.dtypes:
         dtype = DTYPES[name]
-        # The tier's matmul rate: float32 on AVX2 (which has no bf16 products), else the dtype's.
-        mm_dtype = torch.float32 if held_to_avx2() else dtype
+        # The tier's matmul rate: float32 where it has no bf16 products, else the dtype's.
+        mm_dtype = tier_matmul_dtype(dtype)
         a, b = (torch.randn(4096, 4096).to(mm_dtype) for _ in range(2))
         for batch in args.batches:
             g = torch.Generator().manual_seed(0)

@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     held_to_avx2,
     interleaved,
     peak_extra_bytes,
+    tier_matmul_dtype,
     write_results,
 )
 
@@ -75,9 +76,9 @@ def measure(rows, name, label, flops, methods, budget):
     rows with ratios to the best of the others."""
     # Timed in turn over three rounds (one call each at least): this shared machine drifts by
     # 10-30 % within a minute, and the ratios should not carry that drift.
-    # torch.mm of the tier's matmul dtype (float32 on AVX2, else the inputs'), timed in turn with
-    # the methods: the "% of mm" column.
-    mm_dtype = torch.float32 if held_to_avx2() else DTYPES[name]
+    # torch.mm of the tier's matmul dtype (float32 without bf16 products, else the inputs'),
+    # timed in turn with the methods: the "% of mm" column.
+    mm_dtype = tier_matmul_dtype(DTYPES[name])
     a, b = (torch.randn(4096, 4096).to(mm_dtype) for _ in range(2))
     *medians, mm_time = interleaved(
         [*methods.values(), partial(torch.mm, a, b)], budget_s=budget, min_repeats=1

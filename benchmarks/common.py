@@ -104,6 +104,19 @@ def held_to_avx2():
     return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")
 
 
+# opmesh's SIMD levels without bf16 products: their bf16 inputs run on float32 FMA.
+FLOAT32_LEVELS = ("scalar", "avx2", "avx512")
+
+
+def tier_matmul_dtype(dtype):
+    """The dtype of the tier's matmul rate, which "% of mm" compares with: float32 on a level with
+    no bf16 products (AVX2, AVX-512 without BF16: bf16 inputs run on float32 products there),
+    else the inputs' dtype."""
+    import opmesh
+
+    return torch.float32 if opmesh.active_simd_level() in FLOAT32_LEVELS else dtype
+
+
 def as_on_this_tier(fn):
     """fn as torch runs it on a machine of this run's tier. Held to AVX2, torch sends no bf16
     GEMM to oneDNN: it does so only on CPUs with AVX-512BW/VL/DQ or AVX-NE-CONVERT (ATen's
@@ -195,6 +208,19 @@ def write_results(name, rows, columns, notes=(), tier_baselines=False):
             "bf16 GEMMs to oneDNN only on CPUs with AVX-512BW or AVX-NE-CONVERT, so here they "
             f"run ATen's own bf16 GEMM (oneDNN off). Rows marked{NOT_ON_THIS_TIER} keep "
             "oneDNN's AVX-512 BF16 kernels, for comparison; ratios leave them out.",
+            "",
+        ]
+    if tier_baselines and info["opmesh_simd"] == "avx512" and "avx512_bf16" in info["cpu_flags"]:
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+        lines += [
+            "Held to AVX-512 without BF16: opmesh's bf16 inputs run on float32 products, and "
+            + (
+                "oneDNN is held to AVX512_CORE, so torch's bf16 GEMMs convert bf16 in software, "
+                "as on a CPU of this tier."
+                if isa.upper() == "AVX512_CORE"
+                else "oneDNN is not held (set ONEDNN_MAX_CPU_ISA=AVX512_CORE): its bf16 "
+                "baselines use AVX-512 BF16 instructions a CPU of this tier lacks."
+            ),
             "",
         ]
     lines.append("| " + " | ".join(columns) + " |")

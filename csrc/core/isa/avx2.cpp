@@ -10,6 +10,7 @@
 
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_blocks.h"
+#include "f32_key_scores.h"
 #include "row_ops.h"
 #include "row_packing.h"
 #include "sets.h"
@@ -170,33 +171,6 @@ void score_tile(const ScoreTileArgs& args) {
   }
 }
 
-// The 4 x 4 words of a[0..4) transposed within each 128-bit lane: a[i] word j <-> a[j] word i.
-inline void transpose4_in_lanes(__m256* a) {
-  const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(a[0], a[1]));
-  const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(a[0], a[1]));
-  const __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(a[2], a[3]));
-  const __m256d t3 = _mm256_castps_pd(_mm256_unpackhi_ps(a[2], a[3]));
-  a[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
-  a[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
-  a[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
-  a[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
-}
-
-// The 8 x 8 words of x[0..8) transposed in place (x[i] word j <-> x[j] word i): rows i and i + 4
-// exchange halves, so that a[i] holds words 0..3 of both and a[i + 4] words 4..7; then 4 x 4
-// transposes within the lanes leave column c (c < 4) in a[c] and column c + 4 in a[c + 4].
-inline void transpose8(__m256i (&x)[8]) {
-  __m256 a[8];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 lo = _mm256_castsi256_ps(x[i]), hi = _mm256_castsi256_ps(x[i + 4]);
-    a[i] = _mm256_permute2f128_ps(lo, hi, 0x20);
-    a[i + 4] = _mm256_permute2f128_ps(lo, hi, 0x31);
-  }
-  transpose4_in_lanes(a);
-  transpose4_in_lanes(a + 4);
-  for (int i = 0; i < 8; ++i) x[i] = _mm256_castps_si256(a[i]);
-}
-
 // Up to 8 elements of a bf16 or fp16 row as float32 (exactly), zero after `count`.
 inline __m256i widen8(const char* src, int64_t count, DType dtype) {
   __m128i h;
@@ -230,66 +204,25 @@ struct Avx2Words {
 };
 using Packing = RowPacking<Avx2Words>;
 
-// Lane r of the result: the sum of a[r]'s 8 lanes (a horizontal-add tree, 7 operations for 8
-// sums).
-inline __m256 sum_lanes8(const __m256 (&a)[8]) {
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-}
-
-// kRows float32 query rows (from row r0) against 8 bf16 key rows: each key's 8 elements at a time
-// widened in registers and multiplied into one accumulator per row, whose lanes are summed per
-// key; the 8 keys' sums are transposed into the rows' scores. Fewer than 8 rows take kKeys keys
-// at once, so that 8 independent accumulators hide the multiply-add's latency.
-template <int kRows>
-void key_block(const KeyScoresArgs& a, int64_t r0, int64_t n0, LinesAhead& ahead) {
-  constexpr int kKeys = kRows >= 8 ? 1 : kRows >= 4 ? 8 / kRows : 2;
-  const float* q = reinterpret_cast<const float*>(a.query) + r0 * a.ldq;
-  const int64_t elements = 2 * a.depth;
-  const int64_t full = elements / 8 * 8;
-  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(elements - full)),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256i sums[8];
-  for (int n = 0; n < 8; n += kKeys) {
-    const char* key[kKeys];
-    for (int i = 0; i < kKeys; ++i) {
-      ahead.next();
-      key[i] = reinterpret_cast<const char*>(a.keys + (n0 + n + i) * a.ldk);
-    }
-    __m256 acc[kKeys][8];
-    for (int i = 0; i < kKeys; ++i)
-      for (int r = 0; r < 8; ++r) acc[i][r] = _mm256_setzero_ps();
-    auto step = [&](int64_t e, int64_t count, auto&& load_query) {
-      for (int i = 0; i < kKeys; ++i) {
-        const __m256 k = _mm256_castsi256_ps(widen8(key[i] + 2 * e, count, DType::kBFloat16));
-        for (int r = 0; r < kRows; ++r) {
-          acc[i][r] = _mm256_fmadd_ps(load_query(q + r * a.ldq + e), k, acc[i][r]);
-        }
-      }
-    };
-    for (int64_t e = 0; e < full; e += 8)
-      step(e, 8, [](const float* x) { return _mm256_loadu_ps(x); });
-    if (full < elements) {
-      step(full, elements - full, [&](const float* x) { return _mm256_maskload_ps(x, tail); });
-    }
-    for (int i = 0; i < kKeys; ++i) {
-      sums[n + i] = _mm256_castps_si256(_mm256_mul_ps(_mm256_set1_ps(a.alpha), sum_lanes8(acc[i])));
-    }
+// The float32 key_scores' vectors (f32_key_scores.h): 8 lanes, nothing to fold.
+struct Avx2Lanes {
+  static constexpr int kLanes = 8;
+  using Vec = __m256;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* x) { return _mm256_loadu_ps(x); }
+  static Vec load_part(const float* x, int64_t count) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_ps(x, mask);
   }
-  transpose8(sums);  // sums[r]: row r's scores of the 8 keys
-  for (int r = 0; r < kRows; ++r) {
-    _mm256_storeu_ps(a.s + (r0 + r) * a.lds + n0, _mm256_castsi256_ps(sums[r]));
+  static Vec widen(const uint16_t* key, int64_t count) {
+    return _mm256_castsi256_ps(widen8(reinterpret_cast<const char*>(key), count, DType::kBFloat16));
   }
-}
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fold(Vec v) { return v; }
+};
 
-void key_scores(const KeyScoresArgs& a) {
-  const int blocks = (static_cast<int>(a.rows) + 7) / 8;
-  LinesAhead ahead(a.ahead, blocks * kKeyTile);
-  for_each_even_row_block<8>(0, static_cast<int>(a.rows), [&](auto rows, int r) {
-    for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8) key_block<decltype(rows)::value>(a, r, n0, ahead);
-  });
-}
+void key_scores(const KeyScoresArgs& a) { F32KeyScores<Avx2Lanes>::run(a); }
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 #include "avx512_policies.h"
 #include "avx512_products.h"
 #include "avx512_softmax.h"
+#include "f32_key_scores.h"
 #include "row_ops.h"
 #include "row_packing.h"
 #include "sets.h"
@@ -110,11 +111,39 @@ void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
   }
 }
 
+namespace {
+
+// The float32 key_scores' vectors (f32_key_scores.h): 16 lanes, folded to 8 by adding halves.
+struct Avx512Lanes {
+  static constexpr int kLanes = 16;
+  using Vec = __m512;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* x) { return _mm512_loadu_ps(x); }
+  static Vec load_part(const float* x, int64_t count) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), x);
+  }
+  static Vec widen(const uint16_t* key, int64_t count) {
+    const __m256i h =
+        count == 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key))
+                    : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), key);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 fold(Vec v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  }
+};
+
+void key_scores(const KeyScoresArgs& a) { F32KeyScores<Avx512Lanes>::run(a); }
+
+}  // namespace
+
 const KernelSet& kernel_set() {
   static const KernelSet set{
-      "avx512",    Isa::kAvx512, Word::kFloat32, 1,        1,         6,       4,
-      nullptr,     nullptr,      &gemm,          &softmax, &exp_rows, nullptr, &pack_keys,
-      &score_tile, &widen,       row_ops(),      nullptr,  nullptr,   0,       &pack_widened_keys};
+      "avx512",    Isa::kAvx512, Word::kFloat32,    1,      1,         6,
+      4,           nullptr,      nullptr,           &gemm,  &softmax,  &exp_rows,
+      nullptr,     &pack_keys,   &score_tile,       &widen, row_ops(), nullptr,
+      &key_scores, 16,           &pack_widened_keys};
   return set;
 }
 

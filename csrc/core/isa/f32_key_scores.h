@@ -1,0 +1,121 @@
+// Decode's key_scores (KernelSet::key_scores) for the float32 sets: float32 query rows against
+// bf16 key rows read where they lie, the keys widened in registers, one dot product per
+// (row, key) along the depth. Written once over a vector policy; AVX2 (8 lanes) and AVX-512
+// (16 lanes) include it with their own flags, and both need AVX2 for the 8-lane sums and the
+// transpose. The anonymous namespace gives each translation unit its own copy.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "../kernels/kernel_set.h"
+#include "../kernels/row_blocks.h"
+#include "../kernels/rows_ahead.h"
+
+namespace opmesh::core::kernels {
+namespace {
+
+// The 4 x 4 words of a[0..4) transposed within each 128-bit lane: a[i] word j <-> a[j] word i.
+inline void transpose4_in_lanes(__m256* a) {
+  const __m256d t0 = _mm256_castps_pd(_mm256_unpacklo_ps(a[0], a[1]));
+  const __m256d t1 = _mm256_castps_pd(_mm256_unpackhi_ps(a[0], a[1]));
+  const __m256d t2 = _mm256_castps_pd(_mm256_unpacklo_ps(a[2], a[3]));
+  const __m256d t3 = _mm256_castps_pd(_mm256_unpackhi_ps(a[2], a[3]));
+  a[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
+  a[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+  a[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+  a[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
+}
+
+// The 8 x 8 words of x[0..8) transposed in place (x[i] word j <-> x[j] word i): rows i and i + 4
+// exchange halves, so that a[i] holds words 0..3 of both and a[i + 4] words 4..7; then 4 x 4
+// transposes within the lanes leave column c (c < 4) in a[c] and column c + 4 in a[c + 4].
+inline void transpose8(__m256i (&x)[8]) {
+  __m256 a[8];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 lo = _mm256_castsi256_ps(x[i]), hi = _mm256_castsi256_ps(x[i + 4]);
+    a[i] = _mm256_permute2f128_ps(lo, hi, 0x20);
+    a[i + 4] = _mm256_permute2f128_ps(lo, hi, 0x31);
+  }
+  transpose4_in_lanes(a);
+  transpose4_in_lanes(a + 4);
+  for (int i = 0; i < 8; ++i) x[i] = _mm256_castps_si256(a[i]);
+}
+
+// Lane r of the result: the sum of a[r]'s 8 lanes (a horizontal-add tree, 7 operations for 8
+// sums).
+inline __m256 sum_lanes8(const __m256 (&a)[8]) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// V: the vector policy. V::Vec holds V::kLanes floats; V::zero(), V::load(x) and
+// V::load_part(x, count) (zero past count) read query elements; V::widen(key, count) widens
+// bf16 key elements (zero past count); V::fma(a, b, c) = a b + c; V::fold(v) adds v's 8-lane
+// pieces into one __m256 (lane l: the sum of v's lanes l, l + 8, ...).
+template <class V>
+struct F32KeyScores {
+  // kRows float32 query rows (from row r0) against 8 bf16 key rows: each key's V::kLanes elements
+  // at a time widened in registers and multiplied into one accumulator per row, whose lanes are
+  // summed per key; the 8 keys' sums are transposed into the rows' scores. Fewer than 8 rows take
+  // kKeys keys at once, so that 8 independent accumulators hide the multiply-add's latency.
+  template <int kRows>
+  static void key_block(const KeyScoresArgs& a, int64_t r0, int64_t n0, LinesAhead& ahead) {
+    using Vec = typename V::Vec;
+    constexpr int kKeys = kRows >= 8 ? 1 : kRows >= 4 ? 8 / kRows : 2;
+    const float* q = reinterpret_cast<const float*>(a.query) + r0 * a.ldq;
+    const int64_t elements = 2 * a.depth;
+    const int64_t full = elements / V::kLanes * V::kLanes;
+    __m256i sums[8];
+    for (int n = 0; n < 8; n += kKeys) {
+      const uint16_t* key[kKeys];
+      for (int i = 0; i < kKeys; ++i) {
+        ahead.next();
+        key[i] = reinterpret_cast<const uint16_t*>(a.keys + (n0 + n + i) * a.ldk);
+      }
+      Vec acc[kKeys][8];
+      for (int i = 0; i < kKeys; ++i)
+        for (int r = 0; r < 8; ++r) acc[i][r] = V::zero();
+      for (int64_t e = 0; e < full; e += V::kLanes) {
+        for (int i = 0; i < kKeys; ++i) {
+          const Vec k = V::widen(key[i] + e, V::kLanes);
+          for (int r = 0; r < kRows; ++r)
+            acc[i][r] = V::fma(V::load(q + r * a.ldq + e), k, acc[i][r]);
+        }
+      }
+      if (full < elements) {
+        const int64_t count = elements - full;
+        for (int i = 0; i < kKeys; ++i) {
+          const Vec k = V::widen(key[i] + full, count);
+          for (int r = 0; r < kRows; ++r) {
+            acc[i][r] = V::fma(V::load_part(q + r * a.ldq + full, count), k, acc[i][r]);
+          }
+        }
+      }
+      for (int i = 0; i < kKeys; ++i) {
+        __m256 folded[8];
+        for (int r = 0; r < 8; ++r) folded[r] = V::fold(acc[i][r]);
+        sums[n + i] =
+            _mm256_castps_si256(_mm256_mul_ps(_mm256_set1_ps(a.alpha), sum_lanes8(folded)));
+      }
+    }
+    transpose8(sums);  // sums[r]: row r's scores of the 8 keys
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_storeu_ps(a.s + (r0 + r) * a.lds + n0, _mm256_castsi256_ps(sums[r]));
+    }
+  }
+
+  static void run(const KeyScoresArgs& a) {
+    const int blocks = (static_cast<int>(a.rows) + 7) / 8;
+    LinesAhead ahead(a.ahead, blocks * kKeyTile);
+    for_each_even_row_block<8>(0, static_cast<int>(a.rows), [&](auto rows, int r) {
+      for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8)
+        key_block<decltype(rows)::value>(a, r, n0, ahead);
+    });
+  }
+};
+
+}  // namespace
+}  // namespace opmesh::core::kernels
