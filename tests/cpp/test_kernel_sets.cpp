@@ -332,18 +332,19 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
   if (tested == 0) GTEST_SKIP() << "no kernel set here has key_scores";
 }
 
-// Decode's P.V on value rows in place (the sets that have it): every row count up to 8, one
-// tile and a block of six, the last rows missing (null: zeros), value rows a stride apart with
-// NaN between them (not to be read), with and without the rescaling of the output. Against
-// float64, and bit for bit against the set's pair GEMM on the same values interleaved as key
-// pairs (the packed path it replaces).
-TEST(KernelSets, ValueRowsEqualThePairGemmOnPackedValues) {
+// Decode's P.V on value rows in place (the sets that have it): every row count up to 8 (16 on
+// a float32 set, whose decode takes up to 16 rows), one tile and a block of six, the last rows
+// missing (null: zeros), value rows a stride apart with NaN between them (not to be read), with
+// and without the rescaling of the output. Against float64, and bit for bit against the set's
+// GEMM on the same values packed (interleaved as key pairs on a pair set, widened to float32
+// rows on a float32 set): the packed path it replaces.
+TEST(KernelSets, ValueRowsEqualTheGemmOnPackedValues) {
   const uint16_t nan16 = 0x7FC1;
   int tested = 0;
   for (const KernelSet* set : sets_under_test()) {
     if (set->value_rows == nullptr) continue;
-    ASSERT_EQ(set->word, Word::kBf16Pair) << set->name;
-    for (int64_t rows = 1; rows <= 8; ++rows) {
+    const bool floats = set->word == Word::kFloat32;  // float32 P and value rows, else bf16 pairs
+    for (int64_t rows = 1; rows <= (floats ? 16 : 8); ++rows) {
       for (int64_t count : {kKeyTile, 6 * kKeyTile}) {
         for (int64_t dv : {32, 128}) {
           for (const bool rescale : {false, true}) {
@@ -363,14 +364,23 @@ TEST(KernelSets, ValueRowsEqualThePairGemmOnPackedValues) {
               }
               values[n] = pool.data() + n * ldv;
             }
-            // P as bf16 pairs along the keys, zero where the keys are missing.
+            // P as bf16 pairs along the keys (float32 on a float32 set, with more bits than
+            // bf16), zero where the keys are missing.
             std::vector<float> pr(rows * count, 0.0f);
-            for (int64_t r = 0; r < rows; ++r)
-              for (int64_t n = 0; n < present; ++n) pr[r * count + n] = std::abs(bf16_value(rng));
-            const int64_t ldp = count / 2 + 5;
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t n = 0; n < present; ++n) {
+                pr[r * count + n] = std::abs(bf16_value(rng)) * (floats ? 1.0009765625f : 1.0f);
+              }
+            }
+            const int64_t depth = floats ? count : count / 2;  // the GEMM's depth in words
+            const int64_t ldp = depth + 5;
             AlignedBuffer<uint32_t> p(rows * ldp);
             for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t i = 0; i < count / 2; ++i) {
+              for (int64_t i = 0; i < depth; ++i) {
+                if (floats) {
+                  std::memcpy(&p.data()[r * ldp + i], &pr[r * count + i], 4);
+                  continue;
+                }
                 p.data()[r * ldp + i] =
                     float_to_bf16_bits(pr[r * count + 2 * i]) |
                     (static_cast<uint32_t>(float_to_bf16_bits(pr[r * count + 2 * i + 1])) << 16);
@@ -381,18 +391,23 @@ TEST(KernelSets, ValueRowsEqualThePairGemmOnPackedValues) {
             for (auto& x : scale) x = 0.25f + 0.5f * std::abs(bf16_value(rng));
             for (auto& x : o0) x = bf16_value(rng);
             std::vector<float> got(o0), packed_gemm(o0);
-            // The packed path: value rows interleaved as key pairs, then the set's GEMM.
+            // The packed path: value rows interleaved as key pairs (widened to float32 rows on
+            // a float32 set), then the set's GEMM.
             const int64_t ldvp = dv + 16;
-            AlignedBuffer<uint32_t> vp(count / 2 * ldvp);
-            std::fill(vp.data(), vp.data() + count / 2 * ldvp, 0u);
-            for (int64_t i = 0; i < count / 2; ++i) {
+            AlignedBuffer<uint32_t> vp(depth * ldvp);
+            std::fill(vp.data(), vp.data() + depth * ldvp, 0u);
+            for (int64_t i = 0; i < depth; ++i) {
+              if (floats) {
+                if (values[i] != nullptr) std::memcpy(vp.data() + i * ldvp, &v[i * dv], 4 * dv);
+                continue;
+              }
               if (values[2 * i] == nullptr) continue;
               set->rows.interleave_bf16(values[2 * i], values[2 * i + 1], dv, vp.data() + i * ldvp);
             }
             {
               const Scope scope(*set);
-              set->gemm({p.data(), ldp, vp.data(), ldvp, packed_gemm.data(), ldo, rows, dv,
-                         count / 2, rescale ? scale.data() : nullptr, 1.0f});
+              set->gemm({p.data(), ldp, vp.data(), ldvp, packed_gemm.data(), ldo, rows, dv, depth,
+                         rescale ? scale.data() : nullptr, 1.0f});
               const char* ahead[1] = {reinterpret_cast<const char*>(pool.data())};
               set->value_rows({p.data(), ldp, values.data(), count, dv, got.data(), ldo,
                                rescale ? scale.data() : nullptr, rows,

@@ -93,8 +93,7 @@ class Runner {
         v_tile_words_((pairs_ ? kKeyTile / 2 : kKeyTile) * vld_),
         slot_floats_(g_.rows * (dvp_ + 2)),
         direct_keys_(direct_keys(p, k_)),
-        direct_values_(direct_keys_ && pairs_ && k_.value_rows != nullptr && vsd_ == 1 &&
-                       dv_ % 32 == 0),
+        direct_values_(direct_keys_ && k_.value_rows != nullptr && vsd_ == 1 && dv_ % 32 == 0),
         widens_rows_(!pairs_ && p.dtype != DType::kFloat32 && ksd_ == 1 && vsd_ == 1) {
     // (Heads run side by side only on sequences of one query tile: decode_block_tiles.)
     const int64_t rows_bytes = k_.decode_block_tiles * kKeyTile * (d_ + dv_) * kv_elem_;
@@ -668,7 +667,8 @@ class Runner {
         }
       }
       if (values_in_place) {
-        value_product(sc, b, h, j0, j1, rows, cur.o, corr);
+        value_product(sc, b, h, j0, j1, rows, reinterpret_cast<const uint32_t*>(sc.pb.data()),
+                      cols / 2, cur.o, corr);
       } else {
         k_.gemm({sc.pb.data(), cols / 2, vp, vld_, cur.o, dvp_, rows, dvp_, cols / 2, corr, 1.0f});
       }
@@ -679,15 +679,21 @@ class Runner {
           k_.rows.multiply_into(s + r * cols + i * kKeyTile, sc.scales[1].data() + i * kKeyTile);
         }
       }
-      k_.gemm({s, cols, vp, vld_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
+      if (values_in_place) {
+        value_product(sc, b, h, j0, j1, rows, reinterpret_cast<const uint32_t*>(s), cols, cur.o,
+                      corr);
+      } else {
+        k_.gemm({s, cols, vp, vld_, cur.o, dvp_, rows, dvp_, cols, corr, 1.0f});
+      }
     }
   }
 
   // o = corr o + P V over key tiles [j0, j1) of (b, h) from the value rows where they lie (rows
-  // past the sequence's keys read as zeros, as the packed tiles hold them); the next block's
-  // value rows are asked for from memory meanwhile.
+  // past the sequence's keys read as zeros, as the packed tiles hold them), P [rows][ldp] words
+  // (bf16 pairs on a pair set, float32 else); the next block's value rows are asked for from
+  // memory meanwhile.
   void value_product(Scratch& sc, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t rows,
-                     float* o, const float* corr) const {
+                     const uint32_t* p, int64_t ldp, float* o, const float* corr) const {
     const int64_t cols = (j1 - j0) * kKeyTile;
     sc.value_rows.assign(cols, nullptr);
     const char* lines[kKeyTile];
@@ -698,8 +704,7 @@ class Runner {
         sc.value_rows[(j - j0) * kKeyTile + n] = reinterpret_cast<const uint16_t*>(lines[n]);
       }
     }
-    k_.value_rows({reinterpret_cast<const uint32_t*>(sc.pb.data()), cols / 2, sc.value_rows.data(),
-                   cols, dv_, o, dvp_, corr, rows, sc.values_ahead});
+    k_.value_rows({p, ldp, sc.value_rows.data(), cols, dv_, o, dvp_, corr, rows, sc.values_ahead});
     sc.values_ahead = {};
   }
 
@@ -849,7 +854,7 @@ class Runner {
   bool direct_keys_;
   // bf16 values of unit stride, whole 32-column blocks, on a set with value_rows: where decode
   // reads its keys in place through key_scores, its P.V reads the value rows in place too
-  // (reads_values_in_place), instead of packing them as key pairs first.
+  // (reads_values_in_place), instead of packing them first.
   bool direct_values_;
   // The float32 kernels on contiguous rows of a narrower type: pack_tile converts the rows as it
   // packs them, asking for the next block's rows from memory meanwhile.
@@ -898,10 +903,12 @@ class Runner {
   }
 
   // Whether the P.V of key tiles [j0, j1) of sequence b reads the value rows in place
-  // (value_rows): a decode sequence whose block's scores come from key_scores on keys in place.
-  // The same bits as the packed path, so the choice may differ between blocks.
+  // (value_rows): a decode sequence of at most value_rows_rows rows whose block's scores come
+  // from key_scores on keys in place. The same bits as the packed path, so the choice may differ
+  // between blocks.
   bool reads_values_in_place(int64_t b, int64_t j0, int64_t j1) const {
     if (!direct_values_ || !row_scores(b)) return false;
+    if (seqs_[b].q_len * g_.group > k_.value_rows_rows) return false;
     for (int64_t j = j0; j < j1; ++j) {
       if (!reads_keys_in_place(b, j)) return false;
     }

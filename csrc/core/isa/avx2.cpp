@@ -10,7 +10,7 @@
 
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_blocks.h"
-#include "f32_key_scores.h"
+#include "f32_decode.h"
 #include "row_ops.h"
 #include "row_packing.h"
 #include "sets.h"
@@ -204,7 +204,7 @@ struct Avx2Words {
 };
 using Packing = RowPacking<Avx2Words>;
 
-// The float32 key_scores' vectors (f32_key_scores.h): 8 lanes, nothing to fold.
+// The float32 decode kernels' vectors (f32_decode.h): 8 lanes, nothing to fold.
 struct Avx2Lanes {
   static constexpr int kLanes = 8;
   using Vec = __m256;
@@ -220,9 +220,22 @@ struct Avx2Lanes {
   }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   static __m256 fold(Vec v) { return v; }
+  // value_rows (up to 4 rows: value_rows_rows): 16 columns, 8 accumulators a block, stored as
+  // the GEMM's block (above) stores with alpha 1.
+  static constexpr int kValueRows = 4;
+  static constexpr int kValueCols = 2;
+  static constexpr int kAccumulators = 8;
+  static Vec broadcast(const float* x) { return _mm256_broadcast_ss(x); }
+  static void store_sums(float* out, Vec acc, const float* scale) {
+    Vec v = _mm256_mul_ps(_mm256_set1_ps(1.0f), acc);
+    if (scale != nullptr) v = _mm256_fmadd_ps(_mm256_set1_ps(*scale), _mm256_loadu_ps(out), v);
+    _mm256_storeu_ps(out, v);
+  }
 };
 
 void key_scores(const KeyScoresArgs& a) { F32KeyScores<Avx2Lanes>::run(a); }
+
+void value_rows(const ValueRowsArgs& a) { F32ValueRows<Avx2Lanes>::run(a); }
 
 }  // namespace
 
@@ -247,7 +260,11 @@ const KernelSet& kernel_set() {
                              nullptr,
                              &key_scores,
                              16,
-                             &Packing::pack_widened_keys};
+                             &Packing::pack_widened_keys,
+                             &value_rows,
+                             /*gemm_rows=*/nullptr,
+                             /*decode_block_tiles=*/1,
+                             /*value_rows_rows=*/4};
   return set;
 }
 

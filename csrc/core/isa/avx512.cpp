@@ -8,7 +8,7 @@
 #include "avx512_policies.h"
 #include "avx512_products.h"
 #include "avx512_softmax.h"
-#include "f32_key_scores.h"
+#include "f32_decode.h"
 #include "row_ops.h"
 #include "row_packing.h"
 #include "sets.h"
@@ -113,7 +113,7 @@ void exp_rows(float* s, int64_t rows, int64_t cols, const float* shift) {
 
 namespace {
 
-// The float32 key_scores' vectors (f32_key_scores.h): 16 lanes, folded to 8 by adding halves.
+// The float32 decode kernels' vectors (f32_decode.h): 16 lanes, folded to 8 by adding halves.
 struct Avx512Lanes {
   static constexpr int kLanes = 16;
   using Vec = __m512;
@@ -132,18 +132,35 @@ struct Avx512Lanes {
   static __m256 fold(Vec v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   }
+  // value_rows: up to 8 rows and 32 columns, 16 accumulators a block, stored as Avx512Gemm
+  // stores one with alpha 1.
+  static constexpr int kValueRows = 8;
+  static constexpr int kValueCols = 2;
+  static constexpr int kAccumulators = 16;
+  static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static void store_sums(float* out, Vec acc, const float* scale) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (scale != nullptr) {
+      const __m512 old = _mm512_mul_ps(_mm512_set1_ps(*scale), _mm512_loadu_ps(out));
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(one, acc, old));
+    } else {
+      _mm512_storeu_ps(out, _mm512_mul_ps(one, acc));
+    }
+  }
 };
 
 void key_scores(const KeyScoresArgs& a) { F32KeyScores<Avx512Lanes>::run(a); }
+
+void value_rows(const ValueRowsArgs& a) { F32ValueRows<Avx512Lanes>::run(a); }
 
 }  // namespace
 
 const KernelSet& kernel_set() {
   static const KernelSet set{
-      "avx512",    Isa::kAvx512, Word::kFloat32,    1,      1,         6,
-      4,           nullptr,      nullptr,           &gemm,  &softmax,  &exp_rows,
-      nullptr,     &pack_keys,   &score_tile,       &widen, row_ops(), nullptr,
-      &key_scores, 16,           &pack_widened_keys};
+      "avx512",    Isa::kAvx512, Word::kFloat32, 1,        1,           6,       4,
+      nullptr,     nullptr,      &gemm,          &softmax, &exp_rows,   nullptr, &pack_keys,
+      &score_tile, &widen,       row_ops(),      nullptr,  &key_scores, 16,      &pack_widened_keys,
+      &value_rows};
   return set;
 }
 

@@ -1,12 +1,15 @@
-// Decode's key_scores (KernelSet::key_scores) for the float32 sets: float32 query rows against
-// bf16 key rows read where they lie, the keys widened in registers, one dot product per
-// (row, key) along the depth. Written once over a vector policy; AVX2 (8 lanes) and AVX-512
-// (16 lanes) include it with their own flags, and both need AVX2 for the 8-lane sums and the
-// transpose. The anonymous namespace gives each translation unit its own copy.
+// Decode's products on bf16 cache rows read where they lie, for the float32 sets, the rows widened
+// in registers: key_scores (KernelSet::key_scores: float32 query rows against key rows, one dot
+// product per (row, key) along the depth) and value_rows (KernelSet::value_rows: float32
+// probabilities times value rows, the float32 GEMM's sums on the values packed). Written once
+// over a vector policy; AVX2 (8 lanes) and AVX-512 (16 lanes) include it with their own flags,
+// and both need AVX2 for the 8-lane sums and the transpose. The anonymous namespace gives each
+// translation unit its own copy.
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../kernels/kernel_set.h"
@@ -54,7 +57,10 @@ inline __m256 sum_lanes8(const __m256 (&a)[8]) {
 // V: the vector policy. V::Vec holds V::kLanes floats; V::zero(), V::load(x) and
 // V::load_part(x, count) (zero past count) read query elements; V::widen(key, count) widens
 // bf16 key elements (zero past count); V::fma(a, b, c) = a b + c; V::fold(v) adds v's 8-lane
-// pieces into one __m256 (lane l: the sum of v's lanes l, l + 8, ...).
+// pieces into one __m256 (lane l: the sum of v's lanes l, l + 8, ...). For value_rows: at most
+// V::kValueRows rows, V::kValueCols vectors of columns and V::kAccumulators accumulators a block,
+// V::broadcast(x), and V::store_sums(out, acc, scale) storing acc (+ scale * out with a scale)
+// exactly as the set's GEMM stores a block with alpha 1.
 template <class V>
 struct F32KeyScores {
   // kRows float32 query rows (from row r0) against 8 bf16 key rows: each key's V::kLanes elements
@@ -113,6 +119,63 @@ struct F32KeyScores {
     for_each_even_row_block<8>(0, static_cast<int>(a.rows), [&](auto rows, int r) {
       for (int64_t n0 = 0; n0 < kKeyTile; n0 += 8)
         key_block<decltype(rows)::value>(a, r, n0, ahead);
+    });
+  }
+};
+
+template <class V>
+struct F32ValueRows {
+  // Flash attention reads the value rows in place where dv is a multiple of 32: every block's
+  // columns must divide it.
+  static_assert(32 % (V::kValueCols * V::kLanes) == 0);
+
+  // Vectors of columns a block of kRows rows takes: as many as keep V::kAccumulators
+  // accumulators (at most V::kValueCols), so that few rows still have enough independent chains
+  // to hide the multiply-add's latency and many rows still fit the registers.
+  template <int kRows>
+  static constexpr int kCols = std::clamp(V::kAccumulators / kRows, 1, V::kValueCols);
+
+  // o[r][e0, e0 + kCols * kLanes) for kRows rows from r0: one multiply-add chain per output over
+  // the keys in order (a null row adds zeros), as the float32 GEMM sums a block over its depth
+  // on the values packed, so the bits are the GEMM's.
+  template <int kRows>
+  static void block(const ValueRowsArgs& a, int r0, int64_t e0, LinesAhead& ahead) {
+    using Vec = typename V::Vec;
+    constexpr int kC = kCols<kRows>;
+    const float* p = reinterpret_cast<const float*>(a.p) + r0 * a.ldp;
+    Vec acc[kRows][kC];
+    for (int r = 0; r < kRows; ++r)
+      for (int j = 0; j < kC; ++j) acc[r][j] = V::zero();
+    for (int64_t i = 0; i < a.count; ++i) {
+      ahead.next();
+      const uint16_t* v = a.values[i];
+      Vec x[kC];
+      for (int j = 0; j < kC; ++j) {
+        x[j] = v != nullptr ? V::widen(v + e0 + j * V::kLanes, V::kLanes) : V::zero();
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const Vec pr = V::broadcast(p + r * a.ldp + i);
+        for (int j = 0; j < kC; ++j) acc[r][j] = V::fma(pr, x[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float* out = a.o + (r0 + r) * a.ldo + e0;
+      const float* scale = a.row_scale != nullptr ? a.row_scale + r0 + r : nullptr;
+      for (int j = 0; j < kC; ++j) V::store_sums(out + j * V::kLanes, acc[r][j], scale);
+    }
+  }
+
+  // P [rows][ldp] float32 (a.p read as floats) times the value rows, dv a multiple of 32.
+  static void run(const ValueRowsArgs& a) {
+    const int rows = static_cast<int>(a.rows);
+    int64_t steps = 0;  // the blocks' calls of ahead.next()
+    for_each_even_row_block<V::kValueRows>(0, rows, [&](auto r, int) {
+      steps += a.dv / (kCols<decltype(r)::value> * V::kLanes) * a.count;
+    });
+    LinesAhead ahead(a.ahead, steps);
+    for_each_even_row_block<V::kValueRows>(0, rows, [&](auto r, int r0) {
+      constexpr int64_t kColumns = kCols<decltype(r)::value> * V::kLanes;
+      for (int64_t e0 = 0; e0 < a.dv; e0 += kColumns) block<decltype(r)::value>(a, r0, e0, ahead);
     });
   }
 };

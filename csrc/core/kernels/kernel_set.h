@@ -65,7 +65,9 @@ struct KeyScoresArgs {
 // (dv bf16 elements), null for a row past the keys (read as zeros); count (even) rows. Each
 // output sums the same pair products in the same order as the pair GEMM on the values packed as
 // key pairs (interleave_bf16), so the bits are the same. row_scale null: o = the sums.
-// `ahead`: rows the caller reads next, asked for from memory between the products.
+// On a float32 set p is float32 probabilities ([rows][ldp] floats, any number of rows), each
+// value row is widened in registers, and the sums are those of the float32 GEMM on the values
+// packed. `ahead`: rows the caller reads next, asked for from memory between the products.
 struct ValueRowsArgs {
   const uint32_t* p;
   int64_t ldp;
@@ -255,7 +257,7 @@ struct KernelSet {
                             const RowsAhead& ahead, uint32_t* kp);
 
   // Decode's P.V on bf16 value rows in place (ValueRowsArgs), beside key_scores; null where the
-  // set has none (flash attention then packs the value tiles as key pairs for its GEMM).
+  // set has none (flash attention then packs the value tiles for its GEMM).
   void (*value_rows)(const ValueRowsArgs& args) = nullptr;
 
   // gemm with A's rows gathered: row r of A at a_rows[r] (args.a and args.lda unused), the same
@@ -269,6 +271,11 @@ struct KernelSet {
   // asked for meanwhile, would no longer fit the L2 cache (one token, 32/8 heads, 8 x 8192 keys
   // from memory on Zen 4: 4 tiles a step ran 2x slower than 1).
   int64_t decode_block_tiles = 1;
+
+  // The most rows (a decode sequence's positions times its group) for which value_rows beats
+  // the GEMM on the values packed (measured): on AVX2, 8 rows (8/1 heads) split into two blocks
+  // that widen every value row twice ran 5% slower than packing once, 4 rows (32/8) 10-13% faster.
+  int64_t value_rows_rows = 16;
 
   // What the set accepts: input dtypes it computes (after packing into its word type).
   bool accepts(DType dtype) const { return word == Word::kFloat32 || dtype == DType::kBFloat16; }
