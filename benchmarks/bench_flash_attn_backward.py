@@ -12,6 +12,7 @@ head (the backward recomputes the scores: five products of the forward's size), 
 time ratios. Peak extra memory: the rise of the process's resident size during one step.
 
     python benchmarks/bench_flash_attn_backward.py [--seqs 2048 4096] [--dtypes bf16 fp32]
+        [--cases dense varlen]
 """
 
 from __future__ import annotations
@@ -110,11 +111,14 @@ def main():
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per method")
+    parser.add_argument(
+        "--cases", nargs="+", default=["dense", "varlen"], choices=["dense", "varlen"]
+    )
     args = parser.parse_args()
     rows = []
     for name in args.dtypes:
         dtype = DTYPES[name]
-        for seq in args.seqs:
+        for seq in args.seqs if "dense" in args.cases else []:
             g = torch.Generator().manual_seed(0)
             q, k, v = (
                 torch.randn(1, seq, heads, D, generator=g).to(dtype).requires_grad_()
@@ -148,6 +152,8 @@ def main():
                 },
                 args.budget,
             )
+        if "varlen" not in args.cases:
+            continue
         lengths = varlen_lengths()
         q, k, v, cu = varlen_inputs(lengths, dtype)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
