@@ -325,6 +325,19 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
           }
           for (int64_t n = kKeyTile; n < lds; ++n) ASSERT_EQ(s[r * lds + n], -7.0f) << "wrote past";
         }
+        // A row's scores have the same bits whichever rows share the call (a mesh that shards
+        // the heads hands the kernel fewer rows).
+        for (int64_t r = 0; r < rows; ++r) {
+          std::vector<float> one(lds);
+          {
+            const Scope scope(*set);
+            set->key_scores(
+                {pq.data() + r * ldq, ldq, pk.data(), ldk, one.data(), lds, 1, words, 0.625f, {}});
+          }
+          for (int64_t n = 0; n < kKeyTile; ++n) {
+            ASSERT_EQ(std::memcmp(&one[n], &s[r * lds + n], 4), 0) << "row " << r << " key " << n;
+          }
+        }
         ++tested;
       }
     }

@@ -220,11 +220,24 @@ struct Avx2Lanes {
   }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   static __m256 fold(Vec v) { return v; }
-  // value_rows (up to 4 rows: value_rows_rows): 16 columns, 8 accumulators a block, stored as
-  // the GEMM's block (above) stores with alpha 1.
+  // value_rows (blocks of up to 4 rows; decodes of up to 8 rows: value_rows_rows): 16 columns,
+  // 8 accumulators a block, stored as the GEMM's block (above) stores with alpha 1.
   static constexpr int kValueRows = 4;
   static constexpr int kValueCols = 2;
   static constexpr int kAccumulators = 8;
+  // value_rows widens 16 value columns with one load (F32ValueRows::kPairs).
+  static constexpr bool kWidensPairs = true;
+  static void widen_pair(const uint16_t* x, Vec& even, Vec& odd) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(-65536)));
+  }
+  static void interleave(Vec& even, Vec& odd) {
+    // lo: columns 0-3 | 8-11, hi: 4-7 | 12-15.
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    even = _mm256_insertf128_ps(lo, _mm256_castps256_ps128(hi), 1);
+    odd = _mm256_insertf128_ps(hi, _mm256_extractf128_ps(lo, 1), 0);
+  }
   static Vec broadcast(const float* x) { return _mm256_broadcast_ss(x); }
   static void store_sums(float* out, Vec acc, const float* scale) {
     Vec v = _mm256_mul_ps(_mm256_set1_ps(1.0f), acc);
@@ -264,7 +277,7 @@ const KernelSet& kernel_set() {
                              &value_rows,
                              /*gemm_rows=*/nullptr,
                              /*decode_block_tiles=*/1,
-                             /*value_rows_rows=*/4};
+                             /*value_rows_rows=*/8};
   return set;
 }
 

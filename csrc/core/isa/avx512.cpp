@@ -134,6 +134,7 @@ struct Avx512Lanes {
   }
   // value_rows: up to 8 rows and 32 columns, 16 accumulators a block, stored as Avx512Gemm
   // stores one with alpha 1.
+  static constexpr bool kWidensPairs = false;
   static constexpr int kValueRows = 8;
   static constexpr int kValueCols = 2;
   static constexpr int kAccumulators = 16;

@@ -60,7 +60,10 @@ inline __m256 sum_lanes8(const __m256 (&a)[8]) {
 // pieces into one __m256 (lane l: the sum of v's lanes l, l + 8, ...). For value_rows: at most
 // V::kValueRows rows, V::kValueCols vectors of columns and V::kAccumulators accumulators a block,
 // V::broadcast(x), and V::store_sums(out, acc, scale) storing acc (+ scale * out with a scale)
-// exactly as the set's GEMM stores a block with alpha 1.
+// exactly as the set's GEMM stores a block with alpha 1. With V::kWidensPairs,
+// V::widen_pair(x, even, odd) widens 2 V::kLanes bf16 elements into their even and odd elements and
+// V::interleave(even, odd) puts such a pair back in column order (even: the first V::kLanes
+// columns, odd: the next).
 template <class V>
 struct F32KeyScores {
   // kRows float32 query rows (from row r0) against 8 bf16 key rows: each key's V::kLanes elements
@@ -135,6 +138,13 @@ struct F32ValueRows {
   template <int kRows>
   static constexpr int kCols = std::clamp(V::kAccumulators / kRows, 1, V::kValueCols);
 
+  // Whether a block widens its value columns two vectors at a time (V::kWidensPairs: one load of
+  // 2 V::kLanes bf16 elements, the even ones shifted into place and the odd ones masked, half the
+  // operations of widening each vector on its own; the sums come out with even and odd columns
+  // apart and are interleaved once, at the store).
+  template <int kRows>
+  static constexpr bool kPairs = V::kWidensPairs && kCols<kRows> % 2 == 0;
+
   // o[r][e0, e0 + kCols * kLanes) for kRows rows from r0: one multiply-add chain per output over
   // the keys in order (a null row adds zeros), as the float32 GEMM sums a block over its depth
   // on the values packed, so the bits are the GEMM's.
@@ -143,7 +153,7 @@ struct F32ValueRows {
     using Vec = typename V::Vec;
     constexpr int kC = kCols<kRows>;
     const float* p = reinterpret_cast<const float*>(a.p) + r0 * a.ldp;
-    Vec acc[kRows][kC];
+    Vec acc[kRows][kC];  // kPairs: acc[r][2 j] the even columns of pair j, acc[r][2 j + 1] the odd
     for (int r = 0; r < kRows; ++r)
       for (int j = 0; j < kC; ++j) acc[r][j] = V::zero();
     for (int64_t i = 0; i < a.count; ++i) {
@@ -151,7 +161,17 @@ struct F32ValueRows {
       const uint16_t* v = a.values[i];
       Vec x[kC];
       for (int j = 0; j < kC; ++j) {
-        x[j] = v != nullptr ? V::widen(v + e0 + j * V::kLanes, V::kLanes) : V::zero();
+        if constexpr (kPairs<kRows>) {
+          if (j % 2 == 0) {
+            if (v != nullptr) {
+              V::widen_pair(v + e0 + j * V::kLanes, x[j], x[j + 1]);
+            } else {
+              x[j] = x[j + 1] = V::zero();
+            }
+          }
+        } else {
+          x[j] = v != nullptr ? V::widen(v + e0 + j * V::kLanes, V::kLanes) : V::zero();
+        }
       }
       for (int r = 0; r < kRows; ++r) {
         const Vec pr = V::broadcast(p + r * a.ldp + i);
@@ -161,6 +181,9 @@ struct F32ValueRows {
     for (int r = 0; r < kRows; ++r) {
       float* out = a.o + (r0 + r) * a.ldo + e0;
       const float* scale = a.row_scale != nullptr ? a.row_scale + r0 + r : nullptr;
+      if constexpr (kPairs<kRows>) {
+        for (int j = 0; j < kC; j += 2) V::interleave(acc[r][j], acc[r][j + 1]);
+      }
       for (int j = 0; j < kC; ++j) V::store_sums(out + j * V::kLanes, acc[r][j], scale);
     }
   }

@@ -273,8 +273,9 @@ struct KernelSet {
   int64_t decode_block_tiles = 1;
 
   // The most rows (a decode sequence's positions times its group) for which value_rows beats
-  // the GEMM on the values packed (measured): on AVX2, 8 rows (8/1 heads) split into two blocks
-  // that widen every value row twice ran 5% slower than packing once, 4 rows (32/8) 10-13% faster.
+  // the GEMM on the values packed (measured): on AVX2, 8 (8/1 heads: two blocks of 4 rows that
+  // each widen every value row, 16 columns a load; 5% faster than packing on an AVX2-only Zen 1,
+  // where widening each 8 columns on its own had tied with packing).
   int64_t value_rows_rows = 16;
 
   // What the set accepts: input dtypes it computes (after packing into its word type).
