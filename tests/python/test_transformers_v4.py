@@ -135,11 +135,16 @@ def test_training_reaches_every_weight_of_the_compressors_as_eager():
 
 
 def test_bf16_logits_are_as_close_to_float32_as_eager_bf16():
+    # The indexer keeps every compressed entry (at most 37 // 4 of them): with the top-4, bf16
+    # rounding may tip a near tie in the indexer's scores, and one query then attends to other
+    # entries than float32's, an error that measures the tie, not the arithmetic (seen on an
+    # AVX2-only CPU: one query's logits off by 0.053 with opmesh, every other within eager's
+    # 0.008). The top-4 selection itself is checked against eager in float32 by the tests above.
     ids, mask = prompts(length=37)
-    reference = build()
+    reference = build(index_topk=16)
     with torch.no_grad():
         want = on(reference, "eager")(ids, attention_mask=mask).logits[mask.bool()]
-    model = build(torch.bfloat16)
+    model = build(torch.bfloat16, index_topk=16)
     err = {}
     for impl in ("eager", "opmesh"):
         with torch.no_grad():
