@@ -5,6 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-installed
 CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=ON
+# ccache sees paths inside the tree as relative ones, so the builds of the same sources into
+# build/<folder> (the extension, the core's tests, the MindSpore and torch-next environments)
+# share every object compiled with the same flags (and the same compiler name: every build gets
+# make's CXX, g++ unless set).
+export CCACHE_BASEDIR := $(CURDIR)
+export CXX
 
 .PHONY: demo test test-mindspore test-torch-next build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
 

@@ -5,22 +5,19 @@ forward and gradients, on meshes (2,), (3,), (4,), and (2, 2) and (2, 4) named (
 
 import pytest
 from flash_attn_mesh_cases import CASE_NAMES, RAW_CASE_NAMES, TWO_AXIS_CASE_NAMES
-from mesh_runner import run_cases
+from mesh_runner import SUITES, mesh_results
 
-MESHES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2), "2x4": (2, 4)}
+SUITE = "flash_attn"
 
 
-@pytest.fixture(scope="module", params=list(MESHES))
-def mesh_results(request, tmp_path_factory):
-    shape = MESHES[request.param]
-    names = ("dp", "cp") if len(shape) == 2 else ("x",)
-    out = tmp_path_factory.mktemp(f"attn_mesh{request.param}")
-    return request.param, run_cases(out, shape, names, "flash_attn_mesh_cases", "mesh_cases")
+@pytest.fixture(scope="module", params=SUITES[SUITE][3])
+def mesh_and_results(request, tmp_path_factory):
+    return request.param, mesh_results(SUITE, request, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", CASE_NAMES + TWO_AXIS_CASE_NAMES + RAW_CASE_NAMES)
-def test_flash_attn_case_on_mesh(mesh_results, case):
-    mesh, results = mesh_results
+def test_flash_attn_case_on_mesh(mesh_and_results, case):
+    mesh, results = mesh_and_results
     if case not in RAW_CASE_NAMES and (case in TWO_AXIS_CASE_NAMES) != ("x" in mesh):
         pytest.skip("a two-axis case" if case in TWO_AXIS_CASE_NAMES else "a one-axis case")
     status = results.get(case, "not run")
