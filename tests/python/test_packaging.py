@@ -1,6 +1,6 @@
 """What the installed package promises: a version, type information, a clear refusal of another
 torch release, and no hidden dependency (numpy, matplotlib) in the operators' paths. The full
-`pip install .` / `pip wheel .` check in a fresh environment is tests/packaging/check_install.sh
+check of an isolated build and install in a fresh environment is tests/packaging/check_install.sh
 (make test-packaging)."""
 
 import importlib.metadata
