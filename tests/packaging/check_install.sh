@@ -14,7 +14,7 @@ python3 -m venv "$work/venv"
 pip="$work/venv/bin/pip"
 "$pip" install -q --disable-pip-version-check torch==2.13.0
 # The build folder is build/<wheel tag> in the copy, as in the tree: with the copy as ccache's
-# base folder, the core's objects compiled for the tree are reused.
+# base folder, the objects compiled for the tree (against the same torch) are reused.
 export CCACHE_BASEDIR="$work/src"
 echo "pip wheel . (isolated build, only torch installed beforehand), then pip install the wheel"
 "$pip" wheel -q --disable-pip-version-check --no-deps -w "$work/dist" "$work/src"
