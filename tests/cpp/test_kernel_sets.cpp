@@ -325,17 +325,38 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
           }
           for (int64_t n = kKeyTile; n < lds; ++n) ASSERT_EQ(s[r * lds + n], -7.0f) << "wrote past";
         }
-        // A row's scores have the same bits whichever rows share the call (a mesh that shards
-        // the heads hands the kernel fewer rows).
+        // A row's scores do not depend on the other rows of its call: the same bits when the
+        // other rows hold other values. A float32 set sums a row's products in one order for
+        // every row count, so a row alone has the same bits too (a mesh that splits a key head's
+        // query heads hands the kernel fewer rows); avx512_bf16/pairs keeps the order of one
+        // row for two, and sums three to eight rows in lane groups (kernel_set.h).
+        std::mt19937 other_rng(static_cast<unsigned>(rows * 1000 + depth + 7));
+        std::vector<float> q_other(rows * depth);
+        for (auto& v : q_other) v = bf16_value(other_rng);
+        std::vector<uint32_t> other_words(rows * qwords);
+        pack_rows(set->word, q_other, rows, depth, qwords, other_words.data());
         for (int64_t r = 0; r < rows; ++r) {
-          std::vector<float> one(lds);
+          AlignedBuffer<uint32_t> mixed(rows * ldq);
+          std::fill(mixed.data(), mixed.data() + rows * ldq, nan_word);
+          for (int64_t x = 0; x < rows; ++x) {
+            const uint32_t* from = x == r ? q_words.data() : other_words.data();
+            std::memcpy(mixed.data() + x * ldq, from + x * qwords, 4 * qwords);
+          }
+          std::vector<float> shared(rows * lds), one(lds);
           {
             const Scope scope(*set);
+            set->key_scores(
+                {mixed.data(), ldq, pk.data(), ldk, shared.data(), lds, rows, words, 0.625f, {}});
             set->key_scores(
                 {pq.data() + r * ldq, ldq, pk.data(), ldk, one.data(), lds, 1, words, 0.625f, {}});
           }
           for (int64_t n = 0; n < kKeyTile; ++n) {
-            ASSERT_EQ(std::memcmp(&one[n], &s[r * lds + n], 4), 0) << "row " << r << " key " << n;
+            ASSERT_EQ(std::memcmp(&shared[r * lds + n], &s[r * lds + n], 4), 0)
+                << "row " << r << " key " << n << " changed with the other rows";
+            if (floats || rows <= 2) {
+              ASSERT_EQ(std::memcmp(&one[n], &s[r * lds + n], 4), 0)
+                  << "row " << r << " key " << n << " alone";
+            }
           }
         }
         ++tested;

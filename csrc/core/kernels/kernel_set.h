@@ -244,7 +244,10 @@ struct KernelSet {
   // Decode's scores from bf16 key rows in place, one dot product per (row, key) along the depth;
   // null where the set has none (flash attention then runs its GEMM on the keys as rows and
   // transposes, on a pair set, or packs the keys). `key_scores_rows` is the most rows it beats
-  // that GEMM for (measured); a float32 set, which has no such GEMM, takes every decode's 16.
+  // that GEMM for (measured); a float32 set, which has no such GEMM, takes every decode's 16. A
+  // row's scores never depend on the other rows' values. A float32 set sums them in one order for
+  // any row count; avx512_bf16/pairs sums one or two rows in 16-lane trees and three to eight in
+  // lane groups, another order (and faster: 8/1 heads' decode ran about 30% slower in the trees).
   void (*key_scores)(const KeyScoresArgs& args);
   int64_t key_scores_rows;
 
