@@ -62,3 +62,34 @@ def assert_raises_named(exc, argument: str, fn):
         fn()
     assert_names_argument(info.value, argument)
     return info.value
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--grid",
+        choices=("full", "sample"),
+        default="full",
+        help="full: every case of every parametrized test; sample: every test function with the "
+        "first and last cases of its grid, and the mesh suites on the meshes of "
+        "mesh_runner.SAMPLE_SHAPES (the second torch release's run: its kernels are the same)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--grid") != "sample":
+        return
+    from mesh_runner import SAMPLE_SHAPES
+
+    groups: dict[tuple, list] = {}
+    for item in items:
+        groups.setdefault((item.path, item.originalname), []).append(item)
+    kept = set()
+    for group in groups.values():
+        params = getattr(group[0], "callspec", None)
+        if params is not None and "mesh_and_results" in params.params:
+            # A mesh's suites run once per shape for all its cases: the sample is by shape.
+            kept.update(i for i in group if i.callspec.params["mesh_and_results"] in SAMPLE_SHAPES)
+        else:
+            kept.update((group[0], group[-1]))
+    config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+    items[:] = [i for i in items if i in kept]

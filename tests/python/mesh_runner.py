@@ -50,6 +50,8 @@ SUITES = {
     "v4": ("v4_mesh_cases", "v4_cases", ("cp",), ("2", "3", "4", "2x2")),
 }
 SHAPES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2), "2x4": (2, 4)}
+# The shapes `pytest --grid=sample` keeps: an odd size and two axes.
+SAMPLE_SHAPES = ("3", "2x2")
 _RESULTS: dict[str, dict[str, dict[str, str]]] = {}
 
 
