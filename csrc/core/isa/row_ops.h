@@ -218,7 +218,6 @@ void interleave_bf16(const uint16_t* a, const uint16_t* b, int64_t n, uint32_t* 
   for (int64_t e = 0; e < n; ++e) out[e] = a[e] | (static_cast<uint32_t>(b[e]) << 16);
 }
 
-// lo[c] = x[c] - bf16(x[c]).
 // x - bf16(x).
 inline float residual_of(float x) {
   const uint32_t bits = bf16_bits(x) << 16;
@@ -227,6 +226,7 @@ inline float residual_of(float x) {
   return x - hi;
 }
 
+// lo[c] = x[c] - bf16(x[c]).
 void bf16_residual(const float* x, float* lo) {
 #pragma omp simd
   for (int64_t c = 0; c < kRowWidth; ++c) lo[c] = residual_of(x[c]);
@@ -293,8 +293,8 @@ void sign_pairs(const uint8_t* bits, int64_t n, const float* w, float d, uint32_
 // values of consecutive heads, stored as 16-bit halves in head order, are the pair words.
 void sign_weights(const uint8_t* bits, int64_t n, const uint16_t* w, uint32_t* out) {
   uint16_t* halves = reinterpret_cast<uint16_t*>(out);
-  const int64_t end = n + n % 2;  // whole pairs: a zero after an odd count
 #if defined(__AVX512BW__)
+  const int64_t end = n + n % 2;  // whole pairs: a zero after an odd count
   // 32 heads a step: their four sign bytes as a lane mask over the weights.
   for (int64_t h0 = 0; h0 < end; h0 += 32) {
     const int64_t left = std::min<int64_t>(32, n - h0);
