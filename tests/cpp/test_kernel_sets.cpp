@@ -299,13 +299,16 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
         std::vector<uint32_t> q_words(rows * qwords), k_words(kKeyTile * words);
         pack_rows(set->word, q, rows, depth, qwords, q_words.data());
         pack_rows(Word::kBf16Pair, k, kKeyTile, depth, words, k_words.data());
+        // Rows `ld` words apart with NaN in the words between them (not to be read); row i of
+        // `count` from row(i).
+        auto spread = [&](AlignedBuffer<uint32_t>& out, int64_t count, int64_t ld, int64_t n,
+                          auto row) {
+          std::fill(out.data(), out.data() + count * ld, nan_word);
+          for (int64_t i = 0; i < count; ++i) std::memcpy(out.data() + i * ld, row(i), 4 * n);
+        };
         AlignedBuffer<uint32_t> pq(rows * ldq), pk(kKeyTile * ldk);
-        std::fill(pq.data(), pq.data() + rows * ldq, nan_word);
-        std::fill(pk.data(), pk.data() + kKeyTile * ldk, nan_word);
-        for (int64_t r = 0; r < rows; ++r)
-          std::memcpy(pq.data() + r * ldq, q_words.data() + r * qwords, 4 * qwords);
-        for (int64_t n = 0; n < kKeyTile; ++n)
-          std::memcpy(pk.data() + n * ldk, k_words.data() + n * words, 4 * words);
+        spread(pq, rows, ldq, qwords, [&](int64_t r) { return q_words.data() + r * qwords; });
+        spread(pk, kKeyTile, ldk, words, [&](int64_t n) { return k_words.data() + n * words; });
         std::vector<float> s(rows * lds, -7.0f);
         {
           const Scope scope(*set);
@@ -337,11 +340,9 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
         pack_rows(set->word, q_other, rows, depth, qwords, other_words.data());
         for (int64_t r = 0; r < rows; ++r) {
           AlignedBuffer<uint32_t> mixed(rows * ldq);
-          std::fill(mixed.data(), mixed.data() + rows * ldq, nan_word);
-          for (int64_t x = 0; x < rows; ++x) {
-            const uint32_t* from = x == r ? q_words.data() : other_words.data();
-            std::memcpy(mixed.data() + x * ldq, from + x * qwords, 4 * qwords);
-          }
+          spread(mixed, rows, ldq, qwords, [&](int64_t x) {
+            return (x == r ? q_words.data() : other_words.data()) + x * qwords;
+          });
           std::vector<float> shared(rows * lds), one(lds);
           {
             const Scope scope(*set);

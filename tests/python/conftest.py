@@ -85,8 +85,8 @@ def pytest_collection_modifyitems(config, items):
         groups.setdefault((item.path, item.originalname), []).append(item)
     kept = set()
     for group in groups.values():
-        params = getattr(group[0], "callspec", None)
-        if params is not None and "mesh_and_results" in params.params:
+        callspec = getattr(group[0], "callspec", None)
+        if callspec is not None and "mesh_and_results" in callspec.params:
             # A mesh's suites run once per shape for all its cases: the sample is by shape.
             kept.update(i for i in group if i.callspec.params["mesh_and_results"] in SAMPLE_SHAPES)
         else:
