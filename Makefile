@@ -116,6 +116,7 @@ bench: build
 	$(PY) benchmarks/bench_bf16_kernels.py
 	$(PY) benchmarks/bench_flash_attn_backward.py
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_kernel_rates.py
 	$(PY) benchmarks/bench_indexer_kl_loss.py
 	$(PY) benchmarks/bench_dsa.py
 	$(PY) benchmarks/bench_context_parallel.py
