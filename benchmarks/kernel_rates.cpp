@@ -29,7 +29,8 @@ double g_round_ns = 2e7;       // about 20 ms of calls per timing round
 constexpr int64_t kDim = 128;  // head dim: 64 pair words
 constexpr int64_t kWords = kDim / 2;
 
-// Floating-point operations per nanosecond of kAcc chains of `op` (flops per instruction).
+// Floating-point operations per nanosecond of `step`'s kAcc chains, best of three runs
+// (`flops_per_op`: per instruction of a chain).
 template <class Step>
 double rate(Step step, double flops_per_op) {
   double best = 0;
@@ -133,6 +134,13 @@ double ns_per_call(Call call) {
   return best;
 }
 
+// One output line: a kernel's time per call of 64 keys and its GFLOP/s against the peak.
+void report(const KernelSet& set, const char* kernel, int64_t rows, const char* lie, double ns,
+            double peak) {
+  std::printf("%s\t%s\t%lld\t%s\t%.1f\t%.1f\t%.1f\n", set.name, kernel,
+              static_cast<long long>(rows), lie, ns, 2.0 * rows * kKeyTile * kDim / ns, peak);
+}
+
 // bf16 bits of a value in [0.5, 1) from a counter (the products' values do not change their
 // time; subnormals, which would, never occur).
 uint16_t bf16_of(uint32_t i) { return static_cast<uint16_t>(0x3f00u | ((i * 2654435761u) >> 25)); }
@@ -175,8 +183,7 @@ void measure(const KernelSet& set, double peak) {
                           1.0f,
                           {}});
         });
-        std::printf("%s\tkey_scores\t%lld\t%s\t%.1f\t%.1f\t%.1f\n", set.name,
-                    static_cast<long long>(rows), lie, ns, 2.0 * rows * kKeyTile * kDim / ns, peak);
+        report(set, "key_scores", rows, lie, ns, peak);
       }
       if (set.value_rows != nullptr) {
         const int64_t ldp = pairs ? kKeyTile / 2 : kKeyTile;
@@ -192,8 +199,7 @@ void measure(const KernelSet& set, double peak) {
                           rows,
                           {}});
         });
-        std::printf("%s\tvalue_rows\t%lld\t%s\t%.1f\t%.1f\t%.1f\n", set.name,
-                    static_cast<long long>(rows), lie, ns, 2.0 * rows * kKeyTile * kDim / ns, peak);
+        report(set, "value_rows", rows, lie, ns, peak);
       }
     }
   }
