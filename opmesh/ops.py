@@ -70,12 +70,11 @@ def _run(name: str, call: dict, **dispatch_only):
     dtensor = _platform.current().DTensor
     kwargs = dict(call)
     args = [kwargs.pop(n) for n in positional(name)]
-    # Only a tensor parameter can hold a DTensor; a plain tensor's exact type says it is not one.
-    if any(
-        type(v) is not torch.Tensor and isinstance(v, dtensor)
-        for v in map(call.get, tensor_parameters(name))
-    ):
-        return DISPATCHER.dispatch(name, op, tuple(args), {**kwargs, **dispatch_only})
+    # Only a tensor parameter can hold a DTensor; None and a plain tensor's exact type say it is
+    # not one without asking isinstance (about 0.1 us a parameter: 2 us on flash_attn's 11).
+    for v in map(call.get, tensor_parameters(name)):
+        if v is not None and type(v) is not torch.Tensor and isinstance(v, dtensor):
+            return DISPATCHER.dispatch(name, op, tuple(args), {**kwargs, **dispatch_only})
     if torch.compiler.is_compiling():
         # Traced once: no parsing time to save, and comparing a symbolic size with a default
         # would add a guard (and make Dynamo restart its analysis).

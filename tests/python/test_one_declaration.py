@@ -188,6 +188,10 @@ def test_calls_leave_out_the_arguments_that_equal_their_default():
     assert kept["sinks"] is t
     # A float default compared with an int of the same value: different types, passed.
     assert _schema.without_defaults("flash_attn", {"softcap": 0}) == {"softcap": 0}
+    # None where the default is a number, and a parameter without a default: passed (the
+    # operator refuses or takes them itself).
+    assert _schema.without_defaults("flash_attn", {"softcap": None}) == {"softcap": None}
+    assert _schema.without_defaults("flash_attn", {"q": None, "k": t}) == {"q": None, "k": t}
 
 
 # The public functions that are one operator each: their parameters are the schema's, in its
