@@ -247,6 +247,37 @@ def test_deterministic_mode_holds_for_key_heads_run_side_by_side(dtype, simd_lev
         assert torch.equal(out, reference[0]) and torch.equal(lse, reference[1]), workers
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_of_one_key_head_keeps_its_bits_under_every_plan(dtype, simd_level):
+    """Decode rows of one key head (8/1 heads, a paged cache with scattered blocks) take steps of
+    several key tiles: every plan gives the same bits (3000 keys cross two fixed splits, 1100 one,
+    70 keys end inside a step), and the rows match the float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([3000, 1100, 70], dtype=torch.int32)
+    blocks = 3 * 47  # 47 blocks of 64 hold 3000 keys
+    k = torch.randn(blocks, 64, 1, 128, generator=gen).to(dtype)
+    v = torch.randn(blocks, 64, 1, 128, generator=gen).to(dtype)
+    table = torch.randperm(blocks, generator=gen).to(torch.int32).view(3, 47)
+    q = torch.randn(3, 1, 8, 128, generator=gen).to(dtype)
+    kw = dict(block_table=table, seqused_kv=lengths, layout_kv="PA_BBND")
+
+    def run(workers):
+        md = opmesh.flash_attn_metadata(
+            8, 1, 128, batch_size=3, max_seqlen_q=1, max_seqlen_kv=3000, num_workers=workers,
+            deterministic=True, seqused_kv=lengths, layout_kv="PA_BBND",
+        )  # fmt: skip
+        return opmesh.flash_attn(q, k, v, metadata=md, return_softmax_lse=True, **kw)
+
+    reference = run(1)
+    for workers in (2, 3, 7, 132):
+        out, lse = run(workers)
+        assert torch.equal(out, reference[0]) and torch.equal(lse, reference[1]), workers
+    want_out, want_lse = flash_attn_reference(q, k, v, **kw)
+    out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[dtype]
+    assert_close(reference[0], want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
+    assert_close(reference[1], want_lse, atol=lse_atol, rtol=lse_rtol, name="softmax_lse")
+
+
 def test_plans_split_long_rows_and_stay_balanced():
     md = opmesh.flash_attn_metadata(
         8, 1, 128, batch_size=1, max_seqlen_q=1, max_seqlen_kv=65536, num_workers=16

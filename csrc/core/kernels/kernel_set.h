@@ -195,11 +195,10 @@ struct KernelSet {
   int64_t row_block;
   // Key tiles flash attention takes per online-softmax step (a divisor of the deterministic
   // split, 16) for a sequence of several query tiles or of one key head: more amortise each
-  // step's fixed costs over
-  // more keys (the rows' maximum, sum and correction, the output's rescaling, a product's
-  // epilogue, which AMX tiles take through memory). 4 on every set: a 128-row step's scores and
-  // probabilities stay within an L2 of 1 MiB beside its key and value tiles. (Decode with
-  // several key heads: decode_block_tiles.)
+  // step's fixed costs over more keys (the rows' maximum, sum and correction, the output's
+  // rescaling, a product's epilogue, which AMX tiles take through memory). 4 on every set: a
+  // 128-row step's scores and probabilities stay within an L2 of 1 MiB beside its key and value
+  // tiles. (Decode with several key heads: decode_block_tiles.)
   int64_t block_tiles;
   // Called by each worker thread before its first kernel call of an operator run and after its
   // last (e.g. to load and release a tile configuration); either may be null.
@@ -271,10 +270,10 @@ struct KernelSet {
 
   // block_tiles for a sequence of one query tile (decode, short sequences) with more than one key
   // head, whose units may run key heads side by side over whole rows of the cache (with one key
-  // head, block_tiles applies): 1 where the set's products need no
-  // longer blocks, since a longer block times the heads side by side, and the next block's rows
-  // asked for meanwhile, would no longer fit the L2 cache (one token, 32/8 heads, 8 x 8192 keys
-  // from memory on Zen 4: 4 tiles a step ran 2x slower than 1).
+  // head, block_tiles applies): 1 where the set's products need no longer blocks, since a longer
+  // block times the heads side by side, and the next block's rows asked for meanwhile, would no
+  // longer fit the L2 cache (one token, 32/8 heads, 8 x 8192 keys from memory on Zen 4: 4 tiles a
+  // step ran 2x slower than 1; 64/8 heads, 4 tiles 6% slower).
   int64_t decode_block_tiles = 1;
 
   // The most rows (a decode sequence's positions times its group) for which value_rows beats
