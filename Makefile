@@ -12,7 +12,7 @@ CMAKE_CORE := cmake -G Ninja -DOPMESH_BUILD_EXTENSION=OFF -DOPMESH_BUILD_TESTS=O
 export CCACHE_BASEDIR := $(CURDIR)
 export CXX
 
-.PHONY: demo test test-mindspore test-torch-next build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench
+.PHONY: demo test test-mindspore test-torch-next build system-deps test-cpp test-asan test-py test-packaging lint check-core-free-of-torch bench kernel-rates
 
 demo: build
 	$(PY) -m opmesh demo
@@ -35,6 +35,11 @@ $(DEPS_STAMP): requirements.txt
 # Builds the extension into the virtual environment (editable: Python files are used in place).
 build: system-deps $(DEPS_STAMP)
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+# The kernel-rate program beside the core's tests (benchmarks/bench_kernel_rates.py runs it).
+kernel-rates: system-deps
+	$(CMAKE_CORE) -S . -B build/core-tests >/dev/null
+	cmake --build build/core-tests --target opmesh_kernel_rates
 
 test-cpp: system-deps
 	$(CMAKE_CORE) -S . -B build/core-tests >/dev/null

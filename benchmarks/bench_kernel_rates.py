@@ -7,7 +7,7 @@ read again and again) or in L2 (16 tiles in turn). Beside each: the peak of the 
 instruction measured in the same run by a loop of independent accumulators (VDPBF16PS on zmm
 for a bf16-pair set, FMA on zmm or ymm for a float32 set), and the kernel's share of it. The
 measuring is C++ (``benchmarks/kernel_rates.cpp``, built with the core's tests into
-``build/core-tests``); this script builds it when missing and writes the table.
+``build/core-tests`` by ``make kernel-rates``); this script builds it and writes the table.
 
     python benchmarks/bench_kernel_rates.py
 """
@@ -27,9 +27,8 @@ PROGRAM = BUILD / "opmesh_kernel_rates"
 
 
 def build():
-    configure = ["cmake", "-G", "Ninja", "-DOPMESH_BUILD_EXTENSION=OFF", "-DOPMESH_BUILD_TESTS=ON"]
-    subprocess.run([*configure, "-S", str(ROOT), "-B", str(BUILD)], check=True)
-    subprocess.run(["cmake", "--build", str(BUILD), "--target", "opmesh_kernel_rates"], check=True)
+    # make's target: the same configuration (compiler, ccache base) as the core's tests' build.
+    subprocess.run(["make", "-C", str(ROOT), "kernel-rates"], check=True)
 
 
 def main():
