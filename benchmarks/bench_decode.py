@@ -28,8 +28,14 @@ by ``kv_cache_write_``: one byte per element and a float32 scale per row and hea
 (scales included) are what the read rate and the share of the streaming rate count, the bf16
 decode of the same step runs beside it ("bf16 ms"), and SDPA reads the dequantized cache.
 
+With ``--huge-pages`` each row also runs on a copy of the cache in transparent huge pages (2 MiB
+pages: private memory advised with MADV_HUGEPAGE, as torch's allocator advises its large blocks
+under ``THP_MEM_ALLOC_ENABLE=1``), the streaming sum too, timed in turn with the others: the
+"huge-page" columns, and the decode's speed-up from the pages. The header gives the kernel's
+transparent huge page mode and the least share of a copy that the kernel backed with huge pages.
+
     python benchmarks/bench_decode.py [--contexts 8192 32768] [--batches 1 8] [--queries 1 16]
-        [--cache bf16|int8|fp8]
+        [--cache bf16|int8|fp8] [--huge-pages]
 """
 
 from __future__ import annotations
@@ -43,7 +49,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved, tier_matmul_dtype, time_call, write_results  # noqa: E402
+from common import (  # noqa: E402
+    in_huge_pages,
+    interleaved,
+    tier_matmul_dtype,
+    time_call,
+    transparent_huge_pages,
+    write_results,
+)
 
 import opmesh  # noqa: E402
 
@@ -122,7 +135,13 @@ def main():
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per call")
     parser.add_argument("--cache", choices=["bf16", "int8", "fp8"], default="bf16")
+    parser.add_argument(
+        "--huge-pages", action="store_true", help="also decode from a copy in huge pages"
+    )
     args = parser.parse_args()
+    if args.huge_pages and transparent_huge_pages() in (None, "never"):
+        parser.error("--huge-pages: this kernel gives no transparent huge pages")
+    shares = []  # the share of each huge-page copy that the kernel backed with huge pages
     fmt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(args.cache)
     gen = torch.Generator().manual_seed(0)
     peak = mm_gflops()
@@ -134,9 +153,16 @@ def main():
                 stream_bytes = cache_bytes = 2 * k.numel() * k.element_size()
                 stream_fn = partial(stream_sum, k, v)
                 plain = (k, v, None)
+                if args.huge_pages:
+                    (hk, share_k), (hv, share_v) = in_huge_pages(k), in_huge_pages(v)
+                    huge_stream = partial(stream_sum, hk, hv)
+                    shares += [share_k, share_v]
                 if fmt is not None:
                     (kq, vq), scales, (k, v) = quantized_cache(k, v, fmt)
                     cache_bytes = 2 * kq.numel() + sum(s.numel() * 4 for s in scales)
+                    if args.huge_pages:
+                        (hk, share_k), (hv, share_v) = in_huge_pages(kq), in_huge_pages(vq)
+                        shares += [share_k, share_v]
                 kd, vd = dense_cache(k, v, table)
                 for sq in args.queries:
                     q = torch.randn(batch, sq, nq, D, generator=gen).to(torch.bfloat16)
@@ -147,12 +173,17 @@ def main():
                     want = sdpa().transpose(1, 2).float()
                     error = float((got - want).abs().max())
                     cached = partial(step_opmesh, q, *read[:2], table % 4, lengths, read[2])
-                    calls = [stream_fn, ours, cached, sdpa]
+                    calls = {"stream": stream_fn, "ours": ours, "cached": cached, "sdpa": sdpa}
                     if fmt is not None:
-                        calls.append(partial(step_opmesh, q, *plain[:2], table, lengths))
-                    stream, t_ours, t_cached, t_sdpa, *t_bf16 = interleaved(
-                        calls, budget_s=3 * args.budget
-                    )
+                        calls["bf16"] = partial(step_opmesh, q, *plain[:2], table, lengths)
+                    if args.huge_pages:
+                        calls["huge stream"] = huge_stream
+                        calls["huge"] = partial(step_opmesh, q, hk, hv, table, lengths, read[2])
+                        assert torch.equal(calls["huge"](), ours())  # the same bytes, other pages
+                    measured = interleaved(list(calls.values()), budget_s=3 * args.budget)
+                    times = dict(zip(calls, measured, strict=True))
+                    stream, t_ours, t_cached = times["stream"], times["ours"], times["cached"]
+                    t_sdpa = times["sdpa"]
                     stream_gbs = stream_bytes / stream / 1e9
                     flops = 4 * nq * sq * context * D * batch
                     byte_bound = cache_bytes / (stream_gbs * 1e9)
@@ -178,8 +209,19 @@ def main():
                         }
                     )
                     if fmt is not None:
-                        rows[-1]["bf16 ms"] = f"{t_bf16[0] * 1e3:.2f}"
-                        rows[-1]["vs bf16"] = f"{t_bf16[0] / t_ours:.2f}x"
+                        rows[-1]["bf16 ms"] = f"{times['bf16'] * 1e3:.2f}"
+                        rows[-1]["vs bf16"] = f"{times['bf16'] / t_ours:.2f}x"
+                    if args.huge_pages:
+                        huge_gbs = stream_bytes / times["huge stream"] / 1e9
+                        huge_bound = cache_bytes / (huge_gbs * 1e9)
+                        rows[-1].update(
+                            {
+                                "huge-page stream GB/s": f"{huge_gbs:.1f}",
+                                "huge-page ms": f"{times['huge'] * 1e3:.2f}",
+                                "huge-page % of stream": f"{100 * huge_bound / times['huge']:.0f}%",
+                                "x from huge pages": f"{t_ours / times['huge']:.2f}",
+                            }
+                        )
                     print(rows[-1], flush=True)
     columns = list(rows[0])
     cache = "bf16" if fmt is None else f"{args.cache} (a byte per element, a float32 scale per row)"
@@ -202,12 +244,19 @@ def main():
             "(scales included); stream GB/s is measured on the bf16 cache; bf16 ms: the same "
             "decode on the bf16 cache; SDPA reads the dequantized cache."
         ),
-        "",
-        "`.venv/bin/python benchmarks/bench_decode.py"
-        + ("" if fmt is None else f" --cache {args.cache} --queries 1")
-        + "`",
     ]
-    name = "decode" if fmt is None else f"decode_{args.cache}"
+    if args.huge_pages:
+        notes.append(
+            "Huge pages: each row's cache (and its streaming sum) also copied into memory advised "
+            "for transparent huge pages (MADV_HUGEPAGE), timed in turn with the others; x from "
+            "huge pages: opmesh ms over huge-page ms. The kernel's transparent huge page mode: "
+            f"{transparent_huge_pages()}; at least {100 * min(shares):.0f}% of every copy's bytes "
+            "lay in 2 MiB pages."
+        )
+    notes += ["", f"`.venv/bin/python {' '.join(['benchmarks/bench_decode.py', *sys.argv[1:]])}`"]
+    name = ("decode" if fmt is None else f"decode_{args.cache}") + (
+        "_huge_pages" if args.huge_pages else ""
+    )
     print(write_results(name, rows, columns, notes))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -67,6 +68,38 @@ def peak_extra_bytes(fn):
     peak = _status_kib("VmHWM")
     del result
     return max(0, peak - before) * 1024
+
+
+def _anon_huge_kib():
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise RuntimeError("AnonHugePages not in /proc/self/smaps_rollup")
+
+
+def transparent_huge_pages():
+    """The kernel's transparent huge page mode (always, madvise or never), or None where the
+    kernel has none."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def in_huge_pages(t):
+    """A copy of t in memory advised for transparent huge pages (private anonymous memory,
+    MADV_HUGEPAGE, as torch's allocator advises its large blocks under THP_MEM_ALLOC_ENABLE=1),
+    and the share of its bytes the kernel backed with 2 MiB pages (counted in the process's
+    AnonHugePages while the copy is written). The tensor keeps the mapping alive."""
+    nbytes = t.numel() * t.element_size()
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE)
+    before = _anon_huge_kib()
+    copy = torch.frombuffer(area, dtype=t.dtype).view(t.shape)
+    copy.copy_(t)
+    return copy, min(1.0, (_anon_huge_kib() - before) * 1024 / nbytes)
 
 
 def machine_info():
