@@ -29,6 +29,10 @@ class SerialExecutor final : public Executor {
 inline void run_dynamic(const Executor& executor, int64_t num_tasks,
                         const std::function<void(int64_t task, int worker)>& fn) {
   if (num_tasks <= 0) return;
+  if (num_tasks == 1) {  // one task: no parallel region to start and wait for
+    fn(0, 0);
+    return;
+  }
   std::atomic<int64_t> next{0};
   executor.run_workers([&](int worker) {
     for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < num_tasks;

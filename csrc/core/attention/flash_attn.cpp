@@ -104,6 +104,7 @@ class Runner {
 
   int64_t slot_floats() const { return slot_floats_; }
   const KernelSet& kernel_set() const { return k_; }
+  const UnitWalker& walker() const { return walker_; }
 
   // The packed query rows and the running states of one unit. A worker running the units of
   // several key heads side by side (run_side_by_side) holds one for each.
@@ -1027,7 +1028,7 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
   // The core entry point checks what it is given itself, whatever the binding checked before.
   validate(params, sequences, plan, isa, workspace);
   const Runner runner(params, sequences, plan, isa);
-  const UnitWalker walker(params.config, sequences);
+  const UnitWalker& walker = runner.walker();
   std::vector<std::unique_ptr<Runner::Scratch>> scratch(executor.num_workers());
   auto scratch_of = [&](int thread) -> Runner::Scratch& {
     if (!scratch[thread]) scratch[thread] = std::make_unique<Runner::Scratch>(runner);
