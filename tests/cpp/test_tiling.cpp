@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <vector>
 
+#include "executor.h"
 #include "indexer/tiling.h"
+#include "thread_executor.h"
 #include "work_split.h"
 
 namespace opmesh::core::indexer {
@@ -92,6 +95,36 @@ TEST(WorkSplit, WeightedKeyTasksShareTheWeights) {
         if (s.k_len >= 16 * parts) EXPECT_EQ(blocks, parts);
       }
     }
+  }
+}
+
+// An executor on threads that counts the parallel regions it is asked to run.
+class CountingExecutor final : public Executor {
+ public:
+  int num_workers() const override { return threads_.num_workers(); }
+  void run_workers(const std::function<void(int)>& fn) const override {
+    ++regions;
+    threads_.run_workers(fn);
+  }
+  mutable int regions = 0;
+
+ private:
+  ThreadExecutor threads_{3};
+};
+
+TEST(RunDynamic, EveryTaskOnceAndALoneTaskWithoutAParallelRegion) {
+  for (int64_t tasks : {0, 1, 2, 7}) {
+    CountingExecutor ex;
+    std::vector<std::atomic<int>> runs(static_cast<size_t>(tasks));
+    std::atomic<int> bad_worker{0};
+    run_dynamic(ex, tasks, [&](int64_t t, int worker) {
+      ++runs[static_cast<size_t>(t)];
+      if (worker < 0 || worker >= ex.num_workers()) ++bad_worker;
+    });
+    for (const auto& r : runs) EXPECT_EQ(r.load(), 1) << tasks << " tasks";
+    EXPECT_EQ(bad_worker.load(), 0);
+    // No task: nothing to run; one: on the calling thread, as worker 0; more: one region.
+    EXPECT_EQ(ex.regions, tasks >= 2 ? 1 : 0) << tasks << " tasks";
   }
 }
 
