@@ -122,10 +122,10 @@ Outputs2 flash_attn_cpu(const FlashAttnCall& call) {
   const attn::FlashAttnParams p = common::flash_attn_params(
       core_call, c, lengths, shapes, out, call.return_softmax_lse ? &lse : nullptr);
   // The split units' partial states; a plan without split units needs none.
-  const int64_t workspace_floats = attn::workspace_floats(c, *plan);
-  const at::Tensor workspace = workspace_floats > 0
-                                   ? at::empty({workspace_floats}, q.options().dtype(at::kFloat))
-                                   : at::Tensor();
+  const at::Tensor workspace =
+      plan->num_slots > 0 ? at::empty({std::max<int64_t>(1, attn::workspace_floats(c, *plan))},
+                                      q.options().dtype(at::kFloat))
+                          : at::Tensor();
   WorkerTimes::Recording recording(static_cast<int64_t>(plan->workers.size()));
   cpu_kernels().flash_attn(p, seqs, *plan, AtenExecutor(),
                            workspace.defined() ? workspace.data_ptr<float>() : nullptr,
