@@ -47,12 +47,13 @@ def interleaved(fns, *, budget_s, rounds=3, min_repeats=3):
     return [statistics.median(t) for t in times]
 
 
-def _status_kib(field):
-    with open("/proc/self/status") as f:
+def _status_kib(field, path="/proc/self/status"):
+    """A kB field of one of the process's /proc files (status, smaps_rollup)."""
+    with open(path) as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    raise RuntimeError(f"{field} not in {path}")
 
 
 def peak_extra_bytes(fn):
@@ -68,14 +69,6 @@ def peak_extra_bytes(fn):
     peak = _status_kib("VmHWM")
     del result
     return max(0, peak - before) * 1024
-
-
-def _anon_huge_kib():
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    raise RuntimeError("AnonHugePages not in /proc/self/smaps_rollup")
 
 
 def transparent_huge_pages():
@@ -96,10 +89,11 @@ def in_huge_pages(t):
     nbytes = t.numel() * t.element_size()
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_HUGEPAGE)
-    before = _anon_huge_kib()
+    before = _status_kib("AnonHugePages", "/proc/self/smaps_rollup")
     copy = torch.frombuffer(area, dtype=t.dtype).view(t.shape)
     copy.copy_(t)
-    return copy, min(1.0, (_anon_huge_kib() - before) * 1024 / nbytes)
+    huge = _status_kib("AnonHugePages", "/proc/self/smaps_rollup") - before
+    return copy, min(1.0, huge * 1024 / nbytes)
 
 
 def machine_info():
