@@ -283,84 +283,99 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
     ASSERT_GE(set->key_scores_rows, set->word == Word::kFloat32 ? 16 : 1) << set->name;
     const bool floats = set->word == Word::kFloat32;  // float32 query rows, else bf16 pairs
     for (int64_t rows = 1; rows <= set->key_scores_rows; ++rows) {
-      // 600: past the 256 words key_scores packs for 3 to 8 rows (its other path).
+      // 600: past the 256 words key_scores packs for 3 to 8 rows (its other path), and past the
+      // 256 float32 elements a float32 set copies per row.
       for (int64_t depth : {2, 16, 80, 128, 254, 600}) {
-        SCOPED_TRACE(std::string(set->name) + " rows " + std::to_string(rows) + " depth " +
-                     std::to_string(depth));
-        std::mt19937 rng(static_cast<unsigned>(rows * 1000 + depth));
         const int64_t words = depth / 2;
         const int64_t qwords = floats ? depth : words;
-        const int64_t ldk = words + 24;  // other heads' words between the keys
-        const int64_t ldq = qwords + 3;
-        const int64_t lds = kKeyTile + 16;
-        std::vector<float> q(rows * depth), k(kKeyTile * depth);
-        for (auto& v : q) v = bf16_value(rng);
-        for (auto& v : k) v = bf16_value(rng);
-        std::vector<uint32_t> q_words(rows * qwords), k_words(kKeyTile * words);
-        pack_rows(set->word, q, rows, depth, qwords, q_words.data());
-        pack_rows(Word::kBf16Pair, k, kKeyTile, depth, words, k_words.data());
-        // Rows `ld` words apart with NaN in the words between them (not to be read); row i of
-        // `count` from row(i).
-        auto spread = [&](AlignedBuffer<uint32_t>& out, int64_t count, int64_t ld, int64_t n,
-                          auto row) {
-          std::fill(out.data(), out.data() + count * ld, nan_word);
-          for (int64_t i = 0; i < count; ++i) std::memcpy(out.data() + i * ld, row(i), 4 * n);
-        };
-        AlignedBuffer<uint32_t> pq(rows * ldq), pk(kKeyTile * ldk);
-        spread(pq, rows, ldq, qwords, [&](int64_t r) { return q_words.data() + r * qwords; });
-        spread(pk, kKeyTile, ldk, words, [&](int64_t n) { return k_words.data() + n * words; });
-        std::vector<float> s(rows * lds, -7.0f);
-        {
-          const Scope scope(*set);
-          // Rows asked for ahead (any readable rows) change nothing the kernel computes.
-          const char* ahead[2] = {reinterpret_cast<const char*>(pq.data()),
-                                  reinterpret_cast<const char*>(pk.data())};
-          set->key_scores({pq.data(), ldq, pk.data(), ldk, s.data(), lds, rows, words, 0.625f,
-                           depth % 4 == 0 ? RowsAhead{ahead, 2, 4 * words} : RowsAhead{}});
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t n = 0; n < kKeyTile; ++n) {
-            double dot = 0;
-            for (int64_t d = 0; d < depth; ++d) dot += double(q[r * depth + d]) * k[n * depth + d];
-            const double want = 0.625 * dot;
-            ASSERT_NEAR(s[r * lds + n], want, 1e-5 * (1 + std::abs(want)))
-                << "row " << r << " key " << n;
-          }
-          for (int64_t n = kKeyTile; n < lds; ++n) ASSERT_EQ(s[r * lds + n], -7.0f) << "wrote past";
-        }
-        // A row's scores do not depend on the other rows of its call: the same bits when the
-        // other rows hold other values. A float32 set sums a row's products in one order for
-        // every row count, so a row alone has the same bits too (a mesh that splits a key head's
-        // query heads hands the kernel fewer rows); avx512_bf16/pairs keeps the order of one
-        // row for two, and sums three to eight rows in lane groups (kernel_set.h).
-        std::mt19937 other_rng(static_cast<unsigned>(rows * 1000 + depth + 7));
-        std::vector<float> q_other(rows * depth);
-        for (auto& v : q_other) v = bf16_value(other_rng);
-        std::vector<uint32_t> other_words(rows * qwords);
-        pack_rows(set->word, q_other, rows, depth, qwords, other_words.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          AlignedBuffer<uint32_t> mixed(rows * ldq);
-          spread(mixed, rows, ldq, qwords, [&](int64_t x) {
-            return (x == r ? q_words.data() : other_words.data()) + x * qwords;
-          });
-          std::vector<float> shared(rows * lds), one(lds);
+        // Query rows a few words apart, and 64, 128 or 256 apart: a float32 set reads those
+        // where they lie, at offsets its instructions carry.
+        for (int64_t ldq : {qwords + 3, int64_t{qwords <= 64 ? 64 : qwords <= 128 ? 128 : 256}}) {
+          if (ldq < qwords) continue;
+          SCOPED_TRACE(std::string(set->name) + " rows " + std::to_string(rows) + " depth " +
+                       std::to_string(depth) + " ldq " + std::to_string(ldq));
+          std::mt19937 rng(static_cast<unsigned>(rows * 1000 + depth));
+          const int64_t ldk = words + 24;  // other heads' words between the keys
+          const int64_t lds = kKeyTile + 16;
+          std::vector<float> q(rows * depth), k(kKeyTile * depth);
+          for (auto& v : q) v = bf16_value(rng);
+          for (auto& v : k) v = bf16_value(rng);
+          std::vector<uint32_t> q_words(rows * qwords), k_words(kKeyTile * words);
+          pack_rows(set->word, q, rows, depth, qwords, q_words.data());
+          pack_rows(Word::kBf16Pair, k, kKeyTile, depth, words, k_words.data());
+          // Rows `ld` words apart with NaN in the words between them (not to be read); row i of
+          // `count` from row(i).
+          auto spread = [&](AlignedBuffer<uint32_t>& out, int64_t count, int64_t ld, int64_t n,
+                            auto row) {
+            std::fill(out.data(), out.data() + count * ld, nan_word);
+            for (int64_t i = 0; i < count; ++i) std::memcpy(out.data() + i * ld, row(i), 4 * n);
+          };
+          AlignedBuffer<uint32_t> pq(rows * ldq), pk(kKeyTile * ldk);
+          spread(pq, rows, ldq, qwords, [&](int64_t r) { return q_words.data() + r * qwords; });
+          spread(pk, kKeyTile, ldk, words, [&](int64_t n) { return k_words.data() + n * words; });
+          std::vector<float> s(rows * lds, -7.0f);
           {
             const Scope scope(*set);
-            set->key_scores(
-                {mixed.data(), ldq, pk.data(), ldk, shared.data(), lds, rows, words, 0.625f, {}});
-            set->key_scores(
-                {pq.data() + r * ldq, ldq, pk.data(), ldk, one.data(), lds, 1, words, 0.625f, {}});
+            // Rows asked for ahead (any readable rows) change nothing the kernel computes.
+            const char* ahead[2] = {reinterpret_cast<const char*>(pq.data()),
+                                    reinterpret_cast<const char*>(pk.data())};
+            set->key_scores({pq.data(), ldq, pk.data(), ldk, s.data(), lds, rows, words, 0.625f,
+                             depth % 4 == 0 ? RowsAhead{ahead, 2, 4 * words} : RowsAhead{}});
           }
-          for (int64_t n = 0; n < kKeyTile; ++n) {
-            ASSERT_EQ(std::memcmp(&shared[r * lds + n], &s[r * lds + n], 4), 0)
-                << "row " << r << " key " << n << " changed with the other rows";
-            if (floats || rows <= 2) {
-              ASSERT_EQ(std::memcmp(&one[n], &s[r * lds + n], 4), 0)
-                  << "row " << r << " key " << n << " alone";
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t n = 0; n < kKeyTile; ++n) {
+              double dot = 0;
+              for (int64_t d = 0; d < depth; ++d)
+                dot += double(q[r * depth + d]) * k[n * depth + d];
+              const double want = 0.625 * dot;
+              ASSERT_NEAR(s[r * lds + n], want, 1e-5 * (1 + std::abs(want)))
+                  << "row " << r << " key " << n;
+            }
+            for (int64_t n = kKeyTile; n < lds; ++n)
+              ASSERT_EQ(s[r * lds + n], -7.0f) << "wrote past";
+          }
+          // A row's scores do not depend on the other rows of its call: the same bits when the
+          // other rows hold other values. A float32 set sums a row's products in one order for
+          // every row count, so a row alone has the same bits too (a mesh that splits a key head's
+          // query heads hands the kernel fewer rows); avx512_bf16/pairs keeps the order of one
+          // row for two, and sums three to eight rows in lane groups (kernel_set.h).
+          std::mt19937 other_rng(static_cast<unsigned>(rows * 1000 + depth + 7));
+          std::vector<float> q_other(rows * depth);
+          for (auto& v : q_other) v = bf16_value(other_rng);
+          std::vector<uint32_t> other_words(rows * qwords);
+          pack_rows(set->word, q_other, rows, depth, qwords, other_words.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            AlignedBuffer<uint32_t> mixed(rows * ldq);
+            spread(mixed, rows, ldq, qwords, [&](int64_t x) {
+              return (x == r ? q_words.data() : other_words.data()) + x * qwords;
+            });
+            std::vector<float> shared(rows * lds), one(lds);
+            {
+              const Scope scope(*set);
+              set->key_scores(
+                  {mixed.data(), ldq, pk.data(), ldk, shared.data(), lds, rows, words, 0.625f, {}});
+              set->key_scores({pq.data() + r * ldq,
+                               ldq,
+                               pk.data(),
+                               ldk,
+                               one.data(),
+                               lds,
+                               1,
+                               words,
+                               0.625f,
+                               {}});
+            }
+            for (int64_t n = 0; n < kKeyTile; ++n) {
+              ASSERT_EQ(std::memcmp(&shared[r * lds + n], &s[r * lds + n], 4), 0)
+                  << "row " << r << " key " << n << " changed with the other rows";
+              if (floats || rows <= 2) {
+                ASSERT_EQ(std::memcmp(&one[n], &s[r * lds + n], 4), 0)
+                    << "row " << r << " key " << n << " alone";
+              }
             }
           }
+          ++tested;
         }
-        ++tested;
       }
     }
   }
