@@ -133,8 +133,22 @@ struct Avx512Lanes {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   }
   // value_rows: up to 8 rows and 32 columns, 16 accumulators a block, stored as Avx512Gemm
-  // stores one with alpha 1.
-  static constexpr bool kWidensPairs = false;
+  // stores one with alpha 1; 32 value columns widened from one 64-byte load (F32ValueRows::kPairs).
+  static constexpr bool kWidensPairs = true;
+  static void widen_pair(const uint16_t* x, Vec& even, Vec& odd) {
+    const __m512i words = _mm512_loadu_si512(x);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+  }
+  static void interleave(Vec& even, Vec& odd) {
+    // even: columns 0, 2, .., 30; odd: 1, 3, .., 31 -> columns 0..15 and 16..31.
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512 lo = _mm512_permutex2var_ps(even, first, odd);
+    odd = _mm512_permutex2var_ps(even, second, odd);
+    even = lo;
+  }
   static constexpr int kValueRows = 8;
   static constexpr int kValueCols = 2;
   static constexpr int kAccumulators = 16;
