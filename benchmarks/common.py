@@ -9,6 +9,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -167,6 +168,39 @@ def as_on_this_tier(fn):
 # The label of a bf16 SDPA baseline left on oneDNN's AVX-512 BF16 kernels in a run held to AVX2:
 # shown for comparison, not counted as the tier's SDPA.
 NOT_ON_THIS_TIER = " [oneDNN AVX-512 BF16, not on an AVX2 machine]"
+
+
+def tier_compositions(label, fn, *args):
+    """A PyTorch composition fn(*args) over bf16 tensors as a user of this run's tier would run
+    it, as {label: callable}. Always the bf16 call as torch runs it on the tier (as_on_this_tier).
+    On a tier without bf16 products (tier_matmul_dtype) also the same call on the bf16 tensors
+    made float32 inside the timed call ("label, float32"): there MKL's float32 GEMM can beat
+    torch's bf16 one, and the strongest alternative is what opmesh is compared with. Held to
+    AVX2, also the bf16 call on oneDNN's AVX-512 BF16 kernels, marked NOT_ON_THIS_TIER: shown for
+    comparison, left out of the best composition."""
+
+    def upcast():
+        return fn(
+            *(
+                a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
+                for a in args
+            )
+        )
+
+    methods = {label: as_on_this_tier(partial(fn, *args))}
+    if tier_matmul_dtype(torch.bfloat16) == torch.float32:
+        methods[label + ", float32"] = as_on_this_tier(upcast)
+    if held_to_avx2():
+        methods[label + NOT_ON_THIS_TIER] = partial(fn, *args)
+    return methods
+
+
+def best_on_this_tier(times, ours):
+    """The fastest method of times (name -> seconds) other than the names in ours and those
+    marked NOT_ON_THIS_TIER."""
+    return min(
+        (m for m in times if m not in ours and NOT_ON_THIS_TIER not in m), key=lambda m: times[m]
+    )
 
 
 RELEVANT_FLAGS = (
