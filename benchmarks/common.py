@@ -6,8 +6,10 @@ import json
 import mmap
 import os
 import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -125,6 +127,23 @@ ISA_CAPS = (
     "ONEDNN_MAX_CPU_ISA",
     "MKL_ENABLE_INSTRUCTIONS",
 )
+
+
+def _own_inductor_cache():
+    """Points a run held below the machine's instruction sets at an inductor cache of its own,
+    unless TORCHINDUCTOR_CACHE_DIR is set. torch 2.13's cache key leaves ATEN_CPU_CAPABILITY out:
+    on a Zen 4, a graph compiled by a run held to AVX2 and loaded from the shared cache by a later
+    run that was not held corrupted the heap ("corrupted size vs. prev_size"), and the other way
+    round a held run would time kernels its tier lacks."""
+    caps = [f"{name}-{os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
+    if caps and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        tag = re.sub(r"[^a-z0-9_.-]", "_", "-".join(caps).lower())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"opmesh-inductor-{tag}"
+        )
+
+
+_own_inductor_cache()
 
 
 def held_to_avx2():
