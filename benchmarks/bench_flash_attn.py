@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     NOT_ON_THIS_TIER,
     as_on_this_tier,
-    held_to_avx2,
     interleaved,
+    tier_compositions,
     tier_matmul_dtype,
     time_call,
     write_results,
@@ -78,13 +78,9 @@ def dense_section(args):
             flops = causal_flops([args.seq] * batch)
             methods = {
                 "opmesh": partial(opmesh.flash_attn, q, k, v, mask_mode=3),
-                "sdpa (enable_gqa)": as_on_this_tier(partial(sdpa_dense, q, k, v, False)),
-                "sdpa (repeated kv)": as_on_this_tier(partial(sdpa_dense, q, k, v, True)),
+                **tier_compositions("sdpa (enable_gqa)", sdpa_dense, q, k, v, False),
+                **tier_compositions("sdpa (repeated kv)", sdpa_dense, q, k, v, True),
             }
-            if held_to_avx2() and dtype == torch.bfloat16:
-                methods["sdpa (enable_gqa)" + NOT_ON_THIS_TIER] = partial(
-                    sdpa_dense, q, k, v, False
-                )
             # The methods and the mm they are compared with are timed in turn over three rounds,
             # so that the machine's drift stays out of the ratios.
             medians = interleaved(

@@ -29,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flash_attn import sdpa_loop, varlen_inputs, varlen_lengths  # noqa: E402
 from common import (  # noqa: E402
     NOT_ON_THIS_TIER,
-    as_on_this_tier,
-    held_to_avx2,
     interleaved,
     peak_extra_bytes,
+    tier_compositions,
     tier_matmul_dtype,
     write_results,
 )
@@ -138,17 +137,8 @@ def main():
                 14 * NQ * D * seq * (seq + 1) // 2,
                 {
                     "opmesh": partial(step_opmesh, q, k, v, dout),
-                    "sdpa (enable_gqa)": as_on_this_tier(partial(step_sdpa, q, k, v, dout, False)),
-                    "sdpa (repeated kv)": as_on_this_tier(partial(step_sdpa, q, k, v, dout, True)),
-                    **(
-                        {
-                            "sdpa (enable_gqa)" + NOT_ON_THIS_TIER: partial(
-                                step_sdpa, q, k, v, dout, False
-                            )
-                        }
-                        if held_to_avx2() and dtype == torch.bfloat16
-                        else {}
-                    ),
+                    **tier_compositions("sdpa (enable_gqa)", step_sdpa, q, k, v, dout, False),
+                    **tier_compositions("sdpa (repeated kv)", step_sdpa, q, k, v, dout, True),
                 },
                 args.budget,
             )
@@ -165,7 +155,7 @@ def main():
             sum(14 * NQ * D * n * (n + 1) // 2 for n in lengths),
             {
                 "opmesh": partial(step_opmesh_varlen, q, k, v, dout, cu),
-                "sdpa loop": as_on_this_tier(partial(step_sdpa_varlen, q, k, v, dout, cu, lengths)),
+                **tier_compositions("sdpa loop", step_sdpa_varlen, q, k, v, dout, cu, lengths),
             },
             args.budget,
         )

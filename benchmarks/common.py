@@ -190,8 +190,9 @@ NOT_ON_THIS_TIER = " [oneDNN AVX-512 BF16, not on an AVX2 machine]"
 
 
 def tier_compositions(label, fn, *args):
-    """A PyTorch composition fn(*args) over bf16 tensors as a user of this run's tier would run
-    it, as {label: callable}. Always the bf16 call as torch runs it on the tier (as_on_this_tier).
+    """A PyTorch composition fn(*args) as a user of this run's tier would run it, as
+    {label: callable}. Always the call as torch runs it on the tier (as_on_this_tier); where args
+    hold bf16 tensors, also these variants.
     On a tier without bf16 products (tier_matmul_dtype) also the same call on the bf16 tensors
     made float32 inside the timed call ("label, float32"): there MKL's float32 GEMM can beat
     torch's bf16 one, and the strongest alternative is what opmesh is compared with. Held to
@@ -207,6 +208,8 @@ def tier_compositions(label, fn, *args):
         )
 
     methods = {label: as_on_this_tier(partial(fn, *args))}
+    if not any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+        return methods
     if tier_matmul_dtype(torch.bfloat16) == torch.float32:
         methods[label + ", float32"] = as_on_this_tier(upcast)
     if held_to_avx2():
