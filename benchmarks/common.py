@@ -133,8 +133,8 @@ def _own_inductor_cache():
     """Points a run held below the machine's instruction sets at an inductor cache of its own,
     unless TORCHINDUCTOR_CACHE_DIR is set. torch 2.13's cache key leaves ATEN_CPU_CAPABILITY out:
     on a Zen 4, a graph compiled by a run held to AVX2 and loaded from the shared cache by a later
-    run that was not held corrupted the heap ("corrupted size vs. prev_size"), and the other way
-    round a held run would time kernels its tier lacks."""
+    run that was not held corrupted the heap ("corrupted size vs. prev_size"); the other way round,
+    a held run would load graphs compiled for the whole machine."""
     caps = [f"{name}-{os.environ[name]}" for name in ISA_CAPS if os.environ.get(name)]
     if caps and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         tag = re.sub(r"[^a-z0-9_.-]", "_", "-".join(caps).lower())
@@ -191,13 +191,12 @@ NOT_ON_THIS_TIER = " [oneDNN AVX-512 BF16, not on an AVX2 machine]"
 
 def tier_compositions(label, fn, *args):
     """A PyTorch composition fn(*args) as a user of this run's tier would run it, as
-    {label: callable}. Always the call as torch runs it on the tier (as_on_this_tier); where args
-    hold bf16 tensors, also these variants.
-    On a tier without bf16 products (tier_matmul_dtype) also the same call on the bf16 tensors
-    made float32 inside the timed call ("label, float32"): there MKL's float32 GEMM can beat
-    torch's bf16 one, and the strongest alternative is what opmesh is compared with. Held to
-    AVX2, also the bf16 call on oneDNN's AVX-512 BF16 kernels, marked NOT_ON_THIS_TIER: shown for
-    comparison, left out of the best composition."""
+    {label: callable}: the call as torch runs it on the tier (as_on_this_tier), and where args
+    hold bf16 tensors two more. On a tier without bf16 products (tier_matmul_dtype), the same call
+    on the bf16 tensors made float32 inside the timed call ("label, float32"): there MKL's float32
+    GEMM can beat torch's bf16 one, and opmesh is compared with the strongest alternative. Held
+    to AVX2, the bf16 call on oneDNN's AVX-512 BF16 kernels, marked NOT_ON_THIS_TIER: shown for
+    comparison, left out of the best."""
 
     def upcast():
         return fn(
