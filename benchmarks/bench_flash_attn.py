@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    NOT_ON_THIS_TIER,
     as_on_this_tier,
+    best_on_this_tier,
     interleaved,
     tier_compositions,
     tier_matmul_dtype,
@@ -88,9 +88,7 @@ def dense_section(args):
             )
             times = dict(zip(methods, medians, strict=False))
             mm = 2 * 4096**3 / medians[-1] / 1e9
-            best_sdpa = min(
-                t for m, t in times.items() if m != "opmesh" and NOT_ON_THIS_TIER not in m
-            )
+            best_sdpa = times[best_on_this_tier(times, ["opmesh"])]
             for method, t in times.items():
                 gflops = flops / t / 1e9
                 rows.append(

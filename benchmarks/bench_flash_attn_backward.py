@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_flash_attn import sdpa_loop, varlen_inputs, varlen_lengths  # noqa: E402
 from common import (  # noqa: E402
-    NOT_ON_THIS_TIER,
+    best_on_this_tier,
     interleaved,
     peak_extra_bytes,
     tier_compositions,
@@ -87,7 +87,7 @@ def measure(rows, name, label, flops, methods, budget):
     times = dict(zip(methods, medians, strict=True))
     memory = {m: peak_extra_bytes(fn) for m, fn in methods.items()}
     ours = next(iter(methods))
-    best = min(t for m, t in times.items() if m != ours and NOT_ON_THIS_TIER not in m)
+    best = times[best_on_this_tier(times, [ours])]
     for method, t in times.items():
         rows.append(
             {
