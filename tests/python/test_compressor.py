@@ -47,6 +47,11 @@ CASES = [
     Case("shorter_than_ratio", (3, 2), 4, 2),
     Case("no_sequences", (), 4, 2, packed=True),
     Case("empty_batch", (0, 0), 4, 1),
+    # coff D odd: a word of bf16 pairs holds a row of wkv and one of wgate.
+    Case("odd_dim", (10, 7), 3, 1, dim=5, hidden=7, seqused=(10, 6)),
+    # The backward's products in several blocks: 160 channels (two of 64 and a part), 299 and
+    # 157 tokens, 70 hidden (a panel of 64 and a part).
+    Case("large", (299, 157), 4, 2, dim=40, hidden=70, packed=True),
 ]
 
 

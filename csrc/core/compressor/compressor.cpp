@@ -54,27 +54,63 @@ class Words {
   int64_t rows(int64_t m) const { return round_up(std::max<int64_t>(m, 1), k_.row_align); }
   // Depth elements per word.
   int64_t per_word() const { return pairs_ ? 2 : 1; }
-  // Element e along the depth of a row of words.
-  void set(uint32_t* row, int64_t e, float v) const {
+  // The word of depth elements (2i, 2i + 1) holding lo and hi on a pair set; lo's float bits on
+  // a float32 set (hi unused).
+  uint32_t word(float lo, float hi) const {
     if (!pairs_) {
-      std::memcpy(row + e, &v, sizeof(v));
-      return;
+      uint32_t bits;
+      std::memcpy(&bits, &lo, sizeof(bits));
+      return bits;
     }
-    const uint16_t bits = float_to_bf16_bits(v);
-    std::memcpy(reinterpret_cast<char*>(row + e / 2) + 2 * (e % 2), &bits, sizeof(bits));
+    return float_to_bf16_bits(lo) | static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16;
   }
-  // Depth element d of B's columns [0, n) from n floats.
-  void set_b_row(uint32_t* b, const Panels& panels, int64_t d, const float* src, int64_t n) const {
+  // Word row `at` of B's columns [0, n): depth elements lo (and, on a pair set, hi: null past
+  // the depth, zeros), n floats each.
+  void set_b_words(uint32_t* b, const Panels& panels, int64_t at, const float* lo,
+                   const float* hi, int64_t n) const {
     for (int64_t j = 0; j * kPanel < n; ++j) {
       const int64_t cols = std::min(kPanel, n - j * kPanel);
-      uint32_t* dst = b + panels.at(pairs_ ? d / 2 : d, j * kPanel);
-      const float* from = src + j * kPanel;
+      uint32_t* dst = b + panels.at(at, j * kPanel);
+      const float* l = lo + j * kPanel;
       if (!pairs_) {
-        std::memcpy(dst, from, static_cast<size_t>(cols) * sizeof(float));
+        std::memcpy(dst, l, static_cast<size_t>(cols) * sizeof(float));
         continue;
       }
-      uint16_t* half = reinterpret_cast<uint16_t*>(dst) + d % 2;
-      for (int64_t c = 0; c < cols; ++c) half[2 * c] = float_to_bf16_bits(from[c]);
+      if (hi == nullptr) {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = float_to_bf16_bits(l[c]);
+        continue;
+      }
+      const float* h = hi + j * kPanel;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = word(l[c], h[c]);
+    }
+  }
+  // Word row `at` of B's columns [0, n) from the rows of a view at lo and hi (hi < 0: past the
+  // depth; a float32 set reads lo alone): bf16 rows of unit stride on a pair set as their bits,
+  // others through floats (tmp: 2 n floats of scratch).
+  void load_b_words(uint32_t* b, const Panels& panels, int64_t at, const View& v, DType dtype,
+                    int64_t lo, int64_t hi, int64_t n, float* tmp) const {
+    if (!pairs_) hi = -1;
+    if (pairs_ && dtype == DType::kBFloat16 && v.sd == 1) {
+      const uint16_t* src = static_cast<const uint16_t*>(v.data);
+      for (int64_t j = 0; j * kPanel < n; ++j) {
+        k_.rows.interleave_bf16(src + lo + j * kPanel, hi < 0 ? nullptr : src + hi + j * kPanel,
+                                std::min(kPanel, n - j * kPanel), b + panels.at(at, j * kPanel));
+      }
+      return;
+    }
+    core::load_row(v.data, dtype, lo, v.sd, n, tmp);
+    if (hi >= 0) core::load_row(v.data, dtype, hi, v.sd, n, tmp + n);
+    set_b_words(b, panels, at, tmp, hi >= 0 ? tmp + n : nullptr, n);
+  }
+  // Words [0, 64) of word row `at` of a transposed operand from two rows of 64 floats (hi null:
+  // past the depth, zeros; a float32 set reads lo alone).
+  void pair_64(const float* lo, const float* hi, uint32_t* out) const {
+    if (!pairs_) {
+      std::memcpy(out, lo, 64 * sizeof(float));
+    } else if (hi != nullptr) {
+      k_.rows.pair_rows(lo, hi, out);
+    } else {
+      for (int64_t c = 0; c < 64; ++c) out[c] = float_to_bf16_bits(lo[c]);
     }
   }
   // A row of A from n floats: its words (the depth's padding is left as it is).
@@ -398,9 +434,10 @@ void entry_slots(const CompressorParams& p, const CompressorSequence& s, int64_t
   for (int64_t j = 0; j < r; ++j) add(w * r + j, channel);
 }
 
-// The softmax over an entry's slots per channel: max m, normaliser l and the entry out.
+// The softmax over an entry's slots per channel: max m, normaliser l and the entry out; `exps`
+// (when not null) receives each slot's exp(score - m), D floats a slot.
 void combine(const CompressorParams& p, const std::vector<Slot>& slots, float* m, float* l,
-             float* out) {
+             float* out, float* exps) {
   const int64_t d = p.dim;
   const int64_t n = p.coff * p.dim;
   std::fill(m, m + d, -std::numeric_limits<float>::infinity());
@@ -410,13 +447,15 @@ void combine(const CompressorParams& p, const std::vector<Slot>& slots, float* m
     const float* score = s.row + n + s.channel;
     for (int64_t c = 0; c < d; ++c) m[c] = std::max(m[c], score[c]);
   }
-  for (const Slot& s : slots) {
-    const float* kv = s.row + s.channel;
-    const float* score = s.row + n + s.channel;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const float* kv = slots[i].row + slots[i].channel;
+    const float* score = slots[i].row + n + slots[i].channel;
+    float* kept = exps != nullptr ? exps + static_cast<int64_t>(i) * d : nullptr;
     for (int64_t c = 0; c < d; ++c) {
       const float e = std::exp(score[c] - m[c]);
       l[c] += e;
       out[c] += e * kv[c];
+      if (kept != nullptr) kept[c] = e;
     }
   }
   for (int64_t c = 0; c < d; ++c) out[c] /= l[c];
@@ -439,7 +478,8 @@ std::vector<EntryRef> entries_of(const std::vector<CompressorSequence>& seqs) {
 }
 
 // One entry as each_entry hands it over: its sequence, its row of cmp_kv, its slots and their
-// softmax per channel (max m, normaliser l, the entry's value out; D floats each).
+// softmax per channel (max m, normaliser l, the entry's value out; D floats each; with `exps`,
+// each slot's exp(score - m), D floats a slot, else null).
 struct EntryWork {
   const CompressorSequence& seq;
   int64_t row;
@@ -447,22 +487,25 @@ struct EntryWork {
   const float* m;
   const float* l;
   const float* out;
+  const float* exps;
 };
 
 // Runs fn(EntryWork) for every entry of the call, in parallel.
 template <class Fn>
 void each_entry(const CompressorParams& p, const std::vector<CompressorSequence>& seqs,
-                const Projected& proj, const Executor& ex, Fn&& fn) {
+                const Projected& proj, const Executor& ex, bool exps, Fn&& fn) {
   const std::vector<EntryRef> entries = entries_of(seqs);
   run_dynamic(ex, static_cast<int64_t>(entries.size()), [&](int64_t i, int) {
     const EntryRef& e = entries[static_cast<size_t>(i)];
     const CompressorSequence& s = seqs[static_cast<size_t>(e.seq)];
     std::vector<Slot> slots;
     entry_slots(p, s, proj.first_row[static_cast<size_t>(e.seq)], proj, e.w, slots);
-    std::vector<float> buf(static_cast<size_t>(3 * p.dim));
-    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim);
+    const int64_t kept = exps ? static_cast<int64_t>(slots.size()) * p.dim : 0;
+    std::vector<float> buf(static_cast<size_t>(3 * p.dim + kept));
+    float* e_kept = exps ? buf.data() + 3 * p.dim : nullptr;
+    combine(p, slots, buf.data(), buf.data() + p.dim, buf.data() + 2 * p.dim, e_kept);
     fn(EntryWork{s, s.out_begin + e.w - s.first_entry, slots, buf.data(), buf.data() + p.dim,
-                 buf.data() + 2 * p.dim});
+                 buf.data() + 2 * p.dim, e_kept});
   });
 }
 
@@ -485,12 +528,19 @@ struct Gradients {
     const Panels panels{ww, hp};
     std::vector<uint32_t> b = words(ww * hp);
     run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
-      std::vector<float> tmp(static_cast<size_t>(p.hidden));
-      for (int64_t row = word * w.per_word(); row < std::min(width, (word + 1) * w.per_word());
-           ++row) {
+      const int64_t row = word * w.per_word();
+      if (row >= width) return;  // the depth's padding: zeros
+      std::vector<float> tmp(static_cast<size_t>(2 * p.hidden));
+      const auto [src, lo] = weight_at(p, row);
+      if (row + 1 < width && &weight_at(p, row + 1).first != &src) {
+        // Rows of wkv and wgate in one word (coff D odd): through floats.
         weight_row(p, row, tmp.data());
-        w.set_b_row(b.data(), panels, row, tmp.data(), p.hidden);
+        weight_row(p, row + 1, tmp.data() + p.hidden);
+        w.set_b_words(b.data(), panels, word, tmp.data(), tmp.data() + p.hidden, p.hidden);
+        return;
       }
+      const int64_t hi = row + 1 < width ? weight_at(p, row + 1).second : -1;
+      w.load_b_words(b.data(), panels, word, src, p.dtype, lo, hi, p.hidden, tmp.data());
     });
     const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
     run_dynamic(ex, (count + kRowBlock - 1) / kRowBlock, [&](int64_t task, int) {
@@ -518,21 +568,47 @@ struct Gradients {
     const Panels panels{tw, hp};
     std::vector<uint32_t> xs = words(tw * hp);
     run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
-      std::vector<float> tmp(static_cast<size_t>(p.hidden));
-      for (int64_t r = word * w.per_word(); r < std::min(count, (word + 1) * w.per_word()); ++r) {
-        load_row(p.x.data, p.dtype, t.offset(p.x, r), p.x.sd, p.hidden, tmp.data());
-        w.set_b_row(xs.data(), panels, r, tmp.data(), p.hidden);
-      }
+      const int64_t r = word * w.per_word();
+      if (r >= count) return;  // the depth's padding: zeros
+      std::vector<float> tmp(static_cast<size_t>(2 * p.hidden));
+      const int64_t hi = r + 1 < count ? t.offset(p.x, r + 1) : -1;
+      w.load_b_words(xs.data(), panels, word, p.x, p.dtype, t.offset(p.x, r), hi, p.hidden,
+                     tmp.data());
     });
     std::vector<uint32_t> dpt = words(w.rows(width) * tw);
-    // 16 channels per task: each token's read is one cache line of dP.
-    constexpr int64_t kChannels = 16;
-    run_dynamic(ex, (width + kChannels - 1) / kChannels, [&](int64_t task, int) {
-      const int64_t c0 = task * kChannels;
+    // Tasks of 64 channels x kWords words of tokens: each reads its rows of dP in order, makes
+    // 16 words of its channels at a time and writes them as one cache line a channel (a task's
+    // words are its own).
+    constexpr int64_t kChannels = 64;
+    constexpr int64_t kWords = 128;
+    const int64_t word_count = (count + w.per_word() - 1) / w.per_word();
+    const int64_t word_blocks = (word_count + kWords - 1) / kWords;
+    run_dynamic(ex, (width + kChannels - 1) / kChannels * word_blocks, [&](int64_t task, int) {
+      const int64_t c0 = task / word_blocks * kChannels;
       const int64_t cn = std::min(kChannels, width - c0);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* src = dp.data() + r * ld + c0;
-        for (int64_t c = 0; c < cn; ++c) w.set(dpt.data() + (c0 + c) * tw, r, src[c]);
+      const int64_t w1 = std::min(word_count, (task % word_blocks + 1) * kWords);
+      alignas(64) uint32_t block[16][kChannels];
+      float lo[kChannels], hi[kChannels];
+      for (int64_t w0 = task % word_blocks * kWords; w0 < w1; w0 += 16) {
+        const int64_t wn = std::min<int64_t>(16, w1 - w0);
+        for (int64_t i = 0; i < wn; ++i) {
+          const int64_t r = (w0 + i) * w.per_word();
+          const float* a = dp.data() + r * ld + c0;
+          const float* b = r + 1 < count ? a + ld : nullptr;
+          if (cn < kChannels) {  // the last channels: a whole row of 64 from copies
+            std::fill(lo, lo + kChannels, 0.0f);
+            std::fill(hi, hi + kChannels, 0.0f);
+            std::copy(a, a + cn, lo);
+            if (b != nullptr) std::copy(b, b + cn, hi);
+            a = lo;
+            b = b != nullptr ? hi : nullptr;
+          }
+          w.pair_64(a, b, block[i]);
+        }
+        for (int64_t c = 0; c < cn; ++c) {
+          uint32_t* dst = dpt.data() + (c0 + c) * tw + w0;
+          for (int64_t i = 0; i < wn; ++i) dst[i] = block[i][c];
+        }
       }
     });
     const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
@@ -595,7 +671,7 @@ void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
     }
   }
   const Projected proj = project(p, seqs, k, ex);
-  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
+  each_entry(p, seqs, proj, ex, false, [&](const EntryWork& e) {
     store_row(p.cmp_kv.data, p.dtype, e.seq.batch * p.cmp_kv.sb + e.row * p.cmp_kv.ss, p.cmp_kv.sd,
               p.dim, e.out, 1.0f);
   });
@@ -635,19 +711,20 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   const Projected proj = project(p, seqs, k, ex);
   // dP: per token row, the gradients of its kv and score channels.
   std::vector<float> dp(static_cast<size_t>(proj.count * proj.ld), 0.0f);
-  each_entry(p, seqs, proj, ex, [&](const EntryWork& e) {
+  each_entry(p, seqs, proj, ex, true, [&](const EntryWork& e) {
     std::vector<float> grad_row(static_cast<size_t>(p.dim));
     float* grad = grad_row.data();
-    const float *m = e.m, *l = e.l, *out = e.out;
+    const float *l = e.l, *out = e.out;
     load_row(g.d_cmp_kv.data, p.dtype, e.seq.batch * g.d_cmp_kv.sb + e.row * g.d_cmp_kv.ss,
              g.d_cmp_kv.sd, p.dim, grad);
-    for (const Slot& slot : e.slots) {
+    for (size_t i = 0; i < e.slots.size(); ++i) {
+      const Slot& slot = e.slots[i];
       const float* kv = slot.row + slot.channel;
-      const float* score = slot.row + n + slot.channel;
+      const float* exps = e.exps + static_cast<int64_t>(i) * p.dim;
       float* dkv = dp.data() + slot.proj_row * proj.ld + slot.channel;
       float* dscore = dkv + n;
       for (int64_t c = 0; c < p.dim; ++c) {
-        const float a = std::exp(score[c] - m[c]) / l[c];
+        const float a = exps[c] / l[c];
         dkv[c] = grad[c] * a;
         dscore[c] = grad[c] * a * (kv[c] - out[c]);
       }
