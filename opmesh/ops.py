@@ -847,6 +847,7 @@ def compressor(
     start_pos: LengthsLike = None,
     coff: int = 1,
     cache_mode: int = 1,
+    projections: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""DeepSeek-V4's compressor: every ``cmp_ratio`` tokens of a sequence become one compressed
     key/value entry, a per-channel softmax-weighted sum of the tokens' projections.
@@ -883,6 +884,10 @@ def compressor(
         start_pos: ``[B]`` absolute position of each sequence's first token (0 when absent).
         coff: 1, or 2 for the overlapping series.
         cache_mode: 1 (continuous) or 2 (ring buffer).
+        projections: float32 ``[B, S, 2 * coff * D]`` (``[T, 2 * coff * D]`` for x ``[T, H]``),
+            written in place: each token the call uses gets its row ``[kv_p | score_p]``, the
+            values ``compressor_backward(..., projections=...)`` then reads instead of computing
+            them again. Autograd keeps one itself when a gradient is needed; None otherwise.
 
     Returns:
         cmp_kv in x's dtype: ``[B, ceil(S / r), D]`` (sequence ``b``'s entries first, zeros

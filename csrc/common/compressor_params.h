@@ -105,6 +105,8 @@ void point_compressor(core::CompressorParams& p, const Call& c, const Tensor& cm
   if constexpr (HasState<Call>::value) {
     if (p.has_state) p.state = core::writable(rows_view(c.state_cache, false));
   }
+  p.has_projections = c.projections.has_value();
+  if (p.has_projections) p.projections = core::writable(rows_view(*c.projections, p.packed));
 }
 
 // compressor_backward's outputs, shaped like x, wkv, wgate and ape.

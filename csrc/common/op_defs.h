@@ -400,8 +400,9 @@ struct Field {
   ARG_D(OptInts, seqused, std::nullopt)       \
   ARG_D(OptInts, start_pos, std::nullopt)
 
-// compressor(x, wkv, wgate, state_cache!, ape, cmp_ratio, *, ...) -> cmp_kv: DeepSeek-V4's
-// compressed key/value entries, the state cache updated in place (one of no blocks: none).
+// compressor(x, wkv, wgate, state_cache!, ape, cmp_ratio, *, ..., projections!) -> cmp_kv:
+// DeepSeek-V4's compressed key/value entries, the state cache updated in place (one of no blocks:
+// none); projections, when given, receives every token's projected row for the backward.
 #define OPMESH_OP_COMPRESSOR(ARG, ARG_D, KWONLY)  \
   ARG(Tensor, x)                                  \
   ARG(Tensor, wkv)                                \
@@ -413,11 +414,13 @@ struct Field {
   ARG_D(OptInts, state_block_table, std::nullopt) \
   OPMESH_COMPRESSOR_LENGTHS(ARG, ARG_D)           \
   ARG_D(Int, coff, 1)                             \
-  ARG_D(Int, cache_mode, 1)
+  ARG_D(Int, cache_mode, 1)                       \
+  ARG_D(OptMutTensor, projections, std::nullopt)
 #define OPMESH_OP_COMPRESSOR_RETURNS "Tensor"
 
-// compressor_backward(grad_cmp_kv, x, wkv, wgate, ape, cmp_ratio, *, ...) -> the gradients of
-// x, wkv, wgate and ape (entries that read the state cache are refused).
+// compressor_backward(grad_cmp_kv, x, wkv, wgate, ape, cmp_ratio, *, ..., projections) -> the
+// gradients of x, wkv, wgate and ape (entries that read the state cache are refused); with the
+// forward's projections it does not compute them again.
 #define OPMESH_OP_COMPRESSOR_BACKWARD(ARG, ARG_D, KWONLY) \
   ARG(Tensor, grad_cmp_kv)                                \
   ARG(Tensor, x)                                          \
@@ -427,7 +430,8 @@ struct Field {
   ARG(Int, cmp_ratio)                                     \
   KWONLY                                                  \
   OPMESH_COMPRESSOR_LENGTHS(ARG, ARG_D)                   \
-  ARG_D(Int, coff, 1)
+  ARG_D(Int, coff, 1)                                     \
+  ARG_D(OptTensor, projections, std::nullopt)
 #define OPMESH_OP_COMPRESSOR_BACKWARD_RETURNS \
   "(Tensor d_x, Tensor d_wkv, Tensor d_wgate, Tensor d_ape)"
 

@@ -1,6 +1,7 @@
 // compressor and its backward on MindSpore tensors: the shapes were checked by the shared torch
 // shape functions in Python; the core checks the values and computes. The state cache is one of
-// the runner's inputs (contiguous, so MindSpore hands over its own memory) and written in place.
+// the runner's inputs (contiguous, so MindSpore hands over its own memory) and written in place,
+// as are the projections the forward keeps for the backward.
 #include <algorithm>
 #include <memory>
 #include <vector>
@@ -31,6 +32,7 @@ std::vector<int64_t> cmp_kv_shape(const core::CompressorParams& p) {
 
 py::object compressor(const CompressorCall& call) {
   resolve({&call.x, &call.wkv, &call.wgate, &call.state_cache, &call.ape});
+  resolve(call.projections);
   std::shared_ptr<common::CompressorHost> host;
   const core::CompressorParams base = base_params(call, host);
   const std::vector<OutputSpec> outs{{call.x.data_type(), cmp_kv_shape(base)}};
@@ -49,6 +51,7 @@ py::object compressor(const CompressorCall& call) {
 
 py::object compressor_backward(const CompressorBackwardCall& call) {
   resolve({&call.grad_cmp_kv, &call.x, &call.wkv, &call.wgate, &call.ape});
+  resolve(call.projections);
   std::shared_ptr<common::CompressorHost> host;
   const core::CompressorParams base = base_params(call, host);
   const std::vector<OutputSpec> outs{{call.x.data_type(), call.x.shape()},

@@ -44,6 +44,26 @@ void check_float(const at::Tensor& t, const char* name, const at::Tensor& x) {
   to_core_dtype(t.scalar_type(), name);
 }
 
+// projections' shape: x's, with 2 * coff * D values a token.
+std::vector<c10::SymInt> projections_shape(const at::Tensor& x, const c10::SymInt& width) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = width * 2;
+  return shape;
+}
+
+void check_projections(const at::Tensor& t, const at::Tensor& x, const c10::SymInt& width) {
+  TORCH_CHECK_VALUE(t.device() == x.device(), "projections: expected a tensor on ", x.device(),
+                    " like x, got ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "projections: expected float32, got ",
+                   t.scalar_type());
+  const std::vector<c10::SymInt> shape = projections_shape(x, width);
+  TORCH_CHECK_VALUE(t.sym_sizes().equals(shape), "projections: expected shape ",
+                    c10::SymIntArrayRef(shape), " (x's tokens, 2 * coff * D values each), got ",
+                    t.sym_sizes());
+  TORCH_CHECK_VALUE(holds(t.sym_stride(-1).sym_eq(1)),
+                    "projections: its last dimension must be contiguous");
+}
+
 // Sizes of a checked call: batch and whether x is [T, H].
 struct CompressorArgs {
   c10::SymInt batch;
@@ -110,6 +130,7 @@ CompressorArgs check_compressor_args(const Call& c) {
                       "state_cache: its last dimension must be contiguous");
     check_ints(c.state_block_table, "state_block_table", x, c.cache_mode == 2 ? 1 : 2, a.batch);
   }
+  if (c.projections) check_projections(*c.projections, x, width);
   return a;
 }
 
@@ -133,17 +154,24 @@ core::CompressorParams params_of(const Call& c, const common::CompressorHost& ho
   return p;
 }
 
-// The state cache is written: no input may share its memory (as PyTorch's in-place ops).
+// The state cache and projections are written: no input may share their memory (as PyTorch's
+// in-place ops), nor may they share each other's.
 void check_no_overlap(const CompressorCall& c) {
-  if (c.state_cache.numel() == 0) return;
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{c.x, "x"},
-                                {c.wkv, "wkv"},
-                                {c.wgate, "wgate"},
-                                {c.ape, "ape"}}) {
-    const at::MemOverlapStatus o = at::get_overlap_status(t, c.state_cache);
-    TORCH_CHECK_VALUE(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial, name,
-                      ": shares memory with state_cache, which the call writes; pass a .clone()");
-  }
+  const std::pair<const at::Tensor&, const char*> inputs[] = {
+      {c.x, "x"}, {c.wkv, "wkv"}, {c.wgate, "wgate"}, {c.ape, "ape"}, {c.state_cache, "state_cache"}};
+  const auto check = [&](const at::Tensor& written, const char* written_name, size_t count) {
+    if (written.numel() == 0) return;
+    for (size_t i = 0; i < count; ++i) {
+      const auto& [t, name] = inputs[i];
+      if (t.numel() == 0) continue;
+      const at::MemOverlapStatus o = at::get_overlap_status(t, written);
+      TORCH_CHECK_VALUE(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial,
+                        name, ": shares memory with ", written_name,
+                        ", which the call writes; pass a .clone()");
+    }
+  };
+  check(c.state_cache, "state_cache", 4);
+  if (c.projections) check(*c.projections, "projections", 5);
 }
 
 at::Tensor compressor_cpu(const CompressorCall& c) {
@@ -204,6 +232,7 @@ at::Tensor compressor_inplace_or_view(const CompressorCall& c) {
     out = std::get<0>(tensors_of<1>(call_op(c)));
   }
   c.state_cache.unsafeGetTensorImpl()->bump_version();
+  if (c.projections) c.projections->unsafeGetTensorImpl()->bump_version();
   return out;
 }
 
@@ -212,15 +241,22 @@ using torch::autograd::variable_list;
 
 class CompressorFunction : public torch::autograd::Function<CompressorFunction> {
  public:
+  // The forward keeps every token's projections (the caller's buffer, or one of its own) for the
+  // backward, which then runs two products instead of three.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wkv,
                                const at::Tensor& wgate, const at::Tensor& ape,
-                               const CompressorCall& call) {
+                               const CompressorCall& forward_call) {
+    CompressorCall call = forward_call;
+    if (!call.projections) {
+      call.projections =
+          at::empty_symint(projections_shape(x, wkv.sym_size(0)), x.options().dtype(at::kFloat));
+    }
     at::Tensor out;
     {
       at::AutoDispatchBelowAutograd guard;  // ADInplaceOrView still counts the state's write
       out = std::get<0>(tensors_of<1>(call_op(call)));
     }
-    ctx->save_for_backward({x, wkv, wgate, ape});
+    ctx->save_for_backward({x, wkv, wgate, ape, *call.projections});
     CompressorBackwardCall g;
     ops::copy_compressor_shared(call, g);
     torch::jit::Stack packed;
@@ -237,6 +273,7 @@ class CompressorFunction : public torch::autograd::Function<CompressorFunction> 
     g.wkv = saved[1];
     g.wgate = saved[2];
     g.ape = saved[3];
+    g.projections = saved[4];
     g.grad_cmp_kv = grad_outputs[0];
     auto [dx, dwkv, dwgate, dape] = tensors_of<4>(call_op(g));
     return {dx, dwkv, dwgate, dape, at::Tensor()};

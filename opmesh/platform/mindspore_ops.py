@@ -423,16 +423,20 @@ def compressor(call):
     state = call["state_cache"]
     if state is None:
         state = mindspore.ops.zeros((0, 1, 2 * call["wkv"].shape[0]), mindspore.float32)
-    elif not state.is_contiguous():
-        raise ValueError("state_cache: must be contiguous on MindSpore (it is written in place)")
+    projections = call["projections"]
+    for name, t in (("state_cache", state), ("projections", projections)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous on MindSpore (it is written in place)")
     options = {n: call[n] for n in ("cmp_ratio", "coff", "cache_mode")}
     tensors = {n: call[n] for n in ("x", "wkv", "wgate", "ape")}
     torch.ops.opmesh.compressor(
         _meta(tensors["x"], "x"), _meta(tensors["wkv"], "wkv"), _meta(tensors["wgate"], "wgate"),
         _meta(state, "state_cache"), _meta(tensors["ape"], "ape"),
         state_block_table=table_meta, **metas, **options,
+        projections=None if projections is None else _meta(projections, "projections"),
     )  # fmt: skip
-    fixed = dict(host, state_block_table=rows, state_cache=state, **options)
+    fixed = dict(host, state_block_table=rows, state_cache=state, projections=projections,
+                 **options)  # fmt: skip
     return _compressor_function().apply(*tensors.values(), fixed)
 
 
@@ -447,6 +451,13 @@ def _compressor_function():
 
         @staticmethod
         def forward(ctx, x, wkv, wgate, ape, fixed):
+            import mindspore
+
+            # With a gradient to come, every token's projections are kept for the backward,
+            # which then runs two products instead of three.
+            if fixed["projections"] is None and any(ctx.needs_input_grad[:4]):
+                shape = (*x.shape[:-1], 2 * wkv.shape[0])
+                fixed = dict(fixed, projections=mindspore.ops.zeros(shape, mindspore.float32))
             ctx.save_for_backward(x, wkv, wgate, ape)
             ctx.fixed = fixed
             return _first(_call("compressor", x=x, wkv=wkv, wgate=wgate, ape=ape, **fixed))

@@ -1205,3 +1205,38 @@ def test_compressor_errors_are_the_torch_bindings():
     msg = _same_error(lambda conv: opmesh.compressor(conv(x), conv(w), conv(w), None, conv(ape),
                                                       3, coff=2))  # fmt: skip
     assert msg.startswith("ape:"), msg
+
+
+def test_compressor_keeps_its_projections_for_the_backward(monkeypatch):
+    """With a gradient to come (MindSpore's needs_input_grad) the forward writes every token's
+    projections, as on PyTorch, and the backward reads them instead of computing them again;
+    without one it keeps none."""
+    from opmesh.platform import mindspore_ops
+
+    x, w, ape = randn(2, 9, 12), randn(16, 12, scale=0.3), randn(4, 16)
+    calls = []
+    real = mindspore_ops._call
+
+    def spy(name, **kwargs):
+        calls.append((name, kwargs.get("projections")))
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(mindspore_ops, "_call", spy)
+    m_in = [ms.Tensor(a) for a in (x, w, w.copy(), ape)]
+
+    def loss(*tensors):
+        out = opmesh.compressor(tensors[0], tensors[1], tensors[2], None, tensors[3], 4, coff=2)
+        return (out * out).sum()
+
+    ms.grad(loss, grad_position=(0, 1, 2, 3))(*m_in)
+    assert [n for n, _ in calls] == ["compressor", "compressor_backward"]
+    kept = calls[1][1]
+    assert kept is not None and calls[0][1] is kept
+    t_kept = torch.zeros(2, 9, 32)
+    torch_in = [torch.from_numpy(a) for a in (x, w, w.copy(), ape)]
+    opmesh.compressor(*torch_in[:3], None, torch_in[3], 4, coff=2, projections=t_kept)
+    assert_same(kept, t_kept)
+    calls.clear()
+    fresh = [ms.Tensor(a) for a in (x, w, w.copy(), ape)]  # tensors no gradient has reached
+    opmesh.compressor(*fresh[:3], None, fresh[3], 4, coff=2)
+    assert calls == [("compressor", None)]

@@ -52,6 +52,8 @@ CASES = [
     # The backward's products in several blocks: 160 channels (two of 64 and a part), 299 and
     # 157 tokens, 70 hidden (a panel of 64 and a part).
     Case("large", (299, 157), 4, 2, dim=40, hidden=70, packed=True),
+    # The weight gradients' columns in more than one task (1100 > 16 panels of 64).
+    Case("wide_hidden", (9, 6), 4, 1, dim=3, hidden=1100),
 ]
 
 
@@ -250,6 +252,83 @@ def test_gradients_match_reference(case, dtype, simd_level):
             torch.testing.assert_close(a.double(), b, atol=2e-2 * scale, rtol=0, msg=name)
 
 
+PROJECTED = ("c4_coff2_bsh", "odd_ratio_tnd", "tnd_seqused", "bsh_seqused", "start_continuous",
+             "odd_dim")  # fmt: skip
+PROJECTION_CASES = [c for c in CASES if c.name in PROJECTED]
+
+
+@pytest.mark.parametrize("case", PROJECTION_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_projections_are_written_and_read_back(case, dtype, simd_level):
+    """``projections`` receives [wkv x | wgate x + ape] for each token the call uses (float64
+    reference; other rows untouched), and compressor_backward given them returns the bits it
+    returns when it computes them itself."""
+    (x, wkv, wgate, state, ape), kwargs = make(case, dtype)
+    width = 2 * case.coff * case.dim
+    kept = torch.full((*x.shape[:-1], width), float("nan"))
+    opmesh.compressor(x, wkv, wgate, None if state is None else state.clone(), ape, case.ratio,
+                      projections=kept, **kwargs)  # fmt: skip
+    xs = x.double().reshape(-1, x.shape[-1])
+    rows = kept.reshape(-1, width)
+    lengths = case.seqused or case.lengths
+    starts = case.start or (0,) * len(case.lengths)
+    offsets = (
+        [0, *torch.tensor(case.lengths).cumsum(0).tolist()]
+        if case.packed
+        else [b * (case.lengths[0] if case.lengths else 0) for b in range(len(case.lengths) + 1)]
+    )
+    used = torch.zeros(rows.shape[0], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        idx = torch.arange(offsets[b], offsets[b] + n)
+        used[idx] = True
+        pos = starts[b] + torch.arange(n)
+        want = torch.cat(
+            [xs[idx] @ wkv.double().T, xs[idx] @ wgate.double().T + ape.double()[pos % case.ratio]],
+            dim=1,
+        )
+        torch.testing.assert_close(rows[idx].double(), want, atol=2e-5, rtol=2e-5)
+    assert rows[~used].isnan().all()
+    if case.start is not None and any(case.start):
+        return  # the backward refuses entries read from the state
+    out = opmesh.compressor(x, wkv, wgate, None, ape, case.ratio, **kwargs)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    kw = {k: v for k, v in kwargs.items() if k not in ("state_block_table", "cache_mode")}
+    given = torch.ops.opmesh.compressor_backward(grad, x, wkv, wgate, ape, case.ratio,
+                                                 projections=kept, **kw)  # fmt: skip
+    computed = torch.ops.opmesh.compressor_backward(grad, x, wkv, wgate, ape, case.ratio, **kw)
+    for a, b in zip(given, computed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_autograd_keeps_the_projections_for_the_backward():
+    """With a gradient to come the forward fills a projections buffer of its own, and the
+    backward reads it; without one no buffer is made."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if "compressor" in func.name():
+                self.seen.append((func.name(), kwargs.get("projections")))
+            return func(*args, **kwargs)
+
+    (x, wkv, wgate, _, ape), kwargs = make(CASES[0])
+    leaves = [t.clone().requires_grad_(True) for t in (x, wkv, wgate, ape)]
+    with Record() as rec:
+        out = opmesh.compressor(leaves[0], leaves[1], leaves[2], None, leaves[3], 4, **kwargs)
+        out.sum().backward()
+    (fwd, kept), (bwd, read) = rec.seen
+    assert (fwd, bwd) == ("opmesh::compressor", "opmesh::compressor_backward")
+    assert kept is not None and read is kept
+    with Record() as rec, torch.no_grad():
+        opmesh.compressor(*leaves[:3], None, leaves[3], 4, **kwargs)
+    assert rec.seen == [("opmesh::compressor", None)]
+
+
 def test_gradcheck_float64():
     case = Case("gc", (7, 7), 3, 2, dim=3, hidden=4, seqused=(7, 5))
     (x, wkv, wgate, _, ape), kwargs = make(case, torch.float64)
@@ -402,6 +481,10 @@ def _errors():
         ("state_block_table", ValueError, call(state_block_table=zero_table)),
         ("state_block_table", ValueError, call(state_block_table=table[:1])),
         ("state_block_table", ValueError, call(state_cache=None, start_pos=None)),
+        ("projections", TypeError, call(projections=torch.zeros(2, 8, 24, dtype=torch.float64))),
+        ("projections", ValueError, call(projections=torch.zeros(2, 8, 23))),
+        ("projections", ValueError, call(projections=torch.zeros(16, 24))),
+        ("projections", ValueError, call(projections=torch.zeros(2, 24, 8).transpose(1, 2))),
     ]  # fmt: skip
 
 
@@ -418,6 +501,17 @@ def test_input_sharing_the_state_memory_is_refused():
     assert_raises_named(
         ValueError, "x", lambda: opmesh.compressor(x, wkv, wgate, state, ape, 4, **kwargs)
     )
+
+
+def test_projections_sharing_an_input_or_the_state_are_refused():
+    case = Case("overlap", (8,), 4, 1, hidden=12, start=(0,), block_size=8)
+    (x, wkv, wgate, state, ape), kwargs = make(case)
+    inside = state[1, :, :12].unsqueeze(0)  # [1, 8, 12]: the first 12 values of block 1's slots
+    assert_raises_named(ValueError, "state_cache", lambda: opmesh.compressor(
+        x, wkv, wgate, state, ape, 4, projections=inside, **kwargs))  # fmt: skip
+    shared = torch.zeros(1, 8, 12)
+    assert_raises_named(ValueError, "x", lambda: opmesh.compressor(
+        shared[..., :12], wkv, wgate, None, ape, 4, projections=shared))  # fmt: skip
 
 
 def test_gradient_with_a_bad_shape_is_refused():

@@ -75,12 +75,13 @@ EXPECTED = {
     "compressor": (
         "(Tensor x, Tensor wkv, Tensor wgate, Tensor(a!) state_cache, Tensor ape, int cmp_ratio, "
         "*, Tensor? state_block_table=None, Tensor? cu_seqlens=None, Tensor? seqused=None, "
-        "Tensor? start_pos=None, int coff=1, int cache_mode=1) -> Tensor"
+        "Tensor? start_pos=None, int coff=1, int cache_mode=1, Tensor(b!)? projections=None) -> "
+        "Tensor"
     ),
     "compressor_backward": (
         "(Tensor grad_cmp_kv, Tensor x, Tensor wkv, Tensor wgate, Tensor ape, int cmp_ratio, *, "
-        "Tensor? cu_seqlens=None, Tensor? seqused=None, Tensor? start_pos=None, int coff=1) -> "
-        "(Tensor d_x, Tensor d_wkv, Tensor d_wgate, Tensor d_ape)"
+        "Tensor? cu_seqlens=None, Tensor? seqused=None, Tensor? start_pos=None, int coff=1, "
+        "Tensor? projections=None) -> (Tensor d_x, Tensor d_wkv, Tensor d_wgate, Tensor d_ape)"
     ),
     "kv_cache_write_": (
         "(Tensor key, Tensor? value, Tensor(a!) key_cache, Tensor(b!)? value_cache, "

@@ -223,6 +223,11 @@ def compressor_case(mesh, b=5):
         lambda: opmesh.compressor(dist[0], *dist[1:3], torch.zeros(2, 8, 4 * d), dist[3], r,
                                   state_block_table=[[1]] * b, coff=2),
     )  # fmt: skip
+    _expect(
+        ValueError, "projections",
+        lambda: opmesh.compressor(dist[0], *dist[1:3], None, dist[3], r, coff=2,
+                                  projections=torch.zeros(*x.shape[:-1], 4 * d)),
+    )  # fmt: skip
 
 
 def errors_case(mesh):

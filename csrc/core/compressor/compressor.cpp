@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "../aligned_buffer.h"
 #include "../errors.h"
 #include "../kernels/kernel_set.h"
 #include "../kernels/row_loads.h"
@@ -22,6 +23,7 @@ using kernels::round_up;
 constexpr int64_t kRowBlock = 192;    // token rows per projection task
 constexpr int64_t kDepthChunk = 512;  // depth per product call: B's panel stays in cache
 constexpr int64_t kWeightRows = 192;  // weight rows per weight-gradient task
+constexpr int64_t kGroupPanels = 16;  // B's panels per weight-gradient task
 constexpr int64_t kPanel = 64;        // B's columns per panel: one row block of the products
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -138,24 +140,28 @@ class Words {
   bool pairs_;
 };
 
-std::vector<uint32_t> words(int64_t count) {
-  return std::vector<uint32_t>(static_cast<size_t>(count), 0u);
+// `count` zero words, faulted in by the threads that first write them.
+AlignedBuffer<uint32_t> words(int64_t count) {
+  return AlignedBuffer<uint32_t>::lazily_zeroed(static_cast<size_t>(count));
 }
 
-// C[m][ld] = A[m][depth] . B[depth][ld] in the set's words (B in panels, depth in words,
-// padded), the depth in chunks accumulated through the product's row scale (`ones`: m entries
-// of 1): each chunk of A stays in cache while the panels' chunks pass.
+// C[m][columns of panels j0 .. j1 - 1] = A[m][depth] . B[depth][those columns] in the set's
+// words (B in panels, depth in words, padded; c points at column j0 kPanel), the depth in chunks
+// accumulated through the product's row scale (`ones`: m entries of 1): each chunk of A stays
+// in cache while the panels' chunks pass.
 void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b,
-             const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones) {
+             const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones,
+             int64_t j0, int64_t j1) {
   if (panels.depth == 0) {
-    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + panels.ld, 0.0f);
+    const int64_t cols = std::min(panels.ld, j1 * kPanel) - j0 * kPanel;
+    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + cols, 0.0f);
     return;
   }
   for (int64_t d0 = 0; d0 < panels.depth; d0 += kDepthChunk) {
     const int64_t dn = std::min(kDepthChunk, panels.depth - d0);
-    for (int64_t j = 0; j < panels.count(); ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       const int64_t w = panels.width(j);
-      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + j * kPanel, ldc, m, w, dn,
+      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + (j - j0) * kPanel, ldc, m, w, dn,
               d0 == 0 ? nullptr : ones, 1.0f});
     }
   }
@@ -291,12 +297,17 @@ void validate_state(const CompressorParams& p, const std::vector<CompressorSeque
 }
 
 // The call's tokens projected, one row [kv | score + ape] of row_width floats per token, and
-// the place of each sequence's rows.
+// the place of each sequence's rows: computed here (rows, row r at r * ld) or the forward's
+// (given, row r at given[r]).
 struct Projected {
-  std::vector<float> rows;
+  AlignedBuffer<float> rows;
   int64_t ld = 0;
   std::vector<int64_t> first_row;  // per sequence
   int64_t count = 0;
+  std::vector<const float*> given;
+  const float* row(int64_t r) const {
+    return given.empty() ? rows.data() + r * ld : given[static_cast<size_t>(r)];
+  }
 };
 
 // ape widened, [r][coff D].
@@ -349,9 +360,9 @@ void weight_row(const CompressorParams& p, int64_t row, float* out) {
 
 // The weights as the projection's operand B: [H along the depth][ld] in panels, column n' = row
 // n' of [wkv; wgate].
-std::vector<uint32_t> packed_weights(const CompressorParams& p, const Words& w,
+AlignedBuffer<uint32_t> packed_weights(const CompressorParams& p, const Words& w,
                                      const Panels& panels, const Executor& ex) {
-  std::vector<uint32_t> b = words(panels.depth * panels.ld);
+  AlignedBuffer<uint32_t> b = words(panels.depth * panels.ld);
   // 16 weight rows per task, each as A's words: column n' of B is row n' as A would hold it, so
   // each word along the depth goes to one cache line of B.
   constexpr int64_t kRows = 16;
@@ -378,12 +389,13 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
   Projected proj;
   const TokenRows t = token_rows(seqs, proj);
   proj.ld = round_up(row_width(p), 16);
-  proj.rows.assign(static_cast<size_t>(proj.count * proj.ld), 0.0f);
+  proj.rows.grow_uninitialized(static_cast<size_t>(proj.count * proj.ld));  // the products write
+                                                                          // every element
   if (proj.count == 0) return proj;
   const Words w(k);
   const int64_t hw = w.depth(p.hidden);
   const Panels panels{hw, proj.ld};
-  const std::vector<uint32_t> b = packed_weights(p, w, panels, ex);
+  const AlignedBuffer<uint32_t> b = packed_weights(p, w, panels, ex);
   const std::vector<float> ape = widened_ape(p);
   const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
   const int64_t n = p.coff * p.dim;
@@ -391,19 +403,37 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
     const kernels::WorkerScope scope(k);
     const int64_t r0 = task * kRowBlock;
     const int64_t m = std::min(kRowBlock, proj.count - r0);
-    std::vector<uint32_t> a = words(w.rows(m) * hw);
+    AlignedBuffer<uint32_t> a = words(w.rows(m) * hw);
     std::vector<float> tmp(static_cast<size_t>(p.hidden));
     for (int64_t r = 0; r < m; ++r) {
       w.load_row(p.x, p.dtype, t.offset(p.x, r0 + r), p.hidden, tmp.data(), a.data() + r * hw);
     }
     float* c = proj.rows.data() + r0 * proj.ld;
-    product(k, a.data(), hw, b.data(), panels, c, proj.ld, m, ones.data());
+    product(k, a.data(), hw, b.data(), panels, c, proj.ld, m, ones.data(), 0, panels.count());
     for (int64_t r = 0; r < m; ++r) {
       const float* bias = ape.data() + (t.position[r0 + r] % p.cmp_ratio) * n;
       float* score = c + r * proj.ld + n;
       for (int64_t ch = 0; ch < n; ++ch) score[ch] += bias[ch];
+      if (p.has_projections) {
+        std::copy(c + r * proj.ld, c + r * proj.ld + 2 * n,
+                  static_cast<float*>(p.projections.data) + t.offset(p.projections, r0 + r));
+      }
     }
   });
+  return proj;
+}
+
+// The forward's projections (p.has_projections) in the place of the computed ones.
+Projected given_projections(const CompressorParams& p,
+                            const std::vector<CompressorSequence>& seqs) {
+  Projected proj;
+  const TokenRows t = token_rows(seqs, proj);
+  proj.ld = round_up(row_width(p), 16);
+  proj.given.resize(static_cast<size_t>(proj.count));
+  const float* base = static_cast<const float*>(p.projections.data);
+  for (int64_t r = 0; r < proj.count; ++r) {
+    proj.given[static_cast<size_t>(r)] = base + t.offset(p.projections, r);
+  }
   return proj;
 }
 
@@ -422,7 +452,7 @@ void entry_slots(const CompressorParams& p, const CompressorSequence& s, int64_t
   const auto add = [&](int64_t pos, int64_t channel) {
     if (pos >= s.start) {
       const int64_t row = seq_row + pos - s.start;
-      slots.push_back({proj.rows.data() + row * proj.ld, channel, row});
+      slots.push_back({proj.row(row), channel, row});
     } else {
       slots.push_back({state_row(p, s, pos), channel, -1});
     }
@@ -516,7 +546,7 @@ struct Gradients {
   const KernelSet& k;
   Words w;
   const TokenRows& t;
-  const std::vector<float>& dp;
+  const AlignedBuffer<float>& dp;
   int64_t ld;     // dP's row stride
   int64_t count;  // tokens
   int64_t hp;     // H padded to 16
@@ -526,7 +556,7 @@ struct Gradients {
     const int64_t width = row_width(p);
     const int64_t ww = w.depth(width);
     const Panels panels{ww, hp};
-    std::vector<uint32_t> b = words(ww * hp);
+    AlignedBuffer<uint32_t> b = words(ww * hp);
     run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
       const int64_t row = word * w.per_word();
       if (row >= width) return;  // the depth's padding: zeros
@@ -547,11 +577,12 @@ struct Gradients {
       const kernels::WorkerScope scope(k);
       const int64_t r0 = task * kRowBlock;
       const int64_t m = std::min(kRowBlock, count - r0);
-      std::vector<uint32_t> a = words(w.rows(m) * ww);
+      AlignedBuffer<uint32_t> a = words(w.rows(m) * ww);
       for (int64_t r = 0; r < m; ++r)
         w.set_row(a.data() + r * ww, dp.data() + (r0 + r) * ld, width);
-      std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, a.data(), ww, b.data(), panels, c.data(), hp, m, ones.data());
+      AlignedBuffer<float> c;  // the product writes every element
+      c.grow_uninitialized(static_cast<size_t>(m * hp));
+      product(k, a.data(), ww, b.data(), panels, c.data(), hp, m, ones.data(), 0, panels.count());
       for (int64_t r = 0; r < m; ++r) {
         store_row(g.dx.data, p.dtype, t.offset(g.dx, r0 + r), g.dx.sd, p.hidden, c.data() + r * hp,
                   1.0f);
@@ -566,7 +597,7 @@ struct Gradients {
     const int64_t n = p.coff * p.dim;
     const int64_t tw = w.depth(count);
     const Panels panels{tw, hp};
-    std::vector<uint32_t> xs = words(tw * hp);
+    AlignedBuffer<uint32_t> xs = words(tw * hp);
     run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
       const int64_t r = word * w.per_word();
       if (r >= count) return;  // the depth's padding: zeros
@@ -575,7 +606,7 @@ struct Gradients {
       w.load_b_words(xs.data(), panels, word, p.x, p.dtype, t.offset(p.x, r), hi, p.hidden,
                      tmp.data());
     });
-    std::vector<uint32_t> dpt = words(w.rows(width) * tw);
+    AlignedBuffer<uint32_t> dpt = words(w.rows(width) * tw);
     // Tasks of 64 channels x kWords words of tokens: each reads its rows of dP in order, makes
     // 16 words of its channels at a time and writes them as one cache line a channel (a task's
     // words are its own).
@@ -611,17 +642,28 @@ struct Gradients {
         }
       }
     });
+    // Tasks of kWeightRows rows x kGroupPanels panels: a few row blocks alone would leave a
+    // thread idle for much of the last one.
     const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
-    run_dynamic(ex, (width + kWeightRows - 1) / kWeightRows, [&](int64_t task, int) {
+    const int64_t groups = (panels.count() + kGroupPanels - 1) / kGroupPanels;
+    run_dynamic(ex, (width + kWeightRows - 1) / kWeightRows * groups, [&](int64_t task, int) {
       const kernels::WorkerScope scope(k);
-      const int64_t r0 = task * kWeightRows;
+      const int64_t r0 = task / groups * kWeightRows;
       const int64_t m = std::min(kWeightRows, width - r0);
-      std::vector<float> c(static_cast<size_t>(m * hp));
-      product(k, dpt.data() + r0 * tw, tw, xs.data(), panels, c.data(), hp, m, ones.data());
+      const int64_t j0 = task % groups * kGroupPanels;
+      const int64_t j1 = std::min(panels.count(), j0 + kGroupPanels);
+      const int64_t col0 = j0 * kPanel;
+      const int64_t ldc = std::min(hp, j1 * kPanel) - col0;
+      AlignedBuffer<float> c;  // the product writes every element
+      c.grow_uninitialized(static_cast<size_t>(m * ldc));
+      product(k, dpt.data() + r0 * tw, tw, xs.data(), panels, c.data(), ldc, m, ones.data(), j0,
+              j1);
+      const int64_t cols = std::min(p.hidden, col0 + ldc) - col0;
       for (int64_t r = 0; r < m; ++r) {
         const int64_t row = r0 + r;
         const MutableView& dst = row < n ? g.dwkv : g.dwgate;
-        store_row(dst.data, p.dtype, (row % n) * dst.ss, dst.sd, p.hidden, c.data() + r * hp, 1.0f);
+        store_row(dst.data, p.dtype, (row % n) * dst.ss + col0 * dst.sd, dst.sd, cols,
+                  c.data() + r * ldc, 1.0f);
       }
     });
   }
@@ -683,7 +725,7 @@ void compressor(const CompressorParams& p, const Executor& ex, Isa isa) {
     for (int64_t t = 0; t < s.tokens; ++t) {
       const int64_t pos = s.start + t;
       if (block_of(p, s, pos) == 0) continue;  // block 0: not kept
-      const float* src = proj.rows.data() + (proj.first_row[i] + t) * proj.ld;
+      const float* src = proj.row(proj.first_row[i] + t);
       std::copy(src, src + width, state_row(p, s, pos));
     }
   }
@@ -703,14 +745,25 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   }
   const KernelSet& k = kernels::select_set(isa, p.dtype, -1, true);
   const int64_t n = p.coff * p.dim;
-  // Gradients of tokens the call does not use (padding, past seqused) stay zero.
+  // Gradients of tokens the call does not use (padding, past seqused) are zero; the products
+  // write the others.
   const int64_t x_rows = p.packed ? p.tokens : p.seq_len;
   for (int64_t b = 0; b < (p.packed ? 1 : p.batch); ++b) {
-    zero_rows(g.dx, p.dtype, b * g.dx.sb, g.dx.ss, x_rows, p.hidden);
+    std::vector<char> used(static_cast<size_t>(x_rows), 0);
+    for (const CompressorSequence& s : seqs) {
+      if (p.packed || s.batch == b) std::fill_n(used.begin() + s.x_begin, s.tokens, 1);
+    }
+    for (int64_t r = 0; r < x_rows;) {
+      int64_t end = r;
+      while (end < x_rows && used[static_cast<size_t>(end)] == 0) ++end;
+      zero_rows(g.dx, p.dtype, b * g.dx.sb + r * g.dx.ss, g.dx.ss, end - r, p.hidden);
+      r = end + 1;
+    }
   }
-  const Projected proj = project(p, seqs, k, ex);
+  const Projected proj = p.has_projections ? given_projections(p, seqs) : project(p, seqs, k, ex);
   // dP: per token row, the gradients of its kv and score channels.
-  std::vector<float> dp(static_cast<size_t>(proj.count * proj.ld), 0.0f);
+  // Zero where no entry reads a token (its gradients stay zero).
+  AlignedBuffer<float> dp = AlignedBuffer<float>::lazily_zeroed(static_cast<size_t>(proj.count * proj.ld));
   each_entry(p, seqs, proj, ex, true, [&](const EntryWork& e) {
     std::vector<float> grad_row(static_cast<size_t>(p.dim));
     float* grad = grad_row.data();

@@ -59,6 +59,11 @@ struct CompressorParams {
   int64_t block_size = 0;
   const int64_t* block_table = nullptr;  // [batch][table_width]; 0 = no block
   int64_t table_width = 0;
+  // Every token's projected row [kv | score] (float32, 2 coff D values, ape included: the state
+  // cache's rows), when has_projections: the forward writes the rows of the tokens it uses, and
+  // the backward reads them instead of computing them again.
+  bool has_projections = false;
+  MutableView projections;  // [batch][token][-][2 coff D]: sb (0 packed), ss, sd 1
   // Host lengths, each null when absent: cu_seqlens [batch + 1], seqused and start_pos [batch].
   const int64_t* cu_seqlens = nullptr;
   const int64_t* seqused = nullptr;
@@ -80,12 +85,13 @@ std::vector<CompressorSequence> validate(const CompressorParams& params);
 // Positions [lo, start) of a sequence the call reads from the state cache (lo == start: none).
 int64_t first_state_position(const CompressorParams& params, const CompressorSequence& seq);
 
-// validate; cmp_kv (padding rows zero); then the call's tokens into the state cache.
+// validate; cmp_kv (padding rows zero); then the call's tokens into the state cache (and their
+// projections, when given).
 void compressor(const CompressorParams& params, const Executor& executor, Isa isa);
 
-// validate; the gradients of cmp_kv with respect to x, wkv, wgate and ape. A call whose entries
-// read earlier tokens from the state cache is refused (start_pos): those tokens are constants
-// the forward found in the cache.
+// validate; the gradients of cmp_kv with respect to x, wkv, wgate and ape, from the forward's
+// projections when given. A call whose entries read earlier tokens from the state cache is
+// refused (start_pos): those tokens are constants the forward found in the cache.
 void compressor_backward(const CompressorParams& params, const CompressorGrads& grads,
                          const Executor& executor, Isa isa);
 

@@ -522,6 +522,11 @@ class CompressorDistributedOp(DistributedOp):
             )
         if named["start_pos"] is not None:
             raise ValueError("start_pos: on a device mesh every sequence starts at position 0")
+        if named.get("projections") is not None:
+            raise ValueError(
+                "projections: on a device mesh the compressor keeps each rank's projections for "
+                "the backward itself (pass None)"
+            )
         tensors = _dtensors(named, COMPRESSOR_TENSORS)
         layout = "TND" if len(p.global_shape(tensors["x"])) == 2 else "BSND"
         layouts = {n: Layout.of(x) for n, x in tensors.items()}
