@@ -157,16 +157,19 @@ core::CompressorParams params_of(const Call& c, const common::CompressorHost& ho
 // The state cache and projections are written: no input may share their memory (as PyTorch's
 // in-place ops), nor may they share each other's.
 void check_no_overlap(const CompressorCall& c) {
-  const std::pair<const at::Tensor&, const char*> inputs[] = {
-      {c.x, "x"}, {c.wkv, "wkv"}, {c.wgate, "wgate"}, {c.ape, "ape"}, {c.state_cache, "state_cache"}};
+  const std::pair<const at::Tensor&, const char*> inputs[] = {{c.x, "x"},
+                                                              {c.wkv, "wkv"},
+                                                              {c.wgate, "wgate"},
+                                                              {c.ape, "ape"},
+                                                              {c.state_cache, "state_cache"}};
   const auto check = [&](const at::Tensor& written, const char* written_name, size_t count) {
     if (written.numel() == 0) return;
     for (size_t i = 0; i < count; ++i) {
       const auto& [t, name] = inputs[i];
       if (t.numel() == 0) continue;
       const at::MemOverlapStatus o = at::get_overlap_status(t, written);
-      TORCH_CHECK_VALUE(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial,
-                        name, ": shares memory with ", written_name,
+      TORCH_CHECK_VALUE(o != at::MemOverlapStatus::Full && o != at::MemOverlapStatus::Partial, name,
+                        ": shares memory with ", written_name,
                         ", which the call writes; pass a .clone()");
     }
   };

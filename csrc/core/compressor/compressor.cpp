@@ -68,8 +68,8 @@ class Words {
   }
   // Word row `at` of B's columns [0, n): depth elements lo (and, on a pair set, hi: null past
   // the depth, zeros), n floats each.
-  void set_b_words(uint32_t* b, const Panels& panels, int64_t at, const float* lo,
-                   const float* hi, int64_t n) const {
+  void set_b_words(uint32_t* b, const Panels& panels, int64_t at, const float* lo, const float* hi,
+                   int64_t n) const {
     for (int64_t j = 0; j * kPanel < n; ++j) {
       const int64_t cols = std::min(kPanel, n - j * kPanel);
       uint32_t* dst = b + panels.at(at, j * kPanel);
@@ -150,8 +150,8 @@ AlignedBuffer<uint32_t> words(int64_t count) {
 // accumulated through the product's row scale (`ones`: m entries of 1): each chunk of A stays
 // in cache while the panels' chunks pass.
 void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b,
-             const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones,
-             int64_t j0, int64_t j1) {
+             const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones, int64_t j0,
+             int64_t j1) {
   if (panels.depth == 0) {
     const int64_t cols = std::min(panels.ld, j1 * kPanel) - j0 * kPanel;
     for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + cols, 0.0f);
@@ -361,7 +361,7 @@ void weight_row(const CompressorParams& p, int64_t row, float* out) {
 // The weights as the projection's operand B: [H along the depth][ld] in panels, column n' = row
 // n' of [wkv; wgate].
 AlignedBuffer<uint32_t> packed_weights(const CompressorParams& p, const Words& w,
-                                     const Panels& panels, const Executor& ex) {
+                                       const Panels& panels, const Executor& ex) {
   AlignedBuffer<uint32_t> b = words(panels.depth * panels.ld);
   // 16 weight rows per task, each as A's words: column n' of B is row n' as A would hold it, so
   // each word along the depth goes to one cache line of B.
@@ -389,8 +389,8 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
   Projected proj;
   const TokenRows t = token_rows(seqs, proj);
   proj.ld = round_up(row_width(p), 16);
-  proj.rows.grow_uninitialized(static_cast<size_t>(proj.count * proj.ld));  // the products write
-                                                                          // every element
+  // The products write every element.
+  proj.rows.grow_uninitialized(static_cast<size_t>(proj.count * proj.ld));
   if (proj.count == 0) return proj;
   const Words w(k);
   const int64_t hw = w.depth(p.hidden);
@@ -763,7 +763,8 @@ void compressor_backward(const CompressorParams& p, const CompressorGrads& g, co
   const Projected proj = p.has_projections ? given_projections(p, seqs) : project(p, seqs, k, ex);
   // dP: per token row, the gradients of its kv and score channels.
   // Zero where no entry reads a token (its gradients stay zero).
-  AlignedBuffer<float> dp = AlignedBuffer<float>::lazily_zeroed(static_cast<size_t>(proj.count * proj.ld));
+  AlignedBuffer<float> dp =
+      AlignedBuffer<float>::lazily_zeroed(static_cast<size_t>(proj.count * proj.ld));
   each_entry(p, seqs, proj, ex, true, [&](const EntryWork& e) {
     std::vector<float> grad_row(static_cast<size_t>(p.dim));
     float* grad = grad_row.data();
