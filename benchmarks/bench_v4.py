@@ -342,8 +342,8 @@ def main():
     if "compressor" in args.parts:
         notes.append(
             "Compressor rows: GFLOP/s counts the projections' products (2 x 2 coff D x H per "
-            "token, x 3 with the backward; opmesh's backward recomputes the projections, a "
-            "fourth product). The composition is transformers' formulation on whole windows in "
+            "token, x 3 with the backward: both keep the projections from the forward). The "
+            "composition is transformers' formulation on whole windows in "
             "bf16; max_abs_err is the largest difference between the two outputs (opmesh "
             "accumulates in float32 and rounds once)."
         )
