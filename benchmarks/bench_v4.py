@@ -34,7 +34,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_extra_bytes, time_call, write_results  # noqa: E402
+from common import (  # noqa: E402
+    as_on_this_tier,
+    best_on_this_tier,
+    peak_extra_bytes,
+    tier_compositions,
+    tier_matmul_dtype,
+    time_call,
+    write_results,
+)
 
 import opmesh  # noqa: E402
 
@@ -130,11 +138,11 @@ def bench_layer(args, rows):
             methods = {"opmesh": partial(ours, q, ori, cmp, sinks, kwargs)}
             chunks = [c for c in args.chunks if c <= s] if s <= args.compose_up_to else []
             for chunk in chunks:
-                methods[f"eager chunk {chunk}"] = partial(
-                    composition, q, ori, cmp, sinks, kwargs, chunk
+                methods |= tier_compositions(
+                    f"eager chunk {chunk}", composition, q, ori, cmp, sinks, kwargs, chunk
                 )
-                methods[f"compiled chunk {chunk}"] = partial(
-                    compiled, q, ori, cmp, sinks, kwargs, chunk
+                methods |= tier_compositions(
+                    f"compiled chunk {chunk}", compiled, q, ori, cmp, sinks, kwargs, chunk
                 )
             if chunks:
                 got = methods[f"eager chunk {chunks[0]}"]()
@@ -151,9 +159,10 @@ def bench_layer(args, rows):
                 "opmesh": with_backward(partial(ours, lq, lo, lc, ls, lkw), [lq, lo, lc, ls], grad)
             }
             for chunk in chunks:
-                both[f"eager chunk {chunk}"] = with_backward(
-                    partial(composition, lq, lo, lc, ls, lkw, chunk), [lq, lo, lc, ls], grad
-                )
+                for method, fn in tier_compositions(
+                    f"eager chunk {chunk}", composition, lq, lo, lc, ls, lkw, chunk
+                ).items():
+                    both[method] = with_backward(fn, [lq, lo, lc, ls], grad)
             add_rows(rows, kind, s, "forward + backward", both, flops_fwd * 3.5, args, err)
 
 
@@ -177,9 +186,9 @@ def add_rows(rows, kind, s, phase, methods, flops, args, err):
             )
         )  # fmt: skip
         print(rows[-1], flush=True)
-    others = [t for m, t in timed.items() if m != "opmesh"]
-    if others:
-        rows[-len(timed)]["vs_best_torch"] = f"{min(others) / timed['opmesh']:.1f}x"
+    if len(timed) > 1:
+        best = best_on_this_tier(timed, ["opmesh"])
+        rows[-len(timed)]["vs_best_torch"] = f"{timed[best] / timed['opmesh']:.1f}x"
 
 
 def bench_decode(args, rows):
@@ -205,7 +214,7 @@ def bench_decode(args, rows):
     def ours_decode():
         return opmesh.sparse_flash_mla(q, ori_kv=ori, cmp_kv=cmp, **kwargs)[0]
 
-    def composed():
+    def composed(q, ori, cmp):
         # Each sequence's window and compressed rows gathered from the pages, then the same
         # attention as the layer composition.
         outs = []
@@ -222,8 +231,10 @@ def bench_decode(args, rows):
 
     read = b * (WINDOW + c) * dim * 2  # bytes of key/value rows
     flops = b * (WINDOW + c) * 4 * heads * dim
-    for method, fn in {"opmesh": ours_decode, "gather + matmul": composed}.items():
-        seconds = time_call(fn, budget_s=args.budget)
+    methods = {"opmesh": ours_decode} | tier_compositions("gather + matmul", composed, q, ori, cmp)
+    timed = {}
+    for method, fn in methods.items():
+        seconds = timed[method] = time_call(fn, budget_s=args.budget)
         rows.append(
             dict(
                 layer="HCA decode", S=ctx, phase=f"B={b}", method=method,
@@ -232,6 +243,8 @@ def bench_decode(args, rows):
             )
         )  # fmt: skip
         print(rows[-1], flush=True)
+    best = best_on_this_tier(timed, ["opmesh"])
+    rows[-len(timed)]["vs_best_torch"] = f"{timed[best] / timed['opmesh']:.1f}x"
 
 
 def compressor_composition(x, wkv, wgate, ape, ratio, coff):
@@ -275,11 +288,9 @@ def bench_compressor(args, rows):
             got = compressor_composition(x, wkv, wgate, ape, ratio, coff)
             err = (got.float() - want.float()).abs().max().item()
             compiled = torch.compile(compressor_composition, dynamic=False)
-            methods = {
-                "opmesh": partial(run_compressor, x, wkv, wgate, ape, ratio, coff),
-                "eager": partial(compressor_composition, x, wkv, wgate, ape, ratio, coff),
-                "compiled": partial(compiled, x, wkv, wgate, ape, ratio, coff),
-            }
+            methods = {"opmesh": partial(run_compressor, x, wkv, wgate, ape, ratio, coff)}
+            for label, fn in (("eager", compressor_composition), ("compiled", compiled)):
+                methods |= tier_compositions(label, fn, x, wkv, wgate, ape, ratio, coff)
             add_rows(rows, kind + " compressor", s, "forward", methods, flops, args, err)
             leaves = [t.clone().requires_grad_(True) for t in (x, wkv, wgate, ape)]
             grad = torch.randn(want.shape, generator=g).to(torch.bfloat16)
@@ -289,11 +300,12 @@ def bench_compressor(args, rows):
             both = {
                 "opmesh": with_backward(
                     partial(run_compressor, lx, lw, lg, la, ratio, coff), leaves, grad_full
-                ),
-                "eager": with_backward(
-                    partial(compressor_composition, lx, lw, lg, la, ratio, coff), leaves, grad
-                ),
-            }  # fmt: skip
+                )
+            }
+            for method, fn in tier_compositions(
+                "eager", compressor_composition, lx, lw, lg, la, ratio, coff
+            ).items():
+                both[method] = with_backward(fn, leaves, grad)
             add_rows(rows, kind + " compressor", s, "forward + backward", both, flops * 3, args,
                      err)  # fmt: skip
 
@@ -314,9 +326,12 @@ def main():
     parser.add_argument("--budget", type=float, default=3.0)
     parser.add_argument("--name", default="v4")
     args = parser.parse_args()
-    # This machine's GEMM rate in the precision of the layers: what the products can reach.
-    a, b = torch.randn(4096, 4096).bfloat16(), torch.randn(4096, 4096).bfloat16()
-    args.mm = 2 * 4096**3 / time_call(lambda: torch.mm(a, b), budget_s=2.0) / 1e9
+    # This machine's GEMM rate in the precision the layers' products run in on this tier (bf16,
+    # or float32 where the tier has no bf16 products): what the products can reach.
+    args.mm_dtype = tier_matmul_dtype(torch.bfloat16)
+    a, b = (torch.randn(4096, 4096).to(args.mm_dtype) for _ in range(2))
+    mm = as_on_this_tier(partial(torch.mm, a, b))
+    args.mm = 2 * 4096**3 / time_call(mm, budget_s=2.0) / 1e9
     rows = []
     if "layer" in args.parts:
         bench_layer(args, rows)
@@ -327,14 +342,18 @@ def main():
     columns = ["layer", "S", "phase", "method", "ms", "GFLOPs", "pct_of_mm", "extra_MB",
                "GB_per_s", "vs_best_torch", "max_abs_err"]  # fmt: skip
     notes = [
-        f"pct_of_mm: GFLOP/s over a bf16 torch.mm of 4096 x 4096 x 4096 timed in this run "
-        f"({args.mm:.0f} GFLOP/s), the rate this machine's GEMM reaches."
+        f"pct_of_mm: GFLOP/s over a {str(args.mm_dtype).removeprefix('torch.')} torch.mm of "
+        f"4096 x 4096 x 4096 timed in this run ({args.mm:.0f} GFLOP/s), the rate this machine's "
+        "GEMM reaches on this tier.",
+        "vs_best_torch: the fastest PyTorch composition a machine of this run's tier runs (bf16 "
+        "as torch runs it there, or on inputs made float32 where the tier has no bf16 products) "
+        "over opmesh's time.",
     ]
     if "layer" in args.parts or "decode" in args.parts:
         notes += [
             "GFLOP/s counts the keys each row reads x 4 N1 D (x 3.5 with the backward). The "
             "compositions gather each chunk's keys and run batched matmuls (eager, and compiled "
-            "forward); vs_best_torch divides the fastest composition's time by opmesh's.",
+            "forward).",
             "extra_MB is the peak resident memory a call adds, its output included (S x 64 x 512 "
             "bf16: 512 MB at S = 8192); opmesh's kernels add O(tile) beyond it. Decode with 64 "
             "query heads on one key head is compute-bound (GB_per_s: the key/value rows read).",
@@ -347,7 +366,7 @@ def main():
             "bf16; max_abs_err is the largest difference between the two outputs (opmesh "
             "accumulates in float32 and rounds once)."
         )
-    print(write_results(args.name, rows, columns, notes))
+    print(write_results(args.name, rows, columns, notes, tier_baselines=True))
 
 
 if __name__ == "__main__":
