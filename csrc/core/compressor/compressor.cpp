@@ -23,23 +23,23 @@ using kernels::round_up;
 constexpr int64_t kRowBlock = 192;    // token rows per projection task
 constexpr int64_t kDepthChunk = 512;  // depth per product call: B's panel stays in cache
 constexpr int64_t kWeightRows = 192;  // weight rows per weight-gradient task
-constexpr int64_t kGroupPanels = 16;  // B's panels per weight-gradient task
-constexpr int64_t kPanel = 64;        // B's columns per panel: one row block of the products
+constexpr int64_t kGroupColumns = 1024;  // B's columns per weight-gradient task
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// A B operand [depth words][ld columns] (ld a multiple of 16) stored in column panels of
-// kPanel: each panel's [depth][its width] is contiguous, so a product reads it in order from
-// cache, where a full-width B's rows lie ld words apart.
+// A B operand [depth words][ld columns] (ld a multiple of 16) stored in column panels of the
+// set's gemm_cols (the columns its GEMM takes at a time): each panel's [depth][its width] is
+// contiguous, so a product reads it in order, where a full-width B's rows lie ld words apart.
 struct Panels {
   int64_t depth = 0;
   int64_t ld = 0;
-  int64_t count() const { return (ld + kPanel - 1) / kPanel; }
-  int64_t width(int64_t j) const { return std::min(kPanel, ld - j * kPanel); }
-  int64_t start(int64_t j) const { return j * kPanel * depth; }
+  int64_t panel = 64;
+  int64_t count() const { return (ld + panel - 1) / panel; }
+  int64_t width(int64_t j) const { return std::min(panel, ld - j * panel); }
+  int64_t start(int64_t j) const { return j * panel * depth; }
   int64_t at(int64_t d, int64_t n) const {
-    const int64_t j = n / kPanel;
-    return start(j) + d * width(j) + n % kPanel;
+    const int64_t j = n / panel;
+    return start(j) + d * width(j) + n % panel;
   }
 };
 
@@ -70,10 +70,11 @@ class Words {
   // the depth, zeros), n floats each.
   void set_b_words(uint32_t* b, const Panels& panels, int64_t at, const float* lo, const float* hi,
                    int64_t n) const {
-    for (int64_t j = 0; j * kPanel < n; ++j) {
-      const int64_t cols = std::min(kPanel, n - j * kPanel);
-      uint32_t* dst = b + panels.at(at, j * kPanel);
-      const float* l = lo + j * kPanel;
+    for (int64_t j = 0; j * panels.panel < n; ++j) {
+      const int64_t c0 = j * panels.panel;
+      const int64_t cols = std::min(panels.panel, n - c0);
+      uint32_t* dst = b + panels.at(at, c0);
+      const float* l = lo + c0;
       if (!pairs_) {
         std::memcpy(dst, l, static_cast<size_t>(cols) * sizeof(float));
         continue;
@@ -82,7 +83,7 @@ class Words {
         for (int64_t c = 0; c < cols; ++c) dst[c] = float_to_bf16_bits(l[c]);
         continue;
       }
-      const float* h = hi + j * kPanel;
+      const float* h = hi + c0;
       for (int64_t c = 0; c < cols; ++c) dst[c] = word(l[c], h[c]);
     }
   }
@@ -94,9 +95,9 @@ class Words {
     if (!pairs_) hi = -1;
     if (pairs_ && dtype == DType::kBFloat16 && v.sd == 1) {
       const uint16_t* src = static_cast<const uint16_t*>(v.data);
-      for (int64_t j = 0; j * kPanel < n; ++j) {
-        k_.rows.interleave_bf16(src + lo + j * kPanel, hi < 0 ? nullptr : src + hi + j * kPanel,
-                                std::min(kPanel, n - j * kPanel), b + panels.at(at, j * kPanel));
+      for (int64_t c0 = 0; c0 < n; c0 += panels.panel) {
+        k_.rows.interleave_bf16(src + lo + c0, hi < 0 ? nullptr : src + hi + c0,
+                                std::min(panels.panel, n - c0), b + panels.at(at, c0));
       }
       return;
     }
@@ -146,14 +147,15 @@ AlignedBuffer<uint32_t> words(int64_t count) {
 }
 
 // C[m][columns of panels j0 .. j1 - 1] = A[m][depth] . B[depth][those columns] in the set's
-// words (B in panels, depth in words, padded; c points at column j0 kPanel), the depth in chunks
+// words (B in panels, depth in words, padded; c points at panel j0's first column), the depth in
+// chunks
 // accumulated through the product's row scale (`ones`: m entries of 1): each chunk of A stays
 // in cache while the panels' chunks pass.
 void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b,
              const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones, int64_t j0,
              int64_t j1) {
   if (panels.depth == 0) {
-    const int64_t cols = std::min(panels.ld, j1 * kPanel) - j0 * kPanel;
+    const int64_t cols = std::min(panels.ld, j1 * panels.panel) - j0 * panels.panel;
     for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + cols, 0.0f);
     return;
   }
@@ -161,7 +163,7 @@ void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t*
     const int64_t dn = std::min(kDepthChunk, panels.depth - d0);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t w = panels.width(j);
-      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + (j - j0) * kPanel, ldc, m, w, dn,
+      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + (j - j0) * panels.panel, ldc, m, w, dn,
               d0 == 0 ? nullptr : ones, 1.0f});
     }
   }
@@ -394,7 +396,7 @@ Projected project(const CompressorParams& p, const std::vector<CompressorSequenc
   if (proj.count == 0) return proj;
   const Words w(k);
   const int64_t hw = w.depth(p.hidden);
-  const Panels panels{hw, proj.ld};
+  const Panels panels{hw, proj.ld, k.gemm_cols};
   const AlignedBuffer<uint32_t> b = packed_weights(p, w, panels, ex);
   const std::vector<float> ape = widened_ape(p);
   const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
@@ -555,7 +557,7 @@ struct Gradients {
   void inputs(const CompressorGrads& g, const Executor& ex) const {
     const int64_t width = row_width(p);
     const int64_t ww = w.depth(width);
-    const Panels panels{ww, hp};
+    const Panels panels{ww, hp, k.gemm_cols};
     AlignedBuffer<uint32_t> b = words(ww * hp);
     run_dynamic(ex, ww, [&](int64_t word, int) {  // one task per word row: no word shared
       const int64_t row = word * w.per_word();
@@ -596,7 +598,7 @@ struct Gradients {
     const int64_t width = row_width(p);
     const int64_t n = p.coff * p.dim;
     const int64_t tw = w.depth(count);
-    const Panels panels{tw, hp};
+    const Panels panels{tw, hp, k.gemm_cols};
     AlignedBuffer<uint32_t> xs = words(tw * hp);
     run_dynamic(ex, tw, [&](int64_t word, int) {  // one task per word row: no word shared
       const int64_t r = word * w.per_word();
@@ -642,18 +644,19 @@ struct Gradients {
         }
       }
     });
-    // Tasks of kWeightRows rows x kGroupPanels panels: a few row blocks alone would leave a
+    // Tasks of kWeightRows rows x kGroupColumns columns: a few row blocks alone would leave a
     // thread idle for much of the last one.
     const std::vector<float> ones(static_cast<size_t>(kWeightRows), 1.0f);
-    const int64_t groups = (panels.count() + kGroupPanels - 1) / kGroupPanels;
+    const int64_t group = kGroupColumns / panels.panel;  // panels a task
+    const int64_t groups = (panels.count() + group - 1) / group;
     run_dynamic(ex, (width + kWeightRows - 1) / kWeightRows * groups, [&](int64_t task, int) {
       const kernels::WorkerScope scope(k);
       const int64_t r0 = task / groups * kWeightRows;
       const int64_t m = std::min(kWeightRows, width - r0);
-      const int64_t j0 = task % groups * kGroupPanels;
-      const int64_t j1 = std::min(panels.count(), j0 + kGroupPanels);
-      const int64_t col0 = j0 * kPanel;
-      const int64_t ldc = std::min(hp, j1 * kPanel) - col0;
+      const int64_t j0 = task % groups * group;
+      const int64_t j1 = std::min(panels.count(), j0 + group);
+      const int64_t col0 = j0 * panels.panel;
+      const int64_t ldc = std::min(hp, j1 * panels.panel) - col0;
       AlignedBuffer<float> c;  // the product writes every element
       c.grow_uninitialized(static_cast<size_t>(m * ldc));
       product(k, dpt.data() + r0 * tw, tw, xs.data(), panels, c.data(), ldc, m, ones.data(), j0,

@@ -277,7 +277,8 @@ const KernelSet& kernel_set() {
                              &value_rows,
                              /*gemm_rows=*/nullptr,
                              /*decode_block_tiles=*/1,
-                             /*value_rows_rows=*/8};
+                             /*value_rows_rows=*/8,
+                             /*gemm_cols=*/16};
   return set;
 }
 
