@@ -20,9 +20,9 @@ namespace {
 using kernels::KernelSet;
 using kernels::round_up;
 
-constexpr int64_t kRowBlock = 192;    // token rows per projection task
-constexpr int64_t kDepthChunk = 512;  // depth per product call: B's panel stays in cache
-constexpr int64_t kWeightRows = 192;  // weight rows per weight-gradient task
+constexpr int64_t kRowBlock = 192;       // token rows per projection task
+constexpr int64_t kDepthChunk = 512;     // depth per product call: B's panel stays in cache
+constexpr int64_t kWeightRows = 192;     // weight rows per weight-gradient task
 constexpr int64_t kGroupColumns = 1024;  // B's columns per weight-gradient task
 
 std::string str(int64_t v) { return std::to_string(v); }
@@ -163,8 +163,8 @@ void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t*
     const int64_t dn = std::min(kDepthChunk, panels.depth - d0);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t w = panels.width(j);
-      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + (j - j0) * panels.panel, ldc, m, w, dn,
-              d0 == 0 ? nullptr : ones, 1.0f});
+      k.gemm({a + d0, lda, b + panels.start(j) + d0 * w, w, c + (j - j0) * panels.panel, ldc, m, w,
+              dn, d0 == 0 ? nullptr : ones, 1.0f});
     }
   }
 }
