@@ -61,6 +61,8 @@ CASES = [
 ]  # fmt: skip
 # An odd group wider than one head-pair tile (135 query heads on one key head: the key pass's
 # products on bf16 pairs take 128 heads, then the rest), more than 64 selected keys per row.
+# A long query over few keys: the key pass cuts the tokens of each key block into spans.
+LONG = Case("long_query_few_keys", "BSND", "BSND", 2, 600, 40, 4, 1, 16, 16, 8, sinks=True)
 WIDE = Case("wide_odd_group", "BSND", "BSND", 1, 9, 90, 135, 1, 24, 20, 70, rope=8)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -284,7 +286,7 @@ BACKWARD_TOL = {torch.float32: 2e-4, torch.float64: 2e-4, torch.bfloat16: 3e-2, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c.layout_kv != "PA_BSND"], ids=lambda c: c.name
+    "case", [c for c in CASES if c.layout_kv != "PA_BSND"] + [LONG], ids=lambda c: c.name
 )
 def test_gradients(case, dtype):
     ours, ref = gradients(case, dtype)
@@ -322,8 +324,12 @@ def test_mla_absorb_key_is_value():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_same_bits_for_any_thread_count(dtype):
-    case = Case("threads", "BSND", "BSND", 2, 100, 150, 4, 2, 32, 32, 24, 2, rope=8, sinks=True)
+@pytest.mark.parametrize(
+    "case",
+    [Case("threads", "BSND", "BSND", 2, 100, 150, 4, 2, 32, 32, 24, 2, rope=8, sinks=True), LONG],
+    ids=lambda c: c.name,
+)
+def test_same_bits_for_any_thread_count(case, dtype):
     threads = torch.get_num_threads()
     results = []
     try:

@@ -65,6 +65,10 @@ CASES = [
          residuals=(1, 1)),
     Case("hca_ratio_1", "BSND", "BSND", 2, 1, 8, (7,), (7,), (7,), cmp_ratio=1, win=(2, 1)),
 ]  # fmt: skip
+# Long sequences over few compressed entries (and key blocks of the window straddling the token
+# spans): the key pass cuts each block's tokens into spans and sums them in order.
+LONG = Case("hca_long", "TND", "TND", 4, 1, 16, (700, 300), (700, 300), (21, 9), cmp_ratio=32,
+            residuals=(28, 12), win=(7, 0), sinks=True)  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SCALE = 0.3
 
@@ -266,7 +270,7 @@ def gradients(case, dtype, *, with_lse=False, seed=3):
 
 # Backward: float32 sums over the selected keys and tokens; gradients rounded to the dtype.
 BACKWARD_TOL = {torch.float32: 2e-4, torch.float64: 2e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-TRAINABLE = [c for c in CASES if c.layout_kv != "PA_BBND"]
+TRAINABLE = [c for c in CASES if c.layout_kv != "PA_BBND"] + [LONG]
 
 
 def check_gradients(ours, ref, dtype):
@@ -311,10 +315,13 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, inputs, eps=1e-3, atol=2e-3, rtol=2e-3)
 
 
+THREADS = Case("threads", "BSND", "BSND", 8, 2, 32, (70, 41), (70, 41), (17, 10), cmp_ratio=4,
+               residuals=(2, 1), win=(20, 0), topk=8, sinks=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_same_bits_for_any_thread_count(dtype):
-    case = Case("threads", "BSND", "BSND", 8, 2, 32, (70, 41), (70, 41), (17, 10), cmp_ratio=4,
-                residuals=(2, 1), win=(20, 0), topk=8, sinks=True)  # fmt: skip
+@pytest.mark.parametrize("case", [THREADS, LONG], ids=lambda c: c.name)
+def test_same_bits_for_any_thread_count(case, dtype):
     threads = torch.get_num_threads()
     results = []
     try:

@@ -98,7 +98,9 @@ class Forward {
         dvp_(round_up(p.value_dim, 16)),
         rows_(round_up(g_, k_.row_align)),
         gp_(round_up(g_, 16)),
-        direct_(pairs_ && k_.value_rows != nullptr && sparse::rows_in_place(p, keys, k_, 32)) {
+        direct_(pairs_ && k_.value_rows != nullptr && sparse::rows_in_place(p, keys, k_, 32)),
+        queries_in_place_(direct_ && p.rope_dim == 0 && 2 * dw_ == p.head_dim &&
+                          sparse::words_in_place(p.query, p.head_dim)) {
     for (int i = 0; i < keys.num_sources(); ++i) sources_.push_back(&keys.source(i));
   }
 
@@ -280,6 +282,12 @@ class Forward {
   }
 
   void pack_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    if (queries_in_place_) {  // Q^T from the rows where they lie
+      const auto* rows = static_cast<const uint32_t*>(p_.query.data);
+      sparse::transpose_group(k_, rows + geo_.query_offset(p_.query, s, i, g * g_) / 2, g_,
+                              p_.query.sn / 2, dw_, sc.qt.data());
+      return;
+    }
     if (pairs_) pack_query_pairs(sc, s, i, g);
     if (pairs_ && direct_) {  // Q^T: the B operand of scores_in_place
       sparse::transpose_group(k_, reinterpret_cast<const uint32_t*>(sc.q.data()), g_, dw_, dw_,
@@ -443,6 +451,7 @@ class Forward {
   // The selected rows read where they lie (sparse::rows_in_place): the scores through
   // scores_in_place, P.V through value_rows (values_in_place), whole 32-column value blocks.
   bool direct_;
+  bool queries_in_place_;  // with direct_, Q^T made from the query rows where they lie
   std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
 };
 

@@ -25,18 +25,28 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kTokensPerTask = 8;
-
-void store_zeros(void* dst, DType dtype, int64_t n) {
-  if (n > 0) std::memset(dst, 0, n * dtype_size(dtype));  // all-zero bits are 0 in every dtype
-}
+// The key pass's buffers of cut key blocks: at most this many bytes, spans of at least this many
+// tokens.
+constexpr int64_t kPartialBytes = int64_t{32} << 20;
+constexpr int64_t kMinSpanTokens = 256;
 
 using kernels::kKeyTile;
 using kernels::round_up;
 
+// a . b over n entries: entry e adds into running sum e % 16 (in order), and the 16 sums are
+// added pairwise at the end. Fixed bits, and a loop the compiler can run on vectors (one sum,
+// entry after entry, waits on each add: 35 us a token of 64 heads x 512).
 float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.0f;
-  for (int64_t e = 0; e < n; ++e) acc += a[e] * b[e];
-  return acc;
+  float acc[16] = {};
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    for (int l = 0; l < 16; ++l) acc[l] += a[e + l] * b[e + l];
+  }
+  for (int l = 0; e + l < n; ++l) acc[l] += a[e + l] * b[e + l];
+  for (int w = 8; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
 }
 
 // Heads one product of the key pass takes as its depth on bf16 pairs: 64 pair words, the width
@@ -61,7 +71,10 @@ class Backward {
         dw_(pairs_ ? round_up((dqk_ + 1) / 2, k_.depth_align) : dq16_),
         dwv_(pairs_ ? round_up((p.value_dim + 1) / 2, k_.depth_align) : dv16_),
         head_pairs_(pairs_ ? round_up((g_ + 1) / 2, kKeyTile) : 0),
-        direct_(pairs_ && sparse::rows_in_place(p, keys, k_, 2)) {
+        direct_(pairs_ && sparse::rows_in_place(p, keys, k_, 2)),
+        queries_in_place_(direct_ && p.rope_dim == 0 && 2 * dw_ == p.head_dim &&
+                          2 * dwv_ == p.value_dim && sparse::words_in_place(p.query, p.head_dim) &&
+                          sparse::words_in_place(gr.dout, p.value_dim)) {
     const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
     lse_.assign(rows * p.heads_q, kInf);
     delta_.assign(rows * p.heads_q, 0.0f);
@@ -188,14 +201,15 @@ class Backward {
     }
   }
 
-  // dk and dv of keys [j0, j1) of source k's sequence ks and key head g: summed over the tokens
-  // of s (its queries) that select them, in token order.
-  void key_pass(Scratch& sc, int k, const Sequence& s, const Sequence& ks, int64_t g, int64_t j0,
-                int64_t j1) const {
-    const int64_t n_keys = j1 - j0;
-    std::vector<float> dk(n_keys * dq16_, 0.0f), dv(n_keys * dv16_, 0.0f);
+  // Adds into grads (dk [j1 - j0][dq16], then dv [j1 - j0][dv16]) the gradients of keys
+  // [j0, j1) of source k, key head g, from the tokens [i0, i1) of s (its queries) that select
+  // them, in token order.
+  void key_pass(Scratch& sc, int k, const Sequence& s, int64_t g, int64_t j0, int64_t j1,
+                int64_t i0, int64_t i1, float* grads) const {
+    float* dk = grads;
+    float* dv = grads + (j1 - j0) * dq16_;
     const sparse::KeyWindow window{k, j0, j1};
-    for (int64_t i = 0; i < s.q_len; ++i) {
+    for (int64_t i = i0; i < i1; ++i) {
       if (!keys_.may_select(s, i, k, j0, j1)) continue;
       keys_.select(s, i, g, &window, sc.hits);
       if (sc.hits.empty()) continue;
@@ -215,13 +229,29 @@ class Backward {
           float_key_product(sc, sc.s.data(), sc.dout.data(), dv16_, 1.0f, n);
         }
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dv.data() + (hits[c].j - j0) * dv16_, tv + c * dv16_, p_.value_dim);
+          k_.rows.add_into(dv + (hits[c].j - j0) * dv16_, tv + c * dv16_, p_.value_dim);
         }
         if (!pairs_) float_key_product(sc, sc.dp.data(), sc.q.data(), dq16_, p_.scale, n);
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dk.data() + (hits[c].j - j0) * dq16_, tk + c * dq16_, dqk_);
+          k_.rows.add_into(dk + (hits[c].j - j0) * dq16_, tk + c * dq16_, dqk_);
         }
       }
+    }
+  }
+
+  // Floats of one key's dk and dv rows in key_pass's grads.
+  int64_t key_row_floats() const { return dq16_ + dv16_; }
+
+  // Stores the gradients of keys [j0, j1) of source k's sequence ks, key head g: the sum over
+  // `count` grads of key_pass one after the other (each (j1 - j0) key_row_floats), in order.
+  void store_keys(int k, const Sequence& ks, int64_t g, int64_t j0, int64_t j1, const float* parts,
+                  int64_t count) const {
+    const int64_t n = j1 - j0;
+    const int64_t part = n * key_row_floats();
+    std::vector<float> dk(parts, parts + n * dq16_), dv(parts + n * dq16_, parts + part);
+    for (int64_t m = 1; m < count; ++m) {
+      k_.rows.add_into(dk.data(), parts + m * part, n * dq16_);
+      k_.rows.add_into(dv.data(), parts + m * part + n * dq16_, n * dv16_);
     }
     for (int64_t j = j0; j < j1; ++j) {
       keys_.store_grads(k_, k, ks, j, g, dk.data() + (j - j0) * dq16_,
@@ -285,28 +315,43 @@ class Backward {
   // of dq16 / dv16 or as bf16 pairs of dw / dwv words; on pairs, with `heads` also as head pairs
   // (the depth of the key pass's products).
   void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g, bool heads) const {
-    for (int64_t r = 0; r < g_; ++r) {
-      const int64_t h = g * g_ + r;
-      const int64_t ro = p_.rope_dim > 0 ? geo_.query_offset(p_.query_rope, s, i, h) : int64_t{0};
-      load_joined({p_.query.data, geo_.query_offset(p_.query, s, i, h), p_.query.sd, p_.head_dim},
-                  {p_.query_rope.data, ro, p_.query_rope.sd, p_.rope_dim}, sc.q.data() + r * dw_,
-                  dw_);
-      load_joined({gr_.dout.data, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd, p_.value_dim},
-                  {}, sc.dout.data() + r * dwv_, dwv_);
+    // The rows as pair words, ld apart: where they lie, or copied (and zero-padded) into sc.
+    const uint32_t* q = sc.q.data();
+    const uint32_t* o = sc.dout.data();
+    int64_t ldq = dw_, ldo = dwv_;
+    if (queries_in_place_) {
+      q = static_cast<const uint32_t*>(p_.query.data) +
+          geo_.query_offset(p_.query, s, i, g * g_) / 2;
+      o = static_cast<const uint32_t*>(gr_.dout.data) +
+          geo_.query_offset(gr_.dout, s, i, g * g_) / 2;
+      ldq = p_.query.sn / 2;
+      ldo = gr_.dout.sn / 2;
+    } else {
+      for (int64_t r = 0; r < g_; ++r) {
+        const int64_t h = g * g_ + r;
+        const int64_t ro = p_.rope_dim > 0 ? geo_.query_offset(p_.query_rope, s, i, h) : int64_t{0};
+        load_joined({p_.query.data, geo_.query_offset(p_.query, s, i, h), p_.query.sd, p_.head_dim},
+                    {p_.query_rope.data, ro, p_.query_rope.sd, p_.rope_dim}, sc.q.data() + r * dw_,
+                    dw_);
+        load_joined(
+            {gr_.dout.data, geo_.query_offset(gr_.dout, s, i, h), gr_.dout.sd, p_.value_dim}, {},
+            sc.dout.data() + r * dwv_, dwv_);
+      }
     }
     if (direct_) {
-      sparse::transpose_group(k_, sc.q.data(), g_, dw_, dw_, sc.qt.data());
-      sparse::transpose_group(k_, sc.dout.data(), g_, dwv_, dwv_, sc.ot.data());
+      sparse::transpose_group(k_, q, g_, ldq, dw_, sc.qt.data());
+      sparse::transpose_group(k_, o, g_, ldo, dwv_, sc.ot.data());
     }
     if (!pairs_ || !heads) return;
-    // qh[l][e] = (q[2l][e], q[2l + 1][e]), oh likewise; rows past G are zero.
-    const uint16_t* q16 = reinterpret_cast<const uint16_t*>(sc.q.data());
-    const uint16_t* o16 = reinterpret_cast<const uint16_t*>(sc.dout.data());
+    // qh[l][e] = (q[2l][e], q[2l + 1][e]), oh likewise; a row past G reads as zeros.
+    const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);
+    const uint16_t* o16 = reinterpret_cast<const uint16_t*>(o);
     for (int64_t l = 0; 2 * l < g_; ++l) {
-      k_.rows.interleave_bf16(q16 + 2 * l * 2 * dw_, q16 + (2 * l + 1) * 2 * dw_, dqk_,
-                              sc.qh.data() + l * dq16_);
-      k_.rows.interleave_bf16(o16 + 2 * l * 2 * dwv_, o16 + (2 * l + 1) * 2 * dwv_, p_.value_dim,
-                              sc.oh.data() + l * dv16_);
+      const bool second = 2 * l + 1 < g_;
+      k_.rows.interleave_bf16(q16 + 2 * l * 2 * ldq, second ? q16 + (2 * l + 1) * 2 * ldq : nullptr,
+                              dqk_, sc.qh.data() + l * dq16_);
+      k_.rows.interleave_bf16(o16 + 2 * l * 2 * ldo, second ? o16 + (2 * l + 1) * 2 * ldo : nullptr,
+                              p_.value_dim, sc.oh.data() + l * dv16_);
     }
   }
 
@@ -472,6 +517,9 @@ class Backward {
   int64_t head_pairs_;  // rows of qh and oh: G / 2 rounded up to whole transposed tiles
   // The products read the selected rows where they lie (sparse::rows_in_place; products_in_place)
   bool direct_;
+  // With direct_, the query and output-gradient rows are read where they lie too (no rope, rows
+  // of whole pair words: sparse::words_in_place).
+  bool queries_in_place_;
   std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
   std::vector<float> lse_;                         // [rows][N1]: +inf where nothing is selected
   std::vector<float> delta_;                       // [rows][N1]
@@ -481,6 +529,35 @@ class Backward {
 }  // namespace
 
 namespace sparse {
+
+std::vector<RowSpan> written_rows(const std::vector<Sequence>& seqs, Layout layout, int64_t seq,
+                                  bool keys) {
+  std::vector<RowSpan> out;
+  for (const Sequence& s : seqs) {
+    const int64_t begin = layout == Layout::kTND ? (keys ? s.k_begin : s.q_begin) : s.batch * seq;
+    out.push_back({begin, keys ? s.k_len : s.q_len});
+  }
+  return out;
+}
+
+void zero_unwritten_rows(void* dst, DType dtype, int64_t rows, int64_t width,
+                         std::vector<RowSpan> written) {
+  if (dst == nullptr || width == 0) return;
+  std::sort(written.begin(), written.end(),
+            [](const RowSpan& a, const RowSpan& b) { return a.begin < b.begin; });
+  const int64_t row_bytes = width * static_cast<int64_t>(dtype_size(dtype));
+  char* at = static_cast<char*>(dst);
+  int64_t next = 0;  // rows before it are written or zeroed
+  auto zero_to = [&](int64_t end) {
+    if (end > next) std::memset(at + next * row_bytes, 0, (end - next) * row_bytes);
+    next = std::max(next, end);
+  };
+  for (const RowSpan& r : written) {
+    zero_to(r.begin);
+    next = std::max(next, r.begin + r.count);
+  }
+  zero_to(rows);
+}
 
 void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr,
                      const KeySelector& keys, const std::vector<Sequence>& seqs,
@@ -495,22 +572,72 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
                         run.query_pass(sc, seq, i, g);
                       });
   // Key blocks of every source: about four per thread per (sequence, key head), at least 64 keys
-  // each.
-  struct SourceTask {
+  // each, over the tokens that may select them. A source whose keys are few enough for
+  // kPartialBytes cuts those tokens at fixed spans (independent of the thread count): a
+  // sequence's few compressed keys that every later token selects would otherwise be one task.
+  // Each span of a cut block sums into its own buffer; the block's rows are their sum in span
+  // order, so a key's gradient is the same bits however the blocks fall.
+  struct KeyWork {
     int k;
-    KeyTask task;
+    KeyTask block;
+    int64_t i0, i1;  // the tokens
+    int64_t part;    // its grads' offset in parts, -1: the block's only span
+    int64_t count;   // a cut block's spans
   };
-  std::vector<SourceTask> tasks;
+  std::vector<KeyWork> work;
+  std::vector<size_t> cut_blocks;  // work's first span of each cut block
+  int64_t part_floats = 0;
+  const int64_t row_floats = run.key_row_floats();
   for (int k = 0; k < keys.num_sources(); ++k) {
-    for (const KeyTask& t : core::key_tasks(keys.key_sequences(k), p.heads_k, 4 * threads, 64)) {
-      tasks.push_back({k, t});
+    const std::vector<Sequence>& kseqs = keys.key_sequences(k);
+    int64_t source_keys = 0, longest = 0;
+    for (const Sequence& ks : kseqs) source_keys += ks.k_len * p.heads_k;
+    for (const Sequence& s : seqs) longest = std::max(longest, s.q_len);
+    const int64_t span_bytes = std::max<int64_t>(1, source_keys * row_floats * 4);
+    const int64_t spans = kPartialBytes / span_bytes - 1;
+    const int64_t span =
+        spans >= 2 ? std::max(kMinSpanTokens, (longest + spans - 1) / spans) : kMaxTokens;
+    for (const KeyTask& t : core::key_tasks(kseqs, p.heads_k, 4 * threads, 64)) {
+      const Sequence& s = seqs[t.b];
+      int64_t first = 0, last = -1;
+      for (int64_t i = 0; i < s.q_len; ++i) {
+        if (!keys.may_select(s, i, k, t.j0, t.j1)) continue;
+        if (last < 0) first = i;
+        last = i;
+      }
+      if (last < 0 || first / span == last / span) {
+        work.push_back({k, t, first, last + 1, -1, 1});
+        continue;
+      }
+      cut_blocks.push_back(work.size());
+      const int64_t count = last / span - first / span + 1;
+      for (int64_t m = first / span; m <= last / span; ++m) {
+        work.push_back({k, t, std::max(first, m * span), std::min(last + 1, (m + 1) * span),
+                        part_floats, count});
+        part_floats += (t.j1 - t.j0) * row_floats;
+      }
     }
   }
-  run_dynamic(executor, static_cast<int64_t>(tasks.size()), [&](int64_t t, int thread) {
+  AlignedBuffer<float> parts(static_cast<size_t>(part_floats));
+  run_dynamic(executor, static_cast<int64_t>(work.size()), [&](int64_t w, int thread) {
     const kernels::WorkerScope scope(run.kernel_set());
-    const SourceTask& st = tasks[t];
-    run.key_pass(scratch[thread], st.k, seqs[st.task.b], keys.key_sequences(st.k)[st.task.b],
-                 st.task.g, st.task.j0, st.task.j1);
+    const KeyWork& kw = work[w];
+    const KeyTask& t = kw.block;
+    const int64_t floats = (t.j1 - t.j0) * row_floats;
+    std::vector<float> own(kw.part < 0 ? floats : 0);
+    float* grads = kw.part < 0 ? own.data() : parts.data() + kw.part;
+    std::fill(grads, grads + floats, 0.0f);
+    run.key_pass(scratch[thread], kw.k, seqs[t.b], t.g, t.j0, t.j1, kw.i0, kw.i1, grads);
+    if (kw.part < 0) {
+      run.store_keys(kw.k, keys.key_sequences(kw.k)[t.b], t.g, t.j0, t.j1, grads, 1);
+    }
+  });
+  run_dynamic(executor, static_cast<int64_t>(cut_blocks.size()), [&](int64_t c, int) {
+    const kernels::WorkerScope scope(run.kernel_set());
+    const KeyWork& kw = work[cut_blocks[c]];
+    const KeyTask& t = kw.block;
+    run.store_keys(kw.k, keys.key_sequences(kw.k)[t.b], t.g, t.j0, t.j1, parts.data() + kw.part,
+                   kw.count);
   });
   run.finish_sinks();
 }
@@ -529,15 +656,17 @@ void sparse_flash_attention_backward(const SparseAttentionParams& p, const Spars
   require_supported(isa);
   const int64_t q_rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
   const int64_t k_rows = p.layout_kv == Layout::kTND ? p.seq_k : p.batch * p.seq_k;
-  // Rows no pass reaches (past a length) are zero.
-  store_zeros(gr.dq, p.dtype, q_rows * p.heads_q * p.head_dim);
-  store_zeros(gr.dk, p.dtype, k_rows * p.heads_k * p.head_dim);
-  store_zeros(gr.dv, p.dtype, k_rows * p.heads_k * p.value_dim);
-  if (p.rope_dim > 0) {
-    store_zeros(gr.dq_rope, p.dtype, q_rows * p.heads_q * p.rope_dim);
-    store_zeros(gr.dk_rope, p.dtype, k_rows * p.heads_k * p.rope_dim);
-  }
   const std::vector<Sequence> seqs = sparse_attention_sequences(p);
+  // Rows no pass reaches (past a length) are zero; the passes write every other one.
+  const auto q_written = sparse::written_rows(seqs, p.layout_query, p.seq_q, false);
+  const auto k_written = sparse::written_rows(seqs, p.layout_kv, p.seq_k, true);
+  sparse::zero_unwritten_rows(gr.dq, p.dtype, q_rows, p.heads_q * p.head_dim, q_written);
+  sparse::zero_unwritten_rows(gr.dk, p.dtype, k_rows, p.heads_k * p.head_dim, k_written);
+  sparse::zero_unwritten_rows(gr.dv, p.dtype, k_rows, p.heads_k * p.value_dim, k_written);
+  if (p.rope_dim > 0) {
+    sparse::zero_unwritten_rows(gr.dq_rope, p.dtype, q_rows, p.heads_q * p.rope_dim, q_written);
+    sparse::zero_unwritten_rows(gr.dk_rope, p.dtype, k_rows, p.heads_k * p.rope_dim, k_written);
+  }
   const sparse::IndexedKeys keys(p, seqs, &gr);
   sparse::sparse_backward(p, gr, keys, seqs, executor, isa);
 }

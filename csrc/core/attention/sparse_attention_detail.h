@@ -17,8 +17,6 @@ namespace opmesh::core::sparse {
 
 // Runs fn(scratch, sequence, token, key head) for every token of every task and every key head,
 // a task at a time per worker with that worker's scratch and the kernel set's worker scope.
-// Runs fn(scratch, sequence, token, key head) for every token of every task and every key head,
-// a task at a time per worker with that worker's scratch and the kernel set's worker scope.
 template <class Pool, class Fn>
 void each_token_and_head(const Executor& executor, const std::vector<TokenTask>& tasks,
                          const std::vector<Sequence>& seqs, Pool& scratch,
@@ -293,6 +291,18 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
                      const KeySelector& keys, const std::vector<Sequence>& seqs,
                      const Executor& executor, Isa isa);
 
+// The rows of a gradient the backward's passes write: each sequence's query rows (BSND b * S1,
+// TND q_begin, q_len of them) or, with `keys`, its key rows (BSND b * seq, TND k_begin, k_len).
+struct RowSpan {
+  int64_t begin, count;
+};
+std::vector<RowSpan> written_rows(const std::vector<Sequence>& seqs, Layout layout, int64_t seq,
+                                  bool keys);
+// Zeroes the rows of dst ([rows][width] elements of dtype) outside the spans: what no pass
+// reaches (BSND rows past a length). All-zero bits are 0 in every dtype.
+void zero_unwritten_rows(void* dst, DType dtype, int64_t rows, int64_t width,
+                         std::vector<RowSpan> written);
+
 // Reading the selected rows where they lie, on a pair set with gemm_rows (the forward's and the
 // backward's products instead of copying and packing a chunk of 64 selected rows first).
 // Whether the rows allow it: bf16 rows of unit stride from plain (not quantized) sources, whole
@@ -317,6 +327,14 @@ struct GatheredPart {
 void gathered_product(const kernels::KernelSet& k, const GatheredPart* parts, int count, int64_t n,
                       int64_t g, int64_t chunk_words, float alpha, float* st, const float* ones,
                       float* out);
+
+// Whether a bf16 query-layout tensor's rows of `elements` elements are whole pair words where
+// they lie: unit stride along the row, an even element count, even strides and 4-byte aligned
+// data (a group's rows then are pair words heads.sn / 2 apart, read with no copy).
+inline bool words_in_place(const View& v, int64_t elements) {
+  return v.data != nullptr && v.sd == 1 && elements % 2 == 0 && v.sb % 2 == 0 && v.ss % 2 == 0 &&
+         v.sn % 2 == 0 && reinterpret_cast<uintptr_t>(v.data) % 4 == 0;
+}
 
 // The group's g rows (`words` pair words, ld apart) transposed per 64 rows into bt ([words][64]
 // per 64 rows, words * 64 apart): gathered_product's B operand.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../errors.h"
@@ -349,10 +350,6 @@ int64_t rows_of(Layout layout, int64_t batch, int64_t seq) {
   return layout == Layout::kTND ? seq : batch * seq;
 }
 
-void store_zeros(void* dst, DType dtype, int64_t n) {
-  if (dst != nullptr && n > 0) std::memset(dst, 0, n * dtype_size(dtype));
-}
-
 }  // namespace
 
 Mask ori_mask(const SparseFlashMlaParams& p) { return mask_of(p.ori, 1); }
@@ -378,14 +375,17 @@ void sparse_flash_mla_backward(const SparseFlashMlaParams& p, const SparseFlashM
   }
   validate(p);
   const int64_t width = p.heads_kv * p.head_dim;
-  store_zeros(gr.dq, p.dtype, rows_of(p.layout_q, p.batch, p.seq_q) * p.heads_q * p.head_dim);
-  if (p.ori.present) {
-    store_zeros(gr.d_ori_kv, p.dtype, rows_of(p.layout_kv, p.batch, p.ori.seq) * width);
-  }
-  if (p.cmp.present) {
-    store_zeros(gr.d_cmp_kv, p.dtype, rows_of(p.layout_kv, p.batch, p.cmp.seq) * width);
-  }
   const MlaSequences seqs = sparse_flash_mla_sequences(p);
+  // Rows no pass reaches (past a length) are zero; the passes write every other one.
+  sparse::zero_unwritten_rows(gr.dq, p.dtype, rows_of(p.layout_q, p.batch, p.seq_q),
+                              p.heads_q * p.head_dim,
+                              sparse::written_rows(seqs.ori, p.layout_q, p.seq_q, false));
+  for (const auto& [side, d, kseqs] :
+       {std::tuple{&p.ori, gr.d_ori_kv, &seqs.ori}, std::tuple{&p.cmp, gr.d_cmp_kv, &seqs.cmp}}) {
+    if (!side->present) continue;
+    sparse::zero_unwritten_rows(d, p.dtype, rows_of(p.layout_kv, p.batch, side->seq), width,
+                                sparse::written_rows(*kseqs, p.layout_kv, side->seq, true));
+  }
   const MlaKeySelector keys(p, seqs, &gr);
   sparse::sparse_backward(kernel_params(p), gr, keys, seqs.ori, executor, isa);
 }
