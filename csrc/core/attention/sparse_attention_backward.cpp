@@ -201,9 +201,9 @@ class Backward {
     }
   }
 
-  // Adds into grads (dk [j1 - j0][dq16], then dv [j1 - j0][dv16]) the gradients of keys
-  // [j0, j1) of source k, key head g, from the tokens [i0, i1) of s (its queries) that select
-  // them, in token order.
+  // Adds into grads (dk [j1 - j0][dq16] without the scale, then dv [j1 - j0][dv16]) the
+  // gradients of keys [j0, j1) of source k, key head g, from the tokens [i0, i1) of s (its
+  // queries) that select them, in token order.
   void key_pass(Scratch& sc, int k, const Sequence& s, int64_t g, int64_t j0, int64_t j1,
                 int64_t i0, int64_t i1, float* grads) const {
     float* dk = grads;
@@ -220,18 +220,27 @@ class Backward {
         const sparse::KeyRef* hits = sc.hits.data() + c0;
         probabilities(sc, hits, n, next_chunk(sc.hits, c0 + n), lse_.data() + row,
                       delta_.data() + row, false);
-        // dV rows += P^T dout; dK rows += scale dS^T Q.
+        // dV rows += P^T dout; dK rows += dS^T Q (store_keys applies the scale). Keys at
+        // consecutive positions on one product of heads: the products add into their rows, the
+        // same bits as adding a product's rows.
+        const int64_t at = hits[0].j - j0;
+        bool consecutive = true;
+        for (int64_t c = 1; c < n; ++c) consecutive &= hits[c].j == hits[0].j + c;
+        if (pairs_ && g_ <= kPairHeads && consecutive) {
+          pair_key_products(sc, n, dv + at * dv16_, dk + at * dq16_, true);
+          continue;
+        }
         const float* tv = sc.acc.data();
         const float* tk = pairs_ ? sc.acc2.data() : sc.acc.data();
         if (pairs_) {
-          pair_key_products(sc, n);
+          pair_key_products(sc, n, sc.acc.data(), sc.acc2.data(), false);
         } else {
-          float_key_product(sc, sc.s.data(), sc.dout.data(), dv16_, 1.0f, n);
+          float_key_product(sc, sc.s.data(), sc.dout.data(), dv16_, n);
         }
         for (int64_t c = 0; c < n; ++c) {
           k_.rows.add_into(dv + (hits[c].j - j0) * dv16_, tv + c * dv16_, p_.value_dim);
         }
-        if (!pairs_) float_key_product(sc, sc.dp.data(), sc.q.data(), dq16_, p_.scale, n);
+        if (!pairs_) float_key_product(sc, sc.dp.data(), sc.q.data(), dq16_, n);
         for (int64_t c = 0; c < n; ++c) {
           k_.rows.add_into(dk + (hits[c].j - j0) * dq16_, tk + c * dq16_, dqk_);
         }
@@ -243,7 +252,8 @@ class Backward {
   int64_t key_row_floats() const { return dq16_ + dv16_; }
 
   // Stores the gradients of keys [j0, j1) of source k's sequence ks, key head g: the sum over
-  // `count` grads of key_pass one after the other (each (j1 - j0) key_row_floats), in order.
+  // `count` grads of key_pass one after the other (each (j1 - j0) key_row_floats), in order, dk
+  // times the scale.
   void store_keys(int k, const Sequence& ks, int64_t g, int64_t j0, int64_t j1, const float* parts,
                   int64_t count) const {
     const int64_t n = j1 - j0;
@@ -253,6 +263,7 @@ class Backward {
       k_.rows.add_into(dk.data(), parts + m * part, n * dq16_);
       k_.rows.add_into(dv.data(), parts + m * part + n * dq16_, n * dv16_);
     }
+    for (float& x : dk) x *= p_.scale;
     for (int64_t j = j0; j < j1; ++j) {
       keys_.store_grads(k_, k, ks, j, g, dk.data() + (j - j0) * dq16_,
                         dv.data() + (j - j0) * dv16_);
@@ -272,20 +283,21 @@ class Backward {
   }
 
  private:
-  // Float32: acc[c][e] = alpha sum_r x[r][c] y[r][e] for the n keys c of a chunk, x one of the
+  // Float32: acc[c][e] = sum_r x[r][c] y[r][e] for the n keys c of a chunk, x one of the
   // [G][64] products (P or dS) and y [G][ld] rows (dout or q), through x's transpose.
-  void float_key_product(Scratch& sc, const float* x, const uint32_t* y, int64_t ld, float alpha,
+  void float_key_product(Scratch& sc, const float* x, const uint32_t* y, int64_t ld,
                          int64_t n) const {
     float* xt = reinterpret_cast<float*>(sc.pt.data());
     for (int64_t c = 0; c < n; ++c) {
       for (int64_t r = 0; r < g_; ++r) xt[c * g_ + r] = x[r * kKeyTile + c];
     }
-    k_.gemm({xt, g_, y, ld, sc.acc.data(), ld, n, ld, g_, nullptr, alpha});
+    k_.gemm({xt, g_, y, ld, sc.acc.data(), ld, n, ld, g_, nullptr, 1.0f});
   }
 
-  // bf16 pairs: acc = P^T dout and acc2 = scale dS^T Q for the n keys of a chunk, the heads as
-  // the depth in pairs, up to kPairHeads heads a product (later ones add to the first).
-  void pair_key_products(Scratch& sc, int64_t n) const {
+  // bf16 pairs: dv = P^T dout and dk = dS^T Q ([n][dv16], [n][dq16]) for the n keys of a chunk,
+  // the heads as the depth in pairs, up to kPairHeads heads a product (later ones add to the
+  // first); with `add`, the first adds too.
+  void pair_key_products(Scratch& sc, int64_t n, float* dv, float* dk, bool add) const {
     const char* rows[kKeyTile];
     for (int64_t l = 0; l < kKeyTile; ++l) {
       rows[l] = reinterpret_cast<const char*>(sc.words.data() + l * kKeyTile);
@@ -293,7 +305,7 @@ class Backward {
     for (int64_t h0 = 0; h0 < g_; h0 += kPairHeads) {
       const int64_t pairs = (std::min(kPairHeads, g_ - h0) + 1) / 2;
       const int64_t depth = round_up(pairs, k_.depth_align);
-      const float* scale_rows = h0 == 0 ? nullptr : sc.ones.data();
+      const float* scale_rows = h0 == 0 && !add ? nullptr : sc.ones.data();
       // xt[c][l] = (x[h0 + 2l][c], x[h0 + 2l + 1][c]): rows past G are zero.
       auto transpose = [&](const float* x, uint32_t* xt) {
         for (int64_t l = 0; l < pairs; ++l) {
@@ -304,10 +316,10 @@ class Backward {
       };
       transpose(sc.s.data(), sc.pt.data());
       transpose(sc.dp.data(), sc.dst.data());
-      k_.gemm({sc.pt.data(), kKeyTile, sc.oh.data() + h0 / 2 * dv16_, dv16_, sc.acc.data(), dv16_,
-               n, dv16_, depth, scale_rows, 1.0f});
-      k_.gemm({sc.dst.data(), kKeyTile, sc.qh.data() + h0 / 2 * dq16_, dq16_, sc.acc2.data(), dq16_,
-               n, dq16_, depth, scale_rows, p_.scale});
+      k_.gemm({sc.pt.data(), kKeyTile, sc.oh.data() + h0 / 2 * dv16_, dv16_, dv, dv16_, n, dv16_,
+               depth, scale_rows, 1.0f});
+      k_.gemm({sc.dst.data(), kKeyTile, sc.qh.data() + h0 / 2 * dq16_, dq16_, dk, dq16_, n, dq16_,
+               depth, scale_rows, 1.0f});
     }
   }
 
