@@ -147,10 +147,9 @@ AlignedBuffer<uint32_t> words(int64_t count) {
 }
 
 // C[m][columns of panels j0 .. j1 - 1] = A[m][depth] . B[depth][those columns] in the set's
-// words (B in panels, depth in words, padded; c points at panel j0's first column), the depth in
-// chunks
-// accumulated through the product's row scale (`ones`: m entries of 1): each chunk of A stays
-// in cache while the panels' chunks pass.
+// words (B in panels, depth in words, padded; c points at panel j0's first column). The depth
+// goes in chunks, accumulated through the product's row scale (`ones`: m entries of 1): each
+// chunk of A stays in cache while the panels' chunks pass.
 void product(const KernelSet& k, const uint32_t* a, int64_t lda, const uint32_t* b,
              const Panels& panels, float* c, int64_t ldc, int64_t m, const float* ones, int64_t j0,
              int64_t j1) {
@@ -564,14 +563,15 @@ struct Gradients {
       if (row >= width) return;  // the depth's padding: zeros
       std::vector<float> tmp(static_cast<size_t>(2 * p.hidden));
       const auto [src, lo] = weight_at(p, row);
-      if (row + 1 < width && &weight_at(p, row + 1).first != &src) {
-        // Rows of wkv and wgate in one word (coff D odd): through floats.
+      const bool two_rows = w.per_word() == 2 && row + 1 < width;
+      if (two_rows && &weight_at(p, row + 1).first != &src) {
+        // Rows of wkv and wgate in one pair word (coff D odd): through floats.
         weight_row(p, row, tmp.data());
         weight_row(p, row + 1, tmp.data() + p.hidden);
         w.set_b_words(b.data(), panels, word, tmp.data(), tmp.data() + p.hidden, p.hidden);
         return;
       }
-      const int64_t hi = row + 1 < width ? weight_at(p, row + 1).second : -1;
+      const int64_t hi = two_rows ? weight_at(p, row + 1).second : -1;
       w.load_b_words(b.data(), panels, word, src, p.dtype, lo, hi, p.hidden, tmp.data());
     });
     const std::vector<float> ones(static_cast<size_t>(kRowBlock), 1.0f);
