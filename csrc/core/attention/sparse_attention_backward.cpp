@@ -253,20 +253,17 @@ class Backward {
 
   // Stores the gradients of keys [j0, j1) of source k's sequence ks, key head g: the sum over
   // `count` grads of key_pass one after the other (each (j1 - j0) key_row_floats), in order, dk
-  // times the scale.
-  void store_keys(int k, const Sequence& ks, int64_t g, int64_t j0, int64_t j1, const float* parts,
+  // times the scale. The sum and the scale are made in the first grads.
+  void store_keys(int k, const Sequence& ks, int64_t g, int64_t j0, int64_t j1, float* parts,
                   int64_t count) const {
     const int64_t n = j1 - j0;
     const int64_t part = n * key_row_floats();
-    std::vector<float> dk(parts, parts + n * dq16_), dv(parts + n * dq16_, parts + part);
-    for (int64_t m = 1; m < count; ++m) {
-      k_.rows.add_into(dk.data(), parts + m * part, n * dq16_);
-      k_.rows.add_into(dv.data(), parts + m * part + n * dq16_, n * dv16_);
-    }
-    for (float& x : dk) x *= p_.scale;
+    for (int64_t m = 1; m < count; ++m) k_.rows.add_into(parts, parts + m * part, part);
+    float* dk = parts;
+    const float* dv = parts + n * dq16_;
+    for (int64_t e = 0; e < n * dq16_; ++e) dk[e] *= p_.scale;
     for (int64_t j = j0; j < j1; ++j) {
-      keys_.store_grads(k_, k, ks, j, g, dk.data() + (j - j0) * dq16_,
-                        dv.data() + (j - j0) * dv16_);
+      keys_.store_grads(k_, k, ks, j, g, dk + (j - j0) * dq16_, dv + (j - j0) * dv16_);
     }
   }
 
@@ -600,11 +597,12 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
   std::vector<size_t> cut_blocks;  // work's first span of each cut block
   int64_t part_floats = 0;
   const int64_t row_floats = run.key_row_floats();
+  int64_t longest = 0;
+  for (const Sequence& s : seqs) longest = std::max(longest, s.q_len);
   for (int k = 0; k < keys.num_sources(); ++k) {
     const std::vector<Sequence>& kseqs = keys.key_sequences(k);
-    int64_t source_keys = 0, longest = 0;
+    int64_t source_keys = 0;
     for (const Sequence& ks : kseqs) source_keys += ks.k_len * p.heads_k;
-    for (const Sequence& s : seqs) longest = std::max(longest, s.q_len);
     const int64_t span_bytes = std::max<int64_t>(1, source_keys * row_floats * 4);
     const int64_t spans = kPartialBytes / span_bytes - 1;
     const int64_t span =
