@@ -18,8 +18,9 @@
 namespace opmesh::core {
 namespace {
 
-// B = 1, S1 = S2 = S, causal; N1 = 4 over N2 = 2; D = 8, Dr = 4, Dv = 6; blocks of 2 keys.
-constexpr int64_t S = 23, N1 = 4, N2 = 2, D = 8, DR = 4, DV = 6, K = 5, BS = 2;
+// B = 1, S1 = S2 = S, causal; N1 = 4 over N2 = 2; D = 8, Dr = 4, Dv = 6; blocks of 2 keys. S is
+// more than one span of the backward's query tokens (256).
+constexpr int64_t S = 300, N1 = 4, N2 = 2, D = 8, DR = 4, DV = 6, K = 5, BS = 2;
 constexpr int64_t G = N1 / N2;
 
 struct Data {
@@ -237,7 +238,7 @@ TEST(SparseAttentionCore, SameBitsWhateverTheWorkerCount) {
 TEST(SparseAttentionCore, BadIndicesNameTheRow) {
   Data d = make_data();
   std::vector<float> out, m, l;
-  for (int32_t bad : {-2, 12}) {
+  for (int32_t bad : {-2, static_cast<int32_t>((S + BS - 1) / BS)}) {
     Data copy = d;
     copy.idx[(3 * N2 + 1) * K + 2] = bad;
     const SparseAttentionParams p = make_params(copy, out, m, l);

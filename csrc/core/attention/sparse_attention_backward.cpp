@@ -1,16 +1,21 @@
-// sparse_flash_attention's backward, deterministic for any executor:
-// - pass 1, per query token: each head's log-sum-exp (from the statistics and the sink) and
-//   delta = dout . out, dq (products over the token's selected keys, 64 at a time, in selection
-//   order) and the token's share of dsinks;
-// - pass 2, per block of keys: dk and dv of each key, summed over the tokens that selected it in
-//   token order (each block owned by one worker, so no two workers add into one row);
+// sparse_flash_attention's backward, deterministic for any executor. The query tokens are taken
+// span by span, in order (a span's products kept for its key pass, two spans' worth at a time):
+// - the query pass, per token of a span: each head's log-sum-exp (from the statistics and the
+//   sink) and delta = dout . out, dq (products over the token's selected keys, 64 at a time, in
+//   selection order), the token's share of dsinks, and its selection with P and dS for each
+//   selected key (bf16 head pairs, or float32), which the key pass reads;
+// - the key pass, per block of keys and span: dk and dv of each key, the sum over the span's
+//   tokens that selected it, in token order, added to the sum of the spans before (each block
+//   owned by one worker per span, so no two workers add into one row), from the kept P and dS;
+//   the key pass of a span runs beside the query pass of the next;
 // - dsinks: the tokens' shares summed in token order.
-// P and dS are recomputed from q and k in both passes: no buffer grows with S1 x S2.
+// Five products per selected key and head (S, dP, dq, dk, dv): P and dS are made once.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "../aligned_buffer.h"
@@ -25,10 +30,10 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kTokensPerTask = 8;
-// The key pass's buffers of cut key blocks: at most this many bytes, spans of at least this many
-// tokens.
-constexpr int64_t kPartialBytes = int64_t{32} << 20;
-constexpr int64_t kMinSpanTokens = 256;
+// A span of query tokens: at most this many tokens, and its kept products within this many bytes
+// (or one token).
+constexpr int64_t kSpanTokens = 256;
+constexpr int64_t kSpanBytes = int64_t{64} << 20;
 
 using kernels::kKeyTile;
 using kernels::round_up;
@@ -53,6 +58,21 @@ float dot(const float* a, const float* b, int64_t n) {
 // of a transposed tile.
 constexpr int64_t kPairHeads = 2 * kKeyTile;
 
+// One key of a kept selection: its source and position.
+struct KeptKey {
+  int32_t source;
+  int32_t j;
+};
+
+// What the query pass of a span keeps for its key pass. The selections of the span's tokens and
+// key heads follow one another, in order; entry e is one selected key (keys[e]) with its P and
+// dS over the group's heads (words[e][2][kept_words]).
+struct SpanStore {
+  int64_t base = 0;  // the number of entries before the span's
+  std::vector<KeptKey> keys;
+  AlignedBuffer<uint32_t> words;
+};
+
 class Backward {
  public:
   Backward(const SparseAttentionParams& p, const SparseAttentionGrads& gr,
@@ -71,13 +91,15 @@ class Backward {
         dw_(pairs_ ? round_up((dqk_ + 1) / 2, k_.depth_align) : dq16_),
         dwv_(pairs_ ? round_up((p.value_dim + 1) / 2, k_.depth_align) : dv16_),
         head_pairs_(pairs_ ? round_up((g_ + 1) / 2, kKeyTile) : 0),
+        kept_words_(round_up(pairs_ ? (g_ - 1) / kPairHeads * kPairHeads / 2 +
+                                          block_depth((g_ - 1) / kPairHeads * kPairHeads)
+                                    : g_,
+                             16)),
         direct_(pairs_ && sparse::rows_in_place(p, keys, k_, 2)),
         queries_in_place_(direct_ && p.rope_dim == 0 && 2 * dw_ == p.head_dim &&
                           2 * dwv_ == p.value_dim && sparse::words_in_place(p.query, p.head_dim) &&
                           sparse::words_in_place(gr.dout, p.value_dim)) {
     const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
-    lse_.assign(rows * p.heads_q, kInf);
-    delta_.assign(rows * p.heads_q, 0.0f);
     if (p.sinks != nullptr) sink_share_.assign(rows * p.heads_q, 0.0f);
     for (int i = 0; i < keys.num_sources(); ++i) sources_.push_back(&keys.source(i));
   }
@@ -107,11 +129,13 @@ class Backward {
           s(b.rows_ * kKeyTile),
           dp(b.rows_ * kKeyTile),
           cap(b.p_.softcap > 0.0f ? b.rows_ * kKeyTile : 0),
-          pt(kKeyTile * std::max<int64_t>(b.g_, kKeyTile)),
-          dst(kKeyTile * std::max<int64_t>(b.g_, kKeyTile)),
+          pt(kKeyTile * std::max({b.g_, b.kept_words_, kKeyTile})),
+          dst(kKeyTile * std::max({b.g_, b.kept_words_, kKeyTile})),
           ds16(b.pairs_ ? b.rows_ * kKeyTile : 0),
           words(b.pairs_ ? kKeyTile * kKeyTile : 0),
           ones(std::max<int64_t>(b.rows_, kKeyTile), 1.0f),
+          lse(b.g_),
+          delta(b.g_),
           row(std::max(b.dqk_, b.p_.value_dim)),
           row2(b.p_.value_dim),
           qt(b.direct_ ? b.chunks() * b.dw_ * kKeyTile : 0),
@@ -131,28 +155,82 @@ class Backward {
     AlignedBuffer<float> s;         // [rows][64] scores, then probabilities
     AlignedBuffer<float> dp;        // [rows][64] dP, then dS
     AlignedBuffer<float> cap;       // [rows][64] the softcap's derivative (softcap only)
-    AlignedBuffer<uint32_t> pt;     // [64][G] P transposed (float32), [64][64] head pairs (pairs)
-    AlignedBuffer<uint32_t> dst;    // [64][G] dS transposed, the same
+    AlignedBuffer<uint32_t> pt;     // [64][64] P as head pairs (pairs); [64][kept] kept P rows
+    AlignedBuffer<uint32_t> dst;    // the same of dS
     AlignedBuffer<uint16_t> ds16;   // [rows][64] dS in bf16, as key pairs (pairs)
     AlignedBuffer<uint32_t> words;  // [64][64] head-pair rows before their transpose (pairs)
     std::vector<float> ones;
+    std::vector<float> lse, delta;  // the query pass's token, [G]
     std::vector<float> row, row2;
     std::vector<sparse::KeyRef> keys;
-    std::vector<sparse::KeyRef> hits;
+    std::vector<int64_t> hits;  // the key pass: kept entries of one token in a key block
     // Rows read in place (direct_): the query and output-gradient rows transposed per 64 heads
     // (gathered_product's B operands), and its S^T.
     AlignedBuffer<uint32_t> qt, ot;
     AlignedBuffer<float> st;
   };
 
-  // Writes the token's rows of lse_, delta_ and sink_share_ (no other task touches them) and its
-  // dq: the sum over its selected keys in selection order.
-  void query_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g) {
+  // Numbers the query tokens (positions_) and counts the entries each (token, key head) keeps.
+  void count_entries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) {
+    keys_.select(s, i, g, nullptr, sc.keys);
+    entries_[slot(s, i, g) + 1] = static_cast<int64_t>(sc.keys.size());
+  }
+
+  void number_tokens(const std::vector<Sequence>& seqs) {
+    positions_.assign(seqs.size(), 0);
+    int64_t at = 0;
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      positions_[b] = at;
+      at += seqs[b].q_len;
+    }
+    entries_.assign(at * p_.heads_k + 1, 0);
+  }
+
+  // After count_entries: entries_ from the counts.
+  void sum_entries() {
+    for (size_t e = 1; e < entries_.size(); ++e) entries_[e] += entries_[e - 1];
+  }
+
+  int64_t position(const Sequence& s, int64_t i) const { return positions_[s.batch] + i; }
+  int64_t tokens() const { return static_cast<int64_t>(entries_.size() - 1) / p_.heads_k; }
+
+  // Spans of positions [at[u], at[u + 1]): at most kSpanTokens tokens each, their kept entries
+  // within kSpanBytes (or one token).
+  std::vector<int64_t> spans() const {
+    const int64_t entry_bytes = 2 * kept_words_ * 4 + static_cast<int64_t>(sizeof(KeptKey));
+    std::vector<int64_t> at = {0};
+    int64_t count = 0, bytes = 0;
+    for (int64_t t = 0; t < tokens(); ++t) {
+      const int64_t b = (entries_[(t + 1) * p_.heads_k] - entries_[t * p_.heads_k]) * entry_bytes;
+      if (count > 0 && (count == kSpanTokens || bytes + b > kSpanBytes)) {
+        at.push_back(t);
+        count = bytes = 0;
+      }
+      ++count;
+      bytes += b;
+    }
+    if (tokens() > 0) at.push_back(tokens());
+    return at;
+  }
+
+  // Makes st ready for the query pass of the tokens at positions [t0, t1).
+  void open_span(SpanStore& st, int64_t t0, int64_t t1) const {
+    st.base = entries_[t0 * p_.heads_k];
+    const int64_t n = entries_[t1 * p_.heads_k] - st.base;
+    st.keys.resize(n);
+    st.words.grow_uninitialized(n * 2 * kept_words_);
+  }
+
+  // Writes the token's row of sink_share_ (no other task touches it), its dq
+  // (the sum over its selected keys in selection order), and its entries of st: the selection,
+  // with P and dS.
+  void query_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g, SpanStore& st) {
     load_token(sc, s, i, g, false);
     const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
     const int64_t stats = geo_.stats_offset(s, i, g);
-    float* lse = lse_.data() + row;
-    float* delta = delta_.data() + row;
+    float* lse = sc.lse.data();  // +inf where nothing is selected
+    float* delta = sc.delta.data();
+    std::fill(lse, lse + g_, kInf);
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t h = g * g_ + r;
       sparse::load(k_, gr_.out.data, p_.dtype, geo_.query_offset(gr_.out, s, i, h), gr_.out.sd,
@@ -176,11 +254,20 @@ class Backward {
       if (p_.sinks != nullptr) sink_share_[row + r] = -std::exp(p_.sinks[h] - lse[r]) * delta[r];
     }
     keys_.select(s, i, g, nullptr, sc.keys);
+    const int64_t e0 = entries_[slot(s, i, g)] - st.base;
+    if (entries_[slot(s, i, g) + 1] - entries_[slot(s, i, g)] !=
+        static_cast<int64_t>(sc.keys.size())) {
+      throw std::logic_error("sparse backward: a selection changed between its two reads");
+    }
+    for (size_t c = 0; c < sc.keys.size(); ++c) {
+      st.keys[e0 + c] = {sc.keys[c].source, sc.keys[c].j};
+    }
     float* dq = sc.acc.data();
     std::fill(dq, dq + g_ * dq16_, 0.0f);
     for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
-      probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta, true);
+      probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta);
+      keep(sc, n, st.words.data() + (e0 + c0) * 2 * kept_words_);
       // dq += scale dS K
       if (pairs_) {
         k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
@@ -203,31 +290,40 @@ class Backward {
 
   // Adds into grads (dk [j1 - j0][dq16] without the scale, then dv [j1 - j0][dv16]) the
   // gradients of keys [j0, j1) of source k, key head g, from the tokens [i0, i1) of s (its
-  // queries) that select them, in token order.
+  // queries, all in st's span) that select them, in token order, from the P and dS st keeps.
   void key_pass(Scratch& sc, int k, const Sequence& s, int64_t g, int64_t j0, int64_t j1,
-                int64_t i0, int64_t i1, float* grads) const {
+                int64_t i0, int64_t i1, float* grads, const SpanStore& st) const {
     float* dk = grads;
     float* dv = grads + (j1 - j0) * dq16_;
-    const sparse::KeyWindow window{k, j0, j1};
     for (int64_t i = i0; i < i1; ++i) {
       if (!keys_.may_select(s, i, k, j0, j1)) continue;
-      keys_.select(s, i, g, &window, sc.hits);
+      // The token's selection in the block, in selection order.
+      sc.hits.clear();
+      const int64_t e1 = entries_[slot(s, i, g) + 1] - st.base;
+      for (int64_t e = entries_[slot(s, i, g)] - st.base; e < e1; ++e) {
+        const KeptKey& key = st.keys[e];
+        if (key.source == k && key.j >= j0 && key.j < j1) sc.hits.push_back(e);
+      }
       if (sc.hits.empty()) continue;
       load_token(sc, s, i, g, true);
-      const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t n = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
-        const sparse::KeyRef* hits = sc.hits.data() + c0;
-        probabilities(sc, hits, n, next_chunk(sc.hits, c0 + n), lse_.data() + row,
-                      delta_.data() + row, false);
+        const int64_t* hits = sc.hits.data() + c0;
+        // The chunk's kept P and dS rows, gathered.
+        for (int64_t c = 0; c < n; ++c) {
+          const uint32_t* kept = st.words.data() + hits[c] * 2 * kept_words_;
+          std::memcpy(sc.pt.data() + c * kept_words_, kept, kept_words_ * sizeof(uint32_t));
+          std::memcpy(sc.dst.data() + c * kept_words_, kept + kept_words_,
+                      kept_words_ * sizeof(uint32_t));
+        }
         // dV rows += P^T dout; dK rows += dS^T Q (store_keys applies the scale). Keys at
         // consecutive positions on one product of heads: the products add into their rows, the
         // same bits as adding a product's rows.
-        const int64_t at = hits[0].j - j0;
+        const int64_t first = st.keys[hits[0]].j;
         bool consecutive = true;
-        for (int64_t c = 1; c < n; ++c) consecutive &= hits[c].j == hits[0].j + c;
+        for (int64_t c = 1; c < n; ++c) consecutive &= st.keys[hits[c]].j == first + c;
         if (pairs_ && g_ <= kPairHeads && consecutive) {
-          pair_key_products(sc, n, dv + at * dv16_, dk + at * dq16_, true);
+          pair_key_products(sc, n, dv + (first - j0) * dv16_, dk + (first - j0) * dq16_, true);
           continue;
         }
         const float* tv = sc.acc.data();
@@ -235,14 +331,14 @@ class Backward {
         if (pairs_) {
           pair_key_products(sc, n, sc.acc.data(), sc.acc2.data(), false);
         } else {
-          float_key_product(sc, sc.s.data(), sc.dout.data(), dv16_, n);
+          float_key_product(sc, sc.pt.data(), sc.dout.data(), dv16_, n);
         }
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dv + (hits[c].j - j0) * dv16_, tv + c * dv16_, p_.value_dim);
+          k_.rows.add_into(dv + (st.keys[hits[c]].j - j0) * dv16_, tv + c * dv16_, p_.value_dim);
         }
-        if (!pairs_) float_key_product(sc, sc.dp.data(), sc.q.data(), dq16_, n);
+        if (!pairs_) float_key_product(sc, sc.dst.data(), sc.q.data(), dq16_, n);
         for (int64_t c = 0; c < n; ++c) {
-          k_.rows.add_into(dk + (hits[c].j - j0) * dq16_, tk + c * dq16_, dqk_);
+          k_.rows.add_into(dk + (st.keys[hits[c]].j - j0) * dq16_, tk + c * dq16_, dqk_);
         }
       }
     }
@@ -251,16 +347,13 @@ class Backward {
   // Floats of one key's dk and dv rows in key_pass's grads.
   int64_t key_row_floats() const { return dq16_ + dv16_; }
 
-  // Stores the gradients of keys [j0, j1) of source k's sequence ks, key head g: the sum over
-  // `count` grads of key_pass one after the other (each (j1 - j0) key_row_floats), in order, dk
-  // times the scale. The sum and the scale are made in the first grads.
-  void store_keys(int k, const Sequence& ks, int64_t g, int64_t j0, int64_t j1, float* parts,
-                  int64_t count) const {
+  // Stores the gradients of keys [j0, j1) of source k's sequence ks, key head g, from key_pass's
+  // grads: dk times the scale (made in grads).
+  void store_keys(int k, const Sequence& ks, int64_t g, int64_t j0, int64_t j1,
+                  float* grads) const {
     const int64_t n = j1 - j0;
-    const int64_t part = n * key_row_floats();
-    for (int64_t m = 1; m < count; ++m) k_.rows.add_into(parts, parts + m * part, part);
-    float* dk = parts;
-    const float* dv = parts + n * dq16_;
+    float* dk = grads;
+    const float* dv = grads + n * dq16_;
     for (int64_t e = 0; e < n * dq16_; ++e) dk[e] *= p_.scale;
     for (int64_t j = j0; j < j1; ++j) {
       keys_.store_grads(k_, k, ks, j, g, dk + (j - j0) * dq16_, dv + (j - j0) * dv16_);
@@ -280,49 +373,84 @@ class Backward {
   }
 
  private:
-  // Float32: acc[c][e] = sum_r x[r][c] y[r][e] for the n keys c of a chunk, x one of the
-  // [G][64] products (P or dS) and y [G][ld] rows (dout or q), through x's transpose.
-  void float_key_product(Scratch& sc, const float* x, const uint32_t* y, int64_t ld,
-                         int64_t n) const {
-    float* xt = reinterpret_cast<float*>(sc.pt.data());
-    for (int64_t c = 0; c < n; ++c) {
-      for (int64_t r = 0; r < g_; ++r) xt[c * g_ + r] = x[r * kKeyTile + c];
-    }
-    k_.gemm({xt, g_, y, ld, sc.acc.data(), ld, n, ld, g_, nullptr, 1.0f});
+  int64_t slot(const Sequence& s, int64_t i, int64_t g) const {
+    return position(s, i) * p_.heads_k + g;
   }
 
-  // bf16 pairs: dv = P^T dout and dk = dS^T Q ([n][dv16], [n][dq16]) for the n keys of a chunk,
-  // the heads as the depth in pairs, up to kPairHeads heads a product (later ones add to the
-  // first); with `add`, the first adds too.
-  void pair_key_products(Scratch& sc, int64_t n, float* dv, float* dk, bool add) const {
+  // The depth of a key pass product of the heads from h0 on bf16 pairs (up to kPairHeads of them).
+  int64_t block_depth(int64_t h0) const {
+    return round_up((std::min(kPairHeads, g_ - h0) + 1) / 2, k_.depth_align);
+  }
+
+  // xt[c][l] = (x[h0 + 2l][c], x[h0 + 2l + 1][c]) for the heads from h0 (up to kPairHeads), ld 64,
+  // x [rows][64]: rows past G are zero.
+  void head_pairs(Scratch& sc, const float* x, int64_t h0, uint32_t* xt) const {
+    const int64_t pairs = (std::min(kPairHeads, g_ - h0) + 1) / 2;
     const char* rows[kKeyTile];
     for (int64_t l = 0; l < kKeyTile; ++l) {
       rows[l] = reinterpret_cast<const char*>(sc.words.data() + l * kKeyTile);
     }
-    for (int64_t h0 = 0; h0 < g_; h0 += kPairHeads) {
-      const int64_t pairs = (std::min(kPairHeads, g_ - h0) + 1) / 2;
-      const int64_t depth = round_up(pairs, k_.depth_align);
-      const float* scale_rows = h0 == 0 && !add ? nullptr : sc.ones.data();
-      // xt[c][l] = (x[h0 + 2l][c], x[h0 + 2l + 1][c]): rows past G are zero.
-      auto transpose = [&](const float* x, uint32_t* xt) {
-        for (int64_t l = 0; l < pairs; ++l) {
-          k_.rows.pair_rows(x + (h0 + 2 * l) * kKeyTile, x + (h0 + 2 * l + 1) * kKeyTile,
-                            sc.words.data() + l * kKeyTile);
+    for (int64_t l = 0; l < pairs; ++l) {
+      k_.rows.pair_rows(x + (h0 + 2 * l) * kKeyTile, x + (h0 + 2 * l + 1) * kKeyTile,
+                        sc.words.data() + l * kKeyTile);
+    }
+    k_.pack_keys(rows, pairs, kKeyTile, xt);
+  }
+
+  // Keeps P and dS of a chunk's n keys (sc.s, sc.dp) for the key pass: `out` row c (2 kept_words_
+  // words apart) holds key c's P over the group's heads, then its dS, as head pairs on pairs
+  // (each block of kPairHeads heads from word h0 / 2, zero-padded to its product's depth), as
+  // floats otherwise.
+  void keep(Scratch& sc, int64_t n, uint32_t* out) const {
+    const int64_t ld = 2 * kept_words_;
+    if (!pairs_) {
+      const float* sv = sc.s.data();
+      const float* dp = sc.dp.data();
+      for (int64_t c = 0; c < n; ++c) {
+        float* row = reinterpret_cast<float*>(out + c * ld);
+        for (int64_t r = 0; r < g_; ++r) {
+          row[r] = sv[r * kKeyTile + c];
+          row[kept_words_ + r] = dp[r * kKeyTile + c];
         }
-        k_.pack_keys(rows, pairs, kKeyTile, xt);
-      };
-      transpose(sc.s.data(), sc.pt.data());
-      transpose(sc.dp.data(), sc.dst.data());
-      k_.gemm({sc.pt.data(), kKeyTile, sc.oh.data() + h0 / 2 * dv16_, dv16_, dv, dv16_, n, dv16_,
-               depth, scale_rows, 1.0f});
-      k_.gemm({sc.dst.data(), kKeyTile, sc.qh.data() + h0 / 2 * dq16_, dq16_, dk, dq16_, n, dq16_,
-               depth, scale_rows, 1.0f});
+      }
+      return;
+    }
+    for (int64_t h0 = 0; h0 < g_; h0 += kPairHeads) {
+      const size_t bytes = block_depth(h0) * sizeof(uint32_t);
+      head_pairs(sc, sc.s.data(), h0, sc.pt.data());
+      head_pairs(sc, sc.dp.data(), h0, sc.dst.data());
+      for (int64_t c = 0; c < n; ++c) {
+        std::memcpy(out + c * ld + h0 / 2, sc.pt.data() + c * kKeyTile, bytes);
+        std::memcpy(out + c * ld + kept_words_ + h0 / 2, sc.dst.data() + c * kKeyTile, bytes);
+      }
+    }
+  }
+
+  // Float32: acc[c][e] = sum_r xt[c][r] y[r][e] for the n keys c of a chunk, xt their kept P (or
+  // dS) rows and y [G][ld] rows (dout or q).
+  void float_key_product(Scratch& sc, const uint32_t* xt, const uint32_t* y, int64_t ld,
+                         int64_t n) const {
+    k_.gemm({xt, kept_words_, y, ld, sc.acc.data(), ld, n, ld, g_, nullptr, 1.0f});
+  }
+
+  // bf16 pairs: dv = P^T dout and dk = dS^T Q ([n][dv16], [n][dq16]) for the n keys of a chunk
+  // from their kept rows (sc.pt, sc.dst), the heads as the depth in pairs, up to kPairHeads heads
+  // a product (later ones add to the first); with `add`, the first adds too.
+  void pair_key_products(Scratch& sc, int64_t n, float* dv, float* dk, bool add) const {
+    for (int64_t h0 = 0; h0 < g_; h0 += kPairHeads) {
+      const int64_t depth = block_depth(h0);
+      const float* scale_rows = h0 == 0 && !add ? nullptr : sc.ones.data();
+      k_.gemm({sc.pt.data() + h0 / 2, kept_words_, sc.oh.data() + h0 / 2 * dv16_, dv16_, dv, dv16_,
+               n, dv16_, depth, scale_rows, 1.0f});
+      k_.gemm({sc.dst.data() + h0 / 2, kept_words_, sc.qh.data() + h0 / 2 * dq16_, dq16_, dk, dq16_,
+               n, dq16_, depth, scale_rows, 1.0f});
     }
   }
 
   // Query rows (query | rope) and dout rows of token i's group g, zero-padded, as float32 rows
-  // of dq16 / dv16 or as bf16 pairs of dw / dwv words; on pairs, with `heads` also as head pairs
-  // (the depth of the key pass's products).
+  // of dq16 / dv16 or as bf16 pairs of dw / dwv words; for the query pass reading keys in place
+  // (direct_) transposed too; for the key pass (`heads`) on pairs as head pairs (the depth of its
+  // products).
   void load_token(Scratch& sc, const Sequence& s, int64_t i, int64_t g, bool heads) const {
     // The rows as pair words, ld apart: where they lie, or copied (and zero-padded) into sc.
     const uint32_t* q = sc.q.data();
@@ -347,7 +475,7 @@ class Backward {
             sc.dout.data() + r * dwv_, dwv_);
       }
     }
-    if (direct_) {
+    if (direct_ && !heads) {
       sparse::transpose_group(k_, q, g_, ldq, dw_, sc.qt.data());
       sparse::transpose_group(k_, o, g_, ldo, dwv_, sc.ot.data());
     }
@@ -408,15 +536,15 @@ class Backward {
   }
 
   // For n keys of one chunk (their rows read where they lie, or copied and packed with the next
-  // chunk asked for meanwhile; with `key_pairs` on bf16 pairs, the keys as key pairs too in
-  // sc.kp): P = exp(scale q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n
-  // are 0); with a softcap, P of the capped scores and dS times the cap's derivative.
+  // chunk asked for meanwhile; on bf16 pairs, the keys as key pairs too in sc.kp): P = exp(scale
+  // q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0); with a softcap,
+  // P of the capped scores and dS times the cap's derivative.
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
-                     const float* lse, const float* delta, bool key_pairs) const {
+                     const float* lse, const float* delta) const {
     if (direct_) {
-      products_in_place(sc, keys, n, key_pairs);
+      products_in_place(sc, keys, n);
     } else {
-      packed_products(sc, keys, n, next, key_pairs);
+      packed_products(sc, keys, n, next);
     }
     float* sv = sc.s.data();
     float* dp = sc.dp.data();
@@ -438,9 +566,9 @@ class Backward {
   }
 
   // The scores (scale q.k) into sc.s and dP (dout.v) into sc.dp, [G][64], for n keys of a
-  // chunk read where they lie (gathered_product), and with key_pairs their key pairs in sc.kp
-  // (interleaved from the rows as they lie).
-  void products_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n, bool key_pairs) const {
+  // chunk read where they lie (gathered_product), and their key pairs in sc.kp (interleaved from
+  // the rows as they lie).
+  void products_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
     const void* rows[3][kKeyTile];  // key, rope, value
     for (int64_t c = 0; c < n; ++c) {
       const sparse::KeySource& src = *sources_[keys[c].source];
@@ -458,7 +586,6 @@ class Backward {
     const sparse::GatheredPart values = {rows[2], dwv_, sc.ot.data()};
     sparse::gathered_product(k_, &values, 1, n, g_, dwv_ * kKeyTile, 1.0f, sc.st.data(),
                              sc.ones.data(), sc.dp.data());
-    if (!key_pairs) return;
     // kp[l][e] = (k[2l][e], k[2l + 1][e]) over key | rope, zeros past the chunk's keys.
     for (int64_t l = 0; l < kKeyTile / 2; ++l) {
       uint32_t* dst = sc.kp.data() + l * dq16_;
@@ -477,10 +604,10 @@ class Backward {
     }
   }
 
-  // What probabilities needs from copied and packed rows: the chunk's rows and transposes (with
-  // key_pairs on bf16 pairs, the keys as key pairs too), then the two products.
-  void packed_products(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
-                       bool key_pairs) const {
+  // What probabilities needs from copied and packed rows: the chunk's rows and transposes (on
+  // bf16 pairs, the keys as key pairs too), then the two products.
+  void packed_products(Scratch& sc, const sparse::KeyRef* keys, int64_t n,
+                       const Chunk& next) const {
     const char* krows[kKeyTile];
     const char* vrows[kKeyTile];
     sparse::ChunkAhead ahead(keys_, next.keys, next.n, dtype_size(p_.dtype), p_.head_dim,
@@ -494,7 +621,7 @@ class Backward {
     std::fill(sc.krow.data() + n * dw_, sc.krow.data() + kKeyTile * dw_, 0u);
     k_.pack_keys(krows, n, dw_, sc.kt.data());
     k_.pack_keys(vrows, n, pairs_ ? dwv_ : p_.value_dim, sc.vt.data());
-    if (pairs_ && key_pairs) {
+    if (pairs_) {
       // kp[l][e] = (k[2l][e], k[2l + 1][e]): the B operand of dq += dS K over key pairs.
       const uint16_t* k16 = reinterpret_cast<const uint16_t*>(sc.krow.data());
       for (int64_t l = 0; l < kKeyTile / 2; ++l) {
@@ -524,15 +651,20 @@ class Backward {
   int64_t rows_;        // G padded to the set's row_align (and to even on pairs)
   int64_t dw_, dwv_;    // words per query/key and value row: dq16_/dv16_, or pairs padded
   int64_t head_pairs_;  // rows of qh and oh: G / 2 rounded up to whole transposed tiles
+  // Words of one kept P (or dS) row: the group's head pairs, each block of kPairHeads heads
+  // padded to its product's depth (pairs), or G floats; whole 64-byte lines.
+  int64_t kept_words_;
   // The products read the selected rows where they lie (sparse::rows_in_place; products_in_place)
   bool direct_;
   // With direct_, the query and output-gradient rows are read where they lie too (no rope, rows
   // of whole pair words: sparse::words_in_place).
   bool queries_in_place_;
   std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
-  std::vector<float> lse_;                         // [rows][N1]: +inf where nothing is selected
-  std::vector<float> delta_;                       // [rows][N1]
-  std::vector<float> sink_share_;                  // [rows][N1]
+  // Token i of sequence b is at position positions_[b] + i; entries_[(position) x N2 + g] kept
+  // entries come before those of (that token, key head g).
+  std::vector<int64_t> positions_;
+  std::vector<int64_t> entries_;
+  std::vector<float> sink_share_;  // [rows][N1]
 };
 
 }  // namespace
@@ -575,39 +707,37 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
   Backward run(p, gr, keys, isa);
   const int threads = std::max(1, executor.num_workers());
   ScratchPool<Backward::Scratch, Backward> scratch(run, threads);
-  const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);
-  each_token_and_head(executor, token_tasks, seqs, scratch, run.kernel_set(), p.heads_k,
+  run.number_tokens(seqs);
+  each_token_and_head(executor, core::token_tasks(seqs, kTokensPerTask), seqs, scratch,
+                      run.kernel_set(), p.heads_k,
                       [&](Backward::Scratch& sc, const Sequence& seq, int64_t i, int64_t g) {
-                        run.query_pass(sc, seq, i, g);
+                        run.count_entries(sc, seq, i, g);
                       });
+  run.sum_entries();
+  const std::vector<int64_t> spans = run.spans();
+  const int64_t num_spans = static_cast<int64_t>(spans.size()) - 1;
   // Key blocks of every source: about four per thread per (sequence, key head), at least 64 keys
-  // each, over the tokens that may select them. A source whose keys are few enough for
-  // kPartialBytes cuts those tokens at fixed spans (independent of the thread count): a
-  // sequence's few compressed keys that every later token selects would otherwise be one task.
-  // Each span of a cut block sums into its own buffer; the block's rows are their sum in span
-  // order, so a key's gradient is the same bits however the blocks fall.
-  struct KeyWork {
+  // each, with the tokens [first, last] that may select them, cut into one piece per span those
+  // tokens reach. A block sums its pieces in span order into one buffer (made by its first piece,
+  // stored and freed by its last), so a key's gradient sums its tokens in order: the same bits
+  // however the blocks and spans fall.
+  struct Block {
     int k;
-    KeyTask block;
-    int64_t i0, i1;  // the tokens
-    int64_t part;    // its grads' offset in parts, -1: the block's only span
-    int64_t count;   // a cut block's spans
+    KeyTask keys;
   };
-  std::vector<KeyWork> work;
-  std::vector<size_t> cut_blocks;  // work's first span of each cut block
-  int64_t part_floats = 0;
-  const int64_t row_floats = run.key_row_floats();
-  int64_t longest = 0;
-  for (const Sequence& s : seqs) longest = std::max(longest, s.q_len);
+  struct Piece {
+    size_t block;
+    int64_t i0, i1;  // the block's tokens in the span
+    bool first, last;
+  };
+  std::vector<Block> blocks;
+  std::vector<size_t> unselected;  // blocks no token selects: zeros stored
+  std::vector<std::vector<Piece>> pieces(std::max<int64_t>(num_spans, 0));
+  const auto span_of = [&](int64_t position) {
+    return std::upper_bound(spans.begin(), spans.end(), position) - spans.begin() - 1;
+  };
   for (int k = 0; k < keys.num_sources(); ++k) {
-    const std::vector<Sequence>& kseqs = keys.key_sequences(k);
-    int64_t source_keys = 0;
-    for (const Sequence& ks : kseqs) source_keys += ks.k_len * p.heads_k;
-    const int64_t span_bytes = std::max<int64_t>(1, source_keys * row_floats * 4);
-    const int64_t spans = kPartialBytes / span_bytes - 1;
-    const int64_t span =
-        spans >= 2 ? std::max(kMinSpanTokens, (longest + spans - 1) / spans) : kMaxTokens;
-    for (const KeyTask& t : core::key_tasks(kseqs, p.heads_k, 4 * threads, 64)) {
+    for (const KeyTask& t : core::key_tasks(keys.key_sequences(k), p.heads_k, 4 * threads, 64)) {
       const Sequence& s = seqs[t.b];
       int64_t first = 0, last = -1;
       for (int64_t i = 0; i < s.q_len; ++i) {
@@ -615,39 +745,74 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
         if (last < 0) first = i;
         last = i;
       }
-      if (last < 0 || first / span == last / span) {
-        work.push_back({k, t, first, last + 1, -1, 1});
+      const size_t block = blocks.size();
+      blocks.push_back({k, t});
+      if (last < 0) {
+        unselected.push_back(block);
         continue;
       }
-      cut_blocks.push_back(work.size());
-      const int64_t count = last / span - first / span + 1;
-      for (int64_t m = first / span; m <= last / span; ++m) {
-        work.push_back({k, t, std::max(first, m * span), std::min(last + 1, (m + 1) * span),
-                        part_floats, count});
-        part_floats += (t.j1 - t.j0) * row_floats;
+      const int64_t base = run.position(s, 0);
+      const int64_t u0 = span_of(base + first), u1 = span_of(base + last);
+      for (int64_t u = u0; u <= u1; ++u) {
+        pieces[u].push_back({block, std::max(first, spans[u] - base),
+                             std::min(last + 1, spans[u + 1] - base), u == u0, u == u1});
       }
     }
   }
-  AlignedBuffer<float> parts(static_cast<size_t>(part_floats));
-  run_dynamic(executor, static_cast<int64_t>(work.size()), [&](int64_t w, int thread) {
-    const kernels::WorkerScope scope(run.kernel_set());
-    const KeyWork& kw = work[w];
-    const KeyTask& t = kw.block;
-    const int64_t floats = (t.j1 - t.j0) * row_floats;
-    std::vector<float> own(kw.part < 0 ? floats : 0);
-    float* grads = kw.part < 0 ? own.data() : parts.data() + kw.part;
-    std::fill(grads, grads + floats, 0.0f);
-    run.key_pass(scratch[thread], kw.k, seqs[t.b], t.g, t.j0, t.j1, kw.i0, kw.i1, grads);
-    if (kw.part < 0) {
-      run.store_keys(kw.k, keys.key_sequences(kw.k)[t.b], t.g, t.j0, t.j1, grads, 1);
+  const int64_t row_floats = run.key_row_floats();
+  auto store = [&](const Block& bl, float* grads) {
+    const KeyTask& t = bl.keys;
+    run.store_keys(bl.k, keys.key_sequences(bl.k)[t.b], t.g, t.j0, t.j1, grads);
+  };
+  // Stage u: the query pass of span u beside the key pass of span u - 1.
+  std::vector<AlignedBuffer<float>> sums(blocks.size());
+  SpanStore stores[2];
+  for (int64_t u = 0; u <= num_spans; ++u) {
+    std::vector<TokenTask> tokens;
+    SpanStore& next = stores[u % 2];
+    if (u < num_spans) {
+      run.open_span(next, spans[u], spans[u + 1]);
+      for (const Sequence& s : seqs) {
+        const int64_t base = run.position(s, 0);
+        const int64_t i1 = std::min(s.q_len, spans[u + 1] - base);
+        for (int64_t i = std::max<int64_t>(0, spans[u] - base); i < i1; i += kTokensPerTask) {
+          tokens.push_back({static_cast<int32_t>(s.batch), i, std::min(i1, i + kTokensPerTask)});
+        }
+      }
     }
-  });
-  run_dynamic(executor, static_cast<int64_t>(cut_blocks.size()), [&](int64_t c, int) {
+    const std::vector<Piece> none;
+    const std::vector<Piece>& done = u > 0 ? pieces[u - 1] : none;
+    const SpanStore& kept = stores[(u + 1) % 2];
+    const int64_t key_work = static_cast<int64_t>(done.size());
+    run_dynamic(
+        executor, key_work + static_cast<int64_t>(tokens.size()), [&](int64_t w, int thread) {
+          const kernels::WorkerScope scope(run.kernel_set());
+          Backward::Scratch& sc = scratch[thread];
+          if (w >= key_work) {
+            const TokenTask& task = tokens[w - key_work];
+            for (int64_t i = task.i0; i < task.i1; ++i) {
+              for (int64_t g = 0; g < p.heads_k; ++g) {
+                run.query_pass(sc, seqs[task.b], i, g, next);
+              }
+            }
+            return;
+          }
+          const Piece& pc = done[w];
+          const Block& bl = blocks[pc.block];
+          const KeyTask& t = bl.keys;
+          AlignedBuffer<float>& sum = sums[pc.block];
+          if (pc.first) sum = AlignedBuffer<float>((t.j1 - t.j0) * row_floats);
+          run.key_pass(sc, bl.k, seqs[t.b], t.g, t.j0, t.j1, pc.i0, pc.i1, sum.data(), kept);
+          if (!pc.last) return;
+          store(bl, sum.data());
+          sum = AlignedBuffer<float>();
+        });
+  }
+  run_dynamic(executor, static_cast<int64_t>(unselected.size()), [&](int64_t w, int) {
     const kernels::WorkerScope scope(run.kernel_set());
-    const KeyWork& kw = work[cut_blocks[c]];
-    const KeyTask& t = kw.block;
-    run.store_keys(kw.k, keys.key_sequences(kw.k)[t.b], t.g, t.j0, t.j1, parts.data() + kw.part,
-                   kw.count);
+    const Block& bl = blocks[unselected[w]];
+    AlignedBuffer<float> zeros((bl.keys.j1 - bl.keys.j0) * row_floats);
+    store(bl, zeros.data());
   });
   run.finish_sinks();
 }
