@@ -98,7 +98,9 @@ class Backward {
         direct_(pairs_ && sparse::rows_in_place(p, keys, k_, 2)),
         queries_in_place_(direct_ && p.rope_dim == 0 && 2 * dw_ == p.head_dim &&
                           2 * dwv_ == p.value_dim && sparse::words_in_place(p.query, p.head_dim) &&
-                          sparse::words_in_place(gr.dout, p.value_dim)) {
+                          sparse::words_in_place(gr.dout, p.value_dim)),
+        dq_rows_(direct_ && k_.value_rows != nullptr && p.head_dim % 32 == 0 &&
+                 p.rope_dim % 32 == 0) {
     const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
     if (p.sinks != nullptr) sink_share_.assign(rows * p.heads_q, 0.0f);
     for (int i = 0; i < keys.num_sources(); ++i) sources_.push_back(&keys.source(i));
@@ -268,22 +270,27 @@ class Backward {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
       probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta);
       keep(sc, n, st.words.data() + (e0 + c0) * 2 * kept_words_);
-      // dq += scale dS K
-      if (pairs_) {
+      // dq += dS K (float32: scale dS K)
+      if (dq_rows_) {
+        k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
+        dq_from_rows(sc, sc.keys.data() + c0, n, dq);
+      } else if (pairs_) {
         k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
         k_.gemm({sc.ds16.data(), kKeyTile / 2, sc.kp.data(), dq16_, dq, dq16_, g_, dq16_,
-                 kKeyTile / 2, sc.ones.data(), p_.scale});
+                 kKeyTile / 2, sc.ones.data(), 1.0f});
       } else {
         k_.gemm({sc.dp.data(), kKeyTile, sc.krow.data(), dq16_, dq, dq16_, g_, dq16_, kKeyTile,
                  sc.ones.data(), p_.scale});
       }
     }
+    // On pairs dS K is summed unscaled (the same bits from the rows in place and packed).
+    const float scale = pairs_ ? p_.scale : 1.0f;
     for (int64_t r = 0; r < g_; ++r) {
       const int64_t out = geo_.token(s, i) * p_.heads_q + g * g_ + r;
-      store_row(k_, gr_.dq, p_.dtype, out * p_.head_dim, 1, p_.head_dim, dq + r * dq16_, 1.0f);
+      store_row(k_, gr_.dq, p_.dtype, out * p_.head_dim, 1, p_.head_dim, dq + r * dq16_, scale);
       if (p_.rope_dim > 0) {
         store_row(k_, gr_.dq_rope, p_.dtype, out * p_.rope_dim, 1, p_.rope_dim,
-                  dq + r * dq16_ + p_.head_dim, 1.0f);
+                  dq + r * dq16_ + p_.head_dim, scale);
       }
     }
   }
@@ -565,9 +572,34 @@ class Backward {
     }
   }
 
+  // dq += dS K (dS as bf16 key pairs in sc.ds16) for n keys of a chunk, from their key and rope
+  // rows where they lie (value_rows: 8 heads at a time, each pair of key rows interleaved in
+  // registers), without the scale (query_pass applies it once, when it stores dq).
+  void dq_from_rows(Scratch& sc, const sparse::KeyRef* keys, int64_t n, float* dq) const {
+    const uint16_t* rows[2][kKeyTile];  // key, rope
+    const int64_t count = round_up(n, 2);
+    for (int64_t c = 0; c < count; ++c) {
+      const sparse::KeySource* src = c < n ? sources_[keys[c].source] : nullptr;
+      rows[0][c] =
+          src != nullptr ? static_cast<const uint16_t*>(src->key.data) + keys[c].key : nullptr;
+      rows[1][c] = src != nullptr && p_.rope_dim > 0
+                       ? static_cast<const uint16_t*>(src->rope.data) + keys[c].rope
+                       : nullptr;
+    }
+    const auto* ds = reinterpret_cast<const uint32_t*>(sc.ds16.data());
+    for (int part = 0; part < (p_.rope_dim > 0 ? 2 : 1); ++part) {
+      const int64_t width = part == 0 ? p_.head_dim : p_.rope_dim;
+      float* o = dq + (part == 0 ? 0 : p_.head_dim);
+      for (int64_t r0 = 0; r0 < g_; r0 += 8) {
+        k_.value_rows({ds + r0 * (kKeyTile / 2), kKeyTile / 2, rows[part], count, width,
+                       o + r0 * dq16_, dq16_, sc.ones.data(), std::min<int64_t>(8, g_ - r0)});
+      }
+    }
+  }
+
   // The scores (scale q.k) into sc.s and dP (dout.v) into sc.dp, [G][64], for n keys of a
-  // chunk read where they lie (gathered_product), and their key pairs in sc.kp (interleaved from
-  // the rows as they lie).
+  // chunk read where they lie (gathered_product), and unless dq_rows_ their key pairs in sc.kp
+  // (interleaved from the rows as they lie).
   void products_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
     const void* rows[3][kKeyTile];  // key, rope, value
     for (int64_t c = 0; c < n; ++c) {
@@ -586,6 +618,7 @@ class Backward {
     const sparse::GatheredPart values = {rows[2], dwv_, sc.ot.data()};
     sparse::gathered_product(k_, &values, 1, n, g_, dwv_ * kKeyTile, 1.0f, sc.st.data(),
                              sc.ones.data(), sc.dp.data());
+    if (dq_rows_) return;
     // kp[l][e] = (k[2l][e], k[2l + 1][e]) over key | rope, zeros past the chunk's keys.
     for (int64_t l = 0; l < kKeyTile / 2; ++l) {
       uint32_t* dst = sc.kp.data() + l * dq16_;
@@ -659,6 +692,9 @@ class Backward {
   // With direct_, the query and output-gradient rows are read where they lie too (no rope, rows
   // of whole pair words: sparse::words_in_place).
   bool queries_in_place_;
+  // With direct_, dq's product reads the key rows where they lie (dq_from_rows): widths of whole
+  // 32-column blocks on a set with value_rows.
+  bool dq_rows_;
   std::vector<const sparse::KeySource*> sources_;  // keys_'s, looked up once
   // Token i of sequence b is at position positions_[b] + i; entries_[(position) x N2 + g] kept
   // entries come before those of (that token, key head g).
