@@ -91,10 +91,9 @@ class Backward {
         dw_(pairs_ ? round_up((dqk_ + 1) / 2, k_.depth_align) : dq16_),
         dwv_(pairs_ ? round_up((p.value_dim + 1) / 2, k_.depth_align) : dv16_),
         head_pairs_(pairs_ ? round_up((g_ + 1) / 2, kKeyTile) : 0),
-        kept_words_(round_up(pairs_ ? (g_ - 1) / kPairHeads * kPairHeads / 2 +
-                                          block_depth((g_ - 1) / kPairHeads * kPairHeads)
-                                    : g_,
-                             16)),
+        kept_words_(pairs_ ? (g_ - 1) / kPairHeads * kPairHeads / 2 +
+                                 block_depth((g_ - 1) / kPairHeads * kPairHeads)
+                           : g_),
         direct_(pairs_ && sparse::rows_in_place(p, keys, k_, 2)),
         queries_in_place_(direct_ && p.rope_dim == 0 && 2 * dw_ == p.head_dim &&
                           2 * dwv_ == p.value_dim && sparse::words_in_place(p.query, p.head_dim) &&
@@ -685,7 +684,7 @@ class Backward {
   int64_t dw_, dwv_;    // words per query/key and value row: dq16_/dv16_, or pairs padded
   int64_t head_pairs_;  // rows of qh and oh: G / 2 rounded up to whole transposed tiles
   // Words of one kept P (or dS) row: the group's head pairs, each block of kPairHeads heads
-  // padded to its product's depth (pairs), or G floats; whole 64-byte lines.
+  // padded to its product's depth (pairs), or G floats.
   int64_t kept_words_;
   // The products read the selected rows where they lie (sparse::rows_in_place; products_in_place)
   bool direct_;
