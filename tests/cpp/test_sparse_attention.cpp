@@ -19,8 +19,8 @@ namespace opmesh::core {
 namespace {
 
 // B = 1, S1 = S2 = S, causal; N1 = 4 over N2 = 2; D = 8, Dr = 4, Dv = 6; blocks of 2 keys. S is
-// more than one span of the backward's query tokens (256).
-constexpr int64_t S = 300, N1 = 4, N2 = 2, D = 8, DR = 4, DV = 6, K = 5, BS = 2;
+// more than one span of the backward's query tokens (1024).
+constexpr int64_t S = 1100, N1 = 4, N2 = 2, D = 8, DR = 4, DV = 6, K = 5, BS = 2;
 constexpr int64_t G = N1 / N2;
 
 struct Data {

@@ -65,9 +65,10 @@ CASES = [
          residuals=(1, 1)),
     Case("hca_ratio_1", "BSND", "BSND", 2, 1, 8, (7,), (7,), (7,), cmp_ratio=1, win=(2, 1)),
 ]  # fmt: skip
-# Long sequences over few compressed entries (and key blocks of the window straddling the token
-# spans): the key pass cuts each block's tokens into spans and sums them in order.
-LONG = Case("hca_long", "TND", "TND", 4, 1, 16, (700, 300), (700, 300), (21, 9), cmp_ratio=32,
+# Long sequences over few compressed entries, more tokens than one span of the backward (1024):
+# key blocks of the window and of the compressed entries reach tokens of both spans, and each
+# block sums them in order across the spans.
+LONG = Case("hca_long", "TND", "TND", 4, 1, 16, (700, 400), (700, 400), (21, 12), cmp_ratio=32,
             residuals=(28, 12), win=(7, 0), sinks=True)  # fmt: skip
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SCALE = 0.3
