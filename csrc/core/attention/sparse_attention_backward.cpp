@@ -173,12 +173,15 @@ class Backward {
     AlignedBuffer<float> st;
   };
 
-  // Numbers the query tokens (positions_) and counts the entries each (token, key head) keeps.
+  // Counts the entries (token i of s, key head g) keeps: entries_ holds the counts until
+  // sum_entries makes them prefix sums.
   void count_entries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) {
     keys_.select(s, i, g, nullptr, sc.keys);
     entries_[slot(s, i, g) + 1] = static_cast<int64_t>(sc.keys.size());
   }
 
+  // Numbers the query tokens of the call in order (positions_: each sequence's first) and sizes
+  // entries_ for one count per (token, key head).
   void number_tokens(const std::vector<Sequence>& seqs) {
     positions_.assign(seqs.size(), 0);
     int64_t at = 0;
@@ -272,11 +275,10 @@ class Backward {
       probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta);
       keep(sc, n, st.words.data() + (e0 + c0) * 2 * kept_words_);
       // dq += dS K (float32: scale dS K)
+      if (pairs_) k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
       if (dq_rows_) {
-        k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
         dq_from_rows(sc, sc.keys.data() + c0, n, dq);
       } else if (pairs_) {
-        k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
         k_.gemm({sc.ds16.data(), kKeyTile / 2, sc.kp.data(), dq16_, dq, dq16_, g_, dq16_,
                  kKeyTile / 2, sc.ones.data(), 1.0f});
       } else {
