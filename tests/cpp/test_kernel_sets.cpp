@@ -285,7 +285,8 @@ TEST(KernelSets, KeyScoresMatchDoubleReference) {
     for (int64_t rows = 1; rows <= set->key_scores_rows; ++rows) {
       // 600: past the 256 words key_scores packs for 3 to 8 rows (its other path), and past the
       // 256 float32 elements a float32 set copies per row.
-      for (int64_t depth : {2, 16, 80, 128, 254, 600}) {
+      // 2, 20, 254: 1, 2 and 3 words past a whole number of 4-word steps (the 4-row path).
+      for (int64_t depth : {2, 16, 20, 80, 128, 254, 600}) {
         const int64_t words = depth / 2;
         const int64_t qwords = floats ? depth : words;
         // Query rows a few words apart, and 64, 128 or 256 apart: a float32 set reads those
@@ -396,7 +397,8 @@ TEST(KernelSets, ValueRowsEqualTheGemmOnPackedValues) {
     const bool floats = set->word == Word::kFloat32;  // float32 P and value rows, else bf16 pairs
     for (int64_t rows = 1; rows <= (floats ? 16 : 8); ++rows) {
       for (int64_t count : {kKeyTile, 6 * kKeyTile}) {
-        for (int64_t dv : {32, 128}) {
+        // 96 and 160: passes of 64 or 128 columns (few rows) and a last one of 32.
+        for (int64_t dv : {32, 96, 128, 160}) {
           for (const bool rescale : {false, true}) {
             SCOPED_TRACE(std::string(set->name) + " rows " + std::to_string(rows) + " count " +
                          std::to_string(count) + " dv " + std::to_string(dv) +
