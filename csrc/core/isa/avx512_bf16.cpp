@@ -87,25 +87,6 @@ struct LaneGroups {
   // Words the packed query holds (head dims up to 512); deeper rows take two_rows.
   static constexpr int64_t kMaxDepth = 256;
 
-  static __m512i broadcast(const uint32_t* p) {
-    if constexpr (kW == 2) {
-      int64_t w;
-      std::memcpy(&w, p, sizeof(w));
-      return _mm512_set1_epi64(w);
-    } else {
-      return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    }
-  }
-  // The first `count` (< kW) words at p, zero after them.
-  static __m512i broadcast_first(const uint32_t* p, int64_t count) {
-    const __m128i x = _mm_maskz_loadu_epi32(static_cast<__mmask8>((1u << count) - 1), p);
-    if constexpr (kW == 2) {
-      return _mm512_broadcastq_epi64(x);
-    } else {
-      return _mm512_broadcast_i32x4(x);
-    }
-  }
-
   // qb[s][row * kW + j] = word s * kW + j of query row `row`, zero past the rows and the depth:
   // 16 words of each row at a time, a transpose of kW-word blocks between the rows.
   static void pack(const KeyScoresArgs& a, uint32_t* qb) {
@@ -223,6 +204,33 @@ struct LaneGroups {
     }
   }
 
+  // The 8 keys' accumulators for 8 rows (kW = 2): each step broadcasts a key's 2 words (a load
+  // alone) against the 8 rows' words of that step.
+  static void two_words(const uint32_t* qb, const uint32_t* const (&key)[8], int64_t full,
+                        int64_t tail, LinesAhead& ahead, __m512 (&acc)[8]) {
+    auto broadcast = [](const uint32_t* p) {
+      int64_t w;
+      std::memcpy(&w, p, sizeof(w));
+      return Bf16PairPolicy::as_bh(_mm512_set1_epi64(w));
+    };
+    for (__m512& x : acc) x = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < full; s0 += 8) {
+      ahead.next();
+      for (int64_t s = s0; s < std::min(full, s0 + 8); ++s) {
+        const __m512bh q = Bf16PairPolicy::load(qb + 16 * s);
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], broadcast(key[i] + kW * s), q);
+      }
+    }
+    if (tail != 0) {  // one word
+      const __m512bh q = Bf16PairPolicy::load(qb + 16 * full);
+      for (int i = 0; i < 8; ++i) {
+        const __m128i x = _mm_maskz_loadu_epi32(1, key[i] + kW * full);
+        acc[i] = _mm512_dpbf16_ps(acc[i], Bf16PairPolicy::as_bh(_mm512_broadcastq_epi64(x)), q);
+      }
+    }
+  }
+
   // The 8 keys' accumulators for 4 rows (kW = 4) in two 256-bit halves, rows 0-1 and rows 2-3:
   // a 128-bit broadcast into 256 bits is a load alone, where into 512 bits it also takes a
   // shuffle (measured on Zen 4: 0.40 ns per 512-bit product with it, 0.31 per pair of 256-bit
@@ -273,27 +281,10 @@ struct LaneGroups {
       const uint32_t* key[8];
       for (int i = 0; i < 8; ++i) key[i] = a.keys + (n0 + i) * a.ldk;
       __m512 acc[8];
-      if constexpr (kW == 4) {
+      if constexpr (kW == 2) {
+        two_words(qb, key, full, tail, ahead, acc);
+      } else {
         four_words(qb, key, full, tail, ahead, acc);
-        store(a, acc, n0, alpha);
-        continue;
-      }
-      for (__m512& x : acc) x = _mm512_setzero_ps();
-      for (int64_t s0 = 0; s0 < full; s0 += 8) {
-        ahead.next();
-        for (int64_t s = s0; s < std::min(full, s0 + 8); ++s) {
-          const __m512bh q = Bf16PairPolicy::load(qb + 16 * s);
-          for (int i = 0; i < 8; ++i) {
-            acc[i] = _mm512_dpbf16_ps(acc[i], Bf16PairPolicy::as_bh(broadcast(key[i] + kW * s)), q);
-          }
-        }
-      }
-      if (tail != 0) {
-        const __m512bh q = Bf16PairPolicy::load(qb + 16 * full);
-        for (int i = 0; i < 8; ++i) {
-          acc[i] = _mm512_dpbf16_ps(
-              acc[i], Bf16PairPolicy::as_bh(broadcast_first(key[i] + kW * full, tail)), q);
-        }
       }
       store(a, acc, n0, alpha);
     }
