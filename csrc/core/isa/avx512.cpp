@@ -150,7 +150,8 @@ struct Avx512Lanes {
     even = lo;
   }
   static constexpr int kValueRows = 8;
-  static constexpr int kValueCols = 2;
+  // Up to 4 rows take 64 columns a pass (a value row's two cache lines in one visit).
+  static constexpr int kValueCols = 4;
   static constexpr int kAccumulators = 16;
   static Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
   static void store_sums(float* out, Vec acc, const float* scale) {

@@ -178,30 +178,35 @@ struct F32KeyScores {
 
 template <class V>
 struct F32ValueRows {
-  // Flash attention reads the value rows in place where dv is a multiple of 32: every block's
-  // columns must divide it.
-  static_assert(32 % (V::kValueCols * V::kLanes) == 0);
+  // The largest power of two at most n (n >= 1).
+  static constexpr int floor_pow2(int n) { return n >= 4 ? 4 : n >= 2 ? 2 : 1; }
 
   // Vectors of columns a block of kRows rows takes: as many as keep V::kAccumulators
-  // accumulators (at most V::kValueCols), so that few rows still have enough independent chains
-  // to hide the multiply-add's latency and many rows still fit the registers.
+  // accumulators (at most V::kValueCols, a power of two), so that few rows still have enough
+  // independent chains to hide the multiply-add's latency and many rows still fit the registers,
+  // and so that few rows read more of each value row's cache lines in one pass over the keys.
   template <int kRows>
-  static constexpr int kCols = std::clamp(V::kAccumulators / kRows, 1, V::kValueCols);
+  static constexpr int kCols = floor_pow2(std::min(V::kAccumulators / kRows, V::kValueCols));
 
-  // Whether a block widens its value columns two vectors at a time (V::kWidensPairs: one load of
-  // 2 V::kLanes bf16 elements, the even ones shifted into place and the odd ones masked, half the
-  // operations of widening each vector on its own; the sums come out with even and odd columns
-  // apart and are interleaved once, at the store).
+  // Flash attention reads the value rows in place where dv is a multiple of 32: a block wider
+  // than 32 columns leaves the rest to blocks of 32 (kNarrow vectors).
   template <int kRows>
-  static constexpr bool kPairs = V::kWidensPairs && kCols<kRows> % 2 == 0;
+  static constexpr int kNarrow = std::min(kCols<kRows>, 32 / V::kLanes);
+  static_assert(32 % V::kLanes == 0);
 
-  // o[r][e0, e0 + kCols * kLanes) for kRows rows from r0: one multiply-add chain per output over
+  // Whether a block of kC vectors widens its value columns two vectors at a time
+  // (V::kWidensPairs: one load of 2 V::kLanes bf16 elements, the even ones shifted into place and
+  // the odd ones masked, half the operations of widening each vector on its own; the sums come
+  // out with even and odd columns apart and are interleaved once, at the store).
+  template <int kC>
+  static constexpr bool kPairs = V::kWidensPairs && kC % 2 == 0;
+
+  // o[r][e0, e0 + kC * kLanes) for kRows rows from r0: one multiply-add chain per output over
   // the keys in order (a null row adds zeros), as the float32 GEMM sums a block over its depth
   // on the values packed, so the bits are the GEMM's.
-  template <int kRows>
+  template <int kRows, int kC>
   static void block(const ValueRowsArgs& a, int r0, int64_t e0, LinesAhead& ahead) {
     using Vec = typename V::Vec;
-    constexpr int kC = kCols<kRows>;
     const float* p = reinterpret_cast<const float*>(a.p) + r0 * a.ldp;
     Vec acc[kRows][kC];  // kPairs: acc[r][2 j] the even columns of pair j, acc[r][2 j + 1] the odd
     for (int r = 0; r < kRows; ++r)
@@ -211,7 +216,7 @@ struct F32ValueRows {
       const uint16_t* v = a.values[i];
       Vec x[kC];
       for (int j = 0; j < kC; ++j) {
-        if constexpr (kPairs<kRows>) {
+        if constexpr (kPairs<kC>) {
           if (j % 2 == 0) {
             if (v != nullptr) {
               V::widen_pair(v + e0 + j * V::kLanes, x[j], x[j + 1]);
@@ -231,7 +236,7 @@ struct F32ValueRows {
     for (int r = 0; r < kRows; ++r) {
       float* out = a.o + (r0 + r) * a.ldo + e0;
       const float* scale = a.row_scale != nullptr ? a.row_scale + r0 + r : nullptr;
-      if constexpr (kPairs<kRows>) {
+      if constexpr (kPairs<kC>) {
         for (int j = 0; j < kC; j += 2) V::interleave(acc[r][j], acc[r][j + 1]);
       }
       for (int j = 0; j < kC; ++j) V::store_sums(out + j * V::kLanes, acc[r][j], scale);
@@ -243,12 +248,18 @@ struct F32ValueRows {
     const int rows = static_cast<int>(a.rows);
     int64_t steps = 0;  // the blocks' calls of ahead.next()
     for_each_even_row_block<V::kValueRows>(0, rows, [&](auto r, int) {
-      steps += a.dv / (kCols<decltype(r)::value> * V::kLanes) * a.count;
+      constexpr int64_t kWide = kCols<decltype(r)::value> * V::kLanes;
+      constexpr int64_t kRest = kNarrow<decltype(r)::value> * V::kLanes;
+      steps += (a.dv / kWide + a.dv % kWide / kRest) * a.count;
     });
     LinesAhead ahead(a.ahead, steps);
     for_each_even_row_block<V::kValueRows>(0, rows, [&](auto r, int r0) {
-      constexpr int64_t kColumns = kCols<decltype(r)::value> * V::kLanes;
-      for (int64_t e0 = 0; e0 < a.dv; e0 += kColumns) block<decltype(r)::value>(a, r0, e0, ahead);
+      constexpr int kRows = decltype(r)::value;
+      constexpr int64_t kWide = kCols<kRows> * V::kLanes;
+      constexpr int64_t kRest = kNarrow<kRows> * V::kLanes;
+      int64_t e0 = 0;
+      for (; e0 + kWide <= a.dv; e0 += kWide) block<kRows, kCols<kRows>>(a, r0, e0, ahead);
+      for (; e0 < a.dv; e0 += kRest) block<kRows, kNarrow<kRows>>(a, r0, e0, ahead);
     });
   }
 };
