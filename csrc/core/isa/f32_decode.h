@@ -178,7 +178,7 @@ struct F32KeyScores {
 
 template <class V>
 struct F32ValueRows {
-  // The largest power of two at most n (n >= 1).
+  // The largest of 1, 2 and 4 at most n (n >= 1): the widths a block takes.
   static constexpr int floor_pow2(int n) { return n >= 4 ? 4 : n >= 2 ? 2 : 1; }
 
   // Vectors of columns a block of kRows rows takes: as many as keep V::kAccumulators
