@@ -16,6 +16,7 @@
 #include "compressor_params.h"
 #include "dtypes.h"
 #include "op_call.h"
+#include "output_memory.h"
 #include "torch_access.h"
 
 namespace opmesh::binding {
@@ -182,6 +183,7 @@ at::Tensor compressor_cpu(const CompressorCall& c) {
   const CompressorArgs a = check_compressor_args(c);
   check_no_overlap(c);
   at::Tensor out = at::empty_symint(cmp_kv_shape(c, a), c.x.options());
+  advise_huge_pages(out);
   const common::CompressorHost host = common::compressor_host(c);
   const core::CompressorParams p = params_of(c, host, out);
   rethrow([&] { cpu_kernels().compressor(p, AtenExecutor()); });
@@ -193,7 +195,7 @@ at::Tensor compressor_meta(const CompressorCall& c) {
 }
 
 Outputs4 backward_outputs(const CompressorBackwardCall& c) {
-  return {at::empty_symint(c.x.sym_sizes(), c.x.options()),
+  return {advise_huge_pages(at::empty_symint(c.x.sym_sizes(), c.x.options())),
           at::empty_symint(c.wkv.sym_sizes(), c.wkv.options()),
           at::empty_symint(c.wgate.sym_sizes(), c.wgate.options()),
           at::empty_symint(c.ape.sym_sizes(), c.ape.options())};

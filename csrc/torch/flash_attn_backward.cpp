@@ -15,6 +15,7 @@
 #include "flash_attn_args.h"
 #include "flash_attn_calls.h"
 #include "flash_attn_params.h"
+#include "output_memory.h"
 #include "torch_access.h"
 
 namespace opmesh::binding {
@@ -76,8 +77,9 @@ FlashAttnArgs check_backward_args(const FlashAttnBackwardCall& g) {
 Grads empty_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& sinks, bool zero) {
   auto make = [&](const at::Tensor& t) {
-    return zero ? at::zeros_symint(t.sym_sizes(), t.options())
-                : at::empty_symint(t.sym_sizes(), t.options());
+    at::Tensor out = at::empty_symint(t.sym_sizes(), t.options());
+    advise_huge_pages(out);
+    return zero ? out.zero_() : out;
   };
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsinks = sinks.has_value() ? (zero ? at::zeros_symint(sinks->sym_sizes(), f32)

@@ -18,6 +18,7 @@
 #include "flash_attn_args.h"
 #include "flash_attn_calls.h"
 #include "flash_attn_params.h"
+#include "output_memory.h"
 #include "torch_access.h"
 #include "worker_times.h"
 
@@ -109,7 +110,8 @@ Outputs2 flash_attn_cpu(const FlashAttnCall& call) {
   // (or TND tokens past a sequence's used length) must the outputs start as 0 / +inf.
   const bool padding = prepared.padding;
   auto make_out = [&](at::IntArrayRef shape) {
-    return padding ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
+    at::Tensor t = empty_output(shape, q.options());
+    return padding ? t.zero_() : t;
   };
   const common::FlashAttnOutputShapes out_shapes =
       common::flash_attn_output_shapes(q, c, call.return_softmax_lse);

@@ -18,6 +18,7 @@
 #include "errors.h"
 #include "indexer/sparse_kl_loss.h"
 #include "indexer_checks.h"
+#include "output_memory.h"
 #include "sequence_params.h"
 #include "torch_access.h"
 
@@ -216,8 +217,8 @@ Outputs4 kl_loss_cpu(const Call& call) {
     a.softmax_sum_index = a.softmax_sum_index.contiguous();
   }
   // Rows no sequence covers keep a zero gradient.
-  const at::Tensor out[4] = {at::zeros_like(a.query_index, at::MemoryFormat::Contiguous),
-                             at::zeros_like(a.key_index, at::MemoryFormat::Contiguous),
+  const at::Tensor out[4] = {empty_output(a.query_index.sizes(), a.query_index.options()).zero_(),
+                             empty_output(a.key_index.sizes(), a.key_index.options()).zero_(),
                              at::zeros_like(a.weights, at::MemoryFormat::Contiguous),
                              at::zeros({1}, a.query_index.options().dtype(at::kFloat))};
   core::IndexerKlLossParams p = rethrow([&] { return common::kl_loss_params(a, host); });

@@ -6,6 +6,7 @@
 #include "checks.h"
 #include "dtypes.h"
 #include "indexer/lightning_indexer.h"
+#include "output_memory.h"
 
 namespace opmesh::binding {
 void check_heads(const at::Tensor& q, const at::Tensor& k, int64_t n1, int64_t n2, int64_t d,
@@ -92,6 +93,7 @@ std::tuple<at::Tensor, at::Tensor> lightning_indexer_outputs(const LightningInde
   }
   const auto options = a.query.options();
   at::Tensor indices = at::empty_symint(shape, options.dtype(at::kInt));
+  advise_huge_pages(indices);
   at::Tensor values = a.return_value ? at::empty_symint(shape, options.dtype(at::kFloat))
                                      : at::empty({0}, options.dtype(at::kFloat));
   return {indices, values};

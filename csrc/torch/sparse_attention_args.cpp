@@ -9,6 +9,7 @@
 #include "dtypes.h"
 #include "indexer_checks.h"
 #include "lightning_indexer_args.h"
+#include "output_memory.h"
 
 namespace opmesh::binding {
 namespace {
@@ -203,6 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_outputs(const at
   std::vector<c10::SymInt> out_shape(q.sym_sizes().begin(), q.sym_sizes().end());
   out_shape.back() = c10::SymInt(a.dv);
   at::Tensor out = at::empty_symint(out_shape, q.options());
+  advise_huge_pages(out);
   const auto f32 = q.options().dtype(at::kFloat);
   if (!return_lse) return {out, at::empty({0}, f32), at::empty({0}, f32)};
   const c10::SymInt g(a.n2 > 0 ? a.n1 / a.n2 : 0);

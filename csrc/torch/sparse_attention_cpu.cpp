@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "aten_executor.h"
+#include "output_memory.h"
 #include "sequence_params.h"
 #include "sparse_attention_args.h"
 #include "torch_access.h"
@@ -84,9 +85,9 @@ sparse_attention_backward_cpu(const SparseFlashAttentionBackwardCall& call) {
   const auto options = c.query.options();
   const auto f32 = options.dtype(at::kFloat);
   const at::Tensor grads[6] = {
-      at::empty(c.query.sizes(), options),
-      at::empty(c.key.sizes(), options),
-      at::empty(c.value.sizes(), options),
+      empty_output(c.query.sizes(), options),
+      empty_output(c.key.sizes(), options),
+      empty_output(c.value.sizes(), options),
       c.query_rope ? at::empty(c.query_rope->sizes(), options) : at::empty({0}, options),
       c.key_rope ? at::empty(c.key_rope->sizes(), options) : at::empty({0}, options),
       c.sinks ? at::empty({a.n1}, f32) : at::empty({0}, f32)};

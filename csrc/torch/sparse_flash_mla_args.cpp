@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "conventions.h"
 #include "dtypes.h"
+#include "output_memory.h"
 #include "sequence_args.h"
 
 namespace opmesh::binding {
@@ -219,6 +220,7 @@ template MlaArgs check_sparse_flash_mla_args(const SparseFlashMlaBackwardCall&);
 std::tuple<at::Tensor, at::Tensor> sparse_flash_mla_outputs(const at::Tensor& q, const MlaArgs& a,
                                                             bool return_lse) {
   at::Tensor out = at::empty_symint(q.sym_sizes(), q.options());
+  advise_huge_pages(out);
   const auto f32 = q.options().dtype(at::kFloat);
   if (!return_lse) return {out, at::zeros({}, f32)};
   const c10::SymInt g(a.n2 > 0 ? a.n1 / a.n2 : 0);

@@ -7,6 +7,7 @@
 #include "aten_executor.h"
 #include "checks.h"
 #include "mla_params.h"
+#include "output_memory.h"
 #include "sparse_flash_mla_args.h"
 #include "torch_access.h"
 
@@ -90,9 +91,9 @@ Outputs4 sparse_flash_mla_backward_cpu(const SparseFlashMlaBackwardCall& call) {
   const auto options = c.q.options();
   const auto f32 = options.dtype(at::kFloat);
   auto like = [&](const std::optional<at::Tensor>& t) {
-    return t ? at::empty(t->sizes(), options) : at::empty({0}, options);
+    return t ? empty_output(t->sizes(), options) : at::empty({0}, options);
   };
-  at::Tensor dq = at::empty(c.q.sizes(), options);
+  at::Tensor dq = empty_output(c.q.sizes(), options);
   at::Tensor d_ori = like(c.ori_kv);
   at::Tensor d_cmp = like(c.cmp_kv);
   at::Tensor dsinks = c.sinks ? at::empty({a.n1}, f32) : at::empty({0}, f32);
