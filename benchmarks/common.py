@@ -115,6 +115,11 @@ def machine_info():
         "kernel_sets": [s["name"] for s in sets["sets"]],
         "amx_tiles": sets["amx_tiles"],
         "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)},
+        "huge_pages": {
+            "kernel_mode": transparent_huge_pages() or "absent",
+            "opmesh": f"OPMESH_HUGE_PAGES={os.environ.get('OPMESH_HUGE_PAGES') or 'on'}",
+            "torch": f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}",
+        },
     }
 
 
@@ -279,6 +284,13 @@ def write_results(name, rows, columns, notes=(), tier_baselines=False):
         f"CPU flags: {' '.join(info['cpu_flags'])}; AMX tiles: {info['amx_tiles']}; kernel "
         f"sets: {', '.join(info['kernel_sets'])}; bf16 inputs run on: compute "
         f"{info['bf16_kernels']['compute']}, memory {info['bf16_kernels']['memory']}",
+        "",
+    ]
+    lines += [
+        f"Memory: transparent huge pages {info['huge_pages']['kernel_mode']}; opmesh advises "
+        f"its CPU outputs of 32 MiB and more for them ({info['huge_pages']['opmesh']}); torch's "
+        f"allocator advises its large blocks only under THP_MEM_ALLOC_ENABLE=1 "
+        f"({info['huge_pages']['torch']})",
         "",
     ]
     if info["isa_caps"]:

@@ -93,9 +93,10 @@ std::tuple<at::Tensor, at::Tensor> lightning_indexer_outputs(const LightningInde
   }
   const auto options = a.query.options();
   at::Tensor indices = at::empty_symint(shape, options.dtype(at::kInt));
-  advise_huge_pages(indices);
   at::Tensor values = a.return_value ? at::empty_symint(shape, options.dtype(at::kFloat))
                                      : at::empty({0}, options.dtype(at::kFloat));
+  advise_huge_pages(indices);
+  advise_huge_pages(values);
   return {indices, values};
 }
 
