@@ -117,6 +117,7 @@ class Forward {
           qt(f.direct_ ? (f.gp_ + kKeyTile - 1) / kKeyTile * f.dw_ * kKeyTile : 0),
           st(f.direct_ ? kKeyTile * f.gp_ : 0),
           ones(kKeyTile, 1.0f),
+          query_rows(f.g_),
           m(f.rows_),
           l(f.rows_),
           corr(f.rows_) {}
@@ -135,6 +136,10 @@ class Forward {
     AlignedBuffer<uint32_t> qt;
     AlignedBuffer<float> st;
     std::vector<float> ones;
+    // Queries read in place: the next group's rows, asked for from memory during this one's
+    // value products, [queries_from, queries_to) of them during the current chunk.
+    std::vector<const char*> query_rows;
+    int64_t queries_from = 0, queries_to = 0;
     std::vector<float> m, l, corr;
     std::vector<sparse::KeyRef> keys;
   };
@@ -152,9 +157,15 @@ class Forward {
     std::fill(sc.l.begin(), sc.l.end(), 0.0f);
     std::fill(sc.o.data(), sc.o.data() + rows_ * dvp_, 0.0f);
     if (k0 < end) pack_queries(sc, s, i, g);
+    const int64_t chunks = k0 < end ? (end - k0 + kKeyTile - 1) / kKeyTile : 0;
+    const int64_t queries_ahead = next_queries(sc, s, i, g);
     for (int64_t c0 = k0; c0 < end; c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, end - c0);
       const int64_t next = std::min<int64_t>(kKeyTile, std::max<int64_t>(end - c0 - n, 0));
+      // This chunk's share of the next group's query rows.
+      const int64_t chunk = (c0 - k0) / kKeyTile;
+      sc.queries_from = queries_ahead * chunk / chunks;
+      sc.queries_to = queries_ahead * (chunk + 1) / chunks;
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       if (direct_) {
@@ -273,12 +284,37 @@ class Forward {
       }
     }
     const uint32_t* pb = reinterpret_cast<const uint32_t*>(sc.pb.data());
-    for (int64_t r0 = 0; r0 < g_; r0 += 8) {
-      k_.value_rows(
-          {pb + r0 * (kKeyTile / 2), kKeyTile / 2, rows, count, p_.value_dim,
-           sc.o.data() + r0 * dvp_, dvp_, sc.corr.data() + r0, std::min<int64_t>(8, g_ - r0),
-           r0 == 0 ? kernels::RowsAhead{ahead, ahead_n, ahead_bytes} : kernels::RowsAhead{}});
+    // The calls that ask for no key rows ask for this chunk's share of the next group's query
+    // rows, an even part each.
+    const int64_t calls = (g_ + 7) / 8 - (ahead_n > 0 ? 1 : 0);
+    const int64_t share = sc.queries_to - sc.queries_from;
+    for (int64_t r0 = 0, call = 0; r0 < g_; r0 += 8) {
+      kernels::RowsAhead rows_ahead{ahead, ahead_n, ahead_bytes};
+      if (r0 > 0 || ahead_n == 0) {
+        const int64_t a0 = sc.queries_from + share * call / calls;
+        const int64_t a1 = sc.queries_from + share * (call + 1) / calls;
+        rows_ahead = {sc.query_rows.data() + a0, a1 - a0, 2 * p_.head_dim};
+        ++call;
+      }
+      k_.value_rows({pb + r0 * (kKeyTile / 2), kKeyTile / 2, rows, count, p_.value_dim,
+                     sc.o.data() + r0 * dvp_, dvp_, sc.corr.data() + r0,
+                     std::min<int64_t>(8, g_ - r0), rows_ahead});
     }
+  }
+
+  // The query rows of the group a worker takes next (key head g + 1 of token i, else token
+  // i + 1's first) into sc.query_rows, when queries are read in place: their count (0: none).
+  int64_t next_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
+    if (!queries_in_place_) return 0;
+    if (++g == p_.heads_k) {
+      g = 0;
+      if (++i >= s.q_len) return 0;
+    }
+    const char* base = static_cast<const char*>(p_.query.data);
+    for (int64_t r = 0; r < g_; ++r) {
+      sc.query_rows[r] = base + 2 * geo_.query_offset(p_.query, s, i, g * g_ + r);
+    }
+    return g_;
   }
 
   void pack_queries(Scratch& sc, const Sequence& s, int64_t i, int64_t g) const {
