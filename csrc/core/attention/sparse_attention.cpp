@@ -137,9 +137,8 @@ class Forward {
     AlignedBuffer<float> st;
     std::vector<float> ones;
     // Queries read in place: the next group's rows, asked for from memory during this one's
-    // value products, [queries_from, queries_to) of them during the current chunk.
+    // value products.
     std::vector<const char*> query_rows;
-    int64_t queries_from = 0, queries_to = 0;
     std::vector<float> m, l, corr;
     std::vector<sparse::KeyRef> keys;
   };
@@ -164,8 +163,9 @@ class Forward {
       const int64_t next = std::min<int64_t>(kKeyTile, std::max<int64_t>(end - c0 - n, 0));
       // This chunk's share of the next group's query rows.
       const int64_t chunk = (c0 - k0) / kKeyTile;
-      sc.queries_from = queries_ahead * chunk / chunks;
-      sc.queries_to = queries_ahead * (chunk + 1) / chunks;
+      const int64_t q0 = queries_ahead * chunk / chunks;
+      const kernels::RowsAhead queries{sc.query_rows.data() + q0,
+                                       queries_ahead * (chunk + 1) / chunks - q0, 2 * p_.head_dim};
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       if (direct_) {
@@ -186,7 +186,7 @@ class Forward {
         k_.softmax_bf16(sv, g_, kKeyTile, raw_scores_ ? p_.scale : 1.0f, sc.m.data(), sc.l.data(),
                         sc.corr.data(), sc.pb.data());
         if (direct_) {
-          values_in_place(sc, sc.keys.data() + c0, n, sc.keys.data() + c0 + n, next);
+          values_in_place(sc, sc.keys.data() + c0, n, sc.keys.data() + c0 + n, next, queries);
         } else {
           k_.gemm({sc.pb.data(), kKeyTile / 2, sc.vp.data(), dvp_, sc.o.data(), dvp_, g_, dvp_,
                    kKeyTile / 2, sc.corr.data(), 1.0f});
@@ -256,9 +256,11 @@ class Forward {
   }
 
   // o = corr o + P V for n selected keys from the value rows where they lie (the probabilities
-  // in sc.pb), 8 rows of the group a call: the pair GEMM's bits.
+  // in sc.pb), 8 rows of the group a call: the pair GEMM's bits. `queries`: rows asked for from
+  // memory too (the next group's query rows, this chunk's share).
   void values_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n,
-                       const sparse::KeyRef* next, int64_t next_n) const {
+                       const sparse::KeyRef* next, int64_t next_n,
+                       const kernels::RowsAhead& queries) const {
     // The next chunk's key and value rows, asked for from memory during the first product (a
     // burst of them all at once loses to none at all).
     const char* ahead[3 * kKeyTile];
@@ -284,16 +286,14 @@ class Forward {
       }
     }
     const uint32_t* pb = reinterpret_cast<const uint32_t*>(sc.pb.data());
-    // The calls that ask for no key rows ask for this chunk's share of the next group's query
-    // rows, an even part each.
+    // The calls that ask for no key rows ask for an even part each of `queries`.
     const int64_t calls = (g_ + 7) / 8 - (ahead_n > 0 ? 1 : 0);
-    const int64_t share = sc.queries_to - sc.queries_from;
     for (int64_t r0 = 0, call = 0; r0 < g_; r0 += 8) {
       kernels::RowsAhead rows_ahead{ahead, ahead_n, ahead_bytes};
       if (r0 > 0 || ahead_n == 0) {
-        const int64_t a0 = sc.queries_from + share * call / calls;
-        const int64_t a1 = sc.queries_from + share * (call + 1) / calls;
-        rows_ahead = {sc.query_rows.data() + a0, a1 - a0, 2 * p_.head_dim};
+        const int64_t a0 = queries.count * call / calls;
+        const int64_t a1 = queries.count * (call + 1) / calls;
+        rows_ahead = {queries.rows + a0, a1 - a0, queries.bytes};
         ++call;
       }
       k_.value_rows({pb + r0 * (kKeyTile / 2), kKeyTile / 2, rows, count, p_.value_dim,
