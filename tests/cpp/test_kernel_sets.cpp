@@ -98,15 +98,17 @@ void check_gemm(const KernelSet& set, int64_t m, int64_t n, int64_t depth, bool 
   std::vector<float> c(m * ldc, 0.0f);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < n; ++j) c[r * ldc + j] = c0[r * n + j];
-  // gemm_rows on the same rows scattered (in reverse order, a gap of other words between them):
-  // the GEMM's bits.
+  // gemm_rows on the same rows scattered (in reverse order, a gap of other words between them),
+  // with those rows asked for ahead (a hint: any readable rows): the GEMM's bits.
   std::vector<float> gathered(c);
   std::vector<uint32_t> pool(m * (words + 7), 0x7FC17FC1u);
   std::vector<const void*> row_at(m);
+  std::vector<const char*> ahead(m);
   for (int64_t r = 0; r < m; ++r) {
     uint32_t* dst = pool.data() + (m - 1 - r) * (words + 7);
     std::copy(pa.data() + r * words, pa.data() + (r + 1) * words, dst);
     row_at[r] = dst;
+    ahead[r] = reinterpret_cast<const char*>(dst);
   }
   {
     const Scope scope(set);
@@ -114,7 +116,8 @@ void check_gemm(const KernelSet& set, int64_t m, int64_t n, int64_t depth, bool 
               scaled ? scale.data() : nullptr, 0.75f});
     if (set.gemm_rows != nullptr) {
       set.gemm_rows(row_at.data(), {nullptr, 0, pb.data(), n, gathered.data(), ldc, m, n, words,
-                                    scaled ? scale.data() : nullptr, 0.75f});
+                                    scaled ? scale.data() : nullptr, 0.75f,
+                                    RowsAhead{ahead.data(), m, 4 * words}});
       ASSERT_EQ(0, std::memcmp(gathered.data(), c.data(), c.size() * sizeof(float)))
           << "gemm_rows differs from gemm";
     }

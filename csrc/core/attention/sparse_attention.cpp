@@ -513,14 +513,14 @@ bool rows_in_place(const SparseAttentionParams& p, const KeySelector& keys,
 
 void gathered_product(const kernels::KernelSet& k, const GatheredPart* parts, int count, int64_t n,
                       int64_t g, int64_t chunk_words, float alpha, float* st, const float* ones,
-                      float* out) {
+                      float* out, const kernels::RowsAhead& ahead) {
   const int64_t gp = round_up(g, 16);
   for (int64_t h0 = 0; h0 < g; h0 += kKeyTile) {
     const int64_t cols = std::min<int64_t>(kKeyTile, gp - h0);
     for (int i = 0; i < count; ++i) {
-      k.gemm_rows(parts[i].rows,
-                  {nullptr, 0, parts[i].bt + h0 / kKeyTile * chunk_words, kKeyTile, st + h0, gp, n,
-                   cols, parts[i].words, i == 0 ? nullptr : ones, alpha});
+      k.gemm_rows(parts[i].rows, {nullptr, 0, parts[i].bt + h0 / kKeyTile * chunk_words, kKeyTile,
+                                  st + h0, gp, n, cols, parts[i].words, i == 0 ? nullptr : ones,
+                                  alpha, h0 == 0 && i == 0 ? ahead : kernels::RowsAhead{}});
     }
   }
   const char* lines[kKeyTile];

@@ -9,7 +9,9 @@
 //   owned by one worker per span, so no two workers add into one row), from the kept P and dS;
 //   the key pass of a span runs beside the query pass of the next;
 // - dsinks: the tokens' shares summed in token order.
-// Five products per selected key and head (S, dP, dq, dk, dv): P and dS are made once.
+// Five products per selected key and head (S, dP, dq, dk, dv): P and dS are made once. Where the
+// query and output-gradient rows are read in place, each pass asks for the rows of its next token
+// from memory during the current token's products (a share in each product call).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -112,6 +114,19 @@ class Backward {
 
   const kernels::KernelSet& kernel_set() const { return k_; }
 
+  // Rows asked for from memory while a token's products run (the next token's, read in place),
+  // an even share of them in each of `parts` calls: part(k) is the share of call k.
+  struct Shares {
+    const char* const* rows = nullptr;
+    int64_t count = 0;
+    int64_t bytes = 0;
+    int64_t parts = 1;
+    kernels::RowsAhead part(int64_t k) const {
+      const int64_t r0 = count * k / parts;
+      return {rows + r0, count * (k + 1) / parts - r0, bytes};
+    }
+  };
+
   // One worker's buffers: O(G x (64 + D + Dr + Dv) + 64 x (D + Dr + Dv)), whatever the sequence
   // lengths. With bf16 pairs the word buffers hold pairs: query, output-gradient, key and value
   // rows along their head dims (q, dout, krow, vrow), keys and values transposed (kt, vt), keys
@@ -141,6 +156,7 @@ class Backward {
           delta(b.g_),
           row(std::max(b.dqk_, b.p_.value_dim)),
           row2(b.p_.value_dim),
+          token_rows(3 * b.g_),
           qt(b.direct_ ? b.chunks() * b.dw_ * kKeyTile : 0),
           ot(b.direct_ ? b.chunks() * b.dwv_ * kKeyTile : 0),
           st(b.direct_ ? kKeyTile * round_up(b.g_, 16) : 0) {}
@@ -166,7 +182,8 @@ class Backward {
     std::vector<float> lse, delta;  // the query pass's token, [G]
     std::vector<float> row, row2;
     std::vector<sparse::KeyRef> keys;
-    std::vector<int64_t> hits;  // the key pass: kept entries of one token in a key block
+    std::vector<int64_t> hits;            // the key pass: kept entries of one token in a key block
+    std::vector<const char*> token_rows;  // the key pass: the next token's rows (token_rows())
     // Rows read in place (direct_): the query and output-gradient rows transposed per 64 heads
     // (gathered_product's B operands), and its S^T.
     AlignedBuffer<uint32_t> qt, ot;
@@ -230,7 +247,9 @@ class Backward {
   // Writes the token's row of sink_share_ (no other task touches it), its dq
   // (the sum over its selected keys in selection order), and its entries of st: the selection,
   // with P and dS.
-  void query_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g, SpanStore& st) {
+  // `more`: whether the worker's task goes on to the next (token, key head), whose rows it asks
+  // for meanwhile.
+  void query_pass(Scratch& sc, const Sequence& s, int64_t i, int64_t g, SpanStore& st, bool more) {
     load_token(sc, s, i, g, false);
     const int64_t row = geo_.token(s, i) * p_.heads_q + g * g_;
     const int64_t stats = geo_.stats_offset(s, i, g);
@@ -270,14 +289,22 @@ class Backward {
     }
     float* dq = sc.acc.data();
     std::fill(dq, dq + g_ * dq16_, 0.0f);
+    // The next group's output, output-gradient and query rows, asked for during the products:
+    // each chunk's two products and its calls of dq_from_rows take a part each.
+    const int64_t chunks = (static_cast<int64_t>(sc.keys.size()) + kKeyTile - 1) / kKeyTile;
+    const int64_t parts = 2 + (dq_rows_ ? (g_ + 7) / 8 : 0);
+    const int64_t ni = g + 1 < p_.heads_k ? i : i + 1;
+    const Shares next = token_rows(sc, s, more ? ni : -1, (g + 1) % p_.heads_k, 3, chunks * parts);
     for (size_t c0 = 0; c0 < sc.keys.size(); c0 += kKeyTile) {
       const int64_t n = std::min<int64_t>(kKeyTile, sc.keys.size() - c0);
-      probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta);
+      const int64_t part = static_cast<int64_t>(c0) / kKeyTile * parts;
+      probabilities(sc, sc.keys.data() + c0, n, next_chunk(sc.keys, c0 + n), lse, delta, next,
+                    part);
       keep(sc, n, st.words.data() + (e0 + c0) * 2 * kept_words_);
       // dq += dS K (float32: scale dS K)
       if (pairs_) k_.to_bf16(sc.dp.data(), sc.ds16.data(), rows_ * kKeyTile);
       if (dq_rows_) {
-        dq_from_rows(sc, sc.keys.data() + c0, n, dq);
+        dq_from_rows(sc, sc.keys.data() + c0, n, dq, next, part + 2);
       } else if (pairs_) {
         k_.gemm({sc.ds16.data(), kKeyTile / 2, sc.kp.data(), dq16_, dq, dq16_, g_, dq16_,
                  kKeyTile / 2, sc.ones.data(), 1.0f});
@@ -316,9 +343,15 @@ class Backward {
       }
       if (sc.hits.empty()) continue;
       load_token(sc, s, i, g, true);
+      // The next token's output-gradient and query rows, asked for during this token's
+      // products: two per chunk.
+      const bool ahead = i + 1 < i1 && keys_.may_select(s, i + 1, k, j0, j1);
+      const int64_t chunks = (static_cast<int64_t>(sc.hits.size()) + kKeyTile - 1) / kKeyTile;
+      const Shares next = token_rows(sc, s, ahead ? i + 1 : -1, g, 2, 2 * chunks);
       for (size_t c0 = 0; c0 < sc.hits.size(); c0 += kKeyTile) {
         const int64_t n = std::min<int64_t>(kKeyTile, sc.hits.size() - c0);
         const int64_t* hits = sc.hits.data() + c0;
+        const int64_t part = 2 * (static_cast<int64_t>(c0) / kKeyTile);
         // The chunk's kept P and dS rows, gathered.
         for (int64_t c = 0; c < n; ++c) {
           const uint32_t* kept = st.words.data() + hits[c] * 2 * kept_words_;
@@ -333,13 +366,14 @@ class Backward {
         bool consecutive = true;
         for (int64_t c = 1; c < n; ++c) consecutive &= st.keys[hits[c]].j == first + c;
         if (pairs_ && g_ <= kPairHeads && consecutive) {
-          pair_key_products(sc, n, dv + (first - j0) * dv16_, dk + (first - j0) * dq16_, true);
+          pair_key_products(sc, n, dv + (first - j0) * dv16_, dk + (first - j0) * dq16_, true, next,
+                            part);
           continue;
         }
         const float* tv = sc.acc.data();
         const float* tk = pairs_ ? sc.acc2.data() : sc.acc.data();
         if (pairs_) {
-          pair_key_products(sc, n, sc.acc.data(), sc.acc2.data(), false);
+          pair_key_products(sc, n, sc.acc.data(), sc.acc2.data(), false, next, part);
         } else {
           float_key_product(sc, sc.pt.data(), sc.dout.data(), dv16_, n);
         }
@@ -446,15 +480,36 @@ class Backward {
   // bf16 pairs: dv = P^T dout and dk = dS^T Q ([n][dv16], [n][dq16]) for the n keys of a chunk
   // from their kept rows (sc.pt, sc.dst), the heads as the depth in pairs, up to kPairHeads heads
   // a product (later ones add to the first); with `add`, the first adds too.
-  void pair_key_products(Scratch& sc, int64_t n, float* dv, float* dk, bool add) const {
+  // `ahead`: parts `part` and `part` + 1 of it asked for during the two products of the first
+  // heads.
+  void pair_key_products(Scratch& sc, int64_t n, float* dv, float* dk, bool add,
+                         const Shares& ahead, int64_t part) const {
     for (int64_t h0 = 0; h0 < g_; h0 += kPairHeads) {
       const int64_t depth = block_depth(h0);
       const float* scale_rows = h0 == 0 && !add ? nullptr : sc.ones.data();
       k_.gemm({sc.pt.data() + h0 / 2, kept_words_, sc.oh.data() + h0 / 2 * dv16_, dv16_, dv, dv16_,
-               n, dv16_, depth, scale_rows, 1.0f});
+               n, dv16_, depth, scale_rows, 1.0f,
+               h0 == 0 ? ahead.part(part) : kernels::RowsAhead{}});
       k_.gemm({sc.dst.data() + h0 / 2, kept_words_, sc.qh.data() + h0 / 2 * dq16_, dq16_, dk, dq16_,
-               n, dq16_, depth, scale_rows, 1.0f});
+               n, dq16_, depth, scale_rows, 1.0f,
+               h0 == 0 ? ahead.part(part + 1) : kernels::RowsAhead{}});
     }
+  }
+
+  // Token i's rows of group g read in place, as Shares of `parts` parts: its output-gradient
+  // rows, then (kinds 2 and 3) its query rows, then (kind 3) its output rows, in sc.token_rows.
+  // None when the rows are copied, or for i < 0.
+  Shares token_rows(Scratch& sc, const Sequence& s, int64_t i, int64_t g, int kinds,
+                    int64_t parts) const {
+    if (!queries_in_place_ || i < 0) return {};
+    const View* views[3] = {&gr_.dout, &p_.query, &gr_.out};
+    for (int v = 0; v < kinds; ++v) {
+      const char* base = static_cast<const char*>(views[v]->data);
+      for (int64_t r = 0; r < g_; ++r) {
+        sc.token_rows[v * g_ + r] = base + 2 * geo_.query_offset(*views[v], s, i, g * g_ + r);
+      }
+    }
+    return {sc.token_rows.data(), kinds * g_, 2 * std::max(p_.head_dim, p_.value_dim), parts};
   }
 
   // Query rows (query | rope) and dout rows of token i's group g, zero-padded, as float32 rows
@@ -550,9 +605,10 @@ class Backward {
   // q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0); with a softcap,
   // P of the capped scores and dS times the cap's derivative.
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
-                     const float* lse, const float* delta) const {
+                     const float* lse, const float* delta, const Shares& ahead,
+                     int64_t part) const {
     if (direct_) {
-      products_in_place(sc, keys, n);
+      products_in_place(sc, keys, n, ahead, part);
     } else {
       packed_products(sc, keys, n, next);
     }
@@ -578,7 +634,8 @@ class Backward {
   // dq += dS K (dS as bf16 key pairs in sc.ds16) for n keys of a chunk, from their key and rope
   // rows where they lie (value_rows: 8 heads at a time, each pair of key rows interleaved in
   // registers), without the scale (query_pass applies it once, when it stores dq).
-  void dq_from_rows(Scratch& sc, const sparse::KeyRef* keys, int64_t n, float* dq) const {
+  void dq_from_rows(Scratch& sc, const sparse::KeyRef* keys, int64_t n, float* dq,
+                    const Shares& ahead, int64_t part) const {
     const uint16_t* rows[2][kKeyTile];  // key, rope
     const int64_t count = round_up(n, 2);
     for (int64_t c = 0; c < count; ++c) {
@@ -590,12 +647,13 @@ class Backward {
                        : nullptr;
     }
     const auto* ds = reinterpret_cast<const uint32_t*>(sc.ds16.data());
-    for (int part = 0; part < (p_.rope_dim > 0 ? 2 : 1); ++part) {
-      const int64_t width = part == 0 ? p_.head_dim : p_.rope_dim;
-      float* o = dq + (part == 0 ? 0 : p_.head_dim);
+    for (int kind = 0; kind < (p_.rope_dim > 0 ? 2 : 1); ++kind) {
+      const int64_t width = kind == 0 ? p_.head_dim : p_.rope_dim;
+      float* o = dq + (kind == 0 ? 0 : p_.head_dim);
       for (int64_t r0 = 0; r0 < g_; r0 += 8) {
-        k_.value_rows({ds + r0 * (kKeyTile / 2), kKeyTile / 2, rows[part], count, width,
-                       o + r0 * dq16_, dq16_, sc.ones.data(), std::min<int64_t>(8, g_ - r0)});
+        k_.value_rows({ds + r0 * (kKeyTile / 2), kKeyTile / 2, rows[kind], count, width,
+                       o + r0 * dq16_, dq16_, sc.ones.data(), std::min<int64_t>(8, g_ - r0),
+                       kind == 0 ? ahead.part(part + r0 / 8) : kernels::RowsAhead{}});
       }
     }
   }
@@ -603,7 +661,9 @@ class Backward {
   // The scores (scale q.k) into sc.s and dP (dout.v) into sc.dp, [G][64], for n keys of a
   // chunk read where they lie (gathered_product), and unless dq_rows_ their key pairs in sc.kp
   // (interleaved from the rows as they lie).
-  void products_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n) const {
+  // `ahead`: parts `part` and `part` + 1 of it asked for during the two products.
+  void products_in_place(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Shares& ahead,
+                         int64_t part) const {
     const void* rows[3][kKeyTile];  // key, rope, value
     for (int64_t c = 0; c < n; ++c) {
       const sparse::KeySource& src = *sources_[keys[c].source];
@@ -617,10 +677,10 @@ class Backward {
         {rows[0], key_words, sc.qt.data()},
         {rows[1], p_.rope_dim / 2, sc.qt.data() + key_words * kKeyTile}};
     sparse::gathered_product(k_, scores, p_.rope_dim > 0 ? 2 : 1, n, g_, dw_ * kKeyTile, p_.scale,
-                             sc.st.data(), sc.ones.data(), sc.s.data());
+                             sc.st.data(), sc.ones.data(), sc.s.data(), ahead.part(part));
     const sparse::GatheredPart values = {rows[2], dwv_, sc.ot.data()};
     sparse::gathered_product(k_, &values, 1, n, g_, dwv_ * kKeyTile, 1.0f, sc.st.data(),
-                             sc.ones.data(), sc.dp.data());
+                             sc.ones.data(), sc.dp.data(), ahead.part(part + 1));
     if (dq_rows_) return;
     // kp[l][e] = (k[2l][e], k[2l + 1][e]) over key | rope, zeros past the chunk's keys.
     for (int64_t l = 0; l < kKeyTile / 2; ++l) {
@@ -831,7 +891,7 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
             const TokenTask& task = tokens[w - key_work];
             for (int64_t i = task.i0; i < task.i1; ++i) {
               for (int64_t g = 0; g < p.heads_k; ++g) {
-                run.query_pass(sc, seqs[task.b], i, g, next);
+                run.query_pass(sc, seqs[task.b], i, g, next, i + 1 < task.i1 || g + 1 < p.heads_k);
               }
             }
             return;

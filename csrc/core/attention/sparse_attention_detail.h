@@ -323,10 +323,11 @@ struct GatheredPart {
 // r < g ([g][64], as the packed product leaves it; columns past n zero): S^T = A B^T on the rows
 // where they lie (gemm_rows, one part after the other, later ones added), then transposed. st:
 // [64][round_up(g, 16)] floats; ones: 64 ones. One part: the packed product's pair products in
-// the same order, the same bits.
+// the same order, the same bits. `ahead`: rows asked for from memory during the first part's
+// product (rows_ahead.h).
 void gathered_product(const kernels::KernelSet& k, const GatheredPart* parts, int count, int64_t n,
                       int64_t g, int64_t chunk_words, float alpha, float* st, const float* ones,
-                      float* out);
+                      float* out, const kernels::RowsAhead& ahead = {});
 
 // Whether a bf16 query-layout tensor's rows of `elements` elements are whole pair words where
 // they lie: unit stride along the row, an even element count, even strides and 4-byte aligned

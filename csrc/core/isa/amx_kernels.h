@@ -118,10 +118,13 @@ struct AmxKernels {
 
   static void gemm(const GemmArgs& g) {
     ensure_configured();
+    // One step of `ahead` per block of up to 32 x 32.
+    LinesAhead ahead(g.ahead, (g.m + 2 * kTileRows - 1) / (2 * kTileRows) * ((g.n + 31) / 32));
     for (int64_t m0 = 0; m0 < g.m; m0 += 2 * kTileRows) {
       const bool two_rows = g.m - m0 > kTileRows;
       for (int64_t n0 = 0; n0 < g.n; n0 += 32) {
         const bool two_cols = g.n - n0 >= 32;
+        ahead.next();
         if (two_rows && two_cols) {
           gemm_block<2, 2>(g, m0, n0);
         } else if (two_rows) {

@@ -61,13 +61,15 @@ struct Avx512Gemm {
 
   // Row r of A: a_rows[r] when given (gathered rows), else g.a + r * g.lda.
   template <int kCols>
-  static void columns(const GemmArgs& g, const Word* const* a_rows, int64_t col) {
+  static void columns(const GemmArgs& g, const Word* const* a_rows, int64_t col,
+                      LinesAhead& ahead) {
     const Word* a = static_cast<const Word*>(g.a);
     const Word* b = static_cast<const Word*>(g.b) + col;
     // One column vector leaves a 6-row block 6 independent accumulators, too few to hide the
     // product's latency: such blocks take up to 12 rows.
     constexpr int kBlockRows = kCols == 1 ? 12 : 6;
     for_each_even_row_block<kBlockRows>(0, static_cast<int>(g.m), [&](auto rows, int r) {
+      ahead.next();
       float* c = g.c + r * g.ldc + col;
       const float* scale = g.row_scale ? g.row_scale + r : nullptr;
       if (a_rows != nullptr) {
@@ -81,17 +83,20 @@ struct Avx512Gemm {
   }
 
   static void run(const GemmArgs& g, const Word* const* a_rows = nullptr) {
+    // One step of `ahead` per block: at most 6 rows (12 on one column vector) of 64 columns.
+    const int64_t row_blocks = (g.m + 5) / 6 * ((g.n + 63) / 64);
+    LinesAhead ahead(g.ahead, row_blocks);
     int64_t col = 0;
-    for (; col + 64 <= g.n; col += 64) columns<4>(g, a_rows, col);
+    for (; col + 64 <= g.n; col += 64) columns<4>(g, a_rows, col, ahead);
     switch ((g.n - col) / 16) {
       case 3:
-        columns<3>(g, a_rows, col);
+        columns<3>(g, a_rows, col, ahead);
         break;
       case 2:
-        columns<2>(g, a_rows, col);
+        columns<2>(g, a_rows, col, ahead);
         break;
       case 1:
-        columns<1>(g, a_rows, col);
+        columns<1>(g, a_rows, col, ahead);
         break;
       default:
         break;

@@ -23,7 +23,9 @@ enum class Word : int { kFloat32 = 0, kBf16Pair = 1 };
 // C[m][n] = alpha * A.B, or C = row_scale[r] * C + alpha * A.B when row_scale is given.
 // A is row-major [m][lda] words; B is packed [depth][ldb] words with n a multiple of 16 and
 // ldb >= n; C is float [m][ldc]. A must stay readable up to row round_up(m, row_align) and
-// depth is a multiple of depth_align (the kernel set's geometry).
+// depth is a multiple of depth_align (the kernel set's geometry). `ahead`: rows the caller reads
+// next, asked for from memory between the blocks of the product (rows_ahead.h; the AVX-512 and
+// AMX sets; the others take no hint); empty for none.
 struct GemmArgs {
   const void* a;
   int64_t lda;
@@ -36,6 +38,7 @@ struct GemmArgs {
   int64_t depth;
   const float* row_scale;
   float alpha;
+  RowsAhead ahead = {};
 };
 
 // Scores of a few query rows against kKeyTile key rows read where they lie (decode):
