@@ -7,7 +7,9 @@
 //   static Vec broadcast(Word w);                  // one word in every lane
 //   static __m512 madd(__m512 acc, Vec q, Vec k);  // acc += q * k, per lane, in float32
 // Both work in blocks of 6 rows x 64 columns: 24 zmm accumulators, 4 B (key) vectors and one
-// broadcast fit the 32 registers (the GEMM on one column vector: 12 rows). Included only by
+// broadcast fit the 32 registers (the GEMM on one column vector: 12 rows). Their loops over rows
+// and columns are unrolled by pragma: otherwise GCC keeps the accumulator array on the stack
+// around the depth loop (zeroed, loaded, stored and loaded again per block). Included only by
 // translation units compiled with AVX-512 flags.
 #pragma once
 
@@ -30,31 +32,43 @@ struct Avx512Gemm {
   static void block(const Rows& a, const Word* b, int64_t ldb, int64_t depth, float* c, int64_t ldc,
                     const float* row_scale, float alpha) {
     const Word* row[kRows];
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) row[r] = a(r);
     __m512 acc[kRows][kCols];
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
       for (int j = 0; j < kCols; ++j) acc[r][j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < depth; ++d) {
       Vec bv[kCols];
+#pragma GCC unroll 16
       for (int j = 0; j < kCols; ++j) bv[j] = Policy::load(b + d * ldb + 16 * j);
+#pragma GCC unroll 16
       for (int r = 0; r < kRows; ++r) {
         const Vec ab = Policy::broadcast(row[r][d]);
+#pragma GCC unroll 16
         for (int j = 0; j < kCols; ++j) acc[r][j] = Policy::madd(acc[r][j], ab, bv[j]);
       }
     }
     const __m512 scale = _mm512_set1_ps(alpha);
-    for (int r = 0; r < kRows; ++r) {
-      float* out = c + r * ldc;
-      if (row_scale != nullptr) {
+    if (row_scale != nullptr) {
+#pragma GCC unroll 16
+      for (int r = 0; r < kRows; ++r) {
+        float* out = c + r * ldc;
         const __m512 keep = _mm512_set1_ps(row_scale[r]);
+#pragma GCC unroll 16
         for (int j = 0; j < kCols; ++j) {
           const __m512 old = _mm512_mul_ps(keep, _mm512_loadu_ps(out + 16 * j));
           _mm512_storeu_ps(out + 16 * j, _mm512_fmadd_ps(scale, acc[r][j], old));
         }
-      } else {
-        for (int j = 0; j < kCols; ++j) {
-          _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(scale, acc[r][j]));
-        }
+      }
+      return;
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 16
+      for (int j = 0; j < kCols; ++j) {
+        _mm512_storeu_ps(c + r * ldc + 16 * j, _mm512_mul_ps(scale, acc[r][j]));
       }
     }
   }
@@ -120,7 +134,9 @@ struct Avx512Tile {
   static void block(const Word* q, int64_t depth, const Word* k, const float* w, int w_stride,
                     float* scores) {
     __m512 acc[kRows][kCols];
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
       for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t d = 0; d < depth; ++d) {
       const Word* kd = k + d * kTile;
@@ -128,6 +144,7 @@ struct Avx512Tile {
       const Vec k1 = Policy::load(kd + 16);
       const Vec k2 = Policy::load(kd + 32);
       const Vec k3 = Policy::load(kd + 48);
+#pragma GCC unroll 16
       for (int r = 0; r < kRows; ++r) {
         const Vec qb = Policy::broadcast(q[r * depth + d]);
         acc[r][0] = Policy::madd(acc[r][0], qb, k0);
@@ -139,8 +156,10 @@ struct Avx512Tile {
     // relu and the weighted head sum while the dot products are still in registers. MAXPS
     // returns its second operand when either is NaN: (zero, acc) lets a NaN through.
     const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
       const __m512 wb = _mm512_set1_ps(w[r * w_stride]);
+#pragma GCC unroll 16
       for (int c = 0; c < kCols; ++c) {
         float* out = scores + r * kTile + c * 16;
         _mm512_storeu_ps(out,
