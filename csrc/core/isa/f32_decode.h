@@ -36,6 +36,7 @@ inline void transpose4_in_lanes(__m256* a) {
 // transposes within the lanes leave column c (c < 4) in a[c] and column c + 4 in a[c + 4].
 inline void transpose8(__m256i (&x)[8]) {
   __m256 a[8];
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     const __m256 lo = _mm256_castsi256_ps(x[i]), hi = _mm256_castsi256_ps(x[i + 4]);
     a[i] = _mm256_permute2f128_ps(lo, hi, 0x20);
@@ -43,6 +44,7 @@ inline void transpose8(__m256i (&x)[8]) {
   }
   transpose4_in_lanes(a);
   transpose4_in_lanes(a + 4);
+#pragma GCC unroll 16
   for (int i = 0; i < 8; ++i) x[i] = _mm256_castps_si256(a[i]);
 }
 
@@ -91,30 +93,39 @@ struct F32KeyScores {
     const int64_t full = elements / V::kLanes * V::kLanes;
     const __m256 alpha = _mm256_set1_ps(a.alpha);
     __m256 step_sums[8 / kKeys];
+#pragma GCC unroll 16
     for (int n = 0; n < 8; n += kKeys) {
       const uint16_t* key[kKeys];
+#pragma GCC unroll 16
       for (int i = 0; i < kKeys; ++i) {
         ahead.next();
         key[i] = reinterpret_cast<const uint16_t*>(a.keys + (n0 + n + i) * a.ldk);
       }
       Vec acc[kKeys][kRows];
+#pragma GCC unroll 16
       for (int i = 0; i < kKeys; ++i)
+#pragma GCC unroll 16
         for (int r = 0; r < kRows; ++r) acc[i][r] = V::zero();
       for (int64_t e = 0; e < full; e += V::kLanes) {
         Vec k[kKeys];
+#pragma GCC unroll 16
         for (int i = 0; i < kKeys; ++i) k[i] = V::widen(key[i] + e, V::kLanes);
+#pragma GCC unroll 16
         for (int r = 0; r < kRows; ++r) {
           Vec x = V::load(q + r * stride + e);
           // In a register for every key: the compiler would fold a load into each multiply-add,
           // and the loads, not the multiply-adds, would then bound the loop.
           if constexpr (kKeys > 1) asm("" : "+v"(x));
+#pragma GCC unroll 16
           for (int i = 0; i < kKeys; ++i) acc[i][r] = V::fma(x, k[i], acc[i][r]);
         }
       }
       if (full < elements) {
         const int64_t count = elements - full;
+#pragma GCC unroll 16
         for (int i = 0; i < kKeys; ++i) {
           const Vec k = V::widen(key[i] + full, count);
+#pragma GCC unroll 16
           for (int r = 0; r < kRows; ++r) {
             acc[i][r] = V::fma(V::load_part(q + r * stride + full, count), k, acc[i][r]);
           }
@@ -122,7 +133,9 @@ struct F32KeyScores {
       }
       __m256 folded[8];
       for (__m256& f : folded) f = _mm256_setzero_ps();
+#pragma GCC unroll 16
       for (int i = 0; i < kKeys; ++i)
+#pragma GCC unroll 16
         for (int r = 0; r < kRows; ++r) folded[i * kSlot + r] = V::fold(acc[i][r]);
       step_sums[n / kKeys] = _mm256_mul_ps(alpha, sum_lanes8(folded));
     }
@@ -131,6 +144,7 @@ struct F32KeyScores {
     if constexpr (kKeys == 8) {
       rows[0] = step_sums[0];
     } else if constexpr (kKeys == 4) {
+#pragma GCC unroll 16
       for (int r = 0; r < kRows; ++r) {
         const __m256i lanes = _mm256_setr_epi32(r, 2 + r, 4 + r, 6 + r, r, 2 + r, 4 + r, 6 + r);
         rows[r] = _mm256_blend_ps(_mm256_permutevar8x32_ps(step_sums[0], lanes),
@@ -140,14 +154,17 @@ struct F32KeyScores {
       // One key per word of a transpose's input: for two keys a step, the step's sums and the
       // same with the halves exchanged (the second key's rows in the low half).
       __m256i x[8];
+#pragma GCC unroll 16
       for (int n = 0; n < 8; ++n) {
         const __m256 v = step_sums[n / kKeys];
         x[n] =
             _mm256_castps_si256(kKeys == 2 && n % 2 == 1 ? _mm256_permute2f128_ps(v, v, 0x01) : v);
       }
       transpose8(x);  // x[r]: row r's scores of the 8 keys
+#pragma GCC unroll 16
       for (int r = 0; r < kRows; ++r) rows[r] = _mm256_castsi256_ps(x[r]);
     }
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(a.s + (r0 + r) * a.lds + n0, rows[r]);
   }
 
@@ -169,6 +186,7 @@ struct F32KeyScores {
       if (a.ldq == 128) return keys(std::integral_constant<int64_t, 128>{}, q, a.ldq);
       if (a.ldq == 256) return keys(std::integral_constant<int64_t, 256>{}, q, a.ldq);
       if (elements > kPacked) return keys(std::integral_constant<int64_t, 0>{}, q, a.ldq);
+#pragma GCC unroll 16
       for (int i = 0; i < kRows; ++i)
         std::copy(q + i * a.ldq, q + i * a.ldq + elements, packed + i * kPacked);
       keys(std::integral_constant<int64_t, kPacked>{}, packed, kPacked);
@@ -209,12 +227,15 @@ struct F32ValueRows {
     using Vec = typename V::Vec;
     const float* p = reinterpret_cast<const float*>(a.p) + r0 * a.ldp;
     Vec acc[kRows][kC];  // kPairs: acc[r][2 j] the even columns of pair j, acc[r][2 j + 1] the odd
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
       for (int j = 0; j < kC; ++j) acc[r][j] = V::zero();
     for (int64_t i = 0; i < a.count; ++i) {
       ahead.next();
       const uint16_t* v = a.values[i];
       Vec x[kC];
+#pragma GCC unroll 16
       for (int j = 0; j < kC; ++j) {
         if constexpr (kPairs<kC>) {
           if (j % 2 == 0) {
@@ -228,17 +249,22 @@ struct F32ValueRows {
           x[j] = v != nullptr ? V::widen(v + e0 + j * V::kLanes, V::kLanes) : V::zero();
         }
       }
+#pragma GCC unroll 16
       for (int r = 0; r < kRows; ++r) {
         const Vec pr = V::broadcast(p + r * a.ldp + i);
+#pragma GCC unroll 16
         for (int j = 0; j < kC; ++j) acc[r][j] = V::fma(pr, x[j], acc[r][j]);
       }
     }
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
       float* out = a.o + (r0 + r) * a.ldo + e0;
       const float* scale = a.row_scale != nullptr ? a.row_scale + r0 + r : nullptr;
       if constexpr (kPairs<kC>) {
+#pragma GCC unroll 16
         for (int j = 0; j < kC; j += 2) V::interleave(acc[r][j], acc[r][j + 1]);
       }
+#pragma GCC unroll 16
       for (int j = 0; j < kC; ++j) V::store_sums(out + j * V::kLanes, acc[r][j], scale);
     }
   }
