@@ -183,7 +183,7 @@ class Backward {
     std::vector<float> row, row2;
     std::vector<sparse::KeyRef> keys;
     std::vector<int64_t> hits;            // the key pass: kept entries of one token in a key block
-    std::vector<const char*> token_rows;  // the key pass: the next token's rows (token_rows())
+    std::vector<const char*> token_rows;  // both passes: the next token's rows (token_rows())
     // Rows read in place (direct_): the query and output-gradient rows transposed per 64 heads
     // (gathered_product's B operands), and its S^T.
     AlignedBuffer<uint32_t> qt, ot;
@@ -603,7 +603,8 @@ class Backward {
   // For n keys of one chunk (their rows read where they lie, or copied and packed with the next
   // chunk asked for meanwhile; on bf16 pairs, the keys as key pairs too in sc.kp): P = exp(scale
   // q.k - lse) in sc.s and dS = P (dout.v - delta) in sc.dp (columns past n are 0); with a softcap,
-  // P of the capped scores and dS times the cap's derivative.
+  // P of the capped scores and dS times the cap's derivative. `ahead`: parts `part` and `part` + 1
+  // of it asked for during the products on rows in place.
   void probabilities(Scratch& sc, const sparse::KeyRef* keys, int64_t n, const Chunk& next,
                      const float* lse, const float* delta, const Shares& ahead,
                      int64_t part) const {
