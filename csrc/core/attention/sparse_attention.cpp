@@ -163,9 +163,8 @@ class Forward {
       const int64_t next = std::min<int64_t>(kKeyTile, std::max<int64_t>(end - c0 - n, 0));
       // This chunk's share of the next group's query rows.
       const int64_t chunk = (c0 - k0) / kKeyTile;
-      const int64_t q0 = queries_ahead * chunk / chunks;
-      const kernels::RowsAhead queries{sc.query_rows.data() + q0,
-                                       queries_ahead * (chunk + 1) / chunks - q0, 2 * p_.head_dim};
+      const kernels::RowsAhead queries =
+          kernels::share({sc.query_rows.data(), queries_ahead, 2 * p_.head_dim}, chunk, chunks);
       float* sv = sc.s.data();
       // bf16 sets take the scores unscaled and fold a positive scale into the softmax's exp.
       if (direct_) {
@@ -291,9 +290,7 @@ class Forward {
     for (int64_t r0 = 0, call = 0; r0 < g_; r0 += 8) {
       kernels::RowsAhead rows_ahead{ahead, ahead_n, ahead_bytes};
       if (r0 > 0 || ahead_n == 0) {
-        const int64_t a0 = queries.count * call / calls;
-        const int64_t a1 = queries.count * (call + 1) / calls;
-        rows_ahead = {queries.rows + a0, a1 - a0, queries.bytes};
+        rows_ahead = kernels::share(queries, call, calls);
         ++call;
       }
       k_.value_rows({pb + r0 * (kKeyTile / 2), kKeyTile / 2, rows, count, p_.value_dim,

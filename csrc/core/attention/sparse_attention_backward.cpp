@@ -117,14 +117,9 @@ class Backward {
   // Rows asked for from memory while a token's products run (the next token's, read in place),
   // an even share of them in each of `parts` calls: part(k) is the share of call k.
   struct Shares {
-    const char* const* rows = nullptr;
-    int64_t count = 0;
-    int64_t bytes = 0;
+    kernels::RowsAhead rows;
     int64_t parts = 1;
-    kernels::RowsAhead part(int64_t k) const {
-      const int64_t r0 = count * k / parts;
-      return {rows + r0, count * (k + 1) / parts - r0, bytes};
-    }
+    kernels::RowsAhead part(int64_t k) const { return kernels::share(rows, k, parts); }
   };
 
   // One worker's buffers: O(G x (64 + D + Dr + Dv) + 64 x (D + Dr + Dv)), whatever the sequence
@@ -509,7 +504,7 @@ class Backward {
         sc.token_rows[v * g_ + r] = base + 2 * geo_.query_offset(*views[v], s, i, g * g_ + r);
       }
     }
-    return {sc.token_rows.data(), kinds * g_, 2 * std::max(p_.head_dim, p_.value_dim), parts};
+    return {{sc.token_rows.data(), kinds * g_, 2 * std::max(p_.head_dim, p_.value_dim)}, parts};
   }
 
   // Query rows (query | rope) and dout rows of token i's group g, zero-padded, as float32 rows

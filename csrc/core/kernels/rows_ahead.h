@@ -19,6 +19,12 @@ struct RowsAhead {
   int64_t bytes = 0;                  // bytes read from each row's address
 };
 
+// Share k of `parts` even shares of a's rows: rows [count k / parts, count (k + 1) / parts).
+inline RowsAhead share(const RowsAhead& a, int64_t k, int64_t parts) {
+  const int64_t r0 = a.count * k / parts;
+  return {a.rows + r0, a.count * (k + 1) / parts - r0, a.bytes};
+}
+
 // The cache lines of a RowsAhead, an even share of them per call of next() over `steps` calls.
 class LinesAhead {
  public:
