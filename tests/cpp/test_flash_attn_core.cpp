@@ -116,20 +116,40 @@ FlashAttnParams tnd_params(const PlanConfig& c, const Batch& x, const LengthArra
   return p;
 }
 
-void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads) {
+// Counts the parallel regions it starts (run_workers calls); runs them on real threads.
+class CountingExecutor final : public Executor {
+ public:
+  explicit CountingExecutor(int n) : threads_(n) {}
+  int num_workers() const override { return threads_.num_workers(); }
+  void run_workers(const std::function<void(int)>& fn) const override {
+    ++regions;
+    threads_.run_workers(fn);
+  }
+  mutable int regions = 0;
+
+ private:
+  ThreadExecutor threads_;
+};
+
+void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads,
+                   const Plan* given_plan = nullptr, const Executor* executor = nullptr,
+                   std::vector<int64_t>* busy_ns = nullptr) {
   const std::vector<int32_t> lengths{130, 0, 1, 1100, 67};
   const Batch x = make_batch(lengths, 3);
   const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
   const std::vector<Sequence> seqs = resolve_sequences(c, arrays);
-  const Plan plan = make_plan(c, seqs);
+  const Plan plan = given_plan != nullptr ? *given_plan : make_plan(c, seqs);
   // No padding rows here: the kernel must write every element, so start from NaN.
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> out(x.cu.back() * kHeadsQ * kDimV, nan), lse(kHeadsQ * x.cu.back(), nan);
   FlashAttnParams p = tnd_params(c, x, arrays, out, lse);
   p.sinks = sinks ? x.sinks.data() : nullptr;
   std::vector<float> workspace(std::max<int64_t>(1, workspace_floats(c, plan)));
-  std::vector<int64_t> busy(plan.workers.size());
-  flash_attn(p, seqs, plan, ThreadExecutor(threads), isa, workspace.data(), busy.data());
+  std::vector<int64_t> busy(plan.workers.size(), -1);
+  const ThreadExecutor own(threads);
+  flash_attn(p, seqs, plan, executor != nullptr ? *executor : own, isa, workspace.data(),
+             busy.data());
+  if (busy_ns != nullptr) *busy_ns = busy;
   // The reference depends on the mask and the sinks only: compute it once per combination.
   static std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> cache;
   const std::string key = std::to_string(static_cast<int>(c.mask_mode)) + "/" +
@@ -182,6 +202,33 @@ TEST(FlashAttnCore, WindowsSinksAndDeterministicSplits) {
   run_and_check(window, true, isa, 2);
   run_and_check(config(MaskMode::kNone, 5, true), true, isa, 2);
   run_and_check(config(MaskMode::kCausal, 64, true), false, isa, 4);
+}
+
+// A plan whose work all lies in one worker's stretch runs it on the calling thread: no parallel
+// region starts (a short decode), the idle workers report no busy time, and the results are the
+// same as from threads.
+TEST(FlashAttnCore, OneBusyWorkerRunsWithoutParallelRegion) {
+  const PlanConfig one = config(MaskMode::kCausal, 1, false);
+  const std::vector<int32_t> lengths{130, 0, 1, 1100, 67};
+  const Batch x = make_batch(lengths, 3);
+  const LengthArrays arrays{x.cu.data(), x.cu.data(), nullptr, nullptr};
+  const std::vector<Sequence> seqs = resolve_sequences(one, arrays);
+  Plan plan = make_plan(one, seqs);
+  ASSERT_EQ(plan.workers.size(), 1u);
+  const Position end = plan.workers[0].end;
+  plan.workers.resize(4, WorkerRange{end, end, -1, -1, 0.0f});  // three idle workers
+  const PlanConfig four = config(MaskMode::kCausal, 4, false);
+  const CountingExecutor counting(4);
+  std::vector<int64_t> busy;
+  run_and_check(four, false, detected_isa(), 4, &plan, &counting, &busy);
+  EXPECT_EQ(counting.regions, 0);
+  EXPECT_GT(busy[0], 0);
+  for (size_t w = 1; w < busy.size(); ++w) EXPECT_EQ(busy[w], 0) << "worker " << w;
+  // The planner's own plan for four workers keeps them busy side by side: one region.
+  const CountingExecutor planned(4);
+  run_and_check(four, false, detected_isa(), 4, nullptr, &planned, &busy);
+  EXPECT_GE(planned.regions, 1);
+  for (int64_t ns : busy) EXPECT_GT(ns, 0);
 }
 
 TEST(FlashAttnCore, EntryPointValidatesWhatItIsGiven) {

@@ -1034,7 +1034,19 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
     if (!scratch[thread]) scratch[thread] = std::make_unique<Runner::Scratch>(runner);
     return *scratch[thread];
   };
-  run_dynamic(executor, static_cast<int64_t>(plan.workers.size()), [&](int64_t w, int thread) {
+  // Workers whose stretch is empty take no part: when one worker holds all the work (a short
+  // decode) it runs on the calling thread, with no parallel region to start and wait for.
+  std::vector<int64_t> busy;
+  busy.reserve(plan.workers.size());
+  for (size_t w = 0; w < plan.workers.size(); ++w) {
+    if (plan.workers[w].begin != plan.workers[w].end) {
+      busy.push_back(static_cast<int64_t>(w));
+    } else if (worker_ns != nullptr) {
+      worker_ns[w] = 0;
+    }
+  }
+  run_dynamic(executor, static_cast<int64_t>(busy.size()), [&](int64_t task, int thread) {
+    const int64_t w = busy[task];
     const auto start = std::chrono::steady_clock::now();
     Runner::Scratch& sc = scratch_of(thread);
     const kernels::WorkerScope scope(runner.kernel_set());
