@@ -19,6 +19,7 @@ class AlignedBuffer {
   explicit AlignedBuffer(size_t count) : AlignedBuffer(count, true) {}
   AlignedBuffer() : AlignedBuffer(0) {}
   T* data() const { return data_.get(); }
+  size_t size() const { return count_; }
   // Grows to at least `count` elements; contents are not kept (a grown buffer is zero-filled).
   void grow(size_t count) {
     if (count > count_) *this = AlignedBuffer(count);

@@ -105,6 +105,22 @@ def test_reads_match_the_reference_on_the_dequantized_rows(case, dtype, fmt, sim
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("name", ["paged_64_decode", "paged_tnd"])
+def test_calls_of_one_shape_in_a_row_read_their_own_cache(name, fmt, simd_level):
+    """A call's scratch (with the dequantized tiles it stages) is kept for the next call of its
+    shape: each of a run of same-shaped calls on new cache rows matches the reference."""
+    out_atol, out_rtol, lse_atol, lse_rtol = TOLERANCES[torch.bfloat16]
+    for seed in (0, 1, 2):
+        q, (kq, ks, vq, vs), kw = quantized_call(BY_NAME[name], torch.bfloat16, FORMATS[fmt], seed)
+        out, lse = opmesh.flash_attn(
+            q, kq, vq, k_scale=ks, v_scale=vs, return_softmax_lse=True, **kw
+        )
+        want_out, want_lse = flash_attn_reference(q, dequantize(kq, ks), dequantize(vq, vs), **kw)
+        assert_close(out, want_out, atol=out_atol, rtol=out_rtol, name="attn_out")
+        assert_close(lse, want_lse, atol=lse_atol, rtol=lse_rtol, name="softmax_lse")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("name", ["paged_64_decode", "paged_tnd", "odd_dims"])
 def test_power_of_two_scales_give_the_bits_of_the_same_values_in_bf16(name, fmt, simd_level):
     """With scales that are powers of two, scaling the scores and the probabilities is exact:

@@ -7,7 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "../aligned_buffer.h"
 #include "../errors.h"
@@ -22,6 +24,9 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kCacheLimitBytes = int64_t{64} << 20;
 constexpr int64_t kSideBySideBytes = int64_t{2} << 20;
+// Scratch kept between calls (ScratchPool): at most this many, each at most this large.
+constexpr size_t kKeptScratches = 16;
+constexpr size_t kKeptScratchBytes = size_t{1} << 20;
 
 using kernels::KernelSet;
 using kernels::LinesAhead;
@@ -120,10 +125,28 @@ class Runner {
     AlignedBuffer<uint32_t> qt;  // direct keys: the query rows transposed, [dw][64] pair words
   };
 
+  // What a Scratch's and its unit states' sizes depend on: one built for a runner of the same
+  // shape serves another.
+  struct ScratchShape {
+    int64_t rows, rows_cap, dw, dvp, block_tiles, d, dv, positions, stage_ld, elem;
+    bool direct_keys, quantized;
+    bool operator==(const ScratchShape& o) const {
+      return rows == o.rows && rows_cap == o.rows_cap && dw == o.dw && dvp == o.dvp &&
+             block_tiles == o.block_tiles && d == o.d && dv == o.dv && positions == o.positions &&
+             stage_ld == o.stage_ld && elem == o.elem && direct_keys == o.direct_keys &&
+             quantized == o.quantized;
+    }
+  };
+  ScratchShape scratch_shape() const {
+    return {rows_, rows_cap_,    dw_,       dvp_,  block_tiles_, d_,
+            dv_,   g_.positions, stage_ld_, elem_, direct_keys_, quantized_};
+  }
+
   // Per physical thread: packed operands, tiles, states and the packed key/value cache.
   struct Scratch {
     explicit Scratch(const Runner& r)
-        : s(r.rows_cap_ * r.block_tiles_ * kKeyTile),
+        : shape(r.scratch_shape()),
+          s(r.rows_cap_ * r.block_tiles_ * kKeyTile),
           pb(r.rows_cap_ * r.block_tiles_ * kKeyTile),
           row(std::max(r.d_, r.dv_) + 2),
           vis(r.g_.positions),
@@ -140,6 +163,34 @@ class Runner {
       }
       use(r, 0);
     }
+    // Ready for another call of the same shape: forgets which key/value tiles it holds packed
+    // or staged (the cache's rows may have changed since) and the last call's group; the
+    // buffers' contents are rewritten before they are read, as between units of one call.
+    void renew(const Runner& r) {
+      cache_b = cache_h = -1;
+      cache_all = tiles_reused = false;
+      stretch_end = 0;
+      p0 = 0;
+      group_h0 = 0;
+      group_h1 = 1;
+      ahead_end = 0;
+      keys_ahead = values_ahead = {};
+      for (auto& tags : stage_tags) tags.assign(tags.size(), StageTag{});
+      use(r, 0);
+    }
+    // Bytes held, for ScratchPool's limit.
+    size_t bytes() const {
+      size_t n = s.size() * 4 + pb.size() * 2 + row.size() * 4 + st.size() * 4 +
+                 st_rows.size() * 4 + kcache.size() * 4 + vcache.size() * 4 + packed.size() +
+                 vis.size() * sizeof(KeyRange) +
+                 (value_rows.size() + ahead_k.size() + ahead_v.size()) * sizeof(void*);
+      for (int i = 0; i < 2; ++i) n += stage[i].size() + scales[i].size() * 4;
+      for (const auto& unit : units) {
+        n += (unit->q.size() + unit->qt.size()) * 4 + (unit->o.size() + unit->stats.size()) * 4;
+      }
+      return n;
+    }
+    const ScratchShape shape;
     AlignedBuffer<float> s;
     AlignedBuffer<uint16_t> pb;
     std::vector<const uint16_t*> value_rows;  // value_product: the block's value rows
@@ -1022,6 +1073,48 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
   require_supported(isa);
 }
 
+// Scratch kept between calls. Building one takes a dozen aligned allocations, zero-filled, the
+// larger ones mapped afresh by malloc: for a short decode that cost as much as the kernel (on a
+// Zen 4, one token over 64 keys with 32/8 heads: 26-28 us a call with new scratch, 21 us with
+// scratch kept). Calls of one shape, the steady state of decoding, take the scratch the last
+// call gave back. Small ones only (kKeptScratchBytes), so that a long prefill's key/value cache
+// does not stay allocated; a mutex, as calls may run on several threads at once.
+class ScratchPool {
+ public:
+  static ScratchPool& instance() {
+    static ScratchPool pool;
+    return pool;
+  }
+  // A kept scratch of the runner's shape, renewed, or a new one.
+  std::unique_ptr<Runner::Scratch> take(const Runner& runner) {
+    const Runner::ScratchShape shape = runner.scratch_shape();
+    std::unique_ptr<Runner::Scratch> found;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) {
+        if ((*it)->shape == shape) {
+          found = std::move(*it);
+          kept_.erase(std::next(it).base());
+          break;
+        }
+      }
+    }
+    if (!found) return std::make_unique<Runner::Scratch>(runner);
+    found->renew(runner);
+    return found;
+  }
+  void give(std::unique_ptr<Runner::Scratch> scratch) {
+    if (!scratch || scratch->bytes() > kKeptScratchBytes) return;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (kept_.size() == kKeptScratches) kept_.erase(kept_.begin());  // the oldest
+    kept_.push_back(std::move(scratch));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Runner::Scratch>> kept_;
+};
+
 void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequences,
                 const Plan& plan, const Executor& executor, Isa isa, float* workspace,
                 int64_t* worker_ns) {
@@ -1031,7 +1124,7 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
   const UnitWalker& walker = runner.walker();
   std::vector<std::unique_ptr<Runner::Scratch>> scratch(executor.num_workers());
   auto scratch_of = [&](int thread) -> Runner::Scratch& {
-    if (!scratch[thread]) scratch[thread] = std::make_unique<Runner::Scratch>(runner);
+    if (!scratch[thread]) scratch[thread] = ScratchPool::instance().take(runner);
     return *scratch[thread];
   };
   // Workers whose stretch is empty take no part: when one worker holds all the work (a short
@@ -1087,6 +1180,7 @@ void flash_attn(const FlashAttnParams& params, const std::vector<Sequence>& sequ
   run_dynamic(executor, static_cast<int64_t>(plan.combines.size()), [&](int64_t c, int thread) {
     runner.combine(scratch_of(thread), plan.combines[c], workspace);
   });
+  for (auto& sc : scratch) ScratchPool::instance().give(std::move(sc));
 }
 
 }  // namespace opmesh::core::attention
