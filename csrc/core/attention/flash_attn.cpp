@@ -1075,10 +1075,11 @@ void validate(const FlashAttnParams& p, const std::vector<Sequence>& seqs, const
 
 // Scratch kept between calls. Building one takes a dozen aligned allocations, zero-filled, the
 // larger ones mapped afresh by malloc: for a short decode that cost as much as the kernel (on a
-// Zen 4, one token over 64 keys with 32/8 heads: 26-28 us a call with new scratch, 21 us with
-// scratch kept). Calls of one shape, the steady state of decoding, take the scratch the last
-// call gave back. Small ones only (kKeptScratchBytes), so that a long prefill's key/value cache
-// does not stay allocated; a mutex, as calls may run on several threads at once.
+// Zen 4, one token over 64 keys with 32/8 heads: 25.6 us a call at best with new scratch, 20.7
+// us with scratch kept; docs/architecture.md). Calls of one shape, the steady state of decoding,
+// take the scratch the last call gave back. Small ones only (kKeptScratchBytes), so that a long
+// prefill's key/value cache does not stay allocated; a mutex, as calls may run on several threads
+// at once.
 class ScratchPool {
  public:
   static ScratchPool& instance() {
