@@ -116,21 +116,6 @@ FlashAttnParams tnd_params(const PlanConfig& c, const Batch& x, const LengthArra
   return p;
 }
 
-// Counts the parallel regions it starts (run_workers calls); runs them on real threads.
-class CountingExecutor final : public Executor {
- public:
-  explicit CountingExecutor(int n) : threads_(n) {}
-  int num_workers() const override { return threads_.num_workers(); }
-  void run_workers(const std::function<void(int)>& fn) const override {
-    ++regions;
-    threads_.run_workers(fn);
-  }
-  mutable int regions = 0;
-
- private:
-  ThreadExecutor threads_;
-};
-
 void run_and_check(const PlanConfig& c, bool sinks, Isa isa, int threads,
                    const Plan* given_plan = nullptr, const Executor* executor = nullptr,
                    std::vector<int64_t>* busy_ns = nullptr) {

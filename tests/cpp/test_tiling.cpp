@@ -98,20 +98,6 @@ TEST(WorkSplit, WeightedKeyTasksShareTheWeights) {
   }
 }
 
-// An executor on threads that counts the parallel regions it is asked to run.
-class CountingExecutor final : public Executor {
- public:
-  int num_workers() const override { return threads_.num_workers(); }
-  void run_workers(const std::function<void(int)>& fn) const override {
-    ++regions;
-    threads_.run_workers(fn);
-  }
-  mutable int regions = 0;
-
- private:
-  ThreadExecutor threads_{3};
-};
-
 TEST(RunDynamic, EveryTaskOnceAndALoneTaskWithoutAParallelRegion) {
   for (int64_t tasks : {0, 1, 2, 7}) {
     CountingExecutor ex;

@@ -1,4 +1,4 @@
-// An Executor on real threads, as the binding's pool provides, for the core tests.
+// Executors on real threads, as the binding's pool provides, for the core tests.
 #pragma once
 
 #include <functional>
@@ -21,6 +21,21 @@ class ThreadExecutor final : public Executor {
 
  private:
   int n_;
+};
+
+// A ThreadExecutor that counts the parallel regions it is asked to run (run_workers calls).
+class CountingExecutor final : public Executor {
+ public:
+  explicit CountingExecutor(int n = 3) : threads_(n) {}
+  int num_workers() const override { return threads_.num_workers(); }
+  void run_workers(const std::function<void(int)>& fn) const override {
+    ++regions;
+    threads_.run_workers(fn);
+  }
+  mutable int regions = 0;
+
+ private:
+  ThreadExecutor threads_;
 };
 
 }  // namespace opmesh::core
