@@ -13,8 +13,10 @@ import sys
 
 import torch
 from attention_reference import flash_attn_reference
+from reference import UNBOUNDED, indexer_softmax_lse, lightning_indexer_scores
 from reference import compressor as compressor_reference
-from reference import indexer_softmax_lse
+from reference import sparse_flash_attention as sparse_attention_reference
+from reference import sparse_flash_mla as mla_reference
 
 import opmesh
 
@@ -82,6 +84,72 @@ ARGUMENTS = {
     ],
     "kv_cache_write_": ["key", "value", "key_cache", "value_cache", "slot_mapping"],
     "describe_metadata": ["metadata"],
+    "sparse_flash_mla": [
+        "q",
+        "ori_kv",
+        "cmp_kv",
+        "ori_sparse_indices",
+        "cmp_sparse_indices",
+        "ori_block_table",
+        "cmp_block_table",
+        "cu_seqlens_q",
+        "cu_seqlens_ori_kv",
+        "cu_seqlens_cmp_kv",
+        "seqused_q",
+        "seqused_ori_kv",
+        "seqused_cmp_kv",
+        "cmp_residual_kv",
+        "ori_topk_length",
+        "cmp_topk_length",
+        "sinks",
+        "softmax_scale",
+        "cmp_ratio",
+        "ori_mask_mode",
+        "cmp_mask_mode",
+        "ori_win_left",
+        "ori_win_right",
+        "layout_q",
+        "layout_kv",
+        "topk_value_mode",
+    ],
+    "sparse_flash_attention": [
+        "query",
+        "key",
+        "value",
+        "sparse_indices",
+        "scale_value",
+        "block_table",
+        "actual_seq_lengths_query",
+        "actual_seq_lengths_kv",
+        "query_rope",
+        "key_rope",
+        "sparse_block_size",
+        "layout_query",
+        "layout_kv",
+        "sparse_mode",
+        "pre_tokens",
+        "next_tokens",
+        "attention_mode",
+        "softcap",
+        "sinks",
+    ],
+    "lightning_indexer": [
+        "query",
+        "key",
+        "weights",
+        "actual_seq_lengths_query",
+        "actual_seq_lengths_key",
+        "block_table",
+        "layout_query",
+        "layout_key",
+        "sparse_count",
+        "sparse_mode",
+        "pre_tokens",
+        "next_tokens",
+        "scale_value",
+        "cmp_ratio",
+        "cmp_residual_key",
+    ],
     "compressor": [
         "x",
         "wkv",
@@ -392,6 +460,340 @@ def describe_case():
     return (words,), {}
 
 
+# The sparse operators' cases: sequences of a few tokens (the references run row by row), keys
+# as BSND / TND tensors or paged, selections of distinct positions with -1 among them; now and
+# then one mutation that must be refused by name.
+
+
+def sequence_lengths(b, extra):
+    """Per-sequence query lengths and key lengths (each at least its query length)."""
+    q = [pick(0, 1, 2, 3, 7, 17) for _ in range(b)]
+    return q, [n + pick(*extra) for n in q]
+
+
+def cumulative(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def key_tensor(layout, b, lens, heads, d, dtype, block_size=None):
+    """Keys of `lens` per sequence: BSND ``[b, max, heads, d]``, TND ``[sum, heads, d]``, or
+    paged ``[blocks, block_size, heads, d]`` with its block table (the blocks shuffled)."""
+    if layout == "TND":
+        return tensor(sum(lens), heads, d, dtype=dtype), None
+    if layout == "BSND":
+        return tensor(b, max(lens, default=0), heads, d, dtype=dtype), None
+    per = [max(1, -(-n // block_size)) for n in lens]
+    order = torch.randperm(sum(per) + 1, generator=gen).tolist()
+    table = torch.zeros(b, max(per, default=1), dtype=torch.int32)
+    for i in range(b):
+        for j in range(per[i]):
+            table[i, j] = order.pop()
+    return tensor(sum(per) + 1, block_size, heads, d, dtype=dtype), table
+
+
+def selection(rows_per_seq, limits, heads, k):
+    """``[rows, heads, k]`` int32 distinct entries below each row's sequence limit, some -1;
+    now and then a repeated or out-of-range entry (refused by name)."""
+    rows = []
+    for n, limit in zip(rows_per_seq, limits, strict=True):
+        for _ in range(n):
+            row = []
+            for _ in range(heads):
+                chosen = rng.sample(range(limit), min(k, limit))
+                chosen = [c if rng.random() < 0.85 else -1 for c in chosen]
+                row.append(chosen + [-1] * (k - len(chosen)))
+            rows.append(row)
+    idx = torch.tensor(rows, dtype=torch.int32).view(len(rows), heads, k)
+    if rng.random() < 0.05 and idx.numel() >= 2:
+        idx.view(-1)[rng.randrange(idx.numel())] = pick(limits[0] + 5 if limits else 3, -2)
+    return idx
+
+
+def mla_case():
+    layout = pick("BSND", "TND", "TND")
+    paged = layout == "BSND" and rng.random() < 0.3
+    b, n2 = pick(0, 1, 2, 3), pick(1, 1, 2)
+    n1 = n2 * pick(1, 2, 8) if rng.random() < 0.95 else pick(3, 5)
+    d, dtype, ratio = pick(16, 32, 17), pick(*DTYPES), pick(1, 2, 4, 128)
+    kw = dict(
+        cmp_ratio=ratio,
+        ori_mask_mode=pick(0, 3, 4, 4),
+        cmp_mask_mode=pick(0, 3, 3),
+        softmax_scale=pick(1.0, 0.25, -0.5),
+        layout_q=layout,
+        layout_kv="PA_BBND" if paged else layout,
+    )
+    if kw["ori_mask_mode"] == 4:
+        kw.update(ori_win_left=pick(-1, 0, 1, 5), ori_win_right=pick(-1, 0, 2))
+    if rng.random() < 0.3:
+        kw["sinks"] = tensor(n1)
+    q_lens, ori_lens = sequence_lengths(b, (0, 1, 5, 30))
+    residual = [rng.randrange(ratio) for _ in range(b)]
+    cmp_lens = [max(0, (n - r) // ratio) for n, r in zip(ori_lens, residual, strict=True)]
+    if layout == "TND":
+        q = tensor(sum(q_lens), n1, d, dtype=dtype)
+        kw["cu_seqlens_q"] = cumulative(q_lens)
+    else:
+        q = tensor(b, max(q_lens, default=0), n1, d, dtype=dtype)
+        if rng.random() < 0.5 or paged:
+            kw["seqused_q"] = q_lens
+        else:
+            q_lens = [q.shape[1]] * b
+    sides = [s for s in ("ori", "cmp") if rng.random() < 0.8] or ["ori"]
+    rows_per = q_lens if layout == "TND" else [q.shape[1]] * b
+    for side in sides:
+        lens = ori_lens if side == "ori" else cmp_lens
+        kv, table = key_tensor(kw["layout_kv"], b, lens, n2, d, dtype, pick(1, 4, 16))
+        kw[f"{side}_kv"] = kv
+        if table is not None:
+            kw[f"{side}_block_table"] = table
+            kw[f"seqused_{side}_kv"] = lens
+        elif layout == "TND":
+            kw[f"cu_seqlens_{side}_kv"] = cumulative(lens)
+        elif rng.random() < 0.5:
+            kw[f"seqused_{side}_kv"] = lens
+        else:
+            lens[:] = [kv.shape[1]] * b
+        if rng.random() < 0.3:
+            k = pick(1, 3, 8)
+            idx = selection(rows_per, [max(n, 1) for n in lens], n2, k)
+            kw[f"{side}_sparse_indices"] = (
+                idx if layout == "TND" else idx.view(b, q.shape[1], n2, k)
+            )
+            if rng.random() < 0.3:
+                kw[f"{side}_topk_length"] = torch.randint(
+                    0, k + 1, kw[f"{side}_sparse_indices"].shape[:-1], generator=gen
+                ).int()
+    if "cmp" in sides and kw["cmp_mask_mode"] == 3 and ratio > 1:
+        kw["cmp_residual_kv"] = residual
+    mutate = rng.random()
+    if mutate < 0.04:
+        q = q.double() if rng.random() < 0.5 else q.int()
+    elif mutate < 0.08:
+        side = f"{sides[0]}_kv"
+        kw[side] = kw[side][..., :-1] if kw[side].shape[-1] > 1 else kw[side]
+    elif mutate < 0.12:
+        kw[pick("layout_q", "layout_kv")] = pick("BSND", "TND", "PA_BBND", "bsnd", "")
+    elif mutate < 0.16:
+        kw[pick("cmp_ratio", "ori_mask_mode", "cmp_mask_mode")] = pick(0, -1, 2, 2**33)
+    elif mutate < 0.2:
+        kw[pick("ori_win_left", "ori_win_right")] = pick(-2, 3, 2**40)
+    elif mutate < 0.24:
+        name = pick("cu_seqlens_q", "seqused_q", "cmp_residual_kv", f"seqused_{sides[0]}_kv")
+        kw[name] = lengths(b, 8, name.startswith("cu"))
+    if rng.random() < 0.4:
+        kw["return_softmax_lse"] = True
+    return (q,), kw
+
+
+def by_row(x, layout):
+    """An lse ``[B, N2, S1, G]`` / ``[N2, T1, G]`` as the references' ``[rows, N1]``."""
+    x = x.permute(1, 0, 2) if layout == "TND" else x.permute(0, 2, 1, 3)
+    return x.reshape(-1, x.shape[-2] * x.shape[-1])
+
+
+def close_or_nan(got, want, tol, finite):
+    bad = ~torch.isclose(got.double(), want, atol=tol, rtol=tol, equal_nan=True)
+    if not finite:  # a non-finite input may give NaN in the rows it reaches
+        bad &= ~got.double().isnan() & ~want.isnan()
+    return bad
+
+
+def check_mla(args, kw, result):
+    (q,) = args
+    out, lse = result
+    ref_kw = {k: (torch.tensor(v) if isinstance(v, list) else v) for k, v in kw.items()}
+    ref_kw.pop("return_softmax_lse", None)
+    want_out, want_lse = mla_reference(q, **ref_kw)
+    tensors = [q] + [
+        v for v in kw.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
+    ]
+    finite = all(torch.isfinite(t).all() for t in tensors)
+    tol = 2e-2 if q.dtype != torch.float32 else 2e-4
+    bad = close_or_nan(out.reshape(want_out.shape), want_out, tol, finite)
+    if bad.any():
+        raise AssertionError(f"output differs from the reference at {bad.nonzero()[:3].tolist()}")
+    if kw.get("return_softmax_lse"):
+        bad = close_or_nan(by_row(lse, kw["layout_q"]), want_lse, tol, finite)
+        if bad.any():
+            raise AssertionError(f"lse differs from the reference at {bad.nonzero()[:3].tolist()}")
+
+
+def sparse_attention_case():
+    layout = pick("BSND", "TND")
+    paged = rng.random() < 0.3
+    b, n2 = pick(0, 1, 2, 3), pick(1, 1, 2)
+    n1 = n2 * pick(1, 2, 8) if rng.random() < 0.95 else pick(3, 5)
+    d, dtype = pick(16, 32, 17), pick(*DTYPES)
+    absorb = rng.random() < 0.2
+    dv, dr = (d if absorb else pick(d, 8, 24)), pick(0, 0, 8)
+    block = pick(1, 1, 2, 16)
+    kw = dict(
+        layout_query=layout,
+        layout_kv="PA_BSND" if paged else layout,
+        sparse_mode=pick(0, 3, 3),
+        sparse_block_size=block,
+    )
+    if rng.random() < 0.3:
+        kw.update(pre_tokens=pick(UNBOUNDED, 0, 3), next_tokens=pick(UNBOUNDED, 0, 2))
+    if rng.random() < 0.2:
+        kw["softcap"] = pick(5.0, 30.0)
+    if rng.random() < 0.3:
+        kw["sinks"] = tensor(n1)
+    q_lens, k_lens = sequence_lengths(b, (0, 1, 5, 30))
+    rows = (sum(q_lens),) if layout == "TND" else (b, max(q_lens, default=0))
+    q = tensor(*rows, n1, d, dtype=dtype)
+    if layout == "TND":
+        kw["actual_seq_lengths_query"] = cumulative(q_lens)[1:]
+    elif rng.random() < 0.5:
+        kw["actual_seq_lengths_query"] = q_lens
+    key, table = key_tensor(kw["layout_kv"], b, k_lens, n2, d, dtype, pick(1, 4, 16))
+
+    def like_key(width):  # value and key_rope: key's rows (and blocks), their own head dim
+        return tensor(*key.shape[:-1], width, dtype=dtype)
+
+    value = key if absorb else like_key(dv)
+    if absorb:
+        kw["attention_mode"] = 2
+    if dr:
+        kw.update(query_rope=tensor(*rows, n1, dr, dtype=dtype), key_rope=like_key(dr))
+    if table is not None:
+        kw.update(block_table=table, actual_seq_lengths_kv=k_lens)
+    elif layout == "TND":
+        kw["actual_seq_lengths_kv"] = cumulative(k_lens)[1:]
+    elif rng.random() < 0.5:
+        kw["actual_seq_lengths_kv"] = k_lens
+    else:
+        k_lens = [key.shape[1]] * b
+    rows_per = q_lens if layout == "TND" else [q.shape[1]] * b
+    heads = pick(n2, 1)
+    k = pick(1, 3, 8)
+    idx = selection(rows_per, [max(1, -(-n // block)) for n in k_lens], heads, k)
+    idx = idx if layout == "TND" else idx.view(b, q.shape[1], heads, k)
+    mutate = rng.random()
+    if mutate < 0.04:
+        q = q.double() if rng.random() < 0.5 else q.int()
+    elif mutate < 0.08:
+        value = value[..., :-1] if value.shape[-1] > 1 else value
+    elif mutate < 0.12:
+        kw[pick("layout_query", "layout_kv")] = pick("BSND", "TND", "PA_BSND", "bsnd", "")
+    elif mutate < 0.16:
+        kw[pick("sparse_mode", "sparse_block_size", "attention_mode")] = pick(0, -1, 5, 2**33)
+    elif mutate < 0.2:
+        name = pick("actual_seq_lengths_query", "actual_seq_lengths_kv")
+        kw[name] = lengths(b, 8, False)
+    if rng.random() < 0.4:
+        kw["return_softmax_lse"] = True
+    return (q, key, value, idx, pick(1.0, 0.25, -0.5)), kw
+
+
+def check_sparse_attention(args, kw, result):
+    q, key, value, idx, scale = args
+    ref_kw = {k: (torch.tensor(v) if isinstance(v, list) else v) for k, v in kw.items()}
+    want_out, want_max, want_sum = sparse_attention_reference(q, key, value, idx, scale, **ref_kw)
+    tensors = [q, key, value] + [v for v in kw.values() if isinstance(v, torch.Tensor)]
+    finite = all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+    tol = 2e-2 if q.dtype != torch.float32 else 2e-4
+    out, smax, ssum = result
+    bad = close_or_nan(out.reshape(want_out.shape), want_out, tol, finite)
+    if bad.any():
+        raise AssertionError(f"output differs from the reference at {bad.nonzero()[:3].tolist()}")
+    if kw.get("return_softmax_lse"):
+        # The statistics as a log-sum-exp: the max alone may sit at either of two tied scores.
+        got = by_row(smax, kw["layout_query"]).double() + by_row(ssum, kw["layout_query"]).log()
+        bad = close_or_nan(got, want_max + want_sum.log(), tol, finite)
+        if bad.any():
+            raise AssertionError(f"statistics differ at {bad.nonzero()[:3].tolist()}")
+
+
+def lightning_indexer_case():
+    layout = pick("BSND", "TND")
+    paged = rng.random() < 0.3
+    b, n2 = pick(0, 1, 2, 3), pick(1, 1, 2)
+    n1 = n2 * pick(1, 2, 8) if rng.random() < 0.95 else pick(3, 5)
+    d, dtype, ratio = pick(8, 16, 33), pick(*DTYPES), pick(1, 1, 4, 128)
+    kw = dict(
+        layout_query=layout,
+        layout_key="PA_BSND" if paged else layout,
+        sparse_mode=pick(0, 3, 3),
+        sparse_count=pick(1, 3, 16, 2048),
+        return_value=rng.random() < 0.7,
+        cmp_ratio=ratio,
+    )
+    if ratio == 1 and rng.random() < 0.3:
+        kw.update(pre_tokens=pick(UNBOUNDED, 0, 3), next_tokens=pick(UNBOUNDED, 0, 2))
+    q_lens, k_lens = sequence_lengths(b, (0, 1, 5, 30))
+    if ratio > 1:
+        residual = [rng.randrange(ratio) for _ in range(b)]
+        k_lens = [max(0, (n - r) // ratio) for n, r in zip(k_lens, residual, strict=True)]
+        if kw["sparse_mode"] == 3:
+            kw["cmp_residual_key"] = residual
+    if layout == "TND":
+        q, w = tensor(sum(q_lens), n1, d, dtype=dtype), tensor(sum(q_lens), n1, dtype=dtype)
+        kw["actual_seq_lengths_query"] = cumulative(q_lens)[1:]
+    else:
+        s1 = max(q_lens, default=0)
+        q, w = tensor(b, s1, n1, d, dtype=dtype), tensor(b, s1, n1, dtype=dtype)
+        if rng.random() < 0.5:
+            kw["actual_seq_lengths_query"] = q_lens
+    if rng.random() < 0.3:
+        w = w.float()
+    key, table = key_tensor(kw["layout_key"], b, k_lens, n2, d, dtype, pick(1, 4, 16))
+    if table is not None:
+        kw.update(block_table=table, actual_seq_lengths_key=k_lens)
+    elif layout == "TND":
+        kw["actual_seq_lengths_key"] = cumulative(k_lens)[1:]
+    elif rng.random() < 0.5:
+        kw["actual_seq_lengths_key"] = k_lens
+    mutate = rng.random()
+    if mutate < 0.04:
+        q = q.double() if rng.random() < 0.5 else q.int()
+    elif mutate < 0.08:
+        key = key[..., :-1] if key.shape[-1] > 1 else key
+    elif mutate < 0.12:
+        kw[pick("layout_query", "layout_key")] = pick("BSND", "TND", "PA_BSND", "bsnd", "")
+    elif mutate < 0.16:
+        kw[pick("sparse_mode", "sparse_count", "cmp_ratio")] = pick(0, -1, 5, 2**33)
+    elif mutate < 0.2:
+        name = pick("actual_seq_lengths_query", "actual_seq_lengths_key", "cmp_residual_key")
+        kw[name] = lengths(b, 8, False)
+    return (q, key, w), kw
+
+
+def check_lightning_indexer(args, kw, result):
+    """Ties make the order of equal scores the indexer's to choose within rounding, so each row
+    is checked by scores: the entries are distinct visible keys, -1 past the visible count, and
+    their reference scores match the reference's top scores in order."""
+    ref_kw = {k: (torch.tensor(v) if isinstance(v, list) else v) for k, v in kw.items()}
+    scores, visible = lightning_indexer_scores(*args, **ref_kw)
+    rows, heads, longest = scores.shape
+    count = kw["sparse_count"]
+    idx = result[0].reshape(rows, heads, count).long()
+    tol = 2e-2 if args[0].dtype != torch.float32 else 2e-4
+    if not all(torch.isfinite(t).all() for t in args):
+        return  # NaN ranks first, in an order rounding decides; the error paths still ran
+    for r in range(rows):
+        for h in range(heads):
+            n = min(count, int(visible[r, h].sum())) if longest else 0
+            got = idx[r, h]
+            if (got[n:] != -1).any() or (got[:n] < 0).any():
+                raise AssertionError(f"row {r} head {h}: {n} visible keys, got {got.tolist()}")
+            chosen = got[:n]
+            if len(set(chosen.tolist())) != n or not visible[r, h, chosen].all():
+                raise AssertionError(f"row {r} head {h}: not distinct visible keys")
+            top = torch.sort(scores[r, h][visible[r, h]], descending=True).values[:n]
+            scale = max(1.0, top.abs().max().item()) if n else 1.0
+            if n and (scores[r, h, chosen] - top).abs().max() > 4 * tol * scale:
+                raise AssertionError(f"row {r} head {h}: scores of the chosen keys are not the top")
+            if kw.get("return_value") and n:
+                value = result[1].reshape(rows, heads, count)[r, h, :n].double()
+                if (value - scores[r, h, chosen]).abs().max() > 4 * tol * scale:
+                    raise AssertionError(f"row {r} head {h}: returned scores differ")
+
+
 # The state cache as a compressor case made it, before the call writes it.
 BEFORE = {}
 
@@ -479,6 +881,17 @@ CASES = {
         check_indexer,
     ),
     "kv_cache_write_": (kv_case, lambda a, kw: opmesh.kv_cache_write_(*a), check_kv),
+    "sparse_flash_mla": (mla_case, lambda a, kw: opmesh.sparse_flash_mla(*a, **kw), check_mla),
+    "sparse_flash_attention": (
+        sparse_attention_case,
+        lambda a, kw: opmesh.sparse_flash_attention(*a, **kw),
+        check_sparse_attention,
+    ),
+    "lightning_indexer": (
+        lightning_indexer_case,
+        lambda a, kw: opmesh.lightning_indexer(*a, **kw),
+        check_lightning_indexer,
+    ),
     "describe_metadata": (describe_case, lambda a, kw: opmesh.describe_metadata(*a), None),
 }
 make, call, check = CASES[op_name]

@@ -25,6 +25,9 @@ OPS = [
     "kv_cache_write_",
     "describe_metadata",
     "compressor",
+    "sparse_flash_mla",
+    "sparse_flash_attention",
+    "lightning_indexer",
 ]
 
 
