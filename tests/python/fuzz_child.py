@@ -314,14 +314,16 @@ def check_flash_attn(args, kw, result):
                 ref_kw[side] = -1
     ref_out, ref_lse = flash_attn_reference(q.float(), k.float(), v.float(), **ref_kw)
     tol = 2e-2 if q.dtype != torch.float32 else 2e-4
-    finite = all(torch.isfinite(t).all() for t in (q, k, v))
+    sinks = kw.get("sinks")
+    finite = all(torch.isfinite(t).all() for t in (q, k, v) + (() if sinks is None else (sinks,)))
 
     def differs(got, want):
         bad = ~torch.isclose(got.double(), want, atol=tol, rtol=tol, equal_nan=True)
         if not finite:
             # Documented: a non-finite input reaches the rows it touches as NaN (for a key or
-            # value: every row of the query tiles that load its key tile, 0 * inf), in the output
-            # and in the lse alike (where the reference's logsumexp of an infinite score is inf).
+            # value: every row of the query tiles that load its key tile, 0 * inf; for a NaN
+            # sink: its head's rows), in the output and in the lse alike (where the reference's
+            # logsumexp of an infinite score is inf, and its probabilities turn NaN into 0).
             bad &= ~got.double().isnan() & ~want.isnan()
         return bad
 

@@ -203,6 +203,19 @@ def test_infinite_sink_takes_all_the_mass():
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_nan_sink_reaches_its_head_only():
+    sinks = torch.tensor([0.5, math.nan, -0.25, 1.0])
+    out, lse = opmesh.flash_attn(Q, K, V, sinks=sinks, mask_mode=3, return_softmax_lse=True)
+    assert out[:, :, 1].isnan().all() and lse[:, 1].isnan().all()
+    others = [0, 2, 3]
+    # Heads 0, 2 and 3 as a call without head 1 gives them (query heads 0 and 1 share key head 0).
+    ref, ref_lse = flash_attn_reference(
+        Q[:, :, others], K[:, :, [0, 1, 1]], V[:, :, [0, 1, 1]], sinks=sinks[others], mask_mode=3
+    )
+    torch.testing.assert_close(out[:, :, others].double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, others].double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
 # -- kv_cache_write_ refuses memory that overlaps ------------------------------------------
 
 
