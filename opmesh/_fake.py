@@ -61,6 +61,17 @@ def _flash_attn_metadata_fake(*args, **kwargs):
 
 @torch.library.register_fake("opmesh::sparse_flash_mla_metadata")
 def _sparse_flash_mla_metadata_fake(*args, **kwargs):
+    call = {
+        **dict(zip(_schema.positional("sparse_flash_mla_metadata"), args, strict=False)),
+        **kwargs,
+    }
+    for name, t in call.items():
+        # As the CPU kernel, which reads every length array's values (a meta tensor sends the
+        # call here: it would get a plan of uninitialized words).
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(
+                f"{name}: the plan reads the lengths' values; a meta tensor cannot be planned for"
+            )
     num_workers = kwargs.get("num_workers")
     if num_workers is not None:
         return torch.empty(_C._mla_metadata_words(num_workers), dtype=torch.int32, device="cpu")

@@ -157,6 +157,18 @@ MlaArgs check_sparse_flash_mla_args(const Call& c) {
   a.paged = lkv == core::Layout::kPagedBBND;
   TORCH_CHECK_VALUE(a.paged || lkv == lq, "layout_kv: expected '", c.layout_q,
                     "' like layout_q, or 'PA_BBND', got '", c.layout_kv, "'");
+  // The length arrays and block tables on q's device: one elsewhere (a meta tensor) would send
+  // the call to that device's kernel, which gives shapes, not values.
+  check_same_device(q, "q", {},
+                    {{&c.cu_seqlens_q, "cu_seqlens_q"},
+                     {&c.cu_seqlens_ori_kv, "cu_seqlens_ori_kv"},
+                     {&c.cu_seqlens_cmp_kv, "cu_seqlens_cmp_kv"},
+                     {&c.seqused_q, "seqused_q"},
+                     {&c.seqused_ori_kv, "seqused_ori_kv"},
+                     {&c.seqused_cmp_kv, "seqused_cmp_kv"},
+                     {&c.cmp_residual_kv, "cmp_residual_kv"},
+                     {&c.ori_block_table, "ori_block_table"},
+                     {&c.cmp_block_table, "cmp_block_table"}});
   to_core_dtype(q.scalar_type(), "q");
   const int64_t q_rank = a.tnd ? 3 : 4;
   TORCH_CHECK_VALUE(q.dim() == q_rank, "q: expected a ", q_rank, "-D ", a.tnd ? "TND" : "BSND",

@@ -470,6 +470,23 @@ def test_bad_arguments_are_named(name, change):
     assert_raises_named((ValueError, TypeError), name, _call(**change))
 
 
+@pytest.mark.parametrize(
+    "case,name",
+    [(2, "cu_seqlens_q"), (2, "cu_seqlens_ori_kv"), (2, "cu_seqlens_cmp_kv"),
+     (2, "cmp_residual_kv"), (3, "ori_block_table"), (3, "cmp_block_table"),
+     (3, "seqused_ori_kv"), (3, "seqused_cmp_kv")],
+)  # fmt: skip
+def test_lengths_and_tables_off_the_query_device_are_named(case, name):
+    # A meta array would send the call to the shape-only kernel, whose output holds no values.
+    q, kwargs = make_inputs(CASES[case], torch.float32)
+    bad = {**kwargs, name: kwargs[name].to("meta")}
+    assert_raises_named(ValueError, name, lambda: opmesh.sparse_flash_mla(q, **bad))
+    if case == 3:
+        used = torch.tensor(CASES[case].q_lens, dtype=torch.int32)
+        bad = {**kwargs, "seqused_q": used.to("meta")}
+        assert_raises_named(ValueError, "seqused_q", lambda: opmesh.sparse_flash_mla(q, **bad))
+
+
 def test_repeated_index_and_bad_block_table_are_named():
     case = CASES[2]
     q, kwargs = make_inputs(case, torch.float32)
@@ -614,6 +631,10 @@ def test_plan_arguments_are_checked_by_name():
         cmp_topk_length=torch.tensor([[1], [3], [0]]), cmp_mask_mode=3))  # fmt: skip
     assert_raises_named(ValueError, "ori_kv", lambda: plan(4, 1, 8, batch_size=1,
         max_seqlen_q=3, has_ori_kv=False, has_cmp_kv=False))  # fmt: skip
+    # A meta length array: the plan needs its values (its shape alone gave uninitialized words).
+    meta = torch.tensor([3], dtype=torch.int32).to("meta")
+    assert_raises_named(ValueError, "seqused_ori_kv", lambda: plan(4, 1, 8, batch_size=1,
+        max_seqlen_q=3, max_seqlen_ori_kv=3, has_cmp_kv=False, seqused_ori_kv=meta))  # fmt: skip
     md = plan(4, 1, 8, batch_size=1, max_seqlen_q=3, max_seqlen_ori_kv=3, has_cmp_kv=False)
     bad = md.clone()
     bad[0] = 7
