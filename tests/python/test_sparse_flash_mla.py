@@ -403,6 +403,31 @@ def test_compile_fullgraph_forward_and_backward_equal_eager(case, dynamic):
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tnd_rows_past_a_used_length_are_zero(dtype):
+    # TND with seqused_q below a sequence's cu_seqlens_q span: the rows past it are no task's, and
+    # are zero (lse: the sink alone) whatever memory the output was given, and so is their dq.
+    gen = torch.Generator().manual_seed(5)
+    q, kv = torch.randn(9, 4, 32, generator=gen), torch.randn(14, 2, 32, generator=gen)
+    q, kv, sinks = q.to(dtype).requires_grad_(), kv.to(dtype).requires_grad_(), torch.randn(4)
+    kwargs = dict(cu_seqlens_q=[0, 6, 9], cu_seqlens_ori_kv=[0, 8, 14], seqused_q=[4, 1],
+                  sinks=sinks, layout_q="TND", layout_kv="TND", ori_mask_mode=3)  # fmt: skip
+    past = [4, 5, 7, 8]
+    for _ in range(3):
+        torch.full(q.shape, float("nan"), dtype=dtype)  # freed at once: memory an output may get
+        out, lse = opmesh.sparse_flash_mla(q, ori_kv=kv, return_softmax_lse=True, **kwargs)
+        assert torch.equal(out[past], torch.zeros_like(out[past]))
+        lse_rows = lse.permute(1, 0, 2).reshape(9, 4)
+        assert torch.equal(lse_rows[past], sinks.expand(len(past), 4))
+    ref_kwargs = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    want, want_lse = reference(q.detach().double(), ori_kv=kv.detach().double(), **ref_kwargs)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse_rows.double(), want_lse, atol=tol, rtol=tol)
+    (dq,) = torch.autograd.grad(out, q, torch.ones_like(out))
+    assert torch.equal(dq[past], torch.zeros_like(dq[past]))
+
+
 def test_export():
     q, kwargs = make_inputs(CASES[2], torch.float32)
 

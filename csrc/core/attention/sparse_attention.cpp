@@ -542,19 +542,32 @@ void sparse_forward(const SparseAttentionParams& p, const KeySelector& keys,
                     const TokenSchedule* schedule) {
   require_supported(isa);
   const Forward run(p, keys, isa);
-  // Rows no task reaches (BSND rows past a length): zero output, statistics (-inf, 0).
-  if (p.layout_query == Layout::kBSND) {
+  // Rows no task reaches (BSND rows past a length, TND rows past a sequence's used length): zero
+  // output, statistics (-inf, 0) below.
+  const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
+  {
+    std::vector<RowSpan> written = written_rows(seqs, p.layout_query, p.seq_q, false);
+    std::sort(written.begin(), written.end(),
+              [](const RowSpan& a, const RowSpan& b) { return a.begin < b.begin; });
     const std::vector<float> zeros(p.value_dim, 0.0f);
-    for (const Sequence& s : seqs) {
-      for (int64_t i = s.q_len; i < p.seq_q; ++i) {
+    auto zero_rows = [&](int64_t from, int64_t to) {
+      for (int64_t r = from; r < to; ++r) {
+        const int64_t at = p.layout_query == Layout::kTND
+                               ? r * p.out.ss
+                               : r / p.seq_q * p.out.sb + r % p.seq_q * p.out.ss;
         for (int64_t h = 0; h < p.heads_q; ++h) {
-          store_row(p.out.data, p.dtype, s.batch * p.out.sb + i * p.out.ss + h * p.out.sn, p.out.sd,
-                    p.value_dim, zeros.data(), 1.0f);
+          store_row(p.out.data, p.dtype, at + h * p.out.sn, p.out.sd, p.value_dim, zeros.data(),
+                    1.0f);
         }
       }
+    };
+    int64_t next = 0;  // rows before it are written by a task or zeroed
+    for (const RowSpan& w : written) {
+      zero_rows(next, w.begin);
+      next = std::max(next, w.begin + w.count);
     }
+    zero_rows(next, rows);
   }
-  const int64_t rows = p.layout_query == Layout::kTND ? p.seq_q : p.batch * p.seq_q;
   if (p.softmax_max != nullptr) {
     std::fill(p.softmax_max, p.softmax_max + rows * p.heads_q, -kInf);
     std::fill(p.softmax_sum, p.softmax_sum + rows * p.heads_q, 0.0f);
