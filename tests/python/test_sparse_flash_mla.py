@@ -428,6 +428,33 @@ def test_tnd_rows_past_a_used_length_are_zero(dtype):
     assert torch.equal(dq[past], torch.zeros_like(dq[past]))
 
 
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_sink_gradient_counts_the_rows_past_a_used_length(layout):
+    # A row past seqused_q holds the sink alone (lse = the sink), so a gradient through the lse
+    # reaches the sink from it too.
+    gen = torch.Generator().manual_seed(7)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+    kv = torch.randn(2, 8, 2, 32, generator=gen, dtype=torch.float64)
+    kwargs = dict(seqused_q=[3, 1], seqused_ori_kv=[8, 5], ori_mask_mode=3)
+    q = torch.randn(2, 6, 4, 32, generator=gen, dtype=torch.float64)
+    if layout == "TND":
+        q, kv = q.flatten(0, 1), kv.flatten(0, 1)
+        kwargs = dict(cu_seqlens_q=[0, 6, 12], cu_seqlens_ori_kv=[0, 8, 16], seqused_q=[3, 1],
+                      layout_q="TND", layout_kv="TND", ori_mask_mode=3)  # fmt: skip
+    out, lse = opmesh.sparse_flash_mla(
+        q.float(), ori_kv=kv.float(), sinks=sinks.float(), return_softmax_lse=True, **kwargs
+    )
+    by_row = (lse.permute(1, 0, 2) if layout == "TND" else lse.permute(0, 2, 1, 3)).reshape(12, 4)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(by_row.shape, generator=gen)
+    (got,) = torch.autograd.grad([out, by_row], [sinks], [dout, dlse])
+    ref_kwargs = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    want_out, want_lse = reference(q, ori_kv=kv, sinks=sinks, **ref_kwargs)
+    (want,) = torch.autograd.grad(
+        [want_out, want_lse], [sinks], [dout.reshape(want_out.shape).double(), dlse.double()]
+    )
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_export():
     q, kwargs = make_inputs(CASES[2], torch.float32)
 

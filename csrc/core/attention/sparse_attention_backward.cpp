@@ -399,11 +399,29 @@ class Backward {
     }
   }
 
-  void finish_sinks() const {
+  // dsinks: every row's share, summed in row order. A row no task reaches (past a used length)
+  // holds the sink alone, its lse the sink itself (the forward's), so its share is its dlse.
+  void finish_sinks(const std::vector<Sequence>& seqs) {
     if (gr_.dsinks == nullptr) return;
     std::fill(gr_.dsinks, gr_.dsinks + p_.heads_q, 0.0f);
     if (p_.sinks == nullptr) return;
     const int64_t rows = static_cast<int64_t>(sink_share_.size()) / p_.heads_q;
+    if (gr_.dlse != nullptr) {
+      std::vector<bool> reached(rows, false);
+      for (const sparse::RowSpan& w : sparse::written_rows(seqs, p_.layout_query, p_.seq_q, false))
+        std::fill(reached.begin() + w.begin, reached.begin() + w.begin + w.count, true);
+      for (int64_t t = 0; t < rows; ++t) {
+        if (reached[t]) continue;
+        const bool tnd = p_.layout_query == Layout::kTND;
+        const int64_t b = tnd ? 0 : t / p_.seq_q;
+        const int64_t i = tnd ? t : t % p_.seq_q;
+        for (int64_t h = 0; h < p_.heads_q; ++h) {
+          const int64_t g = h / g_;
+          sink_share_[t * p_.heads_q + h] =
+              gr_.dlse[((b * p_.heads_k + g) * p_.seq_q + i) * g_ + h % g_];
+        }
+      }
+    }
     std::vector<double> sum(p_.heads_q, 0.0);
     for (int64_t t = 0; t < rows; ++t) {
       for (int64_t h = 0; h < p_.heads_q; ++h) sum[h] += sink_share_[t * p_.heads_q + h];
@@ -909,7 +927,7 @@ void sparse_backward(const SparseAttentionParams& p, const SparseAttentionGrads&
     AlignedBuffer<float> zeros((bl.keys.j1 - bl.keys.j0) * row_floats);
     store(bl, zeros.data());
   });
-  run.finish_sinks();
+  run.finish_sinks(seqs);
 }
 
 }  // namespace sparse
