@@ -622,6 +622,55 @@ def check_mla(args, kw, result):
         bad = close_or_nan(by_row(lse, kw["layout_q"]), want_lse, tol, finite)
         if bad.any():
             raise AssertionError(f"lse differs from the reference at {bad.nonzero()[:3].tolist()}")
+    if finite and kw["layout_kv"] != "PA_BBND" and rng.random() < 0.5:
+        names = [n for n in ("ori_kv", "cmp_kv", "sinks") if n in kw]
+        check_gradients(
+            lambda t: opmesh.sparse_flash_mla(
+                t[0], **{**kw, **dict(zip(names, t[1:], strict=True))}
+            ),
+            lambda t: mla_reference(t[0], **{**ref_kw, **dict(zip(names, t[1:], strict=True))}),
+            [q] + [kw[n] for n in names],
+            lambda out: (
+                (out[0], by_row(out[1], kw["layout_q"]))
+                if kw.get("return_softmax_lse")
+                else (out[0],)
+            ),
+            tol,
+        )
+
+
+def check_gradients(call, reference_call, leaves, outputs, tol):
+    """The gradients of `leaves` (float tensors) through `outputs` of the call against those of
+    the float64 reference for the same random upstream gradients (the reference's outputs are
+    [rows, ...] as `outputs` reshapes the call's)."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    doubles = [t.detach().double().requires_grad_() for t in leaves]
+    got = outputs(call(leaves))
+    want = reference_call(doubles)[: len(got)]
+    # An lse of -inf (no key, no sink) is a constant: no gradient flows from it.
+    ups = [
+        torch.randn(w.shape, generator=gen, dtype=torch.float64).masked_fill(~w.isfinite(), 0.0)
+        for w in want
+    ]
+
+    def grads_of(outs, upstream, inputs):
+        pairs = [(o, u) for o, u in zip(outs, upstream, strict=True) if o.requires_grad]
+        if not pairs:  # nothing reaches the inputs (no row selects a key)
+            return [None] * len(inputs)
+        outs_, ups_ = zip(*pairs, strict=True)
+        return torch.autograd.grad(outs_, inputs, ups_, allow_unused=True)
+
+    mine = grads_of(got, [u.reshape(g.shape).to(g.dtype) for u, g in zip(ups, got, strict=True)],
+                    leaves)  # fmt: skip
+    refs = grads_of([w.masked_fill(~w.isfinite(), 0.0) for w in want], ups, doubles)
+    for i, (a, b) in enumerate(zip(mine, refs, strict=True)):
+        a = torch.zeros(leaves[i].shape) if a is None else a.double()
+        b = torch.zeros(leaves[i].shape, dtype=torch.float64) if b is None else b
+        scale = max(1.0, b.abs().max().item()) if b.numel() else 1.0
+        if a.numel() and (a - b).abs().max().item() > 8 * tol * scale:
+            raise AssertionError(
+                f"gradient of input {i} off by {(a - b).abs().max().item():.3g} (scale {scale:.3g})"
+            )
 
 
 def sparse_attention_case():
@@ -709,6 +758,24 @@ def check_sparse_attention(args, kw, result):
         bad = close_or_nan(got, want_max + want_sum.log(), tol, finite)
         if bad.any():
             raise AssertionError(f"statistics differ at {bad.nonzero()[:3].tolist()}")
+    if finite and kw["layout_kv"] != "PA_BSND" and rng.random() < 0.5:
+        absorb = kw.get("attention_mode") == 2  # value is key: one leaf for both
+        names = [n for n in ("query_rope", "key_rope", "sinks") if n in kw]
+        lead = 2 if absorb else 3
+
+        def run(fn, t, extra):
+            v = t[1] if absorb else t[2]
+            return fn(
+                t[0], t[1], v, idx, scale, **{**extra, **dict(zip(names, t[lead:], strict=True))}
+            )
+
+        check_gradients(
+            lambda t: run(opmesh.sparse_flash_attention, t, kw),
+            lambda t: run(sparse_attention_reference, t, ref_kw),
+            [q, key] + ([] if absorb else [value]) + [kw[n] for n in names],
+            lambda out: (out[0],),
+            tol,
+        )
 
 
 def lightning_indexer_case():
