@@ -514,6 +514,26 @@ def selection(rows_per_seq, limits, heads, k):
     return idx
 
 
+def mutate(q, cut, kw, layouts, enums, arrays, b):
+    """One call in five, one mutation a call must refuse by name: q's dtype, `cut`'s head dim, a
+    layout argument, an enum argument (`enums`: names, then the values to try) or a per-sequence
+    array (cumulative when its name starts with "cu"). Returns q and `cut`."""
+    kind = rng.random()
+    if kind < 0.04:
+        q = q.double() if rng.random() < 0.5 else q.int()
+    elif kind < 0.08:
+        cut = cut[..., :-1] if cut.shape[-1] > 1 else cut
+    elif kind < 0.12:
+        kw[pick(*layouts)] = pick("BSND", "TND", "PA_BBND", "PA_BSND", "bsnd", "")
+    elif kind < 0.16:
+        names, values = enums
+        kw[pick(*names)] = pick(*values)
+    elif kind < 0.2:
+        name = pick(*arrays)
+        kw[name] = lengths(b, 8, name.startswith("cu"))
+    return q, cut
+
+
 def mla_case():
     layout = pick("BSND", "TND", "TND")
     paged = layout == "BSND" and rng.random() < 0.3
@@ -571,21 +591,18 @@ def mla_case():
                 ).int()
     if "cmp" in sides and kw["cmp_mask_mode"] == 3 and ratio > 1:
         kw["cmp_residual_kv"] = residual
-    mutate = rng.random()
-    if mutate < 0.04:
-        q = q.double() if rng.random() < 0.5 else q.int()
-    elif mutate < 0.08:
-        side = f"{sides[0]}_kv"
-        kw[side] = kw[side][..., :-1] if kw[side].shape[-1] > 1 else kw[side]
-    elif mutate < 0.12:
-        kw[pick("layout_q", "layout_kv")] = pick("BSND", "TND", "PA_BBND", "bsnd", "")
-    elif mutate < 0.16:
-        kw[pick("cmp_ratio", "ori_mask_mode", "cmp_mask_mode")] = pick(0, -1, 2, 2**33)
-    elif mutate < 0.2:
+    side = f"{sides[0]}_kv"
+    q, kw[side] = mutate(
+        q,
+        kw[side],
+        kw,
+        ("layout_q", "layout_kv"),
+        (("cmp_ratio", "ori_mask_mode", "cmp_mask_mode"), (0, -1, 2, 2**33)),
+        ("cu_seqlens_q", "seqused_q", "cmp_residual_kv", f"seqused_{side}"),
+        b,
+    )
+    if rng.random() < 0.04:
         kw[pick("ori_win_left", "ori_win_right")] = pick(-2, 3, 2**40)
-    elif mutate < 0.24:
-        name = pick("cu_seqlens_q", "seqused_q", "cmp_residual_kv", f"seqused_{sides[0]}_kv")
-        kw[name] = lengths(b, 8, name.startswith("cu"))
     if rng.random() < 0.4:
         kw["return_softmax_lse"] = True
     return (q,), kw
@@ -724,18 +741,15 @@ def sparse_attention_case():
     k = pick(1, 3, 8)
     idx = selection(rows_per, [max(1, -(-n // block)) for n in k_lens], heads, k)
     idx = idx if layout == "TND" else idx.view(b, q.shape[1], heads, k)
-    mutate = rng.random()
-    if mutate < 0.04:
-        q = q.double() if rng.random() < 0.5 else q.int()
-    elif mutate < 0.08:
-        value = value[..., :-1] if value.shape[-1] > 1 else value
-    elif mutate < 0.12:
-        kw[pick("layout_query", "layout_kv")] = pick("BSND", "TND", "PA_BSND", "bsnd", "")
-    elif mutate < 0.16:
-        kw[pick("sparse_mode", "sparse_block_size", "attention_mode")] = pick(0, -1, 5, 2**33)
-    elif mutate < 0.2:
-        name = pick("actual_seq_lengths_query", "actual_seq_lengths_kv")
-        kw[name] = lengths(b, 8, False)
+    q, value = mutate(
+        q,
+        value,
+        kw,
+        ("layout_query", "layout_kv"),
+        (("sparse_mode", "sparse_block_size", "attention_mode"), (0, -1, 5, 2**33)),
+        ("actual_seq_lengths_query", "actual_seq_lengths_kv"),
+        b,
+    )
     if rng.random() < 0.4:
         kw["return_softmax_lse"] = True
     return (q, key, value, idx, pick(1.0, 0.25, -0.5)), kw
@@ -817,18 +831,15 @@ def lightning_indexer_case():
         kw["actual_seq_lengths_key"] = cumulative(k_lens)[1:]
     elif rng.random() < 0.5:
         kw["actual_seq_lengths_key"] = k_lens
-    mutate = rng.random()
-    if mutate < 0.04:
-        q = q.double() if rng.random() < 0.5 else q.int()
-    elif mutate < 0.08:
-        key = key[..., :-1] if key.shape[-1] > 1 else key
-    elif mutate < 0.12:
-        kw[pick("layout_query", "layout_key")] = pick("BSND", "TND", "PA_BSND", "bsnd", "")
-    elif mutate < 0.16:
-        kw[pick("sparse_mode", "sparse_count", "cmp_ratio")] = pick(0, -1, 5, 2**33)
-    elif mutate < 0.2:
-        name = pick("actual_seq_lengths_query", "actual_seq_lengths_key", "cmp_residual_key")
-        kw[name] = lengths(b, 8, False)
+    q, key = mutate(
+        q,
+        key,
+        kw,
+        ("layout_query", "layout_key"),
+        (("sparse_mode", "sparse_count", "cmp_ratio"), (0, -1, 5, 2**33)),
+        ("actual_seq_lengths_query", "actual_seq_lengths_key", "cmp_residual_key"),
+        b,
+    )
     return (q, key, w), kw
 
 
