@@ -654,3 +654,43 @@ def test_sparse_flash_mla_refuses_a_bad_quantized_call_by_name(name):
         kw.update(change)
     exc = TypeError if name == "scale_dtype" else ValueError
     assert_raises_named(exc, argument, lambda: opmesh.sparse_flash_mla(q, **kw))
+
+
+# Keys with no rows: the scales are empty too and may have no storage at all (a fresh empty
+# tensor), or the keys a view of a larger cache's storage. Every query row sees no key.
+EMPTY_KEYS = {
+    "tnd_fresh": ("TND", lambda fmt: torch.zeros(0, 1, 16, dtype=fmt)),
+    "tnd_view": ("TND", lambda fmt: torch.zeros(4, 1, 16, dtype=fmt)[:0]),
+    "bsnd": ("BSND", lambda fmt: torch.zeros(2, 0, 1, 16, dtype=fmt)),
+    "paged": ("PA_BSND", lambda fmt: torch.zeros(0, 4, 1, 16, dtype=fmt)),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("name", sorted(EMPTY_KEYS))
+def test_sparse_operators_take_quantized_keys_with_no_rows(name, fmt):
+    layout, make = EMPTY_KEYS[name]
+    kv = make(FORMATS[fmt])
+    scale = torch.zeros(kv.shape[:-1])
+    tnd = layout == "TND"
+    q = torch.randn(3, 4, 16) if tnd else torch.randn(2, 3, 4, 16)
+    idx = torch.full((*q.shape[:-2], 1, 2), -1, dtype=torch.int32)
+    kw = dict(layout_query="TND" if tnd else "BSND", layout_kv=layout, sparse_mode=0)
+    if tnd:
+        kw.update(actual_seq_lengths_query=[1, 3], actual_seq_lengths_kv=[0, 0])
+    elif layout == "PA_BSND":
+        kw.update(block_table=torch.zeros(2, 1, dtype=torch.int32), actual_seq_lengths_kv=[0, 0])
+    out, smax, ssum = opmesh.sparse_flash_attention(
+        q, kv, kv, idx, 0.25, key_scale=scale, value_scale=scale, return_softmax_lse=True, **kw
+    )
+    assert torch.equal(out, torch.zeros_like(q)) and (ssum == 0).all()
+    mla = dict(layout_q=kw["layout_query"], layout_kv=layout.replace("PA_BSND", "PA_BBND"))
+    mla["ori_mask_mode"] = 0
+    if tnd:
+        mla.update(cu_seqlens_q=[0, 1, 3], cu_seqlens_ori_kv=[0, 0, 0])
+    elif layout == "PA_BSND":
+        mla.update(ori_block_table=kw["block_table"], seqused_ori_kv=[0, 0])
+    out, lse = opmesh.sparse_flash_mla(
+        q, ori_kv=kv, ori_kv_scale=scale, return_softmax_lse=True, **mla
+    )
+    assert torch.equal(out, torch.zeros_like(q)) and (lse == -math.inf).all()

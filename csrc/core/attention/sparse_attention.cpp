@@ -53,8 +53,11 @@ void validate(const SparseAttentionParams& p) {
     if (p.kv_format != CacheFormat::kInt8 && p.kv_format != CacheFormat::kFp8E4M3) {
       throw ArgumentError("kv_format", "is not a cache format");
     }
-    if (p.key_scale.data == nullptr) throw ArgumentError("key_scale", "is null");
-    if (p.value_scale.data == nullptr) throw ArgumentError("value_scale", "is null");
+    // An empty key's scales may have no storage: no row of it is ever read.
+    const bool rows =
+        p.batch > 0 && (p.layout_kv == Layout::kPagedBBND ? p.block_count > 0 : p.seq_k > 0);
+    if (p.key_scale.data == nullptr && rows) throw ArgumentError("key_scale", "is null");
+    if (p.value_scale.data == nullptr && rows) throw ArgumentError("value_scale", "is null");
     if (p.key.sd != 1) throw ArgumentError("key", "a quantized key needs unit stride along D");
     if (p.value.sd != 1) throw ArgumentError("value", "a quantized value needs unit stride");
   }

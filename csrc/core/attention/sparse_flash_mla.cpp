@@ -200,7 +200,12 @@ void check_options(const SparseFlashMlaParams& p) {
     if (k->format != CacheFormat::kInt8 && k->format != CacheFormat::kFp8E4M3) {
       throw ArgumentError(n->tensor, "is not in a cache format");
     }
-    if (k->scale.data == nullptr) throw ArgumentError(n->scale, "is null (a quantized kv)");
+    // An empty kv's scales may have no storage: no row of it is ever read.
+    const bool rows =
+        p.batch > 0 && (p.layout_kv == Layout::kPagedBBND ? k->block_count > 0 : k->seq > 0);
+    if (k->scale.data == nullptr && rows) {
+      throw ArgumentError(n->scale, "is null (a quantized kv)");
+    }
     if (k->kv.sd != 1) throw ArgumentError(n->tensor, "a quantized kv needs unit stride along D");
   }
 }
