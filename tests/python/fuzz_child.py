@@ -6,6 +6,7 @@ a correct result, how many were refused by name, and every case that did neither
 runs that case alone and prints its arguments.
 """
 
+import dataclasses
 import json
 import math
 import random
@@ -17,6 +18,14 @@ from reference import UNBOUNDED, indexer_softmax_lse, lightning_indexer_scores
 from reference import compressor as compressor_reference
 from reference import sparse_flash_attention as sparse_attention_reference
 from reference import sparse_flash_mla as mla_reference
+from test_indexer_kl_loss import TOLERANCES as KL_TOLERANCES
+from test_indexer_kl_loss import Case
+from test_indexer_kl_loss import make as kl_make
+from test_indexer_kl_loss import reference as dense_kl_reference
+from test_indexer_kl_loss import sequences as kl_sequences
+from test_quantized_cache import FORMATS, dequantize, quantize
+from test_sparse_indexer_kl_loss import reference as sparse_kl_reference
+from test_sparse_indexer_kl_loss import selection as kl_selection
 
 import opmesh
 
@@ -25,11 +34,36 @@ rng = random.Random(seed)
 gen = torch.Generator().manual_seed(seed)
 torch.set_num_threads(rng.choice([1, 2]))
 
+KL_ARGUMENTS = [
+    "query",
+    "key",
+    "query_index",
+    "key_index",
+    "weights",
+    "softmax_max",
+    "softmax_sum",
+    "scale_value",
+    "query_rope",
+    "key_rope",
+    "actual_seq_qlen",
+    "actual_seq_klen",
+    "layout",
+    "sparse_mode",
+    "pre_tokens",
+    "next_tokens",
+    "cmp_ratio",
+    "cmp_residual_key",
+]
 ARGUMENTS = {
+    "dense_lightning_indexer_grad_kl_loss": KL_ARGUMENTS
+    + ["softmax_max_index", "softmax_sum_index"],
+    "sparse_lightning_indexer_grad_kl_loss": KL_ARGUMENTS + ["sparse_indices"],
     "flash_attn": [
         "q",
         "k",
         "v",
+        "k_scale",
+        "v_scale",
         "block_table",
         "cu_seqlens_q",
         "cu_seqlens_kv",
@@ -82,7 +116,15 @@ ARGUMENTS = {
         "sparse_mode",
         "batch",
     ],
-    "kv_cache_write_": ["key", "value", "key_cache", "value_cache", "slot_mapping"],
+    "kv_cache_write_": [
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "slot_mapping",
+        "key_scale",
+        "value_scale",
+    ],
     "describe_metadata": ["metadata"],
     "sparse_flash_mla": [
         "q",
@@ -103,6 +145,8 @@ ARGUMENTS = {
         "cmp_topk_length",
         "sinks",
         "softmax_scale",
+        "ori_kv_scale",
+        "cmp_kv_scale",
         "cmp_ratio",
         "ori_mask_mode",
         "cmp_mask_mode",
@@ -118,6 +162,8 @@ ARGUMENTS = {
         "value",
         "sparse_indices",
         "scale_value",
+        "key_scale",
+        "value_scale",
         "block_table",
         "actual_seq_lengths_query",
         "actual_seq_lengths_kv",
@@ -288,6 +334,15 @@ def flash_attn_case():
             )
         if rng.random() < 0.3:
             kw["seqused_q"] = lengths(b, s1, False)
+    if rng.random() < 0.15:  # a quantized cache (bytes and a scale per row and head)
+        fmt = FORMATS[pick("int8", "fp8")]
+        (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, fmt), quantize(v, fmt)
+        kind = rng.random()
+        if kind < 0.1:
+            del kw[pick("k_scale", "v_scale")]
+        elif kind < 0.2:
+            name = pick("k_scale", "v_scale")
+            kw[name] = kw[name][..., :-1] if rng.random() < 0.5 else kw[name].half()
     mutate = rng.random()
     if mutate < 0.05:
         q = q.double() if rng.random() < 0.5 else q.int()
@@ -308,6 +363,8 @@ def check_flash_attn(args, kw, result):
     q, k, v = args
     out, lse = result
     ref_kw = {key: (torch.tensor(val) if isinstance(val, list) else val) for key, val in kw.items()}
+    if "k_scale" in ref_kw:  # the reference reads the rows a quantized cache stands for
+        k, v = dequantize(k, ref_kw.pop("k_scale")), dequantize(v, ref_kw.pop("v_scale"))
     if ref_kw.get("mask_mode") == 4:
         for side in ("win_left", "win_right"):
             if ref_kw.get(side, -1) >= 2**31 - 256:
@@ -426,7 +483,11 @@ def kv_case():
     dtype = pick(*DTYPES)
     key, value = tensor(t, n, d, dtype=dtype), tensor(t, n, dv, dtype=dtype)
     kc, vc = torch.zeros(blocks, bs, n, d, dtype=dtype), torch.zeros(blocks, bs, n, dv, dtype=dtype)
-    slots = lengths(t, blocks * bs - 1, False)
+    if rng.random() < 0.6:  # distinct slots, some -1 (skipped)
+        slots = rng.sample(range(blocks * bs), min(t, blocks * bs)) + [-1] * (t - blocks * bs)
+        slots = [x if rng.random() < 0.9 else -1 for x in slots]
+    else:
+        slots = lengths(t, blocks * bs - 1, False)
     mode = rng.random()
     if mode < 0.05:
         # Overlap PyTorch's in-place ops detect (dense tensors sharing memory); strided views
@@ -436,20 +497,51 @@ def kv_case():
         kc = torch.zeros(1, bs, n, d, dtype=dtype).expand(blocks, bs, n, d)
     elif mode < 0.15:
         slots = list(range(t)) + [0] if t else [0]
-    return (key, value, kc, vc, slots), {}
+    kw = {}
+    if rng.random() < 0.3:  # a quantized cache: bytes and a float32 scale per row and head
+        fmt = FORMATS[pick("int8", "fp8")]
+        kc, vc = kc.to(fmt), vc.to(fmt)
+        kw = dict(key_scale=torch.zeros(blocks, bs, n), value_scale=torch.zeros(blocks, bs, n))
+        kind = rng.random()
+        if kind < 0.1:
+            del kw[pick("key_scale", "value_scale")]
+        elif kind < 0.2:
+            name = pick("key_scale", "value_scale")
+            kw[name] = kw[name][..., :-1] if rng.random() < 0.5 else kw[name].double()
+        elif kind < 0.25:
+            vc = vc.float()
+    BEFORE["caches"] = [
+        None if x is None else x.clone()
+        for x in (kc, vc, kw.get("key_scale"), kw.get("value_scale"))
+    ]
+    return (key, value, kc, vc, slots), kw
 
 
 def bits(t):
-    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
+    width = {4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
+    return t.contiguous().view(width)
 
 
 def check_kv(args, kw, result):
+    """Each token's key and value rows in their slot (quantized: the bytes and scales of torch's
+    quantizer), every other slot as it was."""
     key, value, kc, vc, slots = args
     slots = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
-    bs = kc.shape[1]
+    scales = kw.get("key_scale"), kw.get("value_scale")
+    want = BEFORE["caches"]  # this case's copies, written here as the call should have
     for t, s in enumerate(slots):
-        if s >= 0 and not torch.equal(bits(kc[s // bs, s % bs]), bits(key[t])):
-            raise AssertionError(f"token {t} not written to slot {s}")
+        if s < 0:
+            continue
+        at = (s // kc.shape[1], s % kc.shape[1])
+        for side, (rows, cache) in enumerate(((key, kc), (value, vc))):
+            if scales[side] is None:
+                want[side][at] = rows[t]
+            else:
+                want[side][at], want[2 + side][at] = quantize(rows[t], cache.dtype)
+    for name, got, expected in zip(("key_cache", "value_cache", "key_scale", "value_scale"),
+                                   (kc, vc) + scales, want, strict=True):  # fmt: skip
+        if got is not None and not torch.equal(bits(got), bits(expected)):
+            raise AssertionError(f"{name} differs from the writes at slots {slots[:8]}")
 
 
 def describe_case():
@@ -510,8 +602,22 @@ def selection(rows_per_seq, limits, heads, k):
             rows.append(row)
     idx = torch.tensor(rows, dtype=torch.int32).view(len(rows), heads, k)
     if rng.random() < 0.05 and idx.numel() >= 2:
+        MUTATED[0] = True
         idx.view(-1)[rng.randrange(idx.numel())] = pick(limits[0] + 5 if limits else 3, -2)
     return idx
+
+
+# Whether the current case's generator made a change that may make the call invalid. For the ops
+# in STRICT, whose generators otherwise make valid calls only, a refusal of a call without one is
+# a failure.
+MUTATED = [False]
+STRICT = {
+    "sparse_flash_mla",
+    "sparse_flash_attention",
+    "lightning_indexer",
+    "dense_lightning_indexer_grad_kl_loss",
+    "sparse_lightning_indexer_grad_kl_loss",
+}
 
 
 def mutate(q, cut, kw, layouts, enums, arrays, b):
@@ -519,6 +625,7 @@ def mutate(q, cut, kw, layouts, enums, arrays, b):
     layout argument, an enum argument (`enums`: names, then the values to try) or a per-sequence
     array (cumulative when its name starts with "cu"). Returns q and `cut`."""
     kind = rng.random()
+    MUTATED[0] |= kind < 0.2
     if kind < 0.04:
         q = q.double() if rng.random() < 0.5 else q.int()
     elif kind < 0.08:
@@ -539,6 +646,7 @@ def mla_case():
     paged = layout == "BSND" and rng.random() < 0.3
     b, n2 = pick(0, 1, 2, 3), pick(1, 1, 2)
     n1 = n2 * pick(1, 2, 8) if rng.random() < 0.95 else pick(3, 5)
+    MUTATED[0] |= n1 % n2 != 0
     d, dtype, ratio = pick(16, 32, 17), pick(*DTYPES), pick(1, 2, 4, 128)
     kw = dict(
         cmp_ratio=ratio,
@@ -570,6 +678,8 @@ def mla_case():
         lens = ori_lens if side == "ori" else cmp_lens
         kv, table = key_tensor(kw["layout_kv"], b, lens, n2, d, dtype, pick(1, 4, 16))
         kw[f"{side}_kv"] = kv
+        if rng.random() < 0.15:  # a quantized cache (bytes and a scale per row and head)
+            kw[f"{side}_kv"], kw[f"{side}_kv_scale"] = quantize(kv, FORMATS[pick("int8", "fp8")])
         if table is not None:
             kw[f"{side}_block_table"] = table
             kw[f"seqused_{side}_kv"] = lens
@@ -581,7 +691,7 @@ def mla_case():
             lens[:] = [kv.shape[1]] * b
         if rng.random() < 0.3:
             k = pick(1, 3, 8)
-            idx = selection(rows_per, [max(n, 1) for n in lens], n2, k)
+            idx = selection(rows_per, lens, n2, k)
             kw[f"{side}_sparse_indices"] = (
                 idx if layout == "TND" else idx.view(b, q.shape[1], n2, k)
             )
@@ -602,6 +712,7 @@ def mla_case():
         b,
     )
     if rng.random() < 0.04:
+        MUTATED[0] = True
         kw[pick("ori_win_left", "ori_win_right")] = pick(-2, 3, 2**40)
     if rng.random() < 0.4:
         kw["return_softmax_lse"] = True
@@ -626,20 +737,30 @@ def check_mla(args, kw, result):
     out, lse = result
     ref_kw = {k: (torch.tensor(v) if isinstance(v, list) else v) for k, v in kw.items()}
     ref_kw.pop("return_softmax_lse", None)
-    want_out, want_lse = mla_reference(q, **ref_kw)
-    tensors = [q] + [
-        v for v in kw.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
-    ]
-    finite = all(torch.isfinite(t).all() for t in tensors)
+    # The rows a quantized cache stands for, as the kernel reads them: dequantized in float32,
+    # then rounded to bf16 where bf16 queries run on the bf16 kernels (which a calibration may
+    # choose per kind of call, so either way is accepted when the kinds differ).
+    quantized = {}
+    for side in ("ori", "cmp"):
+        if f"{side}_kv_scale" in ref_kw:
+            scale = ref_kw.pop(f"{side}_kv_scale")
+            quantized[side] = dequantize(ref_kw[f"{side}_kv"], scale, torch.float32)
+    pairs = {False}
+    if quantized and q.dtype == torch.bfloat16:
+        pairs = {choice["pairs"] for choice in opmesh.bf16_kernels().values()}
+    errors = []
+    for rounded in sorted(pairs):
+        for side, rows in quantized.items():
+            ref_kw[f"{side}_kv"] = rows.bfloat16() if rounded else rows
+        error = mla_differs(q, out, lse, kw, ref_kw)
+        if error is None:
+            break
+        errors.append(error)
+    else:
+        raise AssertionError(errors[0])
+    finite = all(torch.isfinite(t).all() for t in float_tensors(q, ref_kw))
     tol = 2e-2 if q.dtype != torch.float32 else 2e-4
-    bad = close_or_nan(out.reshape(want_out.shape), want_out, tol, finite)
-    if bad.any():
-        raise AssertionError(f"output differs from the reference at {bad.nonzero()[:3].tolist()}")
-    if kw.get("return_softmax_lse"):
-        bad = close_or_nan(by_row(lse, kw["layout_q"]), want_lse, tol, finite)
-        if bad.any():
-            raise AssertionError(f"lse differs from the reference at {bad.nonzero()[:3].tolist()}")
-    if finite and kw["layout_kv"] != "PA_BBND" and rng.random() < 0.5:
+    if finite and not quantized and kw["layout_kv"] != "PA_BBND" and rng.random() < 0.5:
         names = [n for n in ("ori_kv", "cmp_kv", "sinks") if n in kw]
         check_gradients(
             lambda t: opmesh.sparse_flash_mla(
@@ -654,6 +775,25 @@ def check_mla(args, kw, result):
             ),
             tol,
         )
+
+
+def float_tensors(q, ref_kw):
+    return [q] + [v for v in ref_kw.values() if torch.is_tensor(v) and v.is_floating_point()]
+
+
+def mla_differs(q, out, lse, kw, ref_kw):
+    """Where the output (and the lse, when returned) differ from the reference's, or None."""
+    want_out, want_lse = mla_reference(q, **ref_kw)
+    finite = all(torch.isfinite(t).all() for t in float_tensors(q, ref_kw))
+    tol = 2e-2 if q.dtype != torch.float32 else 2e-4
+    bad = close_or_nan(out.reshape(want_out.shape), want_out, tol, finite)
+    if bad.any():
+        return f"output differs from the reference at {bad.nonzero()[:3].tolist()}"
+    if kw.get("return_softmax_lse"):
+        bad = close_or_nan(by_row(lse, kw["layout_q"]), want_lse, tol, finite)
+        if bad.any():
+            return f"lse differs from the reference at {bad.nonzero()[:3].tolist()}"
+    return None
 
 
 def check_gradients(call, reference_call, leaves, outputs, tol):
@@ -695,6 +835,7 @@ def sparse_attention_case():
     paged = rng.random() < 0.3
     b, n2 = pick(0, 1, 2, 3), pick(1, 1, 2)
     n1 = n2 * pick(1, 2, 8) if rng.random() < 0.95 else pick(3, 5)
+    MUTATED[0] |= n1 % n2 != 0
     d, dtype = pick(16, 32, 17), pick(*DTYPES)
     absorb = rng.random() < 0.2
     dv, dr = (d if absorb else pick(d, 8, 24)), pick(0, 0, 8)
@@ -726,6 +867,14 @@ def sparse_attention_case():
     value = key if absorb else like_key(dv)
     if absorb:
         kw["attention_mode"] = 2
+    if rng.random() < 0.15:  # a quantized key and value (bytes and a scale per row and head)
+        fmt = FORMATS[pick("int8", "fp8")]
+        (key, kw["key_scale"]), (value, kw["value_scale"]) = (
+            quantize(key, fmt),
+            quantize(value, fmt),
+        )
+        if absorb:  # one tensor serves as both
+            value, kw["value_scale"] = key, kw["key_scale"]
     if dr:
         kw.update(query_rope=tensor(*rows, n1, dr, dtype=dtype), key_rope=like_key(dr))
     if table is not None:
@@ -739,7 +888,7 @@ def sparse_attention_case():
     rows_per = q_lens if layout == "TND" else [q.shape[1]] * b
     heads = pick(n2, 1)
     k = pick(1, 3, 8)
-    idx = selection(rows_per, [max(1, -(-n // block)) for n in k_lens], heads, k)
+    idx = selection(rows_per, [-(-n // block) for n in k_lens], heads, k)
     idx = idx if layout == "TND" else idx.view(b, q.shape[1], heads, k)
     q, value = mutate(
         q,
@@ -758,20 +907,27 @@ def sparse_attention_case():
 def check_sparse_attention(args, kw, result):
     q, key, value, idx, scale = args
     ref_kw = {k: (torch.tensor(v) if isinstance(v, list) else v) for k, v in kw.items()}
-    want_out, want_max, want_sum = sparse_attention_reference(q, key, value, idx, scale, **ref_kw)
-    tensors = [q, key, value] + [v for v in kw.values() if isinstance(v, torch.Tensor)]
+    quantized = "key_scale" in ref_kw
+    pairs = {False}
+    if quantized:  # the rows the kernel reads (as for sparse_flash_mla's)
+        key = dequantize(key, ref_kw.pop("key_scale"), torch.float32)
+        value = dequantize(value, ref_kw.pop("value_scale"), torch.float32)
+        if q.dtype == torch.bfloat16:
+            pairs = {choice["pairs"] for choice in opmesh.bf16_kernels().values()}
+    tensors = [q, key, value] + [v for v in ref_kw.values() if isinstance(v, torch.Tensor)]
     finite = all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
     tol = 2e-2 if q.dtype != torch.float32 else 2e-4
-    out, smax, ssum = result
-    bad = close_or_nan(out.reshape(want_out.shape), want_out, tol, finite)
-    if bad.any():
-        raise AssertionError(f"output differs from the reference at {bad.nonzero()[:3].tolist()}")
-    if kw.get("return_softmax_lse"):
-        # The statistics as a log-sum-exp: the max alone may sit at either of two tied scores.
-        got = by_row(smax, kw["layout_query"]).double() + by_row(ssum, kw["layout_query"]).log()
-        bad = close_or_nan(got, want_max + want_sum.log(), tol, finite)
-        if bad.any():
-            raise AssertionError(f"statistics differ at {bad.nonzero()[:3].tolist()}")
+    errors = []
+    for rounded in sorted(pairs):
+        rows = (key.bfloat16(), value.bfloat16()) if rounded else (key, value)
+        error = sparse_attention_differs(q, *rows, idx, scale, kw, ref_kw, result, tol, finite)
+        if error is None:
+            break
+        errors.append(error)
+    else:
+        raise AssertionError(errors[0])
+    if quantized:
+        return
     if finite and kw["layout_kv"] != "PA_BSND" and rng.random() < 0.5:
         absorb = kw.get("attention_mode") == 2  # value is key: one leaf for both
         names = [n for n in ("query_rope", "key_rope", "sinks") if n in kw]
@@ -792,11 +948,29 @@ def check_sparse_attention(args, kw, result):
         )
 
 
+def sparse_attention_differs(q, key, value, idx, scale, kw, ref_kw, result, tol, finite):
+    """Where the output (and the statistics, when returned) differ from the reference's, or
+    None."""
+    want_out, want_max, want_sum = sparse_attention_reference(q, key, value, idx, scale, **ref_kw)
+    out, smax, ssum = result
+    bad = close_or_nan(out.reshape(want_out.shape), want_out, tol, finite)
+    if bad.any():
+        return f"output differs from the reference at {bad.nonzero()[:3].tolist()}"
+    if kw.get("return_softmax_lse"):
+        # The statistics as a log-sum-exp: the max alone may sit at either of two tied scores.
+        got = by_row(smax, kw["layout_query"]).double() + by_row(ssum, kw["layout_query"]).log()
+        bad = close_or_nan(got, want_max + want_sum.log(), tol, finite)
+        if bad.any():
+            return f"statistics differ at {bad.nonzero()[:3].tolist()}"
+    return None
+
+
 def lightning_indexer_case():
     layout = pick("BSND", "TND")
     paged = rng.random() < 0.3
     b, n2 = pick(0, 1, 2, 3), pick(1, 1, 2)
     n1 = n2 * pick(1, 2, 8) if rng.random() < 0.95 else pick(3, 5)
+    MUTATED[0] |= n1 % n2 != 0
     d, dtype, ratio = pick(8, 16, 33), pick(*DTYPES), pick(1, 1, 4, 128)
     kw = dict(
         layout_query=layout,
@@ -874,6 +1048,275 @@ def check_lightning_indexer(args, kw, result):
                 value = result[1].reshape(rows, heads, count)[r, h, :n].double()
                 if (value - scores[r, h, chosen]).abs().max() > 4 * tol * scale:
                     raise AssertionError(f"row {r} head {h}: returned scores differ")
+
+
+def relaid(t):
+    """The same tensor, now and then in another memory layout: non-contiguous, or stride 0 along
+    its first dimension (every row then holds the first row's values)."""
+    mode = rng.random()
+    if mode < 0.05 and t.dim() >= 2 and t.shape[0] > 0:
+        return t[:1].expand_as(t)
+    if mode > 0.9 and t.dim() >= 2:
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    return t
+
+
+def kl_case(sparse):
+    """A KL-loss call: random sequences (S1 above S2 too), GQA on both attentions, rope, masks,
+    bands, compressed keys; the main statistics exact or rescaled per head (the target is
+    normalised either way); a NaN or infinity now and then; for the sparse loss a selection of
+    random keys with -1 padding (now and then a bad entry, refused by name)."""
+    layout = pick("BSND", "TND")
+    b, n2, n2i = pick(0, 1, 2, 3), pick(1, 1, 2), pick(1, 1, 2)
+    ratio = pick(1, 1, 1, 4)
+    q_lens, k_lens = sequence_lengths(b, (0, 1, 5, 30))
+    if rng.random() < 0.3:
+        k_lens = [rng.randint(0, n) for n in q_lens]
+    residuals = None
+    if ratio > 1:
+        residuals = tuple(rng.randrange(ratio) for _ in range(b))
+        k_lens = [max(0, (n - r) // ratio) for n, r in zip(k_lens, residuals, strict=True)]
+    if layout == "TND":
+        lens = (tuple(cumulative(q_lens)[1:]), tuple(cumulative(k_lens)[1:]))
+        s1, s2 = sum(q_lens), sum(k_lens)
+    else:
+        s1, s2 = max(q_lens, default=0), max(k_lens, default=0)
+        lens = (tuple(q_lens), tuple(k_lens)) if rng.random() < 0.6 else None
+    case = Case(
+        "fuzz",
+        layout=layout,
+        b=b,
+        s1=s1,
+        s2=s2,
+        n1=n2 * pick(1, 2, 3),
+        n2=n2,
+        d=pick(1, 5, 16, 33),
+        dr=pick(0, 0, 4),
+        n1i=n2i * pick(1, 2, 5, 5, 5, 66),
+        n2i=n2i,
+        di=pick(1, 3, 8, 17),
+        lens=lens,
+        sparse_mode=pick(0, 3, 3),
+        cmp_ratio=ratio,
+        residuals=residuals,
+    )
+    if ratio == 1 and rng.random() < 0.3:
+        case = dataclasses.replace(
+            case, pre_tokens=pick(UNBOUNDED, 0, 3), next_tokens=pick(UNBOUNDED, 0, 2)
+        )
+    dtype = pick(*DTYPES, torch.float64) if rng.random() < 0.2 else pick(*DTYPES)
+    t, scale, kw = kl_make(case, dtype, rng.randrange(2**20))
+    # A row that sees no key has statistics (-inf, 0); other finite ones serve as well.
+    t["softmax_max"] = t["softmax_max"].nan_to_num(neginf=0.0)
+    t["softmax_sum"] = t["softmax_sum"].masked_fill(t["softmax_sum"] == 0, 1.0)
+    if rng.random() < 0.3:
+        group = case.n1 // case.n2
+        t["softmax_sum"] = t["softmax_sum"] * (1 + 2 * torch.rand(group, generator=gen))
+    if rng.random() < 0.05:
+        name = pick("query", "key", "query_index", "key_index", "weights")
+        if t[name].numel():
+            t[name].view(-1)[rng.randrange(t[name].numel())] = pick(math.nan, math.inf, -math.inf)
+    t = {name: relaid(x) for name, x in t.items()}
+    idx = None
+    if sparse:
+        k = pick(1, 3, 8, 40)
+        idx = kl_selection(
+            case, k, shared=rng.random() < 0.3, seed=rng.randrange(2**20), fill=pick(0.3, 0.6, 1.0)
+        )
+        if rng.random() < 0.05 and idx.numel() >= 2:
+            MUTATED[0] = True
+            flat = idx.view(-1)
+            flat[rng.randrange(idx.numel())] = pick(s2 + 5, -2, int(flat[0]))
+        if rng.random() < 0.3:
+            idx = idx.long()
+    lead = (case.s1,) if layout == "TND" else (case.b, case.s1)
+    KL_STATS["index"] = tuple(
+        torch.full((*lead[:-1], case.n2i, lead[-1]), v, dtype=torch.float32) for v in (0.0, 1.0)
+    )
+    t["query_index"], t["key_index"] = mutate(
+        t["query_index"],
+        t["key_index"],
+        kw,
+        ("layout",),
+        (("sparse_mode", "cmp_ratio", "pre_tokens"), (0, -1, 2, 2**33)),
+        ("actual_seq_qlen", "actual_seq_klen", "cmp_residual_key"),
+        b,
+    )
+    kind = rng.random()
+    MUTATED[0] |= kind < 0.07
+    if kind < 0.03:
+        name = pick("softmax_max", "softmax_sum", "weights")
+        t[name] = t[name][..., :-1] if t[name].shape[-1] > 1 else t[name][None]
+    elif kind < 0.05:
+        scale = pick(math.nan, math.inf)
+    elif kind < 0.07:
+        t["key"] = t["key"].detach().requires_grad_()  # the target takes no gradient
+    return (t, idx, scale), kw
+
+
+# The index statistics a dense KL call passes when the softmax_lse op refuses the arguments (so
+# that the loss operator's own checks meet them): zeros and ones of the unmutated case's shape.
+KL_STATS = {}
+
+
+def kl_call(args, kw):
+    t, idx, scale = args
+    ropes = dict(query_rope=t.get("query_rope"), key_rope=t.get("key_rope"))
+    if idx is not None:
+        return opmesh.sparse_lightning_indexer_grad_kl_loss(
+            t["query"],
+            t["key"],
+            t["query_index"],
+            t["key_index"],
+            t["weights"],
+            idx,
+            t["softmax_max"],
+            t["softmax_sum"],
+            scale,
+            **ropes,
+            **kw,
+        )
+    try:
+        stats = opmesh.dense_lightning_indexer_softmax_lse(
+            t["query_index"], t["key_index"], t["weights"], **kw
+        )
+    except (ValueError, TypeError, RuntimeError):
+        stats = KL_STATS["index"]
+    return opmesh.dense_lightning_indexer_grad_kl_loss(
+        t["query"],
+        t["key"],
+        t["query_index"],
+        t["key_index"],
+        t["weights"],
+        t["softmax_max"],
+        t["softmax_sum"],
+        *stats,
+        scale,
+        **ropes,
+        **kw,
+    )
+
+
+def beyond(got, want, allowed, finite):
+    """Where ``got`` is further than ``allowed`` from ``want`` (NaN where the other is NaN; with
+    a non-finite input, NaN on either side), as a bool tensor."""
+    got = got.double()
+    bad = ((got - want).abs() > allowed) | (got.isnan() != want.isnan())
+    bad &= ~(got.isnan() & want.isnan()) & ~((got == want) & got.isinf())
+    if not finite:
+        bad &= ~got.isnan() & ~want.isnan()
+    return bad
+
+
+def natural_scales(case, query_index, key_index, weights):
+    """A bound on the size of each gradient's terms, for the case where every gradient is small
+    (rows that see one key have dI = 0 but for float32 rounding, about 1e-7 of these terms):
+    |dI| <= 1 with relu(S) <= |query_index row| |key_index row|, the weights and index rows at
+    most their largest entries, and d_key_index summing a sequence's rows and a group's heads."""
+    qi, ki, w = (x.double().nan_to_num(0.0, 0.0, 0.0) for x in (query_index, key_index, weights))
+
+    def largest(x):
+        return x.abs().max().item() if x.numel() else 0.0
+
+    rows = max((n for _, n, _, _ in kl_sequences(case)), default=0)
+    group = case.n1i // max(case.n2i, 1)
+    return (
+        largest(w) * largest(ki),
+        largest(w) * largest(qi) * math.sqrt(max(1, rows * group)),
+        largest(qi.norm(dim=-1)) * largest(ki.norm(dim=-1)),
+    )
+
+
+def as_ints(v):
+    return None if v is None else tuple(int(x) for x in (v.tolist() if torch.is_tensor(v) else v))
+
+
+def check_kl(args, kw, result):
+    """Loss and gradients against float64 autograd of the formula, for the case the call's own
+    arguments describe; a third of the finite calls also through the differentiable front,
+    which must give the same loss and gradients."""
+    t, idx, scale = args
+    layout, q, k = kw["layout"], t["query"], t["key"]
+    qlen, klen = as_ints(kw.get("actual_seq_qlen")), as_ints(kw.get("actual_seq_klen"))
+    if layout == "TND":
+        b, lens = len(qlen), (qlen, klen)
+    else:
+        b = q.shape[0]
+        lens = (
+            None
+            if qlen is None and klen is None
+            else (qlen or (q.shape[1],) * b, klen or (k.shape[1],) * b)
+        )
+    case = Case(
+        "fuzz",
+        layout=layout,
+        b=b,
+        s1=q.shape[-3],
+        s2=k.shape[-3],
+        n1=q.shape[-2],
+        n2=k.shape[-2],
+        d=q.shape[-1],
+        dr=t["query_rope"].shape[-1] if "query_rope" in t else 0,
+        n1i=t["query_index"].shape[-2],
+        n2i=t["key_index"].shape[-2],
+        di=t["query_index"].shape[-1],
+        lens=lens,
+        sparse_mode=kw["sparse_mode"],
+        pre_tokens=kw["pre_tokens"],
+        next_tokens=kw["next_tokens"],
+        cmp_ratio=kw.get("cmp_ratio", 1),
+        residuals=as_ints(kw.get("cmp_residual_key")),
+    )
+    if idx is None:
+        want_loss, want = dense_kl_reference(case, t, scale)
+    else:
+        want_loss, want = sparse_kl_reference(case, t, idx, scale)
+    finite = all(torch.isfinite(x).all() for x in t.values())
+    *grads, loss = result
+    if loss.shape != (1,) or loss.dtype != torch.float32:
+        raise AssertionError(f"loss of shape {tuple(loss.shape)} and {loss.dtype}")
+    if beyond(loss[0], want_loss, 1e-5 + 2e-5 * want_loss.abs(), finite):
+        raise AssertionError(f"loss {loss.item()}, expected {want_loss.item()}")
+    inputs = [t[n] for n in ("query_index", "key_index", "weights")]
+    for name, got, ref, like, floor in zip(
+        ("d_query_index", "d_key_index", "d_weights"),
+        grads,
+        want,
+        inputs,
+        natural_scales(case, *inputs),
+        strict=True,
+    ):
+        if got.dtype != like.dtype or got.shape != like.shape:
+            raise AssertionError(f"{name}: {got.dtype} {tuple(got.shape)} for {like.dtype}")
+        rel, out_rtol = KL_TOLERANCES.get(like.dtype, KL_TOLERANCES[torch.float32])
+        largest = max(
+            ref[ref.isfinite()].abs().max().item() if ref.isfinite().any() else 0.0, floor
+        )
+        bad = beyond(got, ref, rel * largest + out_rtol * ref.abs(), finite)
+        if bad.any():
+            raise AssertionError(
+                f"{name} differs from the reference at {bad.nonzero()[:3].tolist()}: "
+                f"{got[bad][:3].tolist()} for {ref[bad][:3].tolist()}"
+            )
+    if finite and rng.random() < 0.35:
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        ropes = dict(query_rope=t.get("query_rope"), key_rope=t.get("key_rope"))
+        if idx is None:
+            front = opmesh.indexer_kl_loss(
+                *leaves, q, k, t["softmax_max"], t["softmax_sum"], scale, **ropes, **kw
+            )
+        else:
+            front = opmesh.sparse_indexer_kl_loss(
+                *leaves, q, k, idx, t["softmax_max"], t["softmax_sum"], scale, **ropes, **kw
+            )
+        front.sum().backward()
+        if not torch.equal(front.detach(), loss):
+            raise AssertionError(f"the front's loss {front.item()} is not the operator's")
+        for name, leaf, got in zip(
+            ("query_index", "key_index", "weights"), leaves, grads, strict=True
+        ):
+            if leaf.grad is None or not torch.equal(leaf.grad, got):
+                raise AssertionError(f"the front's gradient of {name} is not the operator's")
 
 
 # The state cache as a compressor case made it, before the call writes it.
@@ -962,7 +1405,7 @@ CASES = {
         lambda a, kw: opmesh.dense_lightning_indexer_softmax_lse(*a, **kw),
         check_indexer,
     ),
-    "kv_cache_write_": (kv_case, lambda a, kw: opmesh.kv_cache_write_(*a), check_kv),
+    "kv_cache_write_": (kv_case, lambda a, kw: opmesh.kv_cache_write_(*a, **kw), check_kv),
     "sparse_flash_mla": (mla_case, lambda a, kw: opmesh.sparse_flash_mla(*a, **kw), check_mla),
     "sparse_flash_attention": (
         sparse_attention_case,
@@ -975,14 +1418,20 @@ CASES = {
         check_lightning_indexer,
     ),
     "describe_metadata": (describe_case, lambda a, kw: opmesh.describe_metadata(*a), None),
+    "dense_lightning_indexer_grad_kl_loss": (lambda: kl_case(False), kl_call, check_kl),
+    "sparse_lightning_indexer_grad_kl_loss": (lambda: kl_case(True), kl_call, check_kl),
 }
 make, call, check = CASES[op_name]
 results = {"ok": 0, "refused": 0, "bad": []}
 only = int(sys.argv[4]) if len(sys.argv) > 4 else None
 for i in range(count):
-    args, kw = make()
     if only is not None and i != only:
         continue
+    # Each case from its own seed, so that CASE i alone is the same call whatever ran before.
+    rng.seed(f"{seed}-{i}")
+    gen.manual_seed(seed * 1_000_003 + i)
+    MUTATED[0] = False
+    args, kw = make()
     print(f"CASE {i}", flush=True)
     if only is not None:
         print(
@@ -1001,6 +1450,8 @@ for i in range(count):
             results["bad"].append(
                 f"case {i}: {type(e).__name__} names no argument: {message[:300]}"
             )
+        elif op_name in STRICT and not MUTATED[0]:
+            results["bad"].append(f"case {i}: a valid call was refused: {message[:300]}")
         else:
             results["refused"] += 1
         continue

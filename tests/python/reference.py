@@ -161,7 +161,8 @@ def indexer_kl_loss(
     n1i, n2i = query_index.shape[1], key_index.shape[1]
     igroup = n1i // n2i
     dots = torch.einsum("ihd,jhd->hij", query_index, key_index.repeat_interleave(igroup, dim=1))
-    scores = torch.einsum("ih,hij->hij", weights, dots.clamp_min(0))
+    # relu, whose gradient at 0 is 0 ([S > 0] in the docs; clamp_min would pass it).
+    scores = torch.einsum("ih,hij->hij", weights, dots.relu())
     scores = scores.reshape(n2i, igroup, *scores.shape[1:]).sum(dim=1)  # [N2i, s1, s2]
     log_q = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     log_q = log_q.masked_fill(~visible, 0.0)[:, rows]
@@ -200,7 +201,8 @@ def sparse_indexer_kl_loss(
     n1i, n2i = query_index.shape[1], key_index.shape[1]
     igroup = n1i // n2i
     dots = torch.einsum("ihd,jhd->hij", query_index, key_index.repeat_interleave(igroup, dim=1))
-    scores = torch.einsum("ih,hij->hij", weights, dots.clamp_min(0))
+    # relu, whose gradient at 0 is 0 ([S > 0] in the docs; clamp_min would pass it).
+    scores = torch.einsum("ih,hij->hij", weights, dots.relu())
     scores = scores.reshape(n2i, igroup, s1, s2).sum(dim=1)  # [N2i, s1, s2]
     loss = torch.zeros((), dtype=torch.float64)
     for g in range(n2i):

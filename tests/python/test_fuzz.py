@@ -1,9 +1,11 @@
 """Bounded fuzzing: seeded random mutations of valid calls to every op (sizes 0, 1, odd and huge
 through stride-0 expand; wrong dtypes, ranks, devices and layouts; mask modes and windows out of
 range; length arrays negative, decreasing, too long or float; NaN and infinite values;
-non-contiguous views; forged plans). Each call must give a correct result (checked against the
-float64 references) or raise an exception whose message starts with an argument's name, never
-crash: the cases run in a child process, so a crash fails the test and names the case."""
+non-contiguous views; forged plans; quantized caches). Each call must give a correct result
+(checked against the float64 references) or raise an exception whose message starts with an
+argument's name, never crash: the cases run in a child process, so a crash fails the test and
+names the case. For the ops whose generators make only valid calls unless they mutate one, a
+refusal of an unmutated call fails too."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ OPS = [
     "sparse_flash_mla",
     "sparse_flash_attention",
     "lightning_indexer",
+    "dense_lightning_indexer_grad_kl_loss",
+    "sparse_lightning_indexer_grad_kl_loss",
 ]
 
 

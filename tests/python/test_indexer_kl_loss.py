@@ -186,6 +186,8 @@ def reference(case, t, scale):
             visible=visible,
             **rope,
         )
+    if not loss.requires_grad:  # no sequence has a query and a key
+        return loss, [torch.zeros_like(x) for x in leaves.values()]
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     grads = [
         torch.zeros_like(x) if gr is None else gr
