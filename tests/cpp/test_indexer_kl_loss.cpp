@@ -3,6 +3,7 @@
 // attentions, a band, tiles cut at awkward sizes; the same bits for 1 and 3 workers; errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -501,6 +502,52 @@ TEST(SparseKlLoss, ErrorsNameTheArgument) {
   });
   EXPECT_TRUE(starts(twice, "sparse_indices")) << twice;
   EXPECT_NE(twice.find("twice"), std::string::npos) << twice;
+}
+
+// A NaN or an infinity in any row the call reads makes the loss and every gradient row NaN, on
+// both losses; a statistic's max of -inf is a head without target mass, not a non-finite input.
+TEST(KlLosses, ANonFiniteValueReadMakesEveryResultNaN) {
+  Problem clean = make(8);
+  statistics(clean);
+  index_statistics(clean);
+  const Indices all = make_indices(clean, 1, [](int64_t, int64_t, int64_t) { return true; });
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  using Field = std::vector<float> Problem::*;
+  const std::pair<Field, float> changes[] = {
+      {&Problem::q, nan},    {&Problem::k, inf},     {&Problem::qr, -inf}, {&Problem::kr, nan},
+      {&Problem::qi, inf},   {&Problem::ki, nan},    {&Problem::w, -inf},  {&Problem::smax, nan},
+      {&Problem::smax, inf}, {&Problem::ssum, -inf}, {&Problem::ssum, nan}};
+  auto all_nan = [](const std::vector<float>& v) {
+    return std::all_of(v.begin(), v.end(), [](float e) { return std::isnan(e); });
+  };
+  for (const auto& [field, value] : changes) {
+    Problem x = clean;
+    (x.*field)[(x.*field).size() / 2 + 1] = value;  // a row of the last sequence
+    Output dense, sparse;
+    dense_lightning_indexer_grad_kl_loss(params(x, dense), ThreadExecutor(2), active_isa());
+    sparse_lightning_indexer_grad_kl_loss(sparse_params(x, sparse, all), ThreadExecutor(2),
+                                          active_isa());
+    for (const Output* o : {&dense, &sparse}) {
+      EXPECT_TRUE(std::isnan(o->loss));
+      EXPECT_TRUE(all_nan(o->dqi) && all_nan(o->dki) && all_nan(o->dw));
+    }
+  }
+  // A head whose max is -inf (or whose sum is 0) has no target mass: finite results.
+  for (const bool max : {true, false}) {
+    Problem x = clean;
+    (max ? x.smax : x.ssum)[x.smax.size() / 2 + 1] = max ? -inf : 0.0f;
+    Output dense, sparse;
+    dense_lightning_indexer_grad_kl_loss(params(x, dense), SerialExecutor(), active_isa());
+    sparse_lightning_indexer_grad_kl_loss(sparse_params(x, sparse, all), SerialExecutor(),
+                                          active_isa());
+    for (const Output* o : {&dense, &sparse}) {
+      EXPECT_TRUE(std::isfinite(o->loss));
+      for (const auto* v : {&o->dqi, &o->dki, &o->dw}) {
+        EXPECT_TRUE(std::all_of(v->begin(), v->end(), [](float e) { return std::isfinite(e); }));
+      }
+    }
+  }
 }
 
 TEST(IndexerKlLoss, BandMasksMapToTheVocabulary) {

@@ -427,6 +427,7 @@ def dsa_cases(mesh):
             mesh, "TND", "cp_shard", q_lens=[1, 1], k_lens=[1, 2], cached=True
         ),
         "flash_attn_empty_shards_gather_once": lambda: case_flash_attn_empty_shards(mesh),
+        "kl_non_finite": lambda: case_kl_non_finite(mesh),
         # Compressed keys (DeepSeek-V4's indexer): entries of 4 (2 in head-tail) tokens.
         "cmp_bsnd_dp": lambda: dsa_layer_case(mesh, "BSND", "dp", s2=4, cmp=cmp_bsnd),
         "cmp_bsnd_cp_rep": lambda: dsa_layer_case(mesh, "BSND", "cp_rep", s2=4, cmp=cmp_bsnd),
@@ -496,6 +497,7 @@ CASE_NAMES = [
     "bsnd_empty_shards_gather_once",
     "tnd_empty_shards_gather_once",
     "flash_attn_empty_shards_gather_once",
+    "kl_non_finite",
     "cmp_bsnd_dp",
     "cmp_bsnd_cp_rep",
     "cmp_bsnd_cp_shard",
@@ -599,3 +601,38 @@ def case_flash_attn_empty_shards(mesh):
     _compare("flash_attn", got.full_tensor(), want)
     for n in dx:
         _compare(f"flash_attn d{n}", dx[n].grad.full_tensor(), leaves[n].grad)
+
+
+def _kl_args(t, selection):
+    """A KL front's positional arguments (the sparse one's with its selection)."""
+    return [t["query_index"], t["key_index"], t["weights"], t["query"], t["key"], *selection,
+            t["main_max"], t["main_sum"], SCALE]  # fmt: skip
+
+
+def case_kl_non_finite(mesh):
+    """Both KL losses with a NaN in one rank's query rows, then in a (replicated) key: each rank
+    applies the rule to the rows it holds, and the reduced loss is NaN, as on one device; with
+    finite inputs it is finite (the same inputs otherwise)."""
+    b, s1, s2 = 2, 3 * mesh.size(mesh.ndim - 1) + 1, 11
+    x = _inputs("BSND", b, s1, s2)
+    indices = opmesh.lightning_indexer(
+        x["query_index"], x["key_index"], x["weights"], sparse_count=TOP_K
+    )[0]
+    for where in (None, ("query_index", (1, s1 - 1, 2, 3)), ("key", (0, 4, 1, 0))):
+        y = {n: v.clone() for n, v in x.items()}
+        if where is not None:
+            y[where[0]][where[1]] = float("nan")
+        dy = {
+            n: opmesh.distribute_tensor(v, mesh, _placements(mesh, "BSND", "cp_rep", n))
+            for n, v in y.items()
+        }
+        didx = opmesh.distribute_tensor(indices, mesh, _placements(mesh, "BSND", "cp_rep", "query"))
+        ropes = dict(query_rope=y["query_rope"], key_rope=y["key_rope"])
+        dropes = dict(query_rope=dy["query_rope"], key_rope=dy["key_rope"])
+        for sparse in (False, True):
+            front = opmesh.sparse_indexer_kl_loss if sparse else opmesh.indexer_kl_loss
+            want = front(*_kl_args(y, [indices] if sparse else []), **ropes)
+            got = front(*_kl_args(dy, [didx] if sparse else []), **dropes).full_tensor()
+            assert got.isnan().all() == want.isnan().all() == (where is not None), (where, got)
+            if where is None:
+                _compare(f"kl sparse={sparse}", got, want)

@@ -1064,8 +1064,10 @@ def relaid(t):
 def kl_case(sparse):
     """A KL-loss call: random sequences (S1 above S2 too), GQA on both attentions, rope, masks,
     bands, compressed keys; the main statistics exact or rescaled per head (the target is
-    normalised either way); a NaN or infinity now and then; for the sparse loss a selection of
-    random keys with -1 padding (now and then a bad entry, refused by name)."""
+    normalised either way), now and then a head without target mass (a log-sum-exp of -inf) in a
+    row that sees keys; a NaN or infinity now and then, inputs and statistics alike; for the
+    sparse loss a selection of random keys with -1 padding (now and then a bad entry, refused by
+    name)."""
     layout = pick("BSND", "TND")
     b, n2, n2i = pick(0, 1, 2, 3), pick(1, 1, 2), pick(1, 1, 2)
     ratio = pick(1, 1, 1, 4)
@@ -1106,15 +1108,25 @@ def kl_case(sparse):
         )
     dtype = pick(*DTYPES, torch.float64) if rng.random() < 0.2 else pick(*DTYPES)
     t, scale, kw = kl_make(case, dtype, rng.randrange(2**20))
-    # A row that sees no key has statistics (-inf, 0); other finite ones serve as well.
-    t["softmax_max"] = t["softmax_max"].nan_to_num(neginf=0.0)
-    t["softmax_sum"] = t["softmax_sum"].masked_fill(t["softmax_sum"] == 0, 1.0)
+    # A row that sees no key has statistics (-inf, 0); flash_attn's lse with ones, or any
+    # finite ones, serve as well.
+    if rng.random() < 0.5:
+        t["softmax_sum"] = t["softmax_sum"].masked_fill(t["softmax_sum"] == 0, 1.0)
+    if rng.random() < 0.3:
+        t["softmax_max"] = t["softmax_max"].nan_to_num(neginf=0.0)
     if rng.random() < 0.3:
         group = case.n1 // case.n2
         t["softmax_sum"] = t["softmax_sum"] * (1 + 2 * torch.rand(group, generator=gen))
-    if rng.random() < 0.05:
-        name = pick("query", "key", "query_index", "key_index", "weights")
-        if t[name].numel():
+    if rng.random() < 0.1 and t["softmax_max"].numel():  # a head without target mass
+        at, kind = rng.randrange(t["softmax_max"].numel()), rng.randrange(3)
+        if kind != 1:
+            t["softmax_max"].view(-1)[at] = -math.inf
+        if kind != 0:
+            t["softmax_sum"].view(-1)[at] = 0.0
+    if rng.random() < 0.07:
+        name = pick("query", "key", "query_index", "key_index", "weights", "softmax_max",
+                    "softmax_sum", "query_rope")  # fmt: skip
+        if t.get(name) is not None and t[name].numel():
             t[name].view(-1)[rng.randrange(t[name].numel())] = pick(math.nan, math.inf, -math.inf)
     t = {name: relaid(x) for name, x in t.items()}
     idx = None
@@ -1227,6 +1239,34 @@ def natural_scales(case, query_index, key_index, weights):
     )
 
 
+def kl_rows(case, like, keys):
+    """A bool mask of ``like``'s rows (query rows, or key rows with ``keys``) of the sequences
+    that have both queries and keys: the rows a KL call reads and writes."""
+    mask = torch.zeros(like.shape, dtype=torch.bool)
+    for b, (q0, ql, k0, kl) in enumerate(kl_sequences(case)):
+        if ql and kl:
+            begin, n = (k0, kl) if keys else (q0, ql)
+            mask[(() if case.layout == "TND" else (b,)) + (slice(begin, begin + n),)] = True
+    return mask
+
+
+def kl_reads_non_finite(case, t):
+    """The operators' rule: a NaN or an infinity in a row the call reads, a statistic's max of
+    -inf (a head without target mass) aside."""
+    for name, x in t.items():
+        if name.startswith("softmax"):
+            rows = kl_rows(case, x.movedim(-2, -3) if case.layout == "BSND" else x.movedim(1, 0),
+                           False)  # fmt: skip
+            rows = rows.movedim(-3, -2) if case.layout == "BSND" else rows.movedim(0, 1)
+            bad = x.isnan() | (x == math.inf) | ((x == -math.inf) & (name == "softmax_sum"))
+        else:
+            rows = kl_rows(case, x, name.startswith("key"))
+            bad = ~x.isfinite()
+        if (bad & rows).any():
+            return True
+    return False
+
+
 def as_ints(v):
     return None if v is None else tuple(int(x) for x in (v.tolist() if torch.is_tensor(v) else v))
 
@@ -1271,13 +1311,22 @@ def check_kl(args, kw, result):
         want_loss, want = dense_kl_reference(case, t, scale)
     else:
         want_loss, want = sparse_kl_reference(case, t, idx, scale)
-    finite = all(torch.isfinite(x).all() for x in t.values())
     *grads, loss = result
     if loss.shape != (1,) or loss.dtype != torch.float32:
         raise AssertionError(f"loss of shape {tuple(loss.shape)} and {loss.dtype}")
+    inputs = [t[n] for n in ("query_index", "key_index", "weights")]
+    if kl_reads_non_finite(case, t):  # documented: a NaN loss, every written row NaN
+        if not loss.isnan().all():
+            raise AssertionError(f"a non-finite input read, and a loss of {loss.item()}")
+        for name, got, keys in zip(("d_query_index", "d_key_index", "d_weights"), grads,
+                                   (False, True, False), strict=True):  # fmt: skip
+            rows = kl_rows(case, got, keys)
+            if not (got[rows].isnan().all() and (got[~rows] == 0).all()):
+                raise AssertionError(f"{name}: not NaN in the rows read, zero elsewhere")
+        return
+    finite = True  # any non-finite value lies outside the rows read
     if beyond(loss[0], want_loss, 1e-5 + 2e-5 * want_loss.abs(), finite):
         raise AssertionError(f"loss {loss.item()}, expected {want_loss.item()}")
-    inputs = [t[n] for n in ("query_index", "key_index", "weights")]
     for name, got, ref, like, floor in zip(
         ("d_query_index", "d_key_index", "d_weights"),
         grads,

@@ -128,6 +128,14 @@ def _with_rope(query, key, query_rope, key_rope):
     return q, k
 
 
+def main_shift(softmax_max, softmax_sum, n1):
+    """The main attention's log-sum-exp ``[N1, s1]`` from its statistics ``[N2, s1, G]``; a head
+    whose log-sum-exp is -inf (a max of -inf, or a sum of 0) has no target mass: +inf."""
+    lse = softmax_max.double() + softmax_sum.double().clamp_min(0).log()
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return lse.transpose(1, 2).reshape(n1, -1)
+
+
 def indexer_kl_loss(
     query,
     key,
@@ -152,7 +160,7 @@ def indexer_kl_loss(
     n1, n2 = q.shape[1], k.shape[1]
     group = n1 // n2
     logits = scale * torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1))
-    shift = (softmax_max.double() + softmax_sum.double().log()).transpose(1, 2).reshape(n1, -1)
+    shift = main_shift(softmax_max, softmax_sum, n1)
     p = torch.where(visible, torch.exp(logits - shift[..., None]), 0.0)
     target = p.sum(dim=0)  # [s1, s2]
     mass = target.sum(dim=1)
@@ -197,7 +205,7 @@ def sparse_indexer_kl_loss(
     group = n1 // n2
     s1, s2 = q.shape[0], k.shape[0]
     logits = scale * torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(group, dim=1))
-    shift = (softmax_max.double() + softmax_sum.double().log()).transpose(1, 2).reshape(n1, -1)
+    shift = main_shift(softmax_max, softmax_sum, n1)
     n1i, n2i = query_index.shape[1], key_index.shape[1]
     igroup = n1i // n2i
     dots = torch.einsum("ihd,jhd->hij", query_index, key_index.repeat_interleave(igroup, dim=1))

@@ -6,6 +6,7 @@ every SIMD path; gradcheck; compiled equals eager; errors."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -514,3 +515,101 @@ def test_a_target_that_requires_grad_is_refused(name):
             scale,
         ),  # fmt: skip
     )
+
+
+# Non-finite values, on both losses: a NaN or an infinity in a row the call reads makes the loss
+# and every gradient row it writes NaN; the rows it does not read (a sequence without queries or
+# without keys) leave the result as it was. A statistic's max of -inf (or a sum of 0) is a head
+# without target mass, not a non-finite input.
+KL_OPS = ["dense", "sparse"]
+
+
+def run_kl(op, case, t, scale, options):
+    if op == "dense":
+        return run_op(t, scale, options)
+    import test_sparse_indexer_kl_loss as sparse
+
+    return sparse.run_op(t, sparse.selection(case, 24), scale, options)
+
+
+def by_name(name):
+    return next(c for c in CASES if c.name == name)
+
+
+# Where a value is read, and where it is not, in "bsnd_lengths" (batch 0 has queries and keys,
+# batch 1 keys only, batch 2 queries only).
+READ_AND_UNREAD = {
+    "query": ((0, 5, 1, 3), (2, 5, 1, 3)),
+    "key": ((0, 70, 0, 2), (1, 7, 0, 2)),
+    "query_index": ((0, 69, 3, 0), (2, 0, 3, 0)),
+    "key_index": ((0, 0, 0, 7), (1, 39, 0, 7)),
+    "weights": ((0, 12, 2), (2, 12, 2)),
+    "softmax_max": ((0, 1, 30, 1), (2, 1, 30, 1)),
+    "softmax_sum": ((0, 0, 30, 0), (2, 0, 30, 0)),
+}
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=str)
+@pytest.mark.parametrize("name", sorted(READ_AND_UNREAD))
+@pytest.mark.parametrize("op", KL_OPS)
+def test_a_non_finite_value_read_makes_the_loss_and_the_rows_written_nan(op, name, value):
+    if name == "softmax_max" and value == -math.inf:
+        pytest.skip("a max of -inf is a head without target mass (the next test)")
+    case = by_name("bsnd_lengths")
+    t, scale, options = make(case, torch.float32)
+    clean = run_kl(op, case, t, scale, options)
+    read, unread = READ_AND_UNREAD[name]
+    for at, same in ((unread, True), (read, False)):
+        changed = dict(t, **{name: t[name].clone()})
+        changed[name][at] = value
+        got = run_kl(op, case, changed, scale, options)
+        if same:
+            for a, b in zip(got, clean, strict=True):
+                assert torch.equal(a, b)
+            continue
+        *grads, loss = got
+        assert loss.isnan().all()
+        for grad, before in zip(grads, clean[:3], strict=True):
+            assert grad[0].isnan().all()  # batch 0's rows, all written
+            assert torch.equal(grad[1:], before[1:])  # the others: zero, as before
+            assert (grad[1:] == 0).all()
+    # Through the differentiable front: a NaN loss, and NaN gradients.
+    changed = dict(t, **{name: t[name].clone()})
+    changed[name][read] = value
+    leaves = {n: changed[n].clone().requires_grad_() for n in INDEX}
+    front = opmesh.indexer_kl_loss if op == "dense" else opmesh.sparse_indexer_kl_loss
+    extra = ()
+    if op == "sparse":
+        import test_sparse_indexer_kl_loss as sparse
+
+        extra = (sparse.selection(case, 24),)
+    loss = front(
+        *leaves.values(), changed["query"], changed["key"], *extra,
+        changed["softmax_max"], changed["softmax_sum"], scale, **options,
+    )  # fmt: skip
+    loss.sum().backward()
+    assert loss.isnan().all() and all(leaf.grad[0].isnan().all() for leaf in leaves.values())
+
+
+INDEX = ("query_index", "key_index", "weights")
+
+
+@pytest.mark.parametrize("stat", ["softmax_max", "softmax_sum"])
+@pytest.mark.parametrize("op", KL_OPS)
+def test_a_head_without_target_mass_adds_nothing_to_the_target(op, stat):
+    """A log-sum-exp of -inf (max -inf, or sum 0) for a head of a row that sees keys: that head's
+    probabilities are 0, as the float64 reference takes them."""
+    case = by_name("gqa_index_heads")
+    t, scale, options = make(case, torch.float32)
+    t[stat] = t[stat].clone()
+    t[stat][1, 0, 40:44, 1] = -math.inf if stat == "softmax_max" else 0.0
+    d_qi, d_ki, d_w, loss = run_kl(op, case, t, scale, options)
+    if op == "dense":
+        want_loss, want = reference(case, t, scale)
+    else:
+        import test_sparse_indexer_kl_loss as sparse
+
+        want_loss, want = sparse.reference(case, t, sparse.selection(case, 24), scale)
+    assert_close(loss[0], want_loss, atol=1e-5, rtol=2e-5, name="loss")
+    for got, ref in zip((d_qi, d_ki, d_w), want, strict=True):
+        assert_close(got, ref, atol=2e-5 * float(ref.abs().max()), rtol=1e-5)

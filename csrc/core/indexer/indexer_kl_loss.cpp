@@ -534,7 +534,8 @@ class KlLoss {
         const int64_t idx = (at + srow) * group_ + gg;
         const float m = p_.softmax_max[idx];
         const float l = p_.softmax_sum[idx];
-        sc.shift.data()[h * kTile + r] = l > 0.0f ? m + std::log(l) : kInf;
+        // A log-sum-exp of -inf (a max of -inf, or no positive sum): no target mass (+inf).
+        sc.shift.data()[h * kTile + r] = m != -kInf && l > 0.0f ? m + std::log(l) : kInf;
       }
       for (int64_t h = 0; h < p_.index_heads_q; ++h) {
         load(p_.query_index, b, pos, h, di_, sc.qi.data() + (h * kTile + r) * dip_);
@@ -733,10 +734,144 @@ void validate(const IndexerKlLossParams& p, bool index_statistics) {
   if (p.loss == nullptr) throw ArgumentError("loss", "is null");
 }
 
+namespace {
+
+template <class V>  // View or MutableView
+int64_t operand_offset(const IndexerKlLossParams& p, const V& v, int64_t b, int64_t token,
+                       int64_t head) {
+  return (p.layout == Layout::kBSND ? b * v.sb : 0) + token * v.ss + head * v.sn;
+}
+
+bool operand_non_finite(const IndexerKlLossParams& p, const KlOperand& t, int64_t b, int64_t token,
+                        int64_t heads, int64_t dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    if (row_non_finite(t.data, t.dtype, operand_offset(p, t, b, token, h), t.sd, dim)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// A block of n statistics: NaN or +inf anywhere (`max_of_rows`: -inf allowed), or any
+// non-finite sum.
+bool statistics_non_finite(const float* x, int64_t n, bool max_of_rows) {
+  int64_t hits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    hits += max_of_rows ? (x[i] != x[i] || x[i] == kInf) : !std::isfinite(x[i]);
+  }
+  return hits != 0;
+}
+
+// Query rows [i0, i1) of seq (keys: key rows) against reads_non_finite's rule.
+bool rows_non_finite(const IndexerKlLossParams& p, const Sequence& seq, bool keys, int64_t i0,
+                     int64_t i1, bool index_statistics) {
+  const int64_t b = seq.batch;
+  const bool tnd = p.layout == Layout::kTND;
+  for (int64_t i = i0; i < i1; ++i) {
+    if (keys) {
+      const int64_t pos = seq.k_begin + i;
+      if (operand_non_finite(p, p.key, b, pos, p.heads_k, p.head_dim) ||
+          (p.rope_dim > 0 && operand_non_finite(p, p.key_rope, b, pos, p.heads_k, p.rope_dim)) ||
+          operand_non_finite(p, p.key_index, b, pos, p.index_heads_k, p.index_dim)) {
+        return true;
+      }
+      continue;
+    }
+    const int64_t pos = seq.q_begin + i;
+    if (operand_non_finite(p, p.query, b, pos, p.heads_q, p.head_dim) ||
+        (p.rope_dim > 0 && operand_non_finite(p, p.query_rope, b, pos, p.heads_q, p.rope_dim)) ||
+        operand_non_finite(p, p.query_index, b, pos, p.index_heads_q, p.index_dim) ||
+        row_non_finite(p.weights.data, p.weights.dtype, operand_offset(p, p.weights, b, pos, 0),
+                       p.weights.sn, p.index_heads_q)) {
+      return true;
+    }
+  }
+  if (keys) return false;
+  // The statistics of rows [i0, i1): [B, N2, S1, G] / [N2, T1, G] and [B, N2index, S1] /
+  // [N2index, T1], contiguous.
+  const int64_t group = p.heads_q / p.heads_k, rows = i1 - i0;
+  for (int64_t n = 0; n < p.heads_k; ++n) {
+    const int64_t at = ((tnd ? n : b * p.heads_k + n) * p.seq_q + seq.q_begin + i0) * group;
+    if (statistics_non_finite(p.softmax_max + at, rows * group, true) ||
+        statistics_non_finite(p.softmax_sum + at, rows * group, false)) {
+      return true;
+    }
+  }
+  for (int64_t g = 0; index_statistics && g < p.index_heads_k; ++g) {
+    const int64_t at = (tnd ? g : b * p.index_heads_k + g) * p.seq_q + seq.q_begin + i0;
+    if (statistics_non_finite(p.softmax_max_index + at, rows, true) ||
+        statistics_non_finite(p.softmax_sum_index + at, rows, false)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool reads_non_finite(const IndexerKlLossParams& p, const std::vector<Sequence>& seqs,
+                      bool index_statistics, const Executor& executor) {
+  struct Part {
+    int64_t seq;
+    bool keys;
+    int64_t begin, end;
+  };
+  constexpr int64_t kRows = 256;
+  std::vector<Part> parts;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
+    if (seqs[s].q_len == 0 || seqs[s].k_len == 0) continue;  // nothing of it is read
+    for (const bool keys : {false, true}) {
+      const int64_t len = keys ? seqs[s].k_len : seqs[s].q_len;
+      for (int64_t i = 0; i < len; i += kRows) {
+        parts.push_back({s, keys, i, std::min(len, i + kRows)});
+      }
+    }
+  }
+  std::vector<char> found(parts.size(), 0);
+  run_dynamic(executor, static_cast<int64_t>(parts.size()), [&](int64_t t, int) {
+    const Part& part = parts[t];
+    found[t] =
+        rows_non_finite(p, seqs[part.seq], part.keys, part.begin, part.end, index_statistics);
+  });
+  return std::any_of(found.begin(), found.end(), [](char f) { return f != 0; });
+}
+
+void write_non_finite(const IndexerKlLossParams& p, const std::vector<Sequence>& seqs) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> row(std::max<int64_t>(p.index_dim, 1), nan);
+  for (const Sequence& seq : seqs) {
+    if (seq.q_len == 0 || seq.k_len == 0) continue;  // its rows stay as the caller filled them
+    for (int64_t i = 0; i < seq.q_len; ++i) {
+      const int64_t pos = seq.q_begin + i;
+      for (int64_t h = 0; h < p.index_heads_q; ++h) {
+        const KlGradient& dq = p.d_query_index;
+        store_row(dq.data, dq.dtype, operand_offset(p, dq, seq.batch, pos, h), dq.sd, p.index_dim,
+                  row.data(), 1.0f);
+        const KlGradient& dw = p.d_weights;
+        store_row(dw.data, dw.dtype, operand_offset(p, dw, seq.batch, pos, h), 1, 1, row.data(),
+                  1.0f);
+      }
+    }
+    for (int64_t j = 0; j < seq.k_len; ++j) {
+      for (int64_t g = 0; g < p.index_heads_k; ++g) {
+        const KlGradient& dk = p.d_key_index;
+        store_row(dk.data, dk.dtype, operand_offset(p, dk, seq.batch, seq.k_begin + j, g), dk.sd,
+                  p.index_dim, row.data(), 1.0f);
+      }
+    }
+  }
+  *p.loss = nan;
+}
+
 void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& p, const Executor& executor,
                                           Isa isa) {
   validate(p);
   require_supported(isa);
+  const std::vector<Sequence> seqs = indexer_sequences(index_params(p));
+  if (reads_non_finite(p, seqs, true, executor)) {
+    write_non_finite(p, seqs);
+    return;
+  }
   KlLoss run(p, isa);
   std::vector<std::unique_ptr<KlLoss::Scratch>> scratch(std::max(1, executor.num_workers()));
   auto scratch_of = [&](int thread) -> KlLoss::Scratch& {

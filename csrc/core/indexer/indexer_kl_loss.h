@@ -12,7 +12,8 @@
 //                   d_weights[t,h] = sum_j dI relu(S)
 //                   d_query_index[t,h] = sum_j dI w[t,h] [S > 0] ki[j]
 //                   d_key_index[j,g] = sum_t sum_{h in g} dI w[t,h] [S > 0] qi[t,h]
-// A row whose target mass Z is zero (no visible key) contributes nothing.
+// A row whose target mass Z is zero (no visible key) contributes nothing. A NaN or an infinity
+// in any row the call reads makes the loss and every gradient row NaN (reads_non_finite).
 //
 // Two passes over units a single task owns, so no two tasks write the same element and results
 // are bitwise independent of the thread count: query tiles (the loss, Z, d_query_index and
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "../cpu_features.h"
 #include "../dtype.h"
@@ -83,7 +85,18 @@ IndexerParams index_params(const IndexerKlLossParams& params);
 // indexer's statistics are read (the sparse loss computes its own).
 void validate(const IndexerKlLossParams& params, bool index_statistics = true);
 
-// Validates, then computes the loss and the three gradients on the float32 kernels of `isa`.
+// Whether a row the call reads holds a NaN or an infinity: query, query_rope, query_index,
+// weights and the statistics of the query rows of `seqs`, key, key_rope and key_index of their
+// key rows (`index_statistics`: the indexer's statistics too). A statistic's max of -inf is not
+// counted: it is what a row that sees no key has.
+bool reads_non_finite(const IndexerKlLossParams& params, const std::vector<Sequence>& seqs,
+                      bool index_statistics, const Executor& executor);
+
+// What a call that reads one gets: a NaN loss and NaN in every gradient row of `seqs`.
+void write_non_finite(const IndexerKlLossParams& params, const std::vector<Sequence>& seqs);
+
+// Validates, then computes the loss and the three gradients on the float32 kernels of `isa`
+// (with a non-finite value in a row it reads, the result of write_non_finite).
 void dense_lightning_indexer_grad_kl_loss(const IndexerKlLossParams& params,
                                           const Executor& executor, Isa isa);
 

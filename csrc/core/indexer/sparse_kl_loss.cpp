@@ -433,8 +433,10 @@ class SparseKl {
                                 ? (kh * p_.seq_q + s.q_begin + i) * g_
                                 : ((s.batch * p_.heads_k + kh) * p_.seq_q + i) * g_;
       for (int64_t r = 0; r < g_; ++r) {
+        // A log-sum-exp of -inf (a max of -inf, or no positive sum): no target mass (+inf).
         const float m = p_.softmax_max[stats + r];
-        sc.lse[kh * g_ + r] = m == -kInf ? kInf : m + std::log(p_.softmax_sum[stats + r]);
+        const float l = p_.softmax_sum[stats + r];
+        sc.lse[kh * g_ + r] = m != -kInf && l > 0.0f ? m + std::log(l) : kInf;
       }
     }
     for (int64_t h = 0; h < p_.index_heads_q; ++h) load_index_query(sc, s, i, h);
@@ -926,6 +928,10 @@ void sparse_lightning_indexer_grad_kl_loss(const SparseKlLossParams& p, const Ex
   require_supported(isa);
   SparseKl run(p, isa);
   const std::vector<Sequence>& seqs = run.sequences();
+  if (reads_non_finite(p.dense, seqs, false, executor)) {
+    write_non_finite(p.dense, seqs);
+    return;
+  }
   const int threads = std::max(1, executor.num_workers());
   ScratchPool<SparseKl::Scratch, SparseKl> scratch(run, threads);
   const std::vector<TokenTask> token_tasks = core::token_tasks(seqs, kTokensPerTask);

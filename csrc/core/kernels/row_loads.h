@@ -37,6 +37,32 @@ inline void load_row(const void* base, DType dtype, int64_t offset, int64_t stri
   }
 }
 
+// Whether any of n elements spaced `stride` apart from element `offset` is a NaN or an infinity,
+// read from the bits (an exponent of all ones), so that a scan runs at the speed of memory.
+inline bool row_non_finite(const void* base, DType dtype, int64_t offset, int64_t stride,
+                           int64_t n) {
+  auto scan = [&](const auto* x, auto exponent) {
+    int64_t hits = 0;
+    if (stride == 1) {
+      for (int64_t i = 0; i < n; ++i) hits += (x[i] & exponent) == exponent;
+    } else {
+      for (int64_t i = 0; i < n; ++i) hits += (x[i * stride] & exponent) == exponent;
+    }
+    return hits != 0;
+  };
+  switch (dtype) {
+    case DType::kFloat32:
+      return scan(static_cast<const uint32_t*>(base) + offset, uint32_t{0x7f800000u});
+    case DType::kBFloat16:
+      return scan(static_cast<const uint16_t*>(base) + offset, uint16_t{0x7f80u});
+    case DType::kFloat16:
+      return scan(static_cast<const uint16_t*>(base) + offset, uint16_t{0x7c00u});
+    case DType::kFloat64:
+      return scan(static_cast<const uint64_t*>(base) + offset, uint64_t{0x7ff0000000000000u});
+  }
+  return false;
+}
+
 // Writes scale * src[0..n) to n elements spaced `stride` apart from element `offset`, rounding
 // to the destination type (round to nearest even).
 inline void store_row(void* base, DType dtype, int64_t offset, int64_t stride, int64_t n,
