@@ -1435,6 +1435,17 @@ def check_compressor(args, kw, result):
     if state is not None and not torch.allclose(state.double(), want_state, atol=1e-4,
                                                 rtol=1e-4, equal_nan=True):  # fmt: skip
         raise AssertionError("state_cache written wrong")
+    # Training: without a state cache the gradients of x, wkv, wgate and ape (half the finite
+    # calls) against the reference's autograd.
+    leaves = [x, wkv, wgate, ape]
+    if state is None and all(t.isfinite().all() for t in leaves) and rng.random() < 0.5:
+        check_gradients(
+            lambda t: (opmesh.compressor(t[0], t[1], t[2], None, t[3], r, **kw),),
+            lambda t: compressor_reference(t[0], t[1], t[2], None, t[3], r, **kw)[:1],
+            leaves,
+            lambda out: out,
+            {torch.float32: 1e-4, torch.bfloat16: 4e-3, torch.float16: 1e-3}[x.dtype],
+        )
 
 
 CASES = {
