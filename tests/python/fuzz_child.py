@@ -114,6 +114,10 @@ ARGUMENTS = {
         "actual_seq_klen",
         "layout",
         "sparse_mode",
+        "pre_tokens",
+        "next_tokens",
+        "cmp_ratio",
+        "cmp_residual_key",
         "batch",
     ],
     "kv_cache_write_": [
@@ -443,17 +447,25 @@ def metadata_case():
 
 
 def indexer_case():
-    layout = pick("BSND", "TND", "BNSD")
+    """A valid call (BSND and TND, lengths with empty sequences, GQA, masks, bands, compressed
+    keys, float32 weights beside half inputs), then, one call in four, one mutation."""
+    layout = pick("BSND", "TND")
     b, s1, s2 = pick(0, 1, 2), size(), size()
     n2 = pick(1, 2)
-    n1 = n2 * pick(1, 3) if rng.random() < 0.9 else 3
-    d = pick(1, 16, 33, 2049)
-    dtype = pick(*DTYPES)
-    kw = dict(layout=layout, sparse_mode=pick(0, 3, 3, 1, 2**32 + 3))
+    n1 = n2 * pick(1, 3)
+    d, dtype = pick(1, 16, 33, 128), pick(*DTYPES)
+    kw = dict(layout=layout, sparse_mode=pick(0, 3, 3))
+    if rng.random() < 0.3:
+        kw.update(pre_tokens=pick(UNBOUNDED, 0, 3), next_tokens=pick(UNBOUNDED, 0, 2))
+    elif rng.random() < 0.2:
+        ratio = pick(2, 4)
+        kw["cmp_ratio"] = ratio
+        if kw["sparse_mode"] == 3:
+            kw["cmp_residual_key"] = [rng.randrange(ratio) for _ in range(b)]
     if layout == "TND":
-        ends_q = lengths(b, s1, True)[1:] if rng.random() < 0.9 else lengths(b, s1, False)
-        ends_k = lengths(b, s2, True)[1:]
-        tq, tk = total(ends_q, s1), total(ends_k, s2)
+        ends_q = cumulative([rng.randint(0, s1) for _ in range(b)])[1:]
+        ends_k = cumulative([rng.randint(0, s2) for _ in range(b)])[1:]
+        tq, tk = (ends_q or [0])[-1], (ends_k or [0])[-1]
         args = (tensor(tq, n1, d, dtype=dtype), tensor(tk, n2, d, dtype=dtype), tensor(tq, n1))
         kw.update(actual_seq_qlen=ends_q, actual_seq_klen=ends_k)
     else:
@@ -463,11 +475,32 @@ def indexer_case():
             tensor(b, s1, n1),
         )
         if rng.random() < 0.4:
-            kw["actual_seq_qlen"] = lengths(b, s1, False)
+            kw["actual_seq_qlen"] = [rng.randint(0, s1) for _ in range(b)]
         if rng.random() < 0.4:
-            kw["actual_seq_klen"] = lengths(b, s2, False)
-    if rng.random() < 0.05:
+            kw["actual_seq_klen"] = [rng.randint(0, s2) for _ in range(b)]
+    if rng.random() < 0.5:
+        args = (args[0], args[1], args[2].to(dtype))
+    kind = rng.random()
+    MUTATED[0] = kind < 0.25
+    if kind < 0.03:
         args = (args[0], args[1], args[2].double())
+    elif kind < 0.06:
+        args = (args[0].int(), args[1], args[2])
+    elif kind < 0.09:
+        args = (args[0], args[1][..., :-1] if d > 1 else args[1], args[2])
+    elif kind < 0.12:
+        kw["layout"] = pick("BNSD", "bsnd", "", "TND" if layout == "BSND" else "BSND")
+    elif kind < 0.15:
+        kw[pick("sparse_mode", "cmp_ratio", "pre_tokens")] = pick(1, -1, 2**32 + 3)
+    elif kind < 0.2:
+        name = pick("actual_seq_qlen", "actual_seq_klen")
+        kw[name] = lengths(b, pick(s1, s2), False)
+        if layout == "TND" and isinstance(kw[name], list):
+            kw[name] = cumulative(kw[name])[1:]
+    elif kind < 0.23:
+        args = (tensor(*args[0].shape[:-1], 2049, dtype=dtype), args[1], args[2])
+    elif kind < 0.25:
+        args = (args[0], args[1], args[2][..., :-1])
     return args, kw
 
 
@@ -620,6 +653,7 @@ def selection(rows_per_seq, limits, heads, k):
 MUTATED = [False]
 STRICT = {
     "flash_attn",
+    "indexer",
     "sparse_flash_mla",
     "sparse_flash_attention",
     "lightning_indexer",
