@@ -495,6 +495,38 @@ def test_sparse_grad_kl_loss_matches_torch(layout, rope):
     assert float(as_numpy(outs[0][3])[0]) > 0
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_kl_losses_with_a_non_finite_input_match_torch(sparse):
+    """A NaN in a row the call reads: a NaN loss and NaN gradient rows on MindSpore as on torch
+    (the same core), the rows it does not write zero on both."""
+    m, t, kw = kl_inputs("TND", rope=False)
+    t["query_index"] = t["query_index"].clone()
+    t["query_index"][6, 1, 3] = float("nan")
+    m["query_index"] = ms.Tensor(t["query_index"].numpy())
+    idx_m, idx_t = kl_selection("TND")
+    outs = []
+    for x, idx in ((m, idx_m), (t, idx_t)):
+        common = (x["query"], x["key"], x["query_index"], x["key_index"], x["weights"])
+        if sparse:
+            outs.append(
+                opmesh.sparse_lightning_indexer_grad_kl_loss(
+                    *common, idx, x["softmax_max"], x["softmax_sum"], 0.25, **kw
+                )
+            )
+        else:
+            stats = opmesh.dense_lightning_indexer_softmax_lse(
+                x["query_index"], x["key_index"], x["weights"], **kw
+            )
+            outs.append(
+                opmesh.dense_lightning_indexer_grad_kl_loss(
+                    *common, x["softmax_max"], x["softmax_sum"], *stats, 0.25, **kw
+                )
+            )
+    for a, b in zip(*outs, strict=True):
+        assert_same(a, b)
+    assert np.isnan(as_numpy(outs[0][3])).all() and np.isnan(as_numpy(outs[0][0])[:4]).all()
+
+
 def test_sparse_indexer_kl_loss_gradients_through_mindspore_autograd():
     m, t, kw = kl_inputs("BSND", rope=False)
     idx_m, idx_t = kl_selection("BSND")
