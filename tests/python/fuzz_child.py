@@ -446,6 +446,38 @@ def metadata_case():
     return tuple(heads), kw
 
 
+def check_metadata(args, kw, result):
+    """A plan never changes the answer: flash_attn on random inputs of the planned shapes gives
+    with the plan what it gives without one (the same sums in another order: float32 rounding)."""
+    hq, hkv, d = args
+    layout_kv = kw.get("layout_kv", kw.get("layout_q", "BSND"))
+    call = {n: kw[n] for n in ("mask_mode", "win_left", "win_right") if n in kw}
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv"):
+        if name in kw:
+            call[name] = torch.as_tensor(kw[name]).to(torch.int32)
+    b = kw["batch_size"]
+    if kw.get("layout_q") == "TND":
+        q = torch.randn(kw["cu_seqlens_q"][-1], hq, d, generator=gen)
+        k, v = (torch.randn(kw["cu_seqlens_kv"][-1], hkv, d, generator=gen) for _ in range(2))
+        call.update(layout_q="TND", layout_kv="TND", layout_out="TND")
+        call.update(max_seqlen_q=kw["max_seqlen_q"], max_seqlen_kv=kw["max_seqlen_kv"])
+    else:
+        q = torch.randn(b, kw["max_seqlen_q"], hq, d, generator=gen)
+        if layout_kv == "PA_BBND":
+            per = -(-kw["max_seqlen_kv"] // 16)
+            k, v = (torch.randn(b * per + 1, 16, hkv, d, generator=gen) for _ in range(2))
+            table = torch.randperm(b * per + 1, generator=gen)[: b * per].view(b, per)
+            call.update(layout_kv="PA_BBND", block_table=table.int())
+            call["max_seqlen_kv"] = kw["max_seqlen_kv"]
+        else:
+            k, v = (torch.randn(b, kw["max_seqlen_kv"], hkv, d, generator=gen) for _ in range(2))
+    plain = opmesh.flash_attn(q, k, v, return_softmax_lse=True, **call)
+    planned = opmesh.flash_attn(q, k, v, metadata=result, return_softmax_lse=True, **call)
+    for name, a, b_ in zip(("output", "lse"), planned, plain, strict=True):
+        if not torch.allclose(a, b_, atol=2e-5, rtol=2e-5, equal_nan=True):
+            raise AssertionError(f"the planned call's {name} differs from the unplanned one's")
+
+
 def indexer_case():
     """A valid call (BSND and TND, lengths with empty sequences, GQA, masks, bands, compressed
     keys, float32 weights beside half inputs), then, one call in four, one mutation."""
@@ -1506,7 +1538,7 @@ CASES = {
     "flash_attn_metadata": (
         metadata_case,
         lambda a, kw: opmesh.flash_attn_metadata(*a, **kw),
-        None,
+        check_metadata,
     ),
     "indexer": (
         indexer_case,
