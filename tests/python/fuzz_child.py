@@ -872,8 +872,8 @@ def mla_differs(q, out, lse, kw, ref_kw):
 # The attention gradient checks' tolerance per query dtype: within 8 x this of the largest
 # gradient (at least 1), about what the designed backward tests allow each element (bf16: 3e-2
 # absolute plus 3e-2 relative; the upstream, the probabilities and their gradients are rounded to
-# bf16 for the products on bf16 pairs).
-GRADIENT_TOL = {torch.float32: 2e-4, torch.bfloat16: 7.5e-3, torch.float16: 1.25e-3}
+# bf16 for the products on bf16 pairs; fp16: 5e-3 and 5e-3, 2% here for scales up to 3).
+GRADIENT_TOL = {torch.float32: 2e-4, torch.bfloat16: 7.5e-3, torch.float16: 2.5e-3}
 
 
 def check_gradients(call, reference_call, leaves, outputs, tol):
