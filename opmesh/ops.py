@@ -911,7 +911,9 @@ def compressor(
     for name in ("cu_seqlens", "seqused", "start_pos"):
         call[name] = _as_lengths(call[name], name)
     table = call["state_block_table"]
-    if isinstance(table, (list, tuple)) and table and isinstance(table[0], (list, tuple)):
+    if isinstance(table, (list, tuple)) and not table and cache_mode == 1:
+        call["state_block_table"] = torch.empty((0, 0), dtype=torch.int64)  # no sequences' rows
+    elif isinstance(table, (list, tuple)) and table and isinstance(table[0], (list, tuple)):
         call["state_block_table"] = _as_table(table, "state_block_table")
     else:
         call["state_block_table"] = _as_lengths(table, "state_block_table")

@@ -86,6 +86,9 @@ core::CompressorParams compressor_params(const Call& c, const CompressorHost& h)
                                 "given without a state_cache (it has no "
                                 "blocks)");
     }
+    if (p.has_state && !h.has_table) {
+      throw core::ArgumentError("state_block_table", "required with a state_cache");
+    }
     p.block_table = h.has_table ? h.table.data() : nullptr;
     p.table_width = h.has_table ? (p.cache_mode == 2 ? 1 : h.table_columns) : 0;
   }

@@ -417,7 +417,10 @@ def compressor(call):
     for name in _COMPRESSOR_HOST:
         host[name], metas[name] = _host(call[name], name)
     table = call["state_block_table"]
-    rows, table_meta = _table(table, "state_block_table")
+    if call["cache_mode"] == 2 and isinstance(table, (list, tuple)):
+        rows, table_meta = _host(table, "state_block_table")  # a ring's [B] list
+    else:
+        rows, table_meta = _table(table, "state_block_table")
     if table_meta is not None and table_meta.dim() == 1:
         rows = [[v] for v in rows]  # a ring's [B] table: one block per row
     state = call["state_cache"]

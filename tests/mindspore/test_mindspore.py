@@ -1229,6 +1229,23 @@ def test_compressor_forward_state_and_backward_match_torch(packed):
         assert_same(g, leaf.grad)
 
 
+@pytest.mark.parametrize("batch", [0, 2])
+@pytest.mark.parametrize("cache_mode", [1, 2])
+def test_compressor_tables_as_lists_match_torch(cache_mode, batch):
+    """Ring tables ([B]) and continuous ones ([B, blocks]) as lists, with and without sequences."""
+    arrays = (randn(batch, 9, 12), randn(8, 12, scale=0.3), randn(8, 12, scale=0.3), randn(3, 8))
+    m_in, t_in = zip(*(both(a) for a in arrays), strict=True)
+    table = [[1, 2, 3], [4, 5, 6]] if cache_mode == 1 else [1, 4]
+    kw = dict(start_pos=[2, 5][:batch], state_block_table=table[:batch], cache_mode=cache_mode)
+    state = randn(7, 8, 16)
+    m_state, t_state = ms.Tensor(state.copy()), torch.from_numpy(state.copy())
+    m_out = opmesh.compressor(m_in[0], m_in[1], m_in[2], m_state, m_in[3], 3, **kw)
+    t_out = opmesh.compressor(t_in[0], t_in[1], t_in[2], t_state, t_in[3], 3, **kw)
+    assert tuple(m_out.shape) == (batch, 3, 8)
+    assert_same(m_out, t_out)
+    assert_same(m_state, t_state)
+
+
 def test_compressor_errors_are_the_torch_bindings():
     x, w, ape = randn(2, 9, 12), randn(16, 12), randn(4, 16)
     msg = _same_error(lambda conv: opmesh.compressor(conv(x), conv(w), conv(w), None, conv(ape),

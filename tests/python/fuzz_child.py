@@ -213,6 +213,7 @@ ARGUMENTS = {
         "start_pos",
         "coff",
         "cache_mode",
+        "projections",
     ],
 }[op_name]
 
@@ -405,7 +406,8 @@ def check_flash_attn(args, kw, result):
 
 
 def metadata_case():
-    # A valid call, then (most of the time) one mutation.
+    """A valid call (every layout, masks and windows, worker counts), then, one call in three,
+    one mutation."""
     b = pick(0, 1, 3)
     kw = dict(
         batch_size=b,
@@ -428,7 +430,8 @@ def metadata_case():
     elif layout == "PA_BBND":
         kw.update(layout_kv="PA_BBND", seqused_kv=[rng.randint(0, 200) for _ in range(b)])
     heads = [4, 2, 16]
-    if rng.random() < 0.7:
+    MUTATED[0] = rng.random() < 0.35
+    if MUTATED[0]:
         which = rng.randrange(6)
         if which == 0:
             heads[rng.randrange(3)] = pick(0, -1, 3, 2**17, 2**40)
@@ -555,12 +558,13 @@ def kv_case():
     dtype = pick(*DTYPES)
     key, value = tensor(t, n, d, dtype=dtype), tensor(t, n, dv, dtype=dtype)
     kc, vc = torch.zeros(blocks, bs, n, d, dtype=dtype), torch.zeros(blocks, bs, n, dv, dtype=dtype)
-    if rng.random() < 0.6:  # distinct slots, some -1 (skipped)
-        slots = rng.sample(range(blocks * bs), min(t, blocks * bs)) + [-1] * (t - blocks * bs)
-        slots = [x if rng.random() < 0.9 else -1 for x in slots]
-    else:
-        slots = lengths(t, blocks * bs - 1, False)
+    # Distinct slots, some -1 (skipped); the slot table a list or an int32/int64 tensor.
+    slots = rng.sample(range(blocks * bs), min(t, blocks * bs)) + [-1] * (t - blocks * bs)
+    slots = [x if rng.random() < 0.9 else -1 for x in slots]
+    if rng.random() < 0.5:
+        slots = torch.tensor(slots, dtype=pick(torch.int32, torch.int64))
     mode = rng.random()
+    MUTATED[0] = mode < 0.3
     if mode < 0.05:
         # Overlap PyTorch's in-place ops detect (dense tensors sharing memory); strided views
         # whose overlap is too hard to decide are accepted, as PyTorch accepts them.
@@ -569,12 +573,15 @@ def kv_case():
         kc = torch.zeros(1, bs, n, d, dtype=dtype).expand(blocks, bs, n, d)
     elif mode < 0.15:
         slots = list(range(t)) + [0] if t else [0]
+    elif mode < 0.3:
+        slots = lengths(t, blocks * bs - 1, False)
     kw = {}
     if rng.random() < 0.3:  # a quantized cache: bytes and a float32 scale per row and head
         fmt = FORMATS[pick("int8", "fp8")]
         kc, vc = kc.to(fmt), vc.to(fmt)
         kw = dict(key_scale=torch.zeros(blocks, bs, n), value_scale=torch.zeros(blocks, bs, n))
         kind = rng.random()
+        MUTATED[0] |= kind < 0.25
         if kind < 0.1:
             del kw[pick("key_scale", "value_scale")]
         elif kind < 0.2:
@@ -684,6 +691,9 @@ def selection(rows_per_seq, limits, heads, k):
 # a failure.
 MUTATED = [False]
 STRICT = {
+    "compressor",
+    "flash_attn_metadata",
+    "kv_cache_write_",
     "flash_attn",
     "indexer",
     "sparse_flash_mla",
@@ -1462,52 +1472,101 @@ def plain(*shape, dtype=torch.float32):
 
 
 def compressor_case():
-    b, coff, r = pick(0, 1, 2, 3), pick(*[1, 2] * 5, 3), pick(1, 2, 3, 4, 5)
-    d, h, dtype = pick(1, 4, 7), pick(1, 5, 9), pick(*DTYPES)
-    width = (coff if coff in (1, 2) else 2) * d
+    """A valid call (BSND and TND, empty sequences, seqused, a continuous or ring state cache read
+    and written from any start_pos, block 0 where nothing is read, given projections), then, one
+    call in four, one mutation."""
+    b, coff, r = pick(0, 1, 2, 3), pick(1, 2), pick(1, 2, 3, 4, 5)
+    d, h, dtype = pick(1, 4, 7), pick(1, 5, 9), pick(*DTYPES, torch.float64)
+    width = coff * d
     kw = dict(coff=coff)
     if rng.random() < 0.4:
-        lens = [rng.randint(0, 9) for _ in range(b)]
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        x = plain(cu[-1], h, dtype=dtype)
-        kw["cu_seqlens"] = lengths(b, 9, True) if rng.random() < 0.2 else cu
-        longest = max(lens, default=0)
+        rows = [rng.randint(0, 9) for _ in range(b)]
+        kw["cu_seqlens"] = cumulative(rows)
+        x = plain(sum(rows), h, dtype=dtype)
     else:
-        longest = pick(0, 1, 3, 8, 13)
-        x = plain(b, longest, h, dtype=dtype)
-    wkv = plain(width + pick(*[0] * 10, 1), h, dtype=dtype)
-    wgate = plain(width, h, dtype=pick(*[dtype] * 10, torch.float64))
-    ape = plain(pick(*[r] * 10, r + 1), width)
+        rows = [pick(0, 1, 3, 8, 13)] * b if b else []
+        x = plain(b, rows[0] if b else pick(0, 5), h, dtype=dtype)
+    x = relaid(x)
+    wkv, wgate = relaid(plain(width, h, dtype=dtype)), relaid(plain(width, h, dtype=dtype))
+    ape = relaid(plain(r, width, dtype=pick(dtype, torch.float32, torch.float64)))
+    used = rows
     if rng.random() < 0.3:
-        kw["seqused"] = lengths(b, longest, False)
+        used = [rng.randint(0, n) for n in rows]
+        kw["seqused"] = used
     state = None
     if rng.random() < 0.6:
-        mode, bs, blocks = pick(1, 2), pick(1, 2, 4, 8, 16), pick(2, 3, 8, 40)
+        mode, blocks = pick(1, 2), pick(2, 3, 8, 40)
+        bs = pick(1, 2, 4, 8, 16) if mode == 1 else pick(coff * r, coff * r + 1, 16, 32)
         state = plain(blocks, bs, 2 * width)
+        starts = [pick(0, rng.randint(0, 12)) for _ in range(b)]
 
-        def block():  # block 0 (none) now and then
-            return 0 if rng.random() < 0.05 else rng.randint(1, blocks - 1)
+        def reads(i):  # the positions sequence i reads from the state: [lo, start)
+            first, last = starts[i] // r, (starts[i] + used[i]) // r
+            return max(0, (first - (coff - 1)) * r) if last > first else starts[i], starts[i]
+
+        def block(keep):  # block 0 (none) now and then, where nothing is read
+            return 0 if not keep and rng.random() < 0.1 else rng.randint(1, blocks - 1)
 
         if mode == 1:
-            cols = pick((12 + longest) // bs + 1, (12 + longest) // bs + 1, 1)
-            table = [[block() for _ in range(cols)] for _ in range(b)]
+            cols = max([(s + n - 1) // bs + 1 for s, n in zip(starts, used, strict=True)] + [1])
+            cols += pick(0, 0, 1)
+            table = []
+            for i in range(b):
+                lo, hi = reads(i)
+                need = {p // bs for p in range(lo, hi)}
+                table.append([block(c in need) for c in range(cols)])
         else:
-            table = [block() for _ in range(b)]
-        if rng.random() < 0.1 and b:
-            (table[0] if mode == 1 else table)[0] = pick(-1, blocks)
-        kw.update(state_block_table=table, cache_mode=mode, start_pos=lengths(b, 12, False))
+            table = [block(reads(i)[0] < reads(i)[1]) for i in range(b)]
+        if rng.random() < 0.5:  # a tensor ([0, cols] for no sequences), or the lists
+            table = torch.tensor(table, dtype=pick(torch.int32, torch.int64))
+            table = table.reshape(0, cols) if mode == 1 and b == 0 else table
+        kw.update(state_block_table=table, cache_mode=mode, start_pos=starts)
     elif rng.random() < 0.2:
-        kw["start_pos"] = lengths(b, 12, False)
+        kw["start_pos"] = [0] * b
+    if rng.random() < 0.2:
+        kw["projections"] = plain(*x.shape[:-1], 2 * width)
+    kind = rng.random()
+    MUTATED[0] = kind < 0.25
+    if kind < 0.02:
+        x = x.int() if rng.random() < 0.5 else x[..., :-1] if h > 1 else x.unsqueeze(0)
+    elif kind < 0.04:
+        wkv = plain(width + 1, h, dtype=dtype)
+    elif kind < 0.06:
+        wgate = wgate.double() if dtype != torch.float64 else wgate.float()
+    elif kind < 0.08:
+        ape = plain(r + pick(-1, 1), width)
+    elif kind < 0.10:
+        kw[pick("coff", "cache_mode")] = pick(0, 3, -1)
+    elif kind < 0.11:
+        r = pick(0, -1)
+    elif kind < 0.14:
+        name = pick("cu_seqlens", "seqused", "start_pos")
+        kw[name] = lengths(b, 9, name.startswith("cu"))
+    elif kind < 0.17 and state is not None:
+        state = pick(state.double(), state.transpose(1, 2), state[:, :0], state[..., :-1])
+    elif kind < 0.20 and state is not None:
+        table = kw["state_block_table"]
+        table = torch.as_tensor(table, dtype=torch.int64).clone()
+        if table.numel():
+            table.view(-1)[rng.randrange(table.numel())] = pick(-1, 0, state.shape[0], 2**40)
+        kw["state_block_table"] = pick(table, table[:, :1] if table.dim() == 2 else table[:0])
+    elif kind < 0.22 and state is not None:
+        kw["cache_mode"] = 3 - kw["cache_mode"]
+    elif kind < 0.25 and "projections" in kw:
+        t = kw["projections"]
+        kw["projections"] = pick(t.double(), t[..., :-1] if t.shape[-1] > 1 else t[..., :0], x)
     BEFORE["state"] = None if state is None else state.clone()
+    if "projections" in kw:
+        BEFORE["projections"] = kw["projections"].clone()
     return (x, wkv, wgate, state, ape, r), kw
 
 
 def check_compressor(args, kw, result):
     x, wkv, wgate, state, ape, r = args
-    want, want_state = compressor_reference(x, wkv, wgate, BEFORE["state"], ape, r, **kw)
-    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[x.dtype]
+    plain_kw = {k: v for k, v in kw.items() if k != "projections"}
+    want, want_state = compressor_reference(x, wkv, wgate, BEFORE["state"], ape, r, **plain_kw)
+    tol = {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+    tol = tol[x.dtype]
     if result.shape != want.shape:
         raise AssertionError(f"shape {tuple(result.shape)}, expected {tuple(want.shape)}")
     if not torch.allclose(result.double(), want, atol=tol, rtol=tol, equal_nan=True):
@@ -1515,17 +1574,43 @@ def check_compressor(args, kw, result):
     if state is not None and not torch.allclose(state.double(), want_state, atol=1e-4,
                                                 rtol=1e-4, equal_nan=True):  # fmt: skip
         raise AssertionError("state_cache written wrong")
+    if "projections" in kw:
+        check_projections(x, wkv, wgate, ape, r, kw)
     # Training: without a state cache the gradients of x, wkv, wgate and ape (half the finite
     # calls) against the reference's autograd.
     leaves = [x, wkv, wgate, ape]
     if state is None and all(t.isfinite().all() for t in leaves) and rng.random() < 0.5:
         check_gradients(
-            lambda t: (opmesh.compressor(t[0], t[1], t[2], None, t[3], r, **kw),),
-            lambda t: compressor_reference(t[0], t[1], t[2], None, t[3], r, **kw)[:1],
+            lambda t: (opmesh.compressor(t[0], t[1], t[2], None, t[3], r, **plain_kw),),
+            lambda t: compressor_reference(t[0], t[1], t[2], None, t[3], r, **plain_kw)[:1],
             leaves,
             lambda out: out,
-            {torch.float32: 1e-4, torch.bfloat16: 4e-3, torch.float16: 1e-3}[x.dtype],
+            {torch.float32: 1e-4, torch.float64: 1e-4, torch.bfloat16: 4e-3, torch.float16: 1e-3}[
+                x.dtype
+            ],  # fmt: skip
         )
+
+
+def check_projections(x, wkv, wgate, ape, r, kw):
+    """Each used token's row of `projections` holds its [kv | score + ape] (float32); the other
+    rows keep their bits."""
+    got, want = kw["projections"], BEFORE["projections"].double()
+    packed = x.dim() == 2
+    cu = kw.get("cu_seqlens")
+    for b in range(len(cu) - 1 if packed else x.shape[0]):
+        rows = x[cu[b] : cu[b + 1]] if packed else x[b]
+        used = kw["seqused"][b] if "seqused" in kw else rows.shape[0]
+        start = kw["start_pos"][b] if "start_pos" in kw else 0
+        tok = rows[:used].double()
+        pos = torch.arange(start, start + used)
+        row = torch.cat([tok @ wkv.double().T, tok @ wgate.double().T + ape.double()[pos % r]], 1)
+        if packed:
+            want[cu[b] : cu[b] + used] = row
+        else:
+            want[b, :used] = row
+    scale = max(1.0, want.nan_to_num(0.0).abs().max().item()) if want.numel() else 1.0
+    if not torch.allclose(got.double(), want, atol=1e-4 * scale, rtol=1e-4, equal_nan=True):
+        raise AssertionError("projections written wrong")
 
 
 CASES = {

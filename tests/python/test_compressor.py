@@ -154,6 +154,30 @@ def test_block_zero_is_not_stored():
     assert torch.equal(state[0], before[0]) and not torch.equal(state[2], before[2])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(
+    "cache_mode, table",
+    [(1, []), (1, torch.zeros(0, 3, dtype=torch.int32)), (2, []), (2, torch.zeros(0))],
+)
+def test_a_state_cache_with_no_sequences(cache_mode, table, packed):
+    """No sequences read or write the cache: the call returns no entries and leaves it alone; a
+    state cache without a table is still refused."""
+    wkv, wgate, ape = torch.randn(6, 5), torch.randn(6, 5), torch.randn(4, 6)
+    state = torch.randn(3, 8, 12)
+    before = state.clone()
+    x = torch.randn(0, 5) if packed else torch.randn(0, 7, 5)
+    kw = dict(cu_seqlens=[0]) if packed else {}
+    table = table.long() if isinstance(table, torch.Tensor) else table
+    out = opmesh.compressor(x, wkv, wgate, state, ape, 4, state_block_table=table, start_pos=[],
+                            coff=1, cache_mode=cache_mode, **kw)  # fmt: skip
+    assert out.shape == ((0, 6) if packed else (0, 2, 6)) and torch.equal(state, before)
+    assert_raises_named(
+        ValueError,
+        "state_block_table",
+        lambda: opmesh.compressor(x, wkv, wgate, state, ape, 4, cache_mode=cache_mode, **kw),
+    )
+
+
 def test_state_version_counter_advances():
     case = Case("version", (8,), 4, 1, start=(0,))
     (x, wkv, wgate, state, ape), kwargs = make(case)

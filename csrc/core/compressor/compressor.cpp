@@ -262,7 +262,7 @@ void validate_state(const CompressorParams& p, const std::vector<CompressorSeque
     throw ArgumentError("state_cache",
                         "expected blocks of at least one slot, got " + str(p.block_size));
   }
-  if (p.block_table == nullptr) {
+  if (p.block_table == nullptr && p.batch > 0) {  // no sequences: no row to read
     throw ArgumentError("state_block_table", "required with a state_cache");
   }
   if (p.cache_mode == 2 && p.block_size < p.coff * p.cmp_ratio) {

@@ -57,7 +57,7 @@ struct CompressorParams {
   MutableView state;
   int64_t num_blocks = 0;
   int64_t block_size = 0;
-  const int64_t* block_table = nullptr;  // [batch][table_width]; 0 = no block
+  const int64_t* block_table = nullptr;  // [batch][table_width]; 0 = no block (null: batch 0)
   int64_t table_width = 0;
   // Every token's projected row [kv | score] (float32, 2 coff D values, ape included: the state
   // cache's rows), when has_projections: the forward writes the rows of the tokens it uses, and
