@@ -13,6 +13,7 @@ import random
 import sys
 
 import torch
+import torch.utils._pytree as pytree
 from attention_reference import flash_attn_reference
 from reference import UNBOUNDED, indexer_softmax_lse, lightning_indexer_scores
 from reference import compressor as compressor_reference
@@ -26,6 +27,9 @@ from test_indexer_kl_loss import sequences as kl_sequences
 from test_quantized_cache import FORMATS, dequantize, quantize
 from test_sparse_indexer_kl_loss import reference as sparse_kl_reference
 from test_sparse_indexer_kl_loss import selection as kl_selection
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import opmesh
 
@@ -907,8 +911,11 @@ def check_gradients(call, reference_call, leaves, outputs, tol):
         outs_, ups_ = zip(*pairs, strict=True)
         return torch.autograd.grad(outs_, inputs, ups_, allow_unused=True)
 
-    mine = grads_of(got, [u.reshape(g.shape).to(g.dtype) for u, g in zip(ups, got, strict=True)],
-                    leaves)  # fmt: skip
+    captured = Captured()  # the backward kernels' calls, for their shape functions
+    with captured:
+        upstream = [u.reshape(g.shape).to(g.dtype) for u, g in zip(ups, got, strict=True)]
+        mine = grads_of(got, upstream, leaves)
+    check_fake(captured.calls)
     refs = grads_of([w.masked_fill(~w.isfinite(), 0.0) for w in want], ups, doubles)
     for i, (a, b) in enumerate(zip(mine, refs, strict=True)):
         a = torch.zeros(leaves[i].shape) if a is None else a.double()
@@ -1646,6 +1653,72 @@ CASES = {
     "dense_lightning_indexer_grad_kl_loss": (lambda: kl_case(False), kl_call, check_kl),
     "sparse_lightning_indexer_grad_kl_loss": (lambda: kl_case(True), kl_call, check_kl),
 }
+
+
+class Captured(TorchDispatchMode):
+    """The opmesh operator calls below autograd (the kernels' own), with their results."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "opmesh":
+            self.calls.append((func, args, kwargs, out))
+        return out
+
+
+def concrete(n):
+    """A size as an int: a symbolic one (fake tensors' sizes are symbols) by its value; None for a
+    data-dependent (unbacked) one."""
+    try:
+        return int(n)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def layout_of(t):
+    """Shape, dtype and the strides of the dimensions longer than 1 (the others say nothing)."""
+    shape = tuple(concrete(n) for n in t.shape)
+    if any(n is None for n in shape):
+        return shape, t.dtype, ()
+    strides = tuple(concrete(st) for n, st in zip(shape, t.stride(), strict=True) if n > 1)
+    return shape, t.dtype, strides if math.prod(shape) > 1 else ()
+
+
+def check_fake(calls):
+    """Each kernel call again on fake tensors of the same shapes, dtypes and strides: the shape
+    function torch.compile and export trace with accepts it and gives the results' shapes, dtypes
+    and strides (a data-dependent size aside). A miss here is a graph that fails to trace a call
+    that runs eagerly, or one that lays out its results otherwise than the kernel does."""
+    for func, args, kwargs, out in calls:
+        # Sizes as symbols (what a dynamic graph traces with) or as ints, half the time each.
+        static = rng.random() < 0.5
+        with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+            fargs, fkwargs = pytree.tree_map_only(
+                torch.Tensor,
+                lambda t, m=mode, st=static: m.from_tensor(t, static_shapes=st),
+                (args, kwargs),
+            )
+            try:
+                got = func(*fargs, **fkwargs)
+            except Exception as e:  # noqa: BLE001
+                raise AssertionError(
+                    f"{func}: the shape function refused: {str(e)[:200]}"
+                ) from None
+        want = [layout_of(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        have = [layout_of(t) for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+        match = len(want) == len(have) and all(
+            w[1] == h[1] and all(a == b or b is None for a, b in zip(w[0], h[0], strict=True))
+            and (not h[2] or w[2] == h[2])
+            for w, h in zip(want, have, strict=True)
+        )  # fmt: skip
+        if not match:
+            raise AssertionError(f"{func}: the shape function gives {have}, the kernel {want}")
+
+
 make, call, check = CASES[op_name]
 results = {"ok": 0, "refused": 0, "bad": []}
 only = int(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -1666,8 +1739,10 @@ for i in range(count):
             ],
             kw,
         )
+    captured = Captured()
     try:
-        result = call(args, kw)
+        with captured:
+            result = call(args, kw)
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
         message = str(e)
         name = message.split(":", 1)[0].split(",")[0].strip()
@@ -1685,6 +1760,7 @@ for i in range(count):
         continue
     if check is not None:
         try:
+            check_fake(captured.calls)
             check(args, kw, result)
         except AssertionError as e:
             results["bad"].append(

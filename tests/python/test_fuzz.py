@@ -5,7 +5,9 @@ non-contiguous views; forged plans; quantized caches). Each call must give a cor
 (checked against the float64 references) or raise an exception whose message starts with an
 argument's name, never crash: the cases run in a child process, so a crash fails the test and
 names the case. For the ops whose generators make only valid calls unless they mutate one, a
-refusal of an unmutated call fails too."""
+refusal of an unmutated call fails too. Every kernel call of an accepted case (the backward's
+too, where gradients are checked) runs again on fake tensors, with sizes as symbols or as ints:
+the shape function must accept it and give the kernel's shapes, dtypes and strides."""
 
 from __future__ import annotations
 
