@@ -20,9 +20,11 @@ Every call goes to :func:`opmesh.flash_attn` (and, for the cache append, to
 ``j``) are opmesh's arguments of the same names, with gradients (the slopes themselves get none).
 Features opmesh does not have raise ``NotImplementedError`` naming the argument:
 ``dropout_p > 0``, rotary embedding in the cache call (``rotary_cos`` / ``rotary_sin``) and
-``cache_leftpad``. ``deterministic`` is accepted: opmesh's kernels are deterministic (the same
-bits for any thread count). Gradients flow wherever :func:`opmesh.flash_attn` has a backward (not
-through paged caches).
+``cache_leftpad``. ``deterministic`` is accepted and changes nothing: a call gives the
+same bits every time on the same thread count, forward and backward (across thread counts they
+agree up to rounding, unless :func:`opmesh.flash_attn` runs on a plan made with
+``flash_attn_metadata(..., deterministic=True)``). Gradients flow wherever
+:func:`opmesh.flash_attn` has a backward (not through paged caches).
 """
 
 from __future__ import annotations

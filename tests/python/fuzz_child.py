@@ -289,7 +289,7 @@ def flash_attn_case():
     empty sequences, quantized caches), then, one call in four, one mutation."""
     layout = pick("BSND", "BNSD", "TND", "TND")
     paged = layout != "TND" and rng.random() < 0.25
-    b, s1, s2 = pick(0, 1, 2, 3), size(), size()
+    b, s1, s2 = pick(0, 1, 2, 3), size(), size() if rng.random() < 0.8 else pick(1025, 2100)
     nkv = pick(1, 2, 3)
     nq = nkv * pick(1, 2, 4)
     d, dv = pick(8, 16, 17, 64), pick(8, 16, 24)
@@ -601,7 +601,7 @@ def kv_case():
 
 
 def bits(t):
-    width = {4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
+    width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
     return t.contiguous().view(width)
 
 
@@ -1719,16 +1719,77 @@ def check_fake(calls):
             raise AssertionError(f"{func}: the shape function gives {have}, the kernel {want}")
 
 
+def seed_case(i):
+    # Each case from its own seed, so that CASE i alone is the same call whatever ran before.
+    rng.seed(f"{seed}-{i}")
+    gen.manual_seed(seed * 1_000_003 + i)
+    MUTATED[0] = False
+
+
+def flash_attn_plan(args, kw, workers):
+    """flash_attn_metadata(deterministic=True) for the flash_attn call (args, kw)."""
+    q, k, v = args
+    lq, lkv = kw["layout_q"], kw["layout_kv"]
+    head = 1 if lq == "BNSD" else -2
+    plan = {n: kw[n] for n in PLANNED if n in kw}
+    if lq == "TND":
+        cu_q, cu_k = (torch.as_tensor(kw[n]).tolist() for n in ("cu_seqlens_q", "cu_seqlens_kv"))
+        batch = len(cu_q) - 1
+        longest_q = max([b - a for a, b in zip(cu_q, cu_q[1:], strict=False)] or [0])
+        longest_k = max([b - a for a, b in zip(cu_k, cu_k[1:], strict=False)] or [0])
+    else:
+        batch, longest_q = q.shape[0], q.shape[2 if lq == "BNSD" else 1]
+        if lkv == "PA_BBND":
+            longest_k = kw["block_table"].shape[1] * k.shape[1]
+        else:
+            longest_k = k.shape[2 if lkv == "BNSD" else 1]
+    plan.setdefault("max_seqlen_q", longest_q)
+    plan.setdefault("max_seqlen_kv", longest_k)
+    return opmesh.flash_attn_metadata(
+        q.shape[head], k.shape[1 if lkv == "BNSD" else -2], q.shape[-1], head_dim_v=v.shape[-1],
+        batch_size=batch, num_workers=workers, deterministic=True, **plan,
+    )  # fmt: skip
+
+
+PLANNED = ["cu_seqlens_q", "cu_seqlens_kv", "seqused_q", "seqused_kv", "max_seqlen_q"]
+PLANNED += ["max_seqlen_kv", "mask_mode", "win_left", "win_right", "layout_q", "layout_kv"]
+PLANNED += ["layout_out"]
+
+
+def check_threads(i):
+    """The same call (made again from the case's seed) on 1, 2 and 3 threads gives the same bits:
+    its results and whatever it writes in place. `flash_attn`'s forward is asked for its
+    deterministic mode, the one that promises this (by default a split unit's pieces are merged
+    in an order that follows the worker count); `flash_attn_metadata`'s plans follow the thread
+    count by design."""
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            seed_case(i)
+            args, kw = make()
+            if op_name == "flash_attn":  # a deterministic plan for 1, 2 and 16 workers
+                kw["metadata"] = flash_attn_plan(args, kw, n if n < 3 else 16)
+            out = call(args, kw)
+            kw.pop("metadata", None)  # the plans differ; what they give must not
+            leaves = pytree.tree_leaves((out, args, kw))
+            runs.append([t for t in leaves if isinstance(t, torch.Tensor)])
+    finally:
+        torch.set_num_threads(threads)
+    for n, run in zip((2, 3), runs[1:], strict=True):
+        for j, (a, b) in enumerate(zip(runs[0], run, strict=True)):
+            if a.device.type != "meta" and not torch.equal(bits(a), bits(b)):
+                raise AssertionError(f"tensor {j} differs on {n} threads from 1")
+
+
 make, call, check = CASES[op_name]
 results = {"ok": 0, "refused": 0, "bad": []}
 only = int(sys.argv[4]) if len(sys.argv) > 4 else None
 for i in range(count):
     if only is not None and i != only:
         continue
-    # Each case from its own seed, so that CASE i alone is the same call whatever ran before.
-    rng.seed(f"{seed}-{i}")
-    gen.manual_seed(seed * 1_000_003 + i)
-    MUTATED[0] = False
+    seed_case(i)
     args, kw = make()
     print(f"CASE {i}", flush=True)
     if only is not None:
@@ -1762,6 +1823,8 @@ for i in range(count):
         try:
             check_fake(captured.calls)
             check(args, kw, result)
+            if op_name != "flash_attn_metadata" and not MUTATED[0] and rng.random() < 0.25:
+                check_threads(i)
         except AssertionError as e:
             results["bad"].append(
                 f"case {i}: wrong result: {e}; "

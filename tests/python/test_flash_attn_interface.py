@@ -355,3 +355,48 @@ def test_varlen_paged_with_seqused_k_only():
                            [torch.zeros(0, 2, 32)])  # fmt: skip
         want, _ = reference(q[start:end], keys, values, True)
         assert_close(got[start:end], want, f"sequence {b}")
+
+
+def test_deterministic_and_the_thread_count():
+    """What the docs say of `deterministic`: it changes nothing, and a call gives the same bits
+    every time on one thread count, forward and backward; on a deterministic plan the forward and
+    its gradients are the same bits on any thread count (a window over 65 keys whose units the
+    default plan splits on 2 threads)."""
+    import opmesh
+
+    q, k, v = randn(3, 17, 1, 8, seed=1), randn(3, 65, 1, 8, seed=2), randn(3, 65, 1, 24, seed=3)
+    up = randn(3, 17, 1, 24, seed=4)
+
+    def gradients(call):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = call(*leaves)
+        out.backward(up)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    threads = torch.get_num_threads()
+    planned = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            first = gradients(
+                lambda *t: flash_attn_func(*t, window_size=(-1, 2), deterministic=True)
+            )
+            again = gradients(lambda *t: flash_attn_func(*t, window_size=(-1, 2)))
+            assert same(first, again)
+            plan = opmesh.flash_attn_metadata(
+                1, 1, 8, head_dim_v=24, batch_size=3, max_seqlen_q=17, max_seqlen_kv=65,
+                mask_mode=4, win_left=-1, win_right=2, deterministic=True,
+            )  # fmt: skip
+            planned.append(
+                gradients(
+                    lambda *t, p=plan: opmesh.flash_attn(*t, metadata=p, mask_mode=4, win_right=2)[
+                        0
+                    ]
+                )  # fmt: skip
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert same(planned[0], planned[1]) and same(planned[0], planned[2])
