@@ -172,11 +172,13 @@ SparseAttnArgs check_sparse_attention_args(const Call& c) {
                       k.sym_sizes().slice(0, k.dim() - 2), " like key, got ", v.sym_sizes());
   }
   if (c.attention_mode == 2) {
-    TORCH_CHECK_VALUE(
-        v.is_same(k) || (v.data_ptr() == k.data_ptr() && v.sym_sizes() == k.sym_sizes() &&
-                         v.sym_strides() == k.sym_strides()),
-        "value: attention_mode=2 (MLA absorb) takes key and value as the same "
-        "tensor");
+    // Shape functions see key and value as two tensors without data (Inductor gives each
+    // argument its own fake): there the layouts must agree, and the kernel checks the memory.
+    const bool same_layout = v.sym_sizes() == k.sym_sizes() && v.sym_strides() == k.sym_strides();
+    TORCH_CHECK_VALUE(v.is_same(k) || (same_layout && (k.is_meta() || v.is_meta() ||
+                                                       v.data_ptr() == k.data_ptr())),
+                      "value: attention_mode=2 (MLA absorb) takes key and value as the same "
+                      "tensor");
   }
   if (!a.tnd && !a.paged) {
     TORCH_CHECK_VALUE(holds(k.sym_size(0) == q.sym_size(0)), "key: batch ", k.sym_size(0),

@@ -419,6 +419,31 @@ def test_compile_fullgraph_forward_and_backward_equal_eager(layout, dynamic):
         assert torch.equal(got_dq, want_dq), case.name
 
 
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_mla_absorb_equals_eager(dynamic, training):
+    """Key and value as one tensor (attention_mode=2) under Inductor, whose inference graph hands
+    the shape function the two arguments as two fakes without data: the same bits as eager,
+    gradients included when training."""
+    case = Case("mla", "BSND", "BSND", 1, 20, 20, 8, 1, 24, 24, 6, rope=8)
+    q, k, _, idx, kwargs = make_inputs(case, torch.float32)
+
+    def absorb(q, k, v, idx):  # called with v = k, as a model passes its latent cache twice
+        return opmesh.sparse_flash_attention(q, k, v, idx, SCALE, attention_mode=2, **kwargs)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(absorb, fullgraph=True, dynamic=dynamic)
+    results = []
+    for fn in (absorb, compiled):
+        qq, kv = q.clone().requires_grad_(training), k.clone().requires_grad_(training)
+        out = fn(qq, kv, kv, idx)
+        if training:
+            out.square().sum().backward()
+        results.append((out, qq.grad, kv.grad))
+    for a, b in zip(*results, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_export_with_a_dynamic_sequence_length():
     class Attention(torch.nn.Module):
         def forward(self, q, k, v, idx):
