@@ -48,6 +48,7 @@ SUITES = {
     "dsa": ("dsa_mesh_cases", "dsa_cases", ("cp",), ("2", "3", "4", "2x2", "2x4")),
     "flash_attn": ("flash_attn_mesh_cases", "mesh_cases", ("x",), ("2", "3", "4", "2x2", "2x4")),
     "v4": ("v4_mesh_cases", "v4_cases", ("cp",), ("2", "3", "4", "2x2")),
+    "fuzz": ("fuzz_mesh_cases", "fuzz_cases", ("x",), ("2", "3", "2x2")),
 }
 SHAPES = {"2": (2,), "3": (3,), "4": (4,), "2x2": (2, 2), "2x4": (2, 4)}
 # The shapes `pytest --grid=sample` keeps: an odd size and two axes.

@@ -1,0 +1,106 @@
+"""Seeded random flash_attn calls on a device mesh, run by test_fuzz_mesh.py: random sizes (uneven
+over the mesh), BSND or BNSD, GQA, masks and windows, sinks, softcap, and per mesh axis a random
+role (data, head or context parallel with a random strategy, or replicated), now and then a
+random placement per tensor instead. Each call must give the single-device call's output, lse
+and gradients (flash_attn_mesh_cases._check), or be refused on every rank alike by an exception
+whose message starts with an argument's name: never a wrong answer, a crash or a hang."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from flash_attn_mesh_cases import _check
+
+from opmesh import Replicate, Shard
+
+CASES_PER_MESH = 30
+R = Replicate()
+# What a refusal may name: flash_attn's arguments, and the mesh front's own.
+NAMES = {a.name for a in torch.ops.opmesh.flash_attn.default._schema.arguments}
+NAMES |= {"context_parallel", "metadata", "sinks", "softcap"}
+OUTCOMES = {"ok": 0, "refused": 0}
+
+
+def _config(rng, mesh):
+    """One random call: _check's keyword arguments. The roles and the strategy are drawn to fit
+    each other most of the time (the ring and Ulysses take keys sharded like the queries, the
+    ring masks 0 and 3 with as many keys as queries under 3, the hybrids the sequence over both
+    axes); one axis in ten takes any placements at all."""
+    layout = rng.choice(["BSND", "BNSD"])
+    seq_dim, head_dim = (1, 2) if layout == "BSND" else (2, 1)
+    nkv = rng.choice([1, 2, 3])
+    strategy = rng.choice(["all_gather", "all_gather", "ring", "ulysses"])
+    hybrid = mesh.ndim == 2 and rng.random() < 0.25
+    if hybrid:
+        strategy = ("ulysses", rng.choice(["ring", "all_gather"]))
+    ring = "ring" in strategy
+    kw = dict(
+        b=rng.choice([1, 2, 3, 5]),
+        s1=rng.choice([1, 3, 7, 9, 16]),
+        nkv=nkv,
+        nq=nkv * rng.choice([1, 2, 3]),
+        layout=layout,
+        mask_mode=rng.choice([0, 3, 3] + ([] if ring else [4])),
+        context_parallel=strategy,
+    )
+    kw["s2"] = kw["s1"] if ring and kw["mask_mode"] == 3 else rng.choice([kw["s1"], 5, 12])
+    if kw["mask_mode"] == 4:
+        kw.update(win_left=rng.choice([-1, 0, 2]), win_right=rng.choice([-1, 0, 1]))
+    if rng.random() < 0.2:
+        kw["softcap"] = 3.0
+    per_tensor = [[], [], []]  # q, k, v: a placement per mesh axis
+    heads_split = False
+    for _ in range(mesh.ndim):
+        role = "cp" if hybrid else rng.choice(["dp", "tp", "cp", "cp", "rep"])
+        if rng.random() < 0.1:  # anything at all
+            picks = [rng.choice([R, Shard(0), Shard(1), Shard(2), Shard(3)]) for _ in range(3)]
+        elif role == "dp":
+            picks = [Shard(0)] * 3
+        elif role == "tp":
+            heads_split = True
+            kv = rng.choice([Shard(head_dim), R])
+            picks = [Shard(head_dim), kv, kv]
+        elif role == "cp":
+            kv = Shard(seq_dim) if strategy != "all_gather" else rng.choice([Shard(seq_dim), R])
+            picks = [Shard(seq_dim), kv, kv]
+        else:
+            picks = [R] * 3
+        for placements, p in zip(per_tensor, picks, strict=True):
+            placements.append(p)
+    if rng.random() < 0.25 and not hybrid:
+        kw["sinks"] = [Shard(0) if heads_split and rng.random() < 0.5 else R] * mesh.ndim
+    kw["placements"] = per_tensor + ([kw["sinks"]] if "sinks" in kw else [])
+    return kw
+
+
+def _case(mesh, i):
+    def run():
+        rng = random.Random(f"mesh-{tuple(mesh.shape)}-{i}")
+        kw = _config(rng, mesh)
+        try:
+            _check(mesh, **kw)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            name = str(e).split(":", 1)[0].split(",")[0].strip()
+            if name not in NAMES:
+                raise AssertionError(f"{kw}: the refusal names no argument: {e}") from e
+            OUTCOMES["refused"] += 1
+            return
+        except AssertionError as e:
+            raise AssertionError(f"{kw}: {e}") from e
+        OUTCOMES["ok"] += 1
+
+    return run
+
+
+def fuzz_cases(mesh):
+    cases = {f"flash_attn_{i}": _case(mesh, i) for i in range(CASES_PER_MESH)}
+
+    def both_outcomes():  # the generator reaches both, or it tests nothing
+        assert OUTCOMES["ok"] > 0 and OUTCOMES["refused"] > 0, OUTCOMES
+
+    cases["both_outcomes"] = both_outcomes
+    return cases
+
+
+CASE_NAMES = [f"flash_attn_{i}" for i in range(CASES_PER_MESH)] + ["both_outcomes"]
