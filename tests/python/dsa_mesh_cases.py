@@ -211,10 +211,13 @@ def _seq_dim(layout, name):
 
 
 def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, q_lens=None,
-                   k_lens=None, cached=False, cmp=None, softcap=None):  # fmt: skip
+                   k_lens=None, cached=False, cmp=None, softcap=None,
+                   placements=True):  # fmt: skip
     """The DSA layer on the mesh equals the one-device layer: outputs, statistics, indices,
     losses and gradients (full tensors, in natural order); ``cached``: the whole layer in one
-    ``gather_once()`` block."""
+    ``gather_once()`` block. ``placements``: also check the scheme's placements of the losses
+    and of the fused key gradient (random lengths may put every sequence whole on one shard,
+    where TND takes the data-parallel path)."""
     x = _inputs(layout, b, s1, s2, q_lens, k_lens)
     dense_kw, indexer_kw, attention_kw = _lengths(layout, b, q_lens, k_lens)
     if softcap is not None:
@@ -254,14 +257,18 @@ def dsa_layer_case(mesh, layout, scheme, order=None, mode=3, b=3, s1=13, s2=17, 
     for name, value in got.items():
         assert isinstance(value, DTensor), f"{name}: not a DTensor ({type(value).__name__})"
         full = value.full_tensor()
-        if name.endswith("loss"):
+        if name.endswith("loss") and placements:
             expect = [isinstance(p, Partial) for p in value.placements]
             assert expect == [a in row_axes for a in range(mesh.ndim)], (
                 f"{name}: placements {value.placements}"
             )
         elif name in OUTPUT_SEQ and full.dim() > 1:
             full = to_order(OUTPUT_SEQ[name], full, back=True)
-        if name == "fused_dk" and scheme not in ("dp", "tnd_dp", "tnd_dp_first_axis"):
+        if (
+            name == "fused_dk"
+            and placements
+            and scheme not in ("dp", "tnd_dp", "tnd_dp_first_axis")
+        ):
             assert isinstance(value.placements[-1], Partial), f"{name}: {value.placements}"
         _compare(name, full, want[name])
 

@@ -1,9 +1,11 @@
-"""The child process of test_fuzz.py: ``python fuzz_child.py OP SEED COUNT [CASE]``.
+"""The child process of test_fuzz.py: ``python fuzz_child.py OP SEED COUNT [CASE] [--compiled]``.
 
 Generates COUNT seeded cases for OP, runs each, and prints ``CASE i`` before each call (so a
 crash can be traced to its case) and one ``RESULT {json}`` line at the end: how many calls gave
 a correct result, how many were refused by name, and every case that did neither. With CASE,
-runs that case alone and prints its arguments.
+runs that case alone and prints its arguments. With ``--compiled``, the unmutated cases run
+through ``torch.compile(fullgraph=True)`` (static sizes for even cases, dynamic for odd ones)
+and must give the checked result: a valid call that fails to compile fails.
 """
 
 import dataclasses
@@ -33,7 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opmesh
 
-op_name, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+COMPILED = "--compiled" in sys.argv
+argv = [a for a in sys.argv[1:] if a != "--compiled"]
+op_name, seed, count = argv[0], int(argv[1]), int(argv[2])
 rng = random.Random(seed)
 gen = torch.Generator().manual_seed(seed)
 torch.set_num_threads(rng.choice([1, 2]))
@@ -1785,12 +1789,38 @@ def check_threads(i):
 
 make, call, check = CASES[op_name]
 results = {"ok": 0, "refused": 0, "bad": []}
-only = int(sys.argv[4]) if len(sys.argv) > 4 else None
+only = int(argv[3]) if len(argv) > 3 else None
+
+
+def compiled_call(args, kw, dynamic):
+    """The call through torch.compile: tensors are the graph's inputs, the rest constants."""
+    tensors = {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    constants = {k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)}
+
+    def fn(args, tensors):
+        return call(args, {**constants, **tensors})
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic)(args, tensors)
+
+
 for i in range(count):
     if only is not None and i != only:
         continue
     seed_case(i)
     args, kw = make()
+    if COMPILED:
+        if MUTATED[0]:
+            continue
+        print(f"CASE {i}", flush=True)
+        try:
+            result = compiled_call(args, kw, dynamic=i % 2 == 1)
+            check(args, kw, result)
+        except Exception as e:  # noqa: BLE001
+            results["bad"].append(f"case {i} compiled: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        results["ok"] += 1
+        continue
     print(f"CASE {i}", flush=True)
     if only is not None:
         print(

@@ -1,24 +1,48 @@
-"""Seeded random flash_attn calls on a device mesh, run by test_fuzz_mesh.py: random sizes (uneven
-over the mesh), BSND or BNSD, GQA, masks and windows, sinks, softcap, and per mesh axis a random
-role (data, head or context parallel with a random strategy, or replicated), now and then a
-random placement per tensor instead. Each call must give the single-device call's output, lse
-and gradients (flash_attn_mesh_cases._check), or be refused on every rank alike by an exception
-whose message starts with an argument's name: never a wrong answer, a crash or a hang."""
+"""Seeded random calls on a device mesh, run by test_fuzz_mesh.py.
+
+* flash_attn: random sizes (uneven over the mesh), BSND or BNSD, GQA, masks and windows, sinks,
+  softcap, and per mesh axis a random role (data, head or context parallel with a random
+  strategy, or replicated), now and then a random placement per tensor instead; against the
+  single-device output, lse and gradients (flash_attn_mesh_cases._check).
+* A whole DSA layer (both indexers, both KL losses and their gradients, the selection, sparse
+  attention forward and backward, the fused operator): random BSND sizes or TND lengths (empty
+  sequences too), a random scheme (data parallel, the query sequence sharded with keys
+  replicated or sharded, both axes), head-tail order, masks 0 and 3, compressed keys, softcap,
+  the whole layer in one gather_once block; against the single-device layer
+  (dsa_mesh_cases.dsa_layer_case).
+
+Each call must give the single-device results or be refused on every rank alike by an
+exception whose message starts with an argument's name: never a wrong answer, a crash or a
+hang."""
 
 from __future__ import annotations
 
 import random
 
 import torch
+from dsa_mesh_cases import dsa_layer_case
 from flash_attn_mesh_cases import _check
 
 from opmesh import Replicate, Shard
 
 CASES_PER_MESH = 30
+DSA_CASES_PER_MESH = 12
 R = Replicate()
 # What a refusal may name: flash_attn's arguments, and the mesh front's own.
-NAMES = {a.name for a in torch.ops.opmesh.flash_attn.default._schema.arguments}
-NAMES |= {"context_parallel", "metadata", "sinks", "softcap"}
+NAMES = {
+    a.name
+    for op in (
+        "flash_attn",
+        "dense_lightning_indexer_softmax_lse",
+        "lightning_indexer",
+        "sparse_flash_attention",
+        "dense_lightning_indexer_grad_kl_loss",
+        "sparse_lightning_indexer_grad_kl_loss",
+    )  # fmt: skip
+    for a in getattr(torch.ops.opmesh, op).default._schema.arguments
+}
+NAMES |= {"context_parallel", "metadata", "sinks", "softcap", "order"}
+NAMES |= {"x", "cu_seqlens"}  # to_head_tail's, which puts the inputs in head-tail order
 OUTCOMES = {"ok": 0, "refused": 0}
 
 
@@ -74,12 +98,46 @@ def _config(rng, mesh):
     return kw
 
 
-def _case(mesh, i):
+def _dsa_config(rng, mesh):
+    """dsa_layer_case's keyword arguments for one random layer."""
+    cp = mesh.size(mesh.ndim - 1)
+    schemes = ["dp", "cp_rep", "cp_shard", "cp_shard"] + (["cp_two_axes"] if mesh.ndim == 2 else [])
+    kw = dict(layout=rng.choice(["BSND", "TND"]), scheme=rng.choice(schemes))
+    kw["mode"] = rng.choice([0, 3, 3])
+    if kw["layout"] == "BSND":
+        kw.update(b=rng.choice([1, 2, 3]), s1=rng.choice([1, 4, 7, 4 * cp]))
+        kw["s2"] = rng.choice([kw["s1"], 5, 9, 6 * cp])
+    else:
+        if kw["scheme"] == "dp":
+            kw["scheme"] = "cp_rep"
+        b = rng.choice([1, 2, 3, 4])
+        kw["q_lens"] = [rng.choice([0, 1, 3, 9, 2 * cp]) for _ in range(b)]
+        kw["k_lens"] = [rng.choice([0, 1, 4, 9, 2 * cp]) for _ in range(b)]
+    if rng.random() < 0.25 and kw["scheme"] != "dp":  # sequences in 2 * cp chunks
+        kw["order"] = rng.choice(["opmesh", "hyperparallel"])
+        cp = mesh.size() if kw["scheme"] == "cp_two_axes" else cp
+        if kw["layout"] == "BSND":
+            kw.update(s1=2 * cp * rng.choice([1, 2]), s2=2 * cp * rng.choice([1, 2, 3]))
+        else:
+            kw["q_lens"] = [2 * cp * rng.choice([0, 1, 2]) for _ in kw["q_lens"]]
+            kw["k_lens"] = [2 * cp * rng.choice([0, 1, 2]) for _ in kw["k_lens"]]
+    if rng.random() < 0.2:
+        kw["cmp"] = dict(cmp_ratio=rng.choice([2, 3, 4]))
+    if rng.random() < 0.2:
+        kw["softcap"] = 0.7
+    kw["cached"] = rng.random() < 0.3
+    return kw
+
+
+def _case(mesh, i, dsa=False):
     def run():
-        rng = random.Random(f"mesh-{tuple(mesh.shape)}-{i}")
-        kw = _config(rng, mesh)
+        rng = random.Random(f"{'dsa' if dsa else 'mesh'}-{tuple(mesh.shape)}-{i}")
+        kw = _dsa_config(rng, mesh) if dsa else _config(rng, mesh)
         try:
-            _check(mesh, **kw)
+            if dsa:
+                dsa_layer_case(mesh, placements=False, **kw)
+            else:
+                _check(mesh, **kw)
         except (ValueError, TypeError, NotImplementedError) as e:
             name = str(e).split(":", 1)[0].split(",")[0].strip()
             if name not in NAMES:
@@ -95,6 +153,7 @@ def _case(mesh, i):
 
 def fuzz_cases(mesh):
     cases = {f"flash_attn_{i}": _case(mesh, i) for i in range(CASES_PER_MESH)}
+    cases.update({f"dsa_layer_{i}": _case(mesh, i, dsa=True) for i in range(DSA_CASES_PER_MESH)})
 
     def both_outcomes():  # the generator reaches both, or it tests nothing
         assert OUTCOMES["ok"] > 0 and OUTCOMES["refused"] > 0, OUTCOMES
@@ -103,4 +162,5 @@ def fuzz_cases(mesh):
     return cases
 
 
-CASE_NAMES = [f"flash_attn_{i}" for i in range(CASES_PER_MESH)] + ["both_outcomes"]
+CASE_NAMES = [f"flash_attn_{i}" for i in range(CASES_PER_MESH)]
+CASE_NAMES += [f"dsa_layer_{i}" for i in range(DSA_CASES_PER_MESH)] + ["both_outcomes"]

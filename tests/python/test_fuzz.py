@@ -7,7 +7,9 @@ argument's name, never crash: the cases run in a child process, so a crash fails
 names the case. For the ops whose generators make only valid calls unless they mutate one, a
 refusal of an unmutated call fails too. Every kernel call of an accepted case (the backward's
 too, where gradients are checked) runs again on fake tensors, with sizes as symbols or as ints:
-the shape function must accept it and give the kernel's shapes, dtypes and strides."""
+the shape function must accept it and give the kernel's shapes, dtypes and strides. A quarter of
+the accepted unmutated calls run again on 1, 2 and 3 threads and must give the same bits, and a
+few unmutated calls per op run compiled (fullgraph, static and dynamic sizes)."""
 
 from __future__ import annotations
 
@@ -56,3 +58,26 @@ def test_fuzzed_calls_end_in_a_correct_result_or_a_named_error(op):
     assert not result["bad"], "\n".join(result["bad"][:10])
     # The generator must reach both outcomes, or it tests nothing.
     assert result["ok"] > 0 and result["refused"] > 0, result
+
+
+COMPILED_CASES_PER_OP = 4
+
+
+@pytest.mark.parametrize("op", [op for op in OPS if op != "describe_metadata"])
+def test_fuzzed_valid_calls_compile_to_the_checked_result(op):
+    """The unmutated calls among the first cases, through torch.compile(fullgraph=True) with
+    static and dynamic sizes in turn: each compiles and gives the checked result."""
+    seed = OPS.index(op) + 2000
+    command = [sys.executable, os.path.join(HERE, "fuzz_child.py"), op, str(seed)]
+    done = subprocess.run(
+        command + [str(COMPILED_CASES_PER_OP), "--compiled"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, f"the child died (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    result = json.loads(next(x for x in lines if x.startswith("RESULT"))[len("RESULT ") :])
+    assert not result["bad"], "\n".join(result["bad"][:10])
+    assert result["ok"] > 0, result
