@@ -10,6 +10,9 @@
   replicated or sharded, both axes), head-tail order, masks 0 and 3, compressed keys, softcap,
   the whole layer in one gather_once block; against the single-device layer
   (dsa_mesh_cases.dsa_layer_case).
+* A DeepSeek-V4 attention layer (sparse_flash_mla, SWA, HCA or CSA): random BSND sizes or TND
+  lengths, data parallel or the sequence sharded with keys replicated or sharded, head-tail
+  order; against the single-device output, lse and gradients (v4_mesh_cases.layer_case).
 
 Each call must give the single-device results or be refused on every rank alike by an
 exception whose message starts with an argument's name: never a wrong answer, a crash or a
@@ -22,11 +25,13 @@ import random
 import torch
 from dsa_mesh_cases import dsa_layer_case
 from flash_attn_mesh_cases import _check
+from v4_mesh_cases import layer_case as v4_layer_case
 
 from opmesh import Replicate, Shard
 
 CASES_PER_MESH = 30
 DSA_CASES_PER_MESH = 12
+V4_CASES_PER_MESH = 12
 R = Replicate()
 # What a refusal may name: flash_attn's arguments, and the mesh front's own.
 NAMES = {
@@ -129,15 +134,40 @@ def _dsa_config(rng, mesh):
     return kw
 
 
-def _case(mesh, i, dsa=False):
+def _v4_config(rng, mesh):
+    """v4_mesh_cases.layer_case's arguments for one random layer."""
+    cp = mesh.size(mesh.ndim - 1)
+    kw = dict(layout=rng.choice(["BSND", "TND"]), kind=rng.choice(["swa", "hca", "csa"]))
+    kw["scheme"] = rng.choice(
+        ["cp_rep", "cp_shard", "cp_shard"] + (["dp"] * (kw["layout"] == "BSND"))
+    )
+    if kw["layout"] == "BSND":
+        kw.update(b=rng.choice([1, 2, 3]), s=rng.choice([1, 2, 5, 9, 13]))
+    else:
+        kw["q_lens"] = [rng.choice([0, 1, 4, 9, 17]) for _ in range(rng.choice([1, 2, 3, 4]))]
+    if rng.random() < 0.25 and kw["scheme"] == "cp_shard":  # entries in 2 cp chunks too
+        kw["order"] = rng.choice(["opmesh", "hyperparallel"])
+        if kw["layout"] == "BSND":
+            kw["s"] = 8 * cp * rng.choice([1, 2])
+        else:
+            kw["q_lens"] = [8 * cp * rng.choice([0, 1, 2]) for _ in kw["q_lens"]]
+    return kw
+
+
+KINDS = {
+    "mesh": (_config, _check, {}),
+    "dsa": (_dsa_config, dsa_layer_case, {"placements": False}),
+    "v4": (_v4_config, v4_layer_case, {}),
+}
+
+
+def _case(mesh, i, kind="mesh"):
     def run():
-        rng = random.Random(f"{'dsa' if dsa else 'mesh'}-{tuple(mesh.shape)}-{i}")
-        kw = _dsa_config(rng, mesh) if dsa else _config(rng, mesh)
+        rng = random.Random(f"{kind}-{tuple(mesh.shape)}-{i}")
+        config, check, fixed = KINDS[kind]
+        kw = config(rng, mesh)
         try:
-            if dsa:
-                dsa_layer_case(mesh, placements=False, **kw)
-            else:
-                _check(mesh, **kw)
+            check(mesh, **fixed, **kw)
         except (ValueError, TypeError, NotImplementedError) as e:
             name = str(e).split(":", 1)[0].split(",")[0].strip()
             if name not in NAMES:
@@ -153,7 +183,8 @@ def _case(mesh, i, dsa=False):
 
 def fuzz_cases(mesh):
     cases = {f"flash_attn_{i}": _case(mesh, i) for i in range(CASES_PER_MESH)}
-    cases.update({f"dsa_layer_{i}": _case(mesh, i, dsa=True) for i in range(DSA_CASES_PER_MESH)})
+    cases.update({f"dsa_layer_{i}": _case(mesh, i, "dsa") for i in range(DSA_CASES_PER_MESH)})
+    cases.update({f"v4_layer_{i}": _case(mesh, i, "v4") for i in range(V4_CASES_PER_MESH)})
 
     def both_outcomes():  # the generator reaches both, or it tests nothing
         assert OUTCOMES["ok"] > 0 and OUTCOMES["refused"] > 0, OUTCOMES
@@ -163,4 +194,5 @@ def fuzz_cases(mesh):
 
 
 CASE_NAMES = [f"flash_attn_{i}" for i in range(CASES_PER_MESH)]
-CASE_NAMES += [f"dsa_layer_{i}" for i in range(DSA_CASES_PER_MESH)] + ["both_outcomes"]
+CASE_NAMES += [f"dsa_layer_{i}" for i in range(DSA_CASES_PER_MESH)]
+CASE_NAMES += [f"v4_layer_{i}" for i in range(V4_CASES_PER_MESH)] + ["both_outcomes"]
