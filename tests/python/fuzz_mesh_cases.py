@@ -33,7 +33,7 @@ CASES_PER_MESH = 30
 DSA_CASES_PER_MESH = 12
 V4_CASES_PER_MESH = 12
 R = Replicate()
-# What a refusal may name: flash_attn's arguments, and the mesh front's own.
+# What a refusal may name: the operators' arguments, and the mesh fronts' own.
 NAMES = {
     a.name
     for op in (
@@ -43,6 +43,7 @@ NAMES = {
         "sparse_flash_attention",
         "dense_lightning_indexer_grad_kl_loss",
         "sparse_lightning_indexer_grad_kl_loss",
+        "sparse_flash_mla",
     )  # fmt: skip
     for a in getattr(torch.ops.opmesh, op).default._schema.arguments
 }
