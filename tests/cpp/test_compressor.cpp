@@ -4,6 +4,7 @@
 // that name an argument.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -217,6 +218,14 @@ TEST(Compressor, EmptyCallsNeedNoPointers) {
   p.hidden = 8;
   p.dim = 4;
   compressor(p, ThreadExecutor(2), Isa::kScalar);
+  std::vector<float> state(2 * 4 * 8, 1.0f);  // a state cache, and no sequence to read it
+  p.has_state = true;
+  p.num_blocks = 2;
+  p.block_size = 4;
+  p.state = MutableView{state.data(), 4 * 8, 8, 0, 1};
+  compressor(p, ThreadExecutor(2), Isa::kScalar);
+  EXPECT_EQ(std::count(state.begin(), state.end(), 1.0f), 64);
+  p.has_state = false;
   p.batch = 2;  // two sequences of no tokens
   p.out_rows = 0;
   compressor(p, ThreadExecutor(2), Isa::kScalar);
