@@ -3,7 +3,9 @@
 * flash_attn: random sizes (uneven over the mesh), BSND or BNSD, GQA, masks and windows, sinks,
   softcap, and per mesh axis a random role (data, head or context parallel with a random
   strategy, or replicated), now and then a random placement per tensor instead; against the
-  single-device output, lse and gradients (flash_attn_mesh_cases._check).
+  single-device output, lse and gradients (flash_attn_mesh_cases._check); and TND (varlen,
+  empty sequences, lengths that put whole sequences on every shard now and then) with the
+  tokens or the heads sharded (flash_attn_mesh_cases._check_tnd).
 * A whole DSA layer (both indexers, both KL losses and their gradients, the selection, sparse
   attention forward and backward, the fused operator): random BSND sizes or TND lengths (empty
   sequences too), a random scheme (data parallel, the query sequence sharded with keys
@@ -24,12 +26,13 @@ import random
 
 import torch
 from dsa_mesh_cases import dsa_layer_case
-from flash_attn_mesh_cases import _check
+from flash_attn_mesh_cases import _aligned_lengths, _check, _check_tnd
 from v4_mesh_cases import layer_case as v4_layer_case
 
 from opmesh import Replicate, Shard
 
 CASES_PER_MESH = 30
+TND_CASES_PER_MESH = 16
 DSA_CASES_PER_MESH = 12
 V4_CASES_PER_MESH = 12
 R = Replicate()
@@ -155,7 +158,46 @@ def _v4_config(rng, mesh):
     return kw
 
 
+def _tnd_config(rng, mesh):
+    """_check_tnd's arguments: random lengths (now and then whole sequences on every shard of
+    the first axis), and per axis the tokens (keys replicated or sharded), the heads, or
+    nothing sharded."""
+    nkv = rng.choice([1, 2])
+    kw = dict(nkv=nkv, nq=nkv * rng.choice([1, 2, 3]), mask_mode=rng.choice([0, 3, 3, 4]))
+    if kw["mask_mode"] == 4:
+        kw.update(win_left=rng.choice([-1, 0, 2]), win_right=rng.choice([0, 0, 1]))
+    if rng.random() < 0.3:
+        m = mesh.size(0)
+        kw["q_lens"], kw["k_lens"] = _aligned_lengths(m, rng.choice([1, 5, 9]) * m + 1, 7 * m - 1)
+    else:
+        b = rng.choice([1, 2, 3, 5])
+        kw["q_lens"] = [rng.choice([0, 1, 3, 8, 13]) for _ in range(b)]
+        kw["k_lens"] = [rng.choice([0, 2, 3, 8, 13]) for _ in range(b)]
+    per_tensor = [[], [], []]
+    heads_split = False
+    for _ in range(mesh.ndim):
+        role = rng.choice(["tokens", "tokens", "heads", "rep"])
+        if role == "tokens":
+            kv = rng.choice([Shard(0), R])
+            picks = [Shard(0), kv, kv]
+        elif role == "heads":
+            heads_split = True
+            kv = rng.choice([Shard(1), R])
+            picks = [Shard(1), kv, kv]
+        else:
+            picks = [R] * 3
+        for placements, p in zip(per_tensor, picks, strict=True):
+            placements.append(p)
+    kw["placements"] = per_tensor
+    if rng.random() < 0.25:
+        kw["sinks"] = [Shard(0) if heads_split and rng.random() < 0.5 else R] * mesh.ndim
+    if rng.random() < 0.2:
+        kw["softcap"] = 3.0
+    return kw
+
+
 KINDS = {
+    "tnd": (_tnd_config, _check_tnd, {}),
     "mesh": (_config, _check, {}),
     "dsa": (_dsa_config, dsa_layer_case, {"placements": False}),
     "v4": (_v4_config, v4_layer_case, {}),
@@ -184,6 +226,7 @@ def _case(mesh, i, kind="mesh"):
 
 def fuzz_cases(mesh):
     cases = {f"flash_attn_{i}": _case(mesh, i) for i in range(CASES_PER_MESH)}
+    cases.update({f"flash_attn_tnd_{i}": _case(mesh, i, "tnd") for i in range(TND_CASES_PER_MESH)})
     cases.update({f"dsa_layer_{i}": _case(mesh, i, "dsa") for i in range(DSA_CASES_PER_MESH)})
     cases.update({f"v4_layer_{i}": _case(mesh, i, "v4") for i in range(V4_CASES_PER_MESH)})
 
@@ -195,5 +238,6 @@ def fuzz_cases(mesh):
 
 
 CASE_NAMES = [f"flash_attn_{i}" for i in range(CASES_PER_MESH)]
+CASE_NAMES += [f"flash_attn_tnd_{i}" for i in range(TND_CASES_PER_MESH)]
 CASE_NAMES += [f"dsa_layer_{i}" for i in range(DSA_CASES_PER_MESH)]
 CASE_NAMES += [f"v4_layer_{i}" for i in range(V4_CASES_PER_MESH)] + ["both_outcomes"]

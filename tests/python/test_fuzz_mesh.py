@@ -1,7 +1,7 @@
-"""Seeded random flash_attn calls, DSA layers and DeepSeek-V4 attention layers on meshes (2,),
-(3,) and (2, 2) named ("dp", "cp"): random sizes, layouts, masks, schemes and placements per
-axis; each call gives the single-device results, gradients included, or is refused by an
-argument's name on every rank (fuzz_mesh_cases.py)."""
+"""Seeded random flash_attn calls (BSND, BNSD and TND), DSA layers and DeepSeek-V4 attention
+layers on meshes (2,), (3,) and (2, 2) named ("dp", "cp"): random sizes, layouts, masks, schemes
+and placements per axis; each call gives the single-device results, gradients included, or is
+refused by an argument's name on every rank (fuzz_mesh_cases.py)."""
 
 import pytest
 from fuzz_mesh_cases import CASE_NAMES
